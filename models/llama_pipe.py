@@ -1,0 +1,242 @@
+"""Llama as a list of DeepSpeed pipeline stages, built from Hugging Face's own Llama modules.
+
+Every stage module subclasses the Hugging Face module it wraps, so its ``state_dict()`` keys are the
+Hugging Face keys minus one prefix (``model.layers.3.`` + ``self_attn.q_proj.weight``). Conversion
+between the two layouts is therefore a prefix mapping (see :func:`spec_layout`), and numerical parity
+with ``LlamaForCausalLM`` holds by construction: the same code computes every layer.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import ProcessTopology
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+# Label value that the loss ignores (prompt tokens, padding); the same value Hugging Face uses.
+IGNORE_INDEX = -100
+# Key under which the embedding and a tied LM head share one weight across stages.
+TIED_EMBEDDING_KEY = "embed_tokens"
+
+
+def layer_file_name(spec_index: int) -> str:
+    """Checkpoint file of one spec: DeepSpeed's ``PipelineModule.ckpt_layer_path`` naming.
+
+    DeepSpeed writes ``layer_{index:02d}-model_states.pt`` for the pipe x data topology (it omits the
+    data and pipe axes from the name). The model loader, the converter and the exporter all use this
+    function, so the name is defined once.
+    """
+    return f"layer_{spec_index:02d}-model_states.pt"
+
+
+@dataclass(frozen=True)
+class SpecInfo:
+    """Where one pipeline spec's weights live, in both layouts."""
+
+    index: int  # position in the spec list = DeepSpeed layer index
+    kind: str  # "embed" | "decoder" | "norm" | "head"
+    hf_prefix: str  # Hugging Face state-dict prefix of this module's parameters
+    file_index: int  # spec whose layer file holds the weights (differs only for a tied LM head)
+
+    @property
+    def owns_file(self) -> bool:
+        """True when this spec's weights are stored in its own layer file."""
+        return self.file_index == self.index
+
+
+def spec_layout(config: LlamaConfig) -> list[SpecInfo]:
+    """The spec list as data: index, kind, Hugging Face prefix and layer file of every spec."""
+    n = config.num_hidden_layers
+    tied = bool(config.tie_word_embeddings)
+    layout = [SpecInfo(0, "embed", "model.embed_tokens.", 0)]
+    layout += [SpecInfo(1 + i, "decoder", f"model.layers.{i}.", 1 + i) for i in range(n)]
+    layout.append(SpecInfo(n + 1, "norm", "model.norm.", n + 1))
+    # A tied head has no weights of its own: DeepSpeed saves the shared module once, with the
+    # embedding (spec 0), and broadcasts it to the last stage.
+    layout.append(SpecInfo(n + 2, "head", "model.embed_tokens." if tied else "lm_head.", 0 if tied else n + 2))
+    return layout
+
+
+def prepare_config(config: LlamaConfig) -> LlamaConfig:
+    """A copy of ``config`` with the settings every stage needs: SDPA attention, no KV cache."""
+    config = copy.deepcopy(config)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    return config
+
+
+class EmbeddingPipe(nn.Embedding):
+    """Spec 0: token embedding (``model.embed_tokens``)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__(config.vocab_size, config.hidden_size, config.pad_token_id)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, position_ids = inputs  # [B,S] int64, [B,S] int64
+        return super().forward(input_ids), position_ids  # hidden [B,S,H]
+
+
+def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """Last spec when embeddings are tied: logits from the shared embedding matrix."""
+    return F.linear(hidden, embedding.weight)  # [B,S,H] x [V,H]^T -> [B,S,V]
+
+
+class DecoderLayerPipe(LlamaDecoderLayer):
+    """Specs 1..L: one Hugging Face decoder layer (``model.layers.{i}``).
+
+    transformers 5 computes rotary embeddings once per model and passes ``position_embeddings`` to each
+    layer. Between pipeline stages only the integer ``position_ids`` travel (a float cos/sin pair would
+    get a gradient from DeepSpeed), so each layer owns a ``LlamaRotaryEmbedding`` and computes cos/sin
+    from ``position_ids``: the same function of the same input, whatever ``rope_parameters`` say.
+    Its buffers are non-persistent, so the state dict stays that of ``LlamaDecoderLayer``.
+    """
+
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, position_ids = inputs  # [B,S,H], [B,S] int64
+        cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B,S,head_dim]
+        # attention_mask=None: SDPA runs its causal kernel (is_causal=True), as LlamaModel does without padding.
+        hidden = super().forward(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=cos_sin)
+        return hidden, position_ids
+
+
+class NormPipe(LlamaRMSNorm):
+    """Spec L+1: final RMSNorm (``model.norm``); drops the positions, which no later spec needs."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        hidden, _position_ids = inputs
+        return super().forward(hidden)  # [B,S,H]
+
+
+class LMHeadPipe(nn.Linear):
+    """Spec L+2 (untied): output projection (``lm_head``)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden)  # [B,S,H] -> [B,S,V]
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, mean over the labels that are not ``IGNORE_INDEX``.
+
+    Same definition as Hugging Face's ``ForCausalLMLoss``: position t predicts label t+1; computed in
+    fp32 whatever the training precision.
+    """
+    shift_logits = logits[:, :-1, :].float()  # [B,S-1,V]
+    shift_labels = labels[:, 1:]  # [B,S-1]
+    return F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
+# Stage contract: what each spec receives and returns (B micro-batch, S sequence, H hidden, V vocab).
+# Only the hidden states are floating point: DeepSpeed gives every float tensor sent between stages a
+# gradient and expects it back, so positions travel as int64 and no float mask is ever sent.
+#
+#   spec 0        EmbeddingPipe     (input_ids [B,S] int64, position_ids [B,S] int64) -> (hidden [B,S,H], position_ids)
+#   spec 1..L     DecoderLayerPipe  (hidden [B,S,H], position_ids [B,S] int64)        -> (hidden [B,S,H], position_ids)
+#   spec L+1      NormPipe          (hidden [B,S,H], position_ids [B,S] int64)        -> hidden [B,S,H]
+#   spec L+2      LMHeadPipe        hidden [B,S,H]                                    -> logits [B,S,V]
+#                 (tied embeddings: the spec-0 embedding module with tied_lm_head_forward)
+#   loss          causal_lm_loss    (logits [B,S,V], labels [B,S] int64)              -> scalar
+#
+# The first stage's data iterator yields ((input_ids, position_ids), labels); the last stage reads labels.
+def build_specs(config: LlamaConfig) -> list[LayerSpec]:
+    """The ``LayerSpec`` list of a Llama model, in the order of :func:`spec_layout`."""
+    config = prepare_config(config)
+    specs: list[LayerSpec] = []
+    for info in spec_layout(config):
+        if info.kind == "embed":
+            if config.tie_word_embeddings:
+                specs.append(TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, tied_weight_attr=["weight"]))
+            else:
+                specs.append(LayerSpec(EmbeddingPipe, config))
+        elif info.kind == "decoder":
+            specs.append(LayerSpec(DecoderLayerPipe, config, info.index - 1))
+        elif info.kind == "norm":
+            specs.append(LayerSpec(NormPipe, config))
+        elif config.tie_word_embeddings:
+            specs.append(
+                TiedLayerSpec(
+                    TIED_EMBEDDING_KEY,
+                    EmbeddingPipe,
+                    config,
+                    forward_fn=tied_lm_head_forward,
+                    tied_weight_attr=["weight"],
+                )
+            )
+        else:
+            specs.append(LayerSpec(LMHeadPipe, config))
+    return specs
+
+
+def expected_state_shapes(spec: LayerSpec) -> dict[str, torch.Size]:
+    """State-dict keys and shapes of one spec's module, built on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        module = spec.build()
+    return {key: tensor.shape for key, tensor in module.state_dict().items()}
+
+
+class LlamaPipelineModule(PipelineModule):
+    """``PipelineModule`` whose parameter count for partitioning builds layers on the meta device.
+
+    DeepSpeed's ``partition_method="parameters"`` builds every layer of the model on every rank (one at
+    a time, randomly initialised) just to count its parameters: minutes for a 70B model. Counting
+    on the meta device gives the same numbers without allocating or initialising anything.
+    """
+
+    def _count_layer_params(self) -> list[int]:
+        counts = []
+        for spec in self._layer_specs:
+            with torch.device("meta"):
+                module = spec.build()
+            counts.append(sum(p.numel() for p in module.parameters() if p.requires_grad))
+        return counts
+
+
+def build_pipeline_model(
+    config: LlamaConfig, topology: ProcessTopology, partition_method: str = "parameters"
+) -> LlamaPipelineModule:
+    """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
+
+    Must be called after ``deepspeed.init_distributed()``, with a topology whose axes are pipe and
+    data (``PipeDataParallelTopology``).
+    """
+    return LlamaPipelineModule(
+        layers=build_specs(config),
+        topology=topology,
+        loss_fn=causal_lm_loss,
+        partition_method=partition_method,
+        activation_checkpoint_interval=0,
+    )
+
+
+def build_sequential(config: LlamaConfig) -> list[nn.Module | partial]:
+    """All specs built in one process and chained like ``PipelineModule.forward`` (tests, debugging).
+
+    Tied specs share one module, as on a single pipeline stage.
+    """
+    tied: dict[str, nn.Module] = {}
+    funcs: list[nn.Module | partial] = []
+    for spec in build_specs(config):
+        if isinstance(spec, TiedLayerSpec):
+            module = tied.setdefault(spec.key, spec.build())
+            funcs.append(module if spec.forward_fn is None else partial(spec.forward_fn, module))
+        else:
+            funcs.append(spec.build())
+    return funcs

@@ -1,0 +1,94 @@
+"""A tiny random Llama with a real tokenizer, built offline: the debug model of the demo and tests.
+
+The tokenizer is a sentencepiece BPE model trained on the documentation text that Python ships
+(``pydoc_data.topics``), so nothing is downloaded. Same code path as a real Llama checkpoint:
+``config.json`` + safetensors + ``tokenizer.model`` written by ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+# Llama's special-token ids: <unk>=0, <s>=1, </s>=2; the tiny model has no padding token.
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    """A Llama config small enough to train in seconds on one CPU core (GQA: 4 query, 2 KV heads)."""
+    args = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=False,
+    )
+    args.update(overrides)
+    return LlamaConfig(**args)
+
+
+def corpus_documents() -> list[str]:
+    """The offline corpus: one document per topic of Python's bundled documentation (~80 documents)."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics)]
+
+
+def train_tokenizer(out_dir: str, vocab_size: int) -> None:
+    """Train a sentencepiece BPE tokenizer on the corpus and save it as a Llama tokenizer in ``out_dir``."""
+    import sentencepiece as spm
+    from transformers import LlamaTokenizer
+
+    lines = [line for doc in corpus_documents() for line in doc.splitlines() if line.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = os.path.join(tmp, "tokenizer")
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_prefix=prefix,
+            vocab_size=vocab_size,
+            model_type="bpe",
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_id=-1,
+            byte_fallback=True,  # any byte stays encodable with a small vocabulary
+            character_coverage=1.0,
+            num_threads=1,
+            minloglevel=2,
+        )
+        os.makedirs(out_dir, exist_ok=True)
+        shutil.copy(prefix + ".model", os.path.join(out_dir, "tokenizer.model"))
+    LlamaTokenizer.from_pretrained(out_dir).save_pretrained(out_dir)
+
+
+def save_random_model(config: LlamaConfig, out_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Random weights (Hugging Face's own init, seeded) saved with ``save_pretrained``."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(out_dir)
+
+
+def write_token_samples(path: str, tokenizer_dir: str, seq_len: int, num_samples: int | None = None) -> int:
+    """Tokenize the corpus (<s> doc </s>, concatenated) into JSONL samples of exactly ``seq_len`` ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    stream: list[int] = []
+    for doc in corpus_documents():
+        stream += [BOS_ID, *tok(doc, add_special_tokens=False)["input_ids"], EOS_ID]
+    total = len(stream) // seq_len if num_samples is None else min(num_samples, len(stream) // seq_len)
+    with open(path, "w") as f:
+        for i in range(total):
+            f.write(json.dumps({"input_ids": stream[i * seq_len : (i + 1) * seq_len]}) + "\n")
+    return total

@@ -1,0 +1,220 @@
+"""The one typed training config, and the cross-field checks run before any process group starts.
+
+Hydra merges ``conf/config.yaml`` and command-line overrides onto these dataclasses (unknown keys
+and wrong types are refused by Hydra itself). :func:`validate` then checks the rules that involve
+several fields, the world size, the DeepSpeed JSON or files on disk, and reports every problem at
+once, each with the numbers involved and the knob to change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DS_CONFIG_DIR = os.path.join(REPO_ROOT, "ds_configs")
+
+SCHEDULERS = ("constant",)
+DATA_FORMATS = ("tokens",)
+PRECISIONS = ("fp32", "bf16", "fp16")
+PARTITION_METHODS = ("parameters", "uniform", "type:DecoderLayerPipe")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 3e-4  # peak learning rate
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.0  # decoupled weight decay; never applied to norm weights (1-D tensors)
+    max_grad_norm: float = 1.0  # clip the global gradient L2 norm to this; 0 = no clipping
+    scheduler: str = "constant"  # learning-rate schedule after warm-up: constant
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
+
+
+@dataclass
+class DataConfig:
+    """Training data. ``tokens``: JSONL lines ``{"input_ids": [...]}``, labels = input_ids."""
+
+    train_file: str = ""  # path of the training data file
+    format: str = "tokens"  # data format: tokens
+    max_seq_length: int = 512  # tokens per sample; longer samples are truncated, shorter ones padded
+    shuffle: bool = True  # reshuffle the samples each epoch (seeded with `seed`)
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``train.py`` needs; ``python train.py --cfg job`` prints it resolved."""
+
+    model_name_or_path: str = ""  # pipeline checkpoint made by convert2ckpt.py (or saved by train.py)
+    output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl and the resolved config go here
+    num_stages: int = 1  # pipeline stages; data-parallel degree = world size / num_stages
+    partition_method: str = "parameters"  # how specs are split into stages: parameters | uniform | type:DecoderLayerPipe
+    ds_config: str = "zero1"  # DeepSpeed JSON: a name in ds_configs/ (without .json) or a path
+    precision: str = "bf16"  # fp32 | bf16 | fp16 (fp16 needs a device that supports it)
+    micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step per data-parallel rank
+    max_steps: int = 100  # optimizer steps to train
+    seed: int = 42  # seeds weight init, data order and dropout
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def register_configs() -> None:
+    """Make the dataclass schema available to ``conf/config.yaml`` as ``train_schema``."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+class ConfigError(ValueError):
+    """One or more invalid settings; the message lists all of them."""
+
+
+def resolve_ds_config_path(name: str) -> str | None:
+    """``ds_config`` -> existing JSON path, or None. A bare name is looked up in ``ds_configs/``."""
+    candidates = [name] if name.endswith(".json") or os.sep in name else []
+    candidates.append(os.path.join(DS_CONFIG_DIR, f"{name}.json"))
+    return next((c for c in candidates if os.path.isfile(c)), None)
+
+
+def available_ds_configs() -> list[str]:
+    return sorted(f[: -len(".json")] for f in os.listdir(DS_CONFIG_DIR) if f.endswith(".json"))
+
+
+@dataclass
+class Resolved:
+    """A validated config with what was read to validate it (read once, used by train.py)."""
+
+    cfg: TrainConfig
+    world_size: int
+    dp: int  # data-parallel degree = world_size / num_stages
+    ds_json: dict  # the DeepSpeed JSON as written by the user (batch keys not yet filled)
+    model_config: object  # transformers.LlamaConfig of model_name_or_path
+    warnings: list[str]
+
+
+def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
+    """Check every cross-field rule; raise :class:`ConfigError` listing all problems together."""
+    from transformers import LlamaConfig  # heavy import, only once the config parsed
+
+    problems, warnings = [], []
+    model_config = None
+    if not cfg.model_name_or_path:
+        problems.append("model_name_or_path is not set: set it to a directory made by convert2ckpt.py")
+    elif not os.path.isfile(os.path.join(cfg.model_name_or_path, "config.json")):
+        problems.append(f"model_name_or_path {cfg.model_name_or_path}: no config.json there")
+    else:
+        model_config = LlamaConfig.from_pretrained(cfg.model_name_or_path)
+    ds_json, ds_problem = load_ds_json(cfg.ds_config)
+    if ds_problem:
+        problems.append(ds_problem)
+
+    k = cfg.num_stages
+    if k < 1:
+        problems.append(f"num_stages {k} < 1: set num_stages to 1 or more")
+    elif world_size % k:
+        problems.append(
+            f"world size {world_size} is not divisible by num_stages {k}: "
+            f"launch a multiple of {k} ranks or set num_stages to a divisor of {world_size}"
+        )
+    if model_config is not None and k > model_config.num_hidden_layers:
+        problems.append(
+            f"num_stages {k} > {model_config.num_hidden_layers} decoder layers: every stage needs at least one; "
+            f"set num_stages <= {model_config.num_hidden_layers}"
+        )
+    if cfg.partition_method not in PARTITION_METHODS:
+        problems.append(f"partition_method {cfg.partition_method!r} unknown: choose one of {list(PARTITION_METHODS)}")
+    for name, minimum in (("micro_batch_size", 1), ("gradient_accumulation_steps", 1), ("max_steps", 0)):
+        if getattr(cfg, name) < minimum:
+            problems.append(f"{name} {getattr(cfg, name)} is out of range: set {name} >= {minimum}")
+    if cfg.precision not in PRECISIONS:
+        problems.append(f"precision {cfg.precision!r} unknown: choose one of {list(PRECISIONS)}")
+    elif cfg.precision == "fp16" and not _fp16_supported():
+        problems.append("precision fp16 is not supported on this device: set precision=bf16 or precision=fp32")
+    if cfg.optim.scheduler not in SCHEDULERS:
+        problems.append(f"optim.scheduler {cfg.optim.scheduler!r} unknown: choose one of {list(SCHEDULERS)}")
+    if len(cfg.optim.betas) != 2:
+        problems.append(f"optim.betas {list(cfg.optim.betas)} must hold two numbers, e.g. optim.betas=[0.9,0.95]")
+    if cfg.optim.max_grad_norm < 0:
+        problems.append(f"optim.max_grad_norm {cfg.optim.max_grad_norm} < 0: set it >= 0 (0 = no clipping)")
+    if cfg.data.format not in DATA_FORMATS:
+        problems.append(f"data.format {cfg.data.format!r} unknown: choose one of {list(DATA_FORMATS)}")
+    if not cfg.data.train_file:
+        problems.append("data.train_file is not set: set data.train_file=PATH")
+    elif not os.path.isfile(cfg.data.train_file):
+        problems.append(f"data.train_file {cfg.data.train_file} does not exist")
+    if cfg.data.max_seq_length < 2:
+        problems.append(f"data.max_seq_length {cfg.data.max_seq_length} < 2: a next-token loss needs 2 tokens or more")
+
+    dp = world_size // k if k >= 1 and world_size % k == 0 else 0
+    if dp:
+        micro_batches = cfg.gradient_accumulation_steps
+        if k > 1 and micro_batches < k:
+            warnings.append(
+                f"gradient_accumulation_steps {micro_batches} < num_stages {k}: the pipeline bubble dominates "
+                f"(ideal efficiency {micro_batches}/{micro_batches + k - 1}); raise gradient_accumulation_steps"
+            )
+        if ds_json is not None:
+            problems += ds_json_conflicts(cfg, ds_json, dp)
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    return Resolved(cfg, world_size, dp, ds_json, model_config, warnings)
+
+
+def _fp16_supported() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().is_fp16_supported()
+
+
+def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, dp: int) -> list[str]:
+    """Values in the DeepSpeed JSON that contradict the Hydra config (which is the source of truth)."""
+    problems = []
+    train_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp
+    owned = {
+        "train_micro_batch_size_per_gpu": (cfg.micro_batch_size, "micro_batch_size"),
+        "gradient_accumulation_steps": (cfg.gradient_accumulation_steps, "gradient_accumulation_steps"),
+        "gradient_clipping": (cfg.optim.max_grad_norm, "optim.max_grad_norm"),
+    }
+    for key, (value, knob) in owned.items():
+        if key in ds_json and ds_json[key] != value:
+            problems.append(f"ds_config sets {key}={ds_json[key]} but {knob}={value}: remove {key} from the JSON or set {knob}")
+    if "train_batch_size" in ds_json and ds_json["train_batch_size"] != train_batch:
+        b = ds_json["train_batch_size"]
+        fix = ""
+        per_step = cfg.micro_batch_size * dp
+        if b % per_step == 0:
+            fix = f": set gradient_accumulation_steps={b // per_step}"
+        problems.append(
+            f"train_batch {b} != micro {cfg.micro_batch_size} x grad_acc {cfg.gradient_accumulation_steps} x dp {dp} "
+            f"(={train_batch}){fix}"
+        )
+    for section in ("optimizer", "scheduler"):
+        if section in ds_json:
+            problems.append(f"ds_config has an '{section}' section: remove it, optim.* configures it")
+    for key in ("bf16", "fp16"):
+        enabled = ds_json.get(key, {}).get("enabled", False)
+        if enabled and cfg.precision != key:
+            problems.append(f"ds_config enables {key} but precision={cfg.precision}: remove '{key}' from the JSON or set precision={key}")
+    stage = ds_json.get("zero_optimization", {}).get("stage", 0)
+    if stage >= 2 and cfg.num_stages > 1:
+        problems.append(
+            f"ZeRO stage {stage} with num_stages={cfg.num_stages}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only "
+            f"('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'); set num_stages=1 or ds_config=zero1"
+        )
+    return problems
+
+
+def load_ds_json(name: str) -> tuple[dict | None, str | None]:
+    """(parsed JSON, None) or (None, problem line) for the ``ds_config`` setting."""
+    path = resolve_ds_config_path(name)
+    if path is None:
+        return None, f"ds_config {name!r} not found: choose one of {available_ds_configs()} or give a path to a JSON file"
+    try:
+        with open(path) as f:
+            return json.load(f), None
+    except json.JSONDecodeError as e:
+        return None, f"ds_config {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"

@@ -1,0 +1,71 @@
+"""DeepSpeed JSON filling, AdamW parameter groups and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from training.config import Resolved, TrainConfig
+
+# DeepSpeed prints its own step line every steps_per_print steps; train.py logs its own line instead.
+DS_STEPS_PER_PRINT = 2**31 - 1
+
+
+def fill_ds_config(resolved: Resolved) -> dict:
+    """The user's DeepSpeed JSON with every key the Hydra config owns filled in from it.
+
+    Batch sizes, clipping, precision and the optimizer come from Hydra, never from the JSON
+    (validation already refused JSON values that contradict it).
+    """
+    cfg = resolved.cfg
+    ds = copy.deepcopy(resolved.ds_json)
+    ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
+    ds["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
+    ds["train_batch_size"] = cfg.micro_batch_size * cfg.gradient_accumulation_steps * resolved.dp
+    # Written even when 0: DeepSpeed 0.19.8 clips at 1.0 when the key is absent.
+    ds["gradient_clipping"] = cfg.optim.max_grad_norm
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": cfg.precision == "bf16"}
+    ds["fp16"] = {**ds.get("fp16", {}), "enabled": cfg.precision == "fp16"}
+    offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    ds["optimizer"] = {
+        "type": "AdamW",
+        "params": {
+            "lr": cfg.optim.lr,
+            "betas": list(cfg.optim.betas),
+            "eps": cfg.optim.eps,
+            "weight_decay": cfg.optim.weight_decay,
+            # torch.optim.AdamW: no JIT-compiled fused_adam op to build; with optimizer offload
+            # DeepSpeed's CPU Adam is the one that works, so leave the choice to DeepSpeed.
+            "torch_adam": not offload,
+        },
+    }
+    ds.setdefault("steps_per_print", DS_STEPS_PER_PRINT)
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on matrices (projections, embeddings), none on 1-D tensors (RMSNorm weights)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Multiplier of optim.lr after ``step`` optimizer steps: linear warm-up, then the schedule."""
+    warmup = cfg.optim.warmup_steps
+
+    def factor(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        return 1.0  # constant
+
+    return factor
+
+
+def build_lr_scheduler(cfg: TrainConfig):
+    """A callable DeepSpeed accepts as ``lr_scheduler``: it gets the optimizer DeepSpeed built."""
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
