@@ -151,9 +151,10 @@ def train_loop(resolved: Resolved, engine, data_iter, tokens_per_step: int) -> N
     cfg = resolved.cfg
     logger = StepLogger(cfg.output_dir, cfg.max_steps, tokens_per_step, active=dist.get_rank() == 0)
     for step in range(1, cfg.max_steps + 1):
+        lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside train_batch
         loss = engine.train_batch(data_iter=data_iter)  # mean over the global batch, on every rank
         grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
-        logger.log(step, loss.item(), engine.get_lr()[0], None if grad_norm is None else float(grad_norm))
+        logger.log(step, loss.item(), lr, None if grad_norm is None else float(grad_norm))
     logger.close()
 
 

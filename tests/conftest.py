@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random Llamas on disk, a token file, and a DeepSpeed launcher for CPU ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from models.tiny import save_random_model, tiny_config, train_tokenizer  # noqa: E402
+
+# Multi-rank CPU runs: one thread per rank (2 threads x 4 ranks on 2 cores ran 15-20x slower).
+RANK_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+LAUNCH_TIMEOUT_S = 600  # a hung collective fails the test instead of the whole CI run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_deepspeed(num_ranks: int, script: str, args: list[str], log_path: str) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus N script args`` (N CPU ranks) from the repo root; output saved to ``log_path``."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [launcher, "--num_gpus", str(num_ranks), "--master_port", str(free_port()), script, *args]
+    env = {**os.environ, **RANK_ENV}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    with open(log_path, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    return proc
+
+
+def read_metrics(output_dir: str) -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def write_random_tokens(path: str, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    samples = torch.randint(3, vocab_size, (num_samples, seq_len), generator=g).tolist()
+    with open(path, "w") as f:
+        for ids in samples:
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+    return samples
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tokenizer"))
+    train_tokenizer(path, vocab_size=512)
+    return path
+
+
+def make_hf_dir(root, tokenizer_dir: str, name: str, dtype=torch.float32, **overrides) -> str:
+    """A Hugging Face model directory with a tiny random Llama and the shared tokenizer."""
+    path = os.path.join(str(root), name)
+    save_random_model(tiny_config(**overrides), path, seed=0, dtype=dtype)
+    for f in os.listdir(tokenizer_dir):
+        if f.startswith("tokenizer"):
+            with open(os.path.join(tokenizer_dir, f), "rb") as src, open(os.path.join(path, f), "wb") as dst:
+                dst.write(src.read())
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory, tokenizer_dir) -> str:
+    """Untied 4-layer GQA model, fp32."""
+    return make_hf_dir(tmp_path_factory.mktemp("hf"), tokenizer_dir, "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_hf(tmp_path_factory, tokenizer_dir) -> str:
+    """Tied embeddings (Llama 3.2 style), 4 layers, fp32."""
+    return make_hf_dir(tmp_path_factory.mktemp("hf"), tokenizer_dir, "tiny-tied", tie_word_embeddings=True)

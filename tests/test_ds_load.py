@@ -1,0 +1,30 @@
+"""A converted directory loads through DeepSpeed's own load_checkpoint and through the per-stage
+loader, for 1, 2 and 4 stages, with every weight equal to the Hugging Face original (4 CPU ranks)."""
+
+from __future__ import annotations
+
+import json
+
+from convert2ckpt import hf_to_stages
+from tests.conftest import run_deepspeed
+
+
+def test_converted_checkpoint_loads_for_1_2_4_stages(tmp_path, tiny_hf, tiny_tied_hf):
+    args = [str(tmp_path / "result.json")]
+    for name, hf_dir in (("untied", tiny_hf), ("tied", tiny_tied_hf)):
+        hf_to_stages(hf_dir, str(tmp_path / name))
+        args += [str(tmp_path / name), hf_dir]
+    proc = run_deepspeed(4, "tests/ds_scripts/check_load.py", args, str(tmp_path / "log.txt"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+    ranks = [json.loads((tmp_path / f"result.json.{r}").read_text()) for r in range(4)]
+    for ckpt in (str(tmp_path / "untied"), str(tmp_path / "tied")):
+        for num_stages in ("1", "2", "4"):
+            covered = set()
+            for rank in ranks:
+                r = rank[ckpt][num_stages]
+                assert r["deepspeed"] and r["ours"], r
+                assert all(r["deepspeed"].values()), (ckpt, num_stages, r)
+                assert all(r["ours"].values()), (ckpt, num_stages, r)
+                covered |= set(r["specs"])
+            assert covered == set(range(4 + 3)), (ckpt, num_stages)  # embed + 4 layers + norm + head

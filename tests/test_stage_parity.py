@@ -1,0 +1,110 @@
+"""Stage modules chained in one process compute what LlamaForCausalLM computes (fp32).
+
+No engine: the specs are built and chained like PipelineModule.forward, with the weights copied
+through the same prefix mapping the converter uses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from models.llama_pipe import IGNORE_INDEX, build_sequential, causal_lm_loss, spec_layout
+from models.tiny import tiny_config
+
+TOL = 1e-5  # max abs difference allowed on logits, loss and every gradient
+
+CONFIGS = {
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+    "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
+    "mqa": dict(num_attention_heads=4, num_key_value_heads=1),
+    "tied": dict(tie_word_embeddings=True),
+    "rope_llama3": dict(
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+    ),
+    "rope_linear": dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "rope_dynamic": dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=32),
+    "odd_layers": dict(num_hidden_layers=5),
+}
+
+
+def module_of(func):
+    """The nn.Module behind a built spec (a tied head is a partial over the embedding)."""
+    return func if isinstance(func, torch.nn.Module) else func.args[0]
+
+
+def copy_hf_weights(funcs, config, hf_state):
+    for info in spec_layout(config):
+        if info.owns_file:
+            module = module_of(funcs[info.index])
+            module.load_state_dict({k: hf_state[info.hf_prefix + k] for k in module.state_dict()}, strict=True)
+
+
+def run_chain(funcs, input_ids, position_ids):
+    x = (input_ids, position_ids)
+    for f in funcs:
+        x = f(x)
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_chained_stages_match_hf(name):
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=300, hidden_size=64, intermediate_size=96, **CONFIGS[name])
+    hf = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    funcs = build_sequential(config)
+    copy_hf_weights(funcs, config, hf.state_dict())
+
+    batch, seq = 3, 40  # seq 40 > 32: the dynamic rope really rescales
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq))
+    labels = input_ids.clone()
+    labels[0, 30:] = IGNORE_INDEX  # padding: ignored by both losses
+    labels[2, :5] = IGNORE_INDEX  # a masked prompt
+    position_ids = torch.arange(seq).repeat(batch, 1)  # [B,S]
+    position_ids[1, 25:] = torch.arange(seq - 25)  # restart mid-row (a packed second document)
+
+    ref = hf(input_ids=input_ids, position_ids=position_ids, labels=labels)
+    logits = run_chain(funcs, input_ids, position_ids)
+    loss = causal_lm_loss(logits, labels)
+    assert logits.shape == ref.logits.shape
+    assert (logits - ref.logits).abs().max().item() < TOL
+    assert abs(loss.item() - ref.loss.item()) < TOL
+
+    ref.loss.backward()
+    loss.backward()
+    checked = 0
+    for info in spec_layout(config):
+        if not info.owns_file:
+            continue
+        for key, param in module_of(funcs[info.index]).named_parameters():
+            ref_grad = hf.get_parameter(info.hf_prefix + key).grad
+            assert (param.grad - ref_grad).abs().max().item() < TOL, f"{info.hf_prefix + key}"
+            checked += 1
+    assert checked == len(list(hf.parameters()))  # every HF parameter has a stage twin (tied counted once)
+
+
+def test_loss_ignores_masked_labels_and_averages_the_rest():
+    logits = torch.randn(2, 5, 7)
+    labels = torch.tensor([[1, 2, 3, IGNORE_INDEX, IGNORE_INDEX], [4, 5, 6, 0, 1]])
+    manual = torch.nn.functional.cross_entropy(
+        torch.cat([logits[0, :2], logits[1, :4]]), torch.tensor([2, 3, 5, 6, 0, 1]), reduction="mean"
+    )
+    assert torch.allclose(causal_lm_loss(logits, labels), manual)
+
+
+def test_spec_layout_prefixes_and_files():
+    untied = spec_layout(tiny_config(num_hidden_layers=3))
+    assert [i.kind for i in untied] == ["embed", "decoder", "decoder", "decoder", "norm", "head"]
+    assert [i.hf_prefix for i in untied] == [
+        "model.embed_tokens.", "model.layers.0.", "model.layers.1.", "model.layers.2.", "model.norm.", "lm_head."
+    ]
+    assert all(i.owns_file for i in untied)
+    tied = spec_layout(tiny_config(num_hidden_layers=3, tie_word_embeddings=True))
+    assert tied[-1].file_index == 0 and not tied[-1].owns_file  # the head reads the embedding's file

@@ -1,0 +1,146 @@
+"""deepspeed train.py, pipe 2 x data 2 on 4 CPU ranks, trains exactly what Hugging Face would.
+
+Five fp32 steps on fixed data (shuffle off) are compared with a single-process reference loop
+(LlamaForCausalLM + torch.optim.AdamW + clip_grad_norm_) on the same global batches, and with a
+1-rank num_stages=1 run. The trained checkpoint is exported to Hugging Face and compared weight by
+weight with the DeepSpeed layer files and with the reference model.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from convert2ckpt import hf_to_stages
+from models.checkpoint import load_layer_file, read_tag
+from models.llama_pipe import layer_file_name, spec_layout
+from tests.conftest import REPO, read_metrics, run_deepspeed, write_random_tokens
+from tests.test_convert import hf_tensors
+from training.config import OptimConfig, TrainConfig
+from training.optim import lr_lambda, param_groups
+
+REL_TOL = 1e-4  # the issue's bound on the relative loss difference, fp32
+STEPS, SEQ, MICRO, NUM_SAMPLES = 5, 32, 2, 64
+OPTIM = dict(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, warmup_steps=2)
+
+
+def train_args(ckpt: str, data: str, out: str, **overrides) -> list[str]:
+    args = {
+        "model_name_or_path": ckpt,
+        "output_dir": out,
+        "data.train_file": data,
+        "data.max_seq_length": SEQ,
+        "data.shuffle": "false",
+        "micro_batch_size": MICRO,
+        "max_steps": STEPS,
+        "precision": "fp32",
+        **{f"optim.{k}": v for k, v in OPTIM.items()},
+        **overrides,
+    }
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+def reference_run(hf_dir: str, samples: list[list[int]], global_batch: int):
+    """Plain Hugging Face loop: mean of per-micro-batch losses, AdamW, clipping, warm-up schedule."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    cfg = TrainConfig(optim=OptimConfig(**OPTIM))
+    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    losses, lrs = [], []
+    for step in range(STEPS):
+        batch = torch.tensor(samples[step * global_batch : (step + 1) * global_batch])
+        micro_losses = [model(input_ids=mb, labels=mb).loss for mb in batch.split(MICRO)]
+        loss = torch.stack(micro_losses).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, lrs, model
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_hf):
+    root = tmp_path_factory.mktemp("train")
+    ckpt, data = str(root / "ckpt"), str(root / "train.jsonl")
+    hf_to_stages(tiny_hf, ckpt)
+    samples = write_random_tokens(data, NUM_SAMPLES, SEQ, vocab_size=512)
+    pipe = run_deepspeed(
+        4, "train.py", train_args(ckpt, data, str(root / "pipe"), num_stages=2, gradient_accumulation_steps=2, ds_config="zero1"),
+        str(root / "pipe.log"),
+    )
+    assert pipe.returncode == 0, (pipe.stdout + pipe.stderr)[-4000:]
+    single = run_deepspeed(
+        1, "train.py", train_args(ckpt, data, str(root / "single"), num_stages=1, gradient_accumulation_steps=4, ds_config="zero0"),
+        str(root / "single.log"),
+    )
+    assert single.returncode == 0, (single.stdout + single.stderr)[-4000:]
+    ref_losses, ref_lrs, ref_model = reference_run(tiny_hf, samples, global_batch=MICRO * 4)
+    return dict(root=root, pipe=pipe, ref_losses=ref_losses, ref_lrs=ref_lrs, ref_model=ref_model, hf=tiny_hf)
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def test_pipe_x_data_losses_equal_reference_and_single_rank(runs):
+    pipe = read_metrics(str(runs["root"] / "pipe"))
+    single = read_metrics(str(runs["root"] / "single"))
+    assert [m["step"] for m in pipe] == list(range(1, STEPS + 1))
+    for p, s, ref, lr in zip(pipe, single, runs["ref_losses"], runs["ref_lrs"]):
+        assert rel(p["loss"], ref) < REL_TOL, (p["step"], p["loss"], ref)
+        assert rel(s["loss"], ref) < REL_TOL, (s["step"], s["loss"], ref)
+        assert rel(p["loss"], s["loss"]) < REL_TOL
+        assert p["lr"] == pytest.approx(lr, rel=1e-12)
+    print(
+        "max relative loss difference: pipe2xdata2 vs reference "
+        f"{max(rel(p['loss'], r) for p, r in zip(pipe, runs['ref_losses'])):.2e}, 1-rank vs reference "
+        f"{max(rel(s['loss'], r) for s, r in zip(single, runs['ref_losses'])):.2e}"
+    )
+    # The comparison is over a run that changes the model: the first steps moved the weights by
+    # about lr x steps, far above the tolerance of the export check below.
+    initial = LlamaForCausalLM.from_pretrained(runs["hf"], dtype=torch.float32).state_dict()
+    moved = max((runs["ref_model"].state_dict()[k] - v).abs().max().item() for k, v in initial.items())
+    assert moved > 1e-3, moved
+
+
+def test_progress_is_announced_and_logged_once_per_step(runs):
+    out = runs["pipe"].stdout
+    assert "world 4 = pipe 2 x data 2" in out and "256 tokens/step" in out
+    for rank in range(4):
+        assert f"rank {rank}: stage {rank // 2} specs" in out
+    assert sum(line.startswith("step ") for line in out.splitlines()) == STEPS  # one rank logs
+
+
+def test_hf_export_holds_exactly_the_trained_weights(runs):
+    out, hf_out = str(runs["root"] / "pipe"), str(runs["root"] / "exported")
+    proc = subprocess.run(
+        [sys.executable, "convert2ckpt.py", "--to-hf", "--input", out, "--output", hf_out],
+        cwd=REPO, capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    exported = hf_tensors(hf_out)
+    config = LlamaForCausalLM.config_class.from_pretrained(hf_out)
+    tag = read_tag(out)
+    assert tag == f"global_step{STEPS}"
+    for info in spec_layout(config):
+        if info.owns_file:
+            for key, tensor in load_layer_file(os.path.join(out, tag, layer_file_name(info.index))).items():
+                assert torch.equal(exported[info.hf_prefix + key], tensor), info.hf_prefix + key
+
+    model = LlamaForCausalLM.from_pretrained(hf_out, dtype=torch.float32)
+    ref_state = runs["ref_model"].state_dict()
+    worst = max((model.state_dict()[k] - ref_state[k]).abs().max().item() for k in ref_state)
+    print(f"max abs weight difference, exported pipe2xdata2 model vs reference loop: {worst:.2e}")
+    # Same training as the reference loop up to fp32 reduction order. Adam turns that noise into weight
+    # differences only where a gradient is near eps (update sensitivity ~ lr / 4 eps): measured 7e-6,
+    # bounded at 5% of one step's lr, still 100x below how far the weights moved (> 1e-3, checked above).
+    assert worst < 0.05 * OPTIM["lr"], worst
