@@ -184,7 +184,10 @@ def main(dict_cfg: DictConfig) -> None:
         engine = build_engine(resolved, model)
         tokens_per_step = announce(resolved, load_reports, len(dataset))
         train_loop(resolved, engine, data_iter, tokens_per_step)
-        save_checkpoint(resolved, engine)
+        if resolved.cfg.max_steps > 0:
+            save_checkpoint(resolved, engine)
+        else:
+            log0("max_steps=0: weights and data loaded, nothing trained, no checkpoint written")
         dist.barrier()
     except StartupError as e:
         fail(str(e))

@@ -193,12 +193,22 @@ def expected_state_shapes(spec: LayerSpec) -> dict[str, torch.Size]:
 
 
 class LlamaPipelineModule(PipelineModule):
-    """``PipelineModule`` whose parameter count for partitioning builds layers on the meta device.
+    """``PipelineModule`` with two fixes for DeepSpeed 0.19.8.
 
-    DeepSpeed's ``partition_method="parameters"`` builds every layer of the model on every rank (one at
-    a time, randomly initialised) just to count its parameters: minutes for a 70B model. Counting
-    on the meta device gives the same numbers without allocating or initialising anything.
+    1. Partitioning by parameters: DeepSpeed builds every layer of the model on every rank (one at a
+       time, randomly initialised) just to count its parameters, minutes for a 70B model. Counting
+       on the meta device gives the same numbers without allocating or initialising anything.
+    2. Gradient clipping without ZeRO (fp32, ZeRO-0): DeepSpeed's ``clip_grad_norm_`` sums gradient
+       norms over the pipeline but counts a parameter only on stage 0 or when it is flagged
+       ``model_parallel``, so every other stage was missing from the global norm and each step was
+       clipped by stage 0's norm alone. Flagging every parameter of a stage (except the replicated
+       copy of a tied weight, which must count once) makes the norm global, as ZeRO-1 computes it.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for p in self.parameters():
+            p.model_parallel = not p.ds_pipe_replicated
 
     def _count_layer_params(self) -> list[int]:
         counts = []

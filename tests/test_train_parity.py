@@ -1,8 +1,8 @@
 """deepspeed train.py, pipe 2 x data 2 on 4 CPU ranks, trains exactly what Hugging Face would.
 
 Five fp32 steps on fixed data (shuffle off) are compared with a single-process reference loop
-(LlamaForCausalLM + torch.optim.AdamW + clip_grad_norm_) on the same global batches, and with a
-1-rank num_stages=1 run. The trained checkpoint is exported to Hugging Face and compared weight by
+(LlamaForCausalLM + torch.optim.AdamW + clip_grad_norm_) on the same global batches, with a
+1-rank num_stages=1 run, and with pipe 4 x data 1 (two middle stages on placeholder data). The trained checkpoint is exported to Hugging Face and compared weight by
 weight with the DeepSpeed layer files and with the reference model.
 """
 
@@ -24,7 +24,9 @@ from tests.test_convert import hf_tensors
 from training.config import OptimConfig, TrainConfig
 from training.optim import lr_lambda, param_groups
 
-REL_TOL = 1e-4  # the issue's bound on the relative loss difference, fp32
+# Relative loss difference allowed, fp32. The issue asks for < 1e-4; all layouts measure ~8e-8, and a
+# real bug (DeepSpeed clipping by stage 0's gradient norm only) showed as 9e-6, which 1e-4 would miss.
+REL_TOL = 1e-6
 STEPS, SEQ, MICRO, NUM_SAMPLES = 5, 32, 2, 64
 OPTIM = dict(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, warmup_steps=2)
 
@@ -68,23 +70,29 @@ def reference_run(hf_dir: str, samples: list[list[int]], global_batch: int):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_hf):
+def runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
     root = tmp_path_factory.mktemp("train")
-    ckpt, data = str(root / "ckpt"), str(root / "train.jsonl")
-    hf_to_stages(tiny_hf, ckpt)
+    data = str(root / "train.jsonl")
     samples = write_random_tokens(data, NUM_SAMPLES, SEQ, vocab_size=512)
-    pipe = run_deepspeed(
-        4, "train.py", train_args(ckpt, data, str(root / "pipe"), num_stages=2, gradient_accumulation_steps=2, ds_config="zero1"),
-        str(root / "pipe.log"),
-    )
-    assert pipe.returncode == 0, (pipe.stdout + pipe.stderr)[-4000:]
-    single = run_deepspeed(
-        1, "train.py", train_args(ckpt, data, str(root / "single"), num_stages=1, gradient_accumulation_steps=4, ds_config="zero0"),
-        str(root / "single.log"),
-    )
-    assert single.returncode == 0, (single.stdout + single.stderr)[-4000:]
+    for name, hf_dir in (("ckpt", tiny_hf), ("ckpt_tied", tiny_tied_hf)):
+        hf_to_stages(hf_dir, str(root / name))
+
+    def launch(name: str, ranks: int, ckpt: str, **overrides):
+        proc = run_deepspeed(ranks, "train.py", train_args(str(root / ckpt), data, str(root / name), **overrides), str(root / f"{name}.log"))
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        return proc
+
+    # Same global batch of 8 everywhere: micro 2 x grad_acc x dp.
+    pipe = launch("pipe", 4, "ckpt", num_stages=2, gradient_accumulation_steps=2, ds_config="zero1")
+    launch("single", 1, "ckpt", num_stages=1, gradient_accumulation_steps=4, ds_config="zero0")
+    # Four stages on four ranks: stages 1 and 2 are middle stages with placeholder data.
+    launch("deep", 4, "ckpt", num_stages=4, gradient_accumulation_steps=4, ds_config="zero0")
+    # Tied embeddings: the shared weight lives on the first and the last stage.
+    launch("tied", 4, "ckpt_tied", num_stages=2, gradient_accumulation_steps=2, ds_config="zero0")
     ref_losses, ref_lrs, ref_model = reference_run(tiny_hf, samples, global_batch=MICRO * 4)
-    return dict(root=root, pipe=pipe, ref_losses=ref_losses, ref_lrs=ref_lrs, ref_model=ref_model, hf=tiny_hf)
+    tied_losses, _, _ = reference_run(tiny_tied_hf, samples, global_batch=MICRO * 4)
+    return dict(root=root, pipe=pipe, ref_losses=ref_losses, ref_lrs=ref_lrs, ref_model=ref_model, hf=tiny_hf,
+                tied_losses=tied_losses)
 
 
 def rel(a: float, b: float) -> float:
@@ -94,17 +102,24 @@ def rel(a: float, b: float) -> float:
 def test_pipe_x_data_losses_equal_reference_and_single_rank(runs):
     pipe = read_metrics(str(runs["root"] / "pipe"))
     single = read_metrics(str(runs["root"] / "single"))
-    assert [m["step"] for m in pipe] == list(range(1, STEPS + 1))
-    for p, s, ref, lr in zip(pipe, single, runs["ref_losses"], runs["ref_lrs"]):
+    deep = read_metrics(str(runs["root"] / "deep"))
+    assert [m["step"] for m in pipe] == [m["step"] for m in deep] == list(range(1, STEPS + 1))
+    for p, s, d, ref, lr in zip(pipe, single, deep, runs["ref_losses"], runs["ref_lrs"]):
         assert rel(p["loss"], ref) < REL_TOL, (p["step"], p["loss"], ref)
         assert rel(s["loss"], ref) < REL_TOL, (s["step"], s["loss"], ref)
+        assert rel(d["loss"], ref) < REL_TOL, (d["step"], d["loss"], ref)
         assert rel(p["loss"], s["loss"]) < REL_TOL
         assert p["lr"] == pytest.approx(lr, rel=1e-12)
     print(
         "max relative loss difference: pipe2xdata2 vs reference "
         f"{max(rel(p['loss'], r) for p, r in zip(pipe, runs['ref_losses'])):.2e}, 1-rank vs reference "
-        f"{max(rel(s['loss'], r) for s, r in zip(single, runs['ref_losses'])):.2e}"
+        f"{max(rel(s['loss'], r) for s, r in zip(single, runs['ref_losses'])):.2e}, pipe4 vs reference "
+        f"{max(rel(d['loss'], r) for d, r in zip(deep, runs['ref_losses'])):.2e}"
     )
+    tied = read_metrics(str(runs["root"] / "tied"))
+    tied_diff = max(rel(t["loss"], r) for t, r in zip(tied, runs["tied_losses"]))
+    print(f"max relative loss difference, tied embeddings pipe2xdata2 vs reference: {tied_diff:.2e}")
+    assert len(tied) == STEPS and tied_diff < REL_TOL
     # The comparison is over a run that changes the model: the first steps moved the weights by
     # about lr x steps, far above the tolerance of the export check below.
     initial = LlamaForCausalLM.from_pretrained(runs["hf"], dtype=torch.float32).state_dict()
