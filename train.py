@@ -70,16 +70,19 @@ def build_model(resolved: Resolved, topology: PipeDataParallelTopology):
     return build_pipeline_model(resolved.model_config, topology, resolved.cfg.partition_method)
 
 
-def load_weights(model, resolved: Resolved) -> list[dict]:
+def load_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list[dict]:
     """Read this stage's layer files only; returns every rank's load report, for the announcement."""
 
     def load() -> dict:
         start = time.time()
         report = load_stage_weights(model, resolved.model_config, resolved.cfg.model_name_or_path)
+        params = [p for _, m in local_modules(model) for p in m.parameters()]
         return {
             "stage": model.stage_id,
             "specs": list(range(model._local_start, model._local_stop)),
-            "params": sum(p.numel() for _, m in local_modules(model) for p in m.parameters()),
+            "params": sum(p.numel() for p in params),
+            "param_mib": sum(p.numel() * p.element_size() for p in params) / 2**20,
+            "rss_before_model_mib": rss_before_model_mib,
             "load_mib": report.bytes_read / 2**20,
             "load_s": time.time() - start,
             "peak_rss_mib": report.peak_rss_mb,
@@ -141,7 +144,8 @@ def announce(resolved: Resolved, load_reports: list[dict], num_samples: int) -> 
         log0(
             f"rank {rank}: stage {info['stage']} specs {info['specs'][0]}..{info['specs'][-1]} "
             f"({len(info['specs'])} specs, {info['params'] / 1e6:.2f} M params) | loaded {info['load_mib']:.1f} MiB "
-            f"in {info['load_s']:.2f} s | peak RSS at load {info['peak_rss_mib']:.0f} MiB"
+            f"in {info['load_s']:.2f} s | peak RSS at load {info['peak_rss_mib']:.0f} MiB "
+            f"(before building the stage {info['rss_before_model_mib']:.0f} MiB, stage parameters {info['param_mib']:.0f} MiB)"
         )
     return tokens_per_step
 
@@ -178,8 +182,9 @@ def main(dict_cfg: DictConfig) -> None:
     try:
         if dist.get_rank() == 0:
             os.makedirs(resolved.cfg.output_dir, exist_ok=True)
+        rss_before_model = peak_rss_mb()
         model = build_model(resolved, topology)
-        load_reports = load_weights(model, resolved)
+        load_reports = load_weights(model, resolved, rss_before_model)
         dataset, data_iter = build_data(resolved, topology)
         engine = build_engine(resolved, model)
         tokens_per_step = announce(resolved, load_reports, len(dataset))
