@@ -84,7 +84,11 @@ class HFTensorSource:
                     self.key_to_file[key] = path
         elif bin_files:
             for path in bin_files:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                try:
+                    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # legacy (non-zip) torch.save format cannot be memory-mapped
+                    log(f"{path}: legacy format, reading the whole file into memory")
+                    state = torch.load(path, map_location="cpu", weights_only=True)
                 self._handles[path] = state
                 for key in state:
                     self.key_to_file[key] = path
@@ -185,9 +189,10 @@ def hf_to_stages(input_dir: str, output: str, dtype: torch.dtype | None = None, 
         with atomic_output(output, overwrite) as tmp:
             tag_dir = os.path.join(tmp, CONVERTED_TAG)
             os.makedirs(tag_dir)
+            layout = spec_layout(config)
             start, total_bytes = time.time(), 0
             for n, (index, shapes) in enumerate(expected.items(), 1):
-                prefix = spec_layout(config)[index].hf_prefix
+                prefix = layout[index].hf_prefix
                 state = {}
                 for hf_key in shapes:
                     t = source.get(hf_key)

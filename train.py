@@ -180,8 +180,7 @@ def main(dict_cfg: DictConfig) -> None:
         fail(str(e))
     topology = init_topology(resolved)
     try:
-        if dist.get_rank() == 0:
-            os.makedirs(resolved.cfg.output_dir, exist_ok=True)
+        on_all_ranks("creating output_dir", lambda: os.makedirs(resolved.cfg.output_dir, exist_ok=True))
         rss_before_model = peak_rss_mb()
         model = build_model(resolved, topology)
         load_reports = load_weights(model, resolved, rss_before_model)

@@ -71,13 +71,14 @@ def test_sharded_safetensors_and_bin_inputs(tmp_path, tokenizer_dir):
     assert len([n for n in os.listdir(tmp_path / "back_sharded") if n.endswith(".safetensors")]) > 1
     assert_bit_identical(reference, hf_tensors(str(tmp_path / "back_sharded")))
 
-    legacy = tmp_path / "legacy"
-    legacy.mkdir()
-    torch.save(reference, legacy / "pytorch_model.bin")
-    (legacy / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
-    hf_to_stages(str(legacy), str(tmp_path / "ckpt_bin"))
-    stages_to_hf(str(tmp_path / "ckpt_bin"), str(tmp_path / "back_bin"))
-    assert_bit_identical(reference, hf_tensors(str(tmp_path / "back_bin")))
+    for name, zipfile in (("bin", True), ("legacy_bin", False)):  # legacy: the pre-1.6 torch.save format
+        d = tmp_path / name
+        d.mkdir()
+        torch.save(reference, d / "pytorch_model.bin", _use_new_zipfile_serialization=zipfile)
+        (d / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+        hf_to_stages(str(d), str(tmp_path / f"ckpt_{name}"))
+        stages_to_hf(str(tmp_path / f"ckpt_{name}"), str(tmp_path / f"back_{name}"))
+        assert_bit_identical(reference, hf_tensors(str(tmp_path / f"back_{name}")))
 
 
 def test_dtype_cast_updates_config(tmp_path, tiny_hf):
