@@ -59,7 +59,7 @@ class TrainConfig:
     micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step per data-parallel rank
     max_steps: int = 100  # optimizer steps to train
-    seed: int = 42  # seeds weight init, data order and dropout
+    seed: int = 42  # seeds the data order (and any random initialisation)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
