@@ -24,10 +24,11 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from data.tokens import PlaceholderDataset, TokensDataset, batch_iterator  # noqa: E402
+from data.guard import OrderMismatchError  # noqa: E402
 from models.checkpoint import copy_side_files, load_stage_weights, local_modules, peak_rss_mb  # noqa: E402
 from models.llama_pipe import build_pipeline_model  # noqa: E402
 from training.config import ConfigError, Resolved, TrainConfig, register_configs, resolve  # noqa: E402
+from training.data_setup import RankData, prepare_rank_data  # noqa: E402
 from training.distributed import StartupError, on_all_ranks  # noqa: E402
 from training.metrics import StepLogger  # noqa: E402
 from training.optim import build_lr_scheduler, fill_ds_config, param_groups  # noqa: E402
@@ -91,32 +92,17 @@ def load_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
     return on_all_ranks("loading stage weights", load)
 
 
-def build_data(resolved: Resolved, topology: PipeDataParallelTopology):
-    """(dataset, micro-batch iterator) for this rank; the data-parallel coordinate picks the shard.
-
-    Only the first and last stage read the file. Middle stages get a placeholder of the same length
-    (taken from rank 0, always a first stage) and no iterator: DeepSpeed never asks them for data.
-    """
-    cfg = resolved.cfg
-    coord = topology.get_coord(dist.get_rank())
-    reads_data = coord.pipe in (0, cfg.num_stages - 1)
-
-    local: dict = {}
-
-    def read() -> int | None:  # only the length travels between ranks
-        if not reads_data:
-            return None
-        mc = resolved.model_config
-        pad_id = mc.pad_token_id if mc.pad_token_id is not None else 0
-        dataset = TokensDataset(cfg.data.train_file, cfg.data.max_seq_length, pad_id, mc.vocab_size)
-        local["iter"] = batch_iterator(dataset, cfg.micro_batch_size, coord.data, resolved.dp, cfg.data.shuffle, cfg.seed)
-        local["dataset"] = dataset
-        return len(dataset)
-
-    lengths = on_all_ranks("reading training data", read)
-    if not reads_data:
-        return PlaceholderDataset(lengths[0]), None
-    return local["dataset"], local["iter"]
+def build_data(resolved: Resolved, topology: PipeDataParallelTopology) -> tuple[RankData, list[dict]]:
+    """This rank's data (who tokenizes, who reads, placeholders: training/data_setup.py) and every
+    rank's data report, for the announcement."""
+    data = prepare_rank_data(resolved.cfg, resolved.model_config, topology.get_coord(dist.get_rank()), resolved.dp)
+    reports = on_all_ranks("reporting data", lambda: {
+        "role": data.role,
+        "train": len(data.train),
+        "eval": len(data.eval) if data.eval is not None else 0,
+        "peak_rss_mib": peak_rss_mb(),
+    })
+    return data, reports
 
 
 def build_engine(resolved: Resolved, model):
@@ -130,15 +116,15 @@ def build_engine(resolved: Resolved, model):
     return engine
 
 
-def announce(resolved: Resolved, load_reports: list[dict], num_samples: int) -> int:
-    """Print, from rank 0, what was built: per rank its stage, specs, parameters and load cost."""
+def announce(resolved: Resolved, load_reports: list[dict], data_reports: list[dict]) -> int:
+    """Print, from rank 0, what was built: per rank its stage, specs, parameters, load cost and data."""
     cfg = resolved.cfg
     tokens_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * resolved.dp * cfg.data.max_seq_length
     log0(
         f"world {resolved.world_size} = pipe {cfg.num_stages} x data {resolved.dp} | "
         f"global batch {cfg.micro_batch_size * cfg.gradient_accumulation_steps * resolved.dp} samples = "
         f"micro {cfg.micro_batch_size} x grad_acc {cfg.gradient_accumulation_steps} x dp {resolved.dp} | "
-        f"{tokens_per_step} tokens/step | {num_samples} training samples"
+        f"{tokens_per_step} tokens/step | {data_reports[0]['train']} training samples, {data_reports[0]['eval']} eval samples"
     )
     for rank, info in enumerate(load_reports):
         log0(
@@ -147,16 +133,26 @@ def announce(resolved: Resolved, load_reports: list[dict], num_samples: int) -> 
             f"in {info['load_s']:.2f} s | peak RSS at load {info['peak_rss_mib']:.0f} MiB "
             f"(before building the stage {info['rss_before_model_mib']:.0f} MiB, stage parameters {info['param_mib']:.0f} MiB)"
         )
+    for rank, info in enumerate(data_reports):
+        log0(f"rank {rank}: data {info['role']} | peak RSS after data {info['peak_rss_mib']:.0f} MiB")
     return tokens_per_step
 
 
-def train_loop(resolved: Resolved, engine, data_iter, tokens_per_step: int) -> None:
-    """``max_steps`` optimizer steps; one line and one metrics.jsonl record per step from rank 0."""
+def train_loop(resolved: Resolved, engine, data: RankData, tokens_per_step: int) -> None:
+    """``max_steps`` optimizer steps; one line and one metrics.jsonl record per step from rank 0.
+
+    After each of the first ``data.order_check_steps`` steps, the order guard checks that first and
+    last stage loaded the same micro-batches (a collective on every rank).
+    """
     cfg = resolved.cfg
     logger = StepLogger(cfg.output_dir, cfg.max_steps, tokens_per_step, active=dist.get_rank() == 0)
     for step in range(1, cfg.max_steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside train_batch
-        loss = engine.train_batch(data_iter=data_iter)  # mean over the global batch, on every rank
+        loss = engine.train_batch(data_iter=data.iterator)  # mean over the global batch, on every rank
+        data.guard.after_step(step)
+        if data.guard.enabled and step == min(cfg.max_steps, data.guard.check_steps):
+            log0(f"data order check passed: first and last stage of every pipeline loaded the same "
+                 f"{data.guard.compared} micro-batches in steps 1..{step}")
         grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
         logger.log(step, loss.item(), lr, None if grad_norm is None else float(grad_norm))
     logger.close()
@@ -172,7 +168,8 @@ def save_checkpoint(resolved: Resolved, engine) -> None:
     log0(f"saved checkpoint global_step{engine.global_steps} in {cfg.output_dir} (peak RSS {peak_rss_mb():.0f} MiB)")
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+# An absolute path: Hydra resolves a relative one against the calling module, which breaks imports of train.
+@hydra.main(version_base="1.3", config_path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"), config_name="config")
 def main(dict_cfg: DictConfig) -> None:
     try:
         resolved = resolve_config(dict_cfg)
@@ -184,16 +181,16 @@ def main(dict_cfg: DictConfig) -> None:
         rss_before_model = peak_rss_mb()
         model = build_model(resolved, topology)
         load_reports = load_weights(model, resolved, rss_before_model)
-        dataset, data_iter = build_data(resolved, topology)
+        data, data_reports = build_data(resolved, topology)
         engine = build_engine(resolved, model)
-        tokens_per_step = announce(resolved, load_reports, len(dataset))
-        train_loop(resolved, engine, data_iter, tokens_per_step)
+        tokens_per_step = announce(resolved, load_reports, data_reports)
+        train_loop(resolved, engine, data, tokens_per_step)
         if resolved.cfg.max_steps > 0:
             save_checkpoint(resolved, engine)
         else:
             log0("max_steps=0: weights and data loaded, nothing trained, no checkpoint written")
         dist.barrier()
-    except StartupError as e:
+    except (StartupError, OrderMismatchError) as e:  # raised on every rank alike
         fail(str(e))
     finally:
         # Every rank leaves the process group before exiting (DeepSpeed on CPU can abort at exit otherwise).

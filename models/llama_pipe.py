@@ -18,6 +18,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import ProcessTopology
 from torch import nn
 from transformers import LlamaConfig
+from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 # Label value that the loss ignores (prompt tokens, padding); the same value Hugging Face uses.
@@ -91,11 +92,16 @@ def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torc
 class DecoderLayerPipe(LlamaDecoderLayer):
     """Specs 1..L: one Hugging Face decoder layer (``model.layers.{i}``).
 
-    transformers 5 computes rotary embeddings once per model and passes ``position_embeddings`` to each
-    layer. Between pipeline stages only the integer ``position_ids`` travel (a float cos/sin pair would
-    get a gradient from DeepSpeed), so each layer owns a ``LlamaRotaryEmbedding`` and computes cos/sin
-    from ``position_ids``: the same function of the same input, whatever ``rope_parameters`` say.
-    Its buffers are non-persistent, so the state dict stays that of ``LlamaDecoderLayer``.
+    transformers 5 computes rotary embeddings and the attention mask once per model and passes them to
+    each layer. Between pipeline stages only the integer ``position_ids`` travel (a float cos/sin pair
+    would get a gradient from DeepSpeed; a mask would be O(S^2)), so each layer derives both from
+    ``position_ids`` with the functions ``LlamaModel`` uses:
+
+    - cos/sin from its own ``LlamaRotaryEmbedding``, whatever ``rope_parameters`` say (its buffers are
+      non-persistent, so the state dict stays that of ``LlamaDecoderLayer``);
+    - the mask from ``create_causal_mask``: None (SDPA's causal kernel) when positions count up from 0
+      in every row, and a per-document causal mask when they restart (packed documents), so attention
+      never crosses a document boundary.
     """
 
     def __init__(self, config: LlamaConfig, layer_idx: int):
@@ -105,8 +111,14 @@ class DecoderLayerPipe(LlamaDecoderLayer):
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, position_ids = inputs  # [B,S,H], [B,S] int64
         cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B,S,head_dim]
-        # attention_mask=None: SDPA runs its causal kernel (is_causal=True), as LlamaModel does without padding.
-        hidden = super().forward(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=cos_sin)
+        mask = create_causal_mask(  # None, or bool [B,1,S,S] for packed documents
+            config=self.self_attn.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        hidden = super().forward(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
         return hidden, position_ids
 
 

@@ -79,16 +79,10 @@ def save_random_model(config: LlamaConfig, out_dir: str, seed: int = 0, dtype: t
     model.save_pretrained(out_dir)
 
 
-def write_token_samples(path: str, tokenizer_dir: str, seq_len: int, num_samples: int | None = None) -> int:
-    """Tokenize the corpus (<s> doc </s>, concatenated) into JSONL samples of exactly ``seq_len`` ids."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    stream: list[int] = []
-    for doc in corpus_documents():
-        stream += [BOS_ID, *tok(doc, add_special_tokens=False)["input_ids"], EOS_ID]
-    total = len(stream) // seq_len if num_samples is None else min(num_samples, len(stream) // seq_len)
+def write_text_corpus(path: str) -> int:
+    """The offline corpus as JSONL ``{"text": ...}`` lines (data.format=text); returns the document count."""
+    docs = corpus_documents()
     with open(path, "w") as f:
-        for i in range(total):
-            f.write(json.dumps({"input_ids": stream[i * seq_len : (i + 1) * seq_len]}) + "\n")
-    return total
+        for doc in docs:
+            f.write(json.dumps({"text": doc}) + "\n")
+    return len(docs)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job, on CPU: set up, build a tiny Llama (random weights + a sentencepiece tokenizer trained
-# offline), convert it to pipeline stages, train pipe 2 x data 2 on 4 CPU ranks, export to Hugging Face
-# and evaluate the export. A second run skips set-up, model building and conversion.
+# offline on Python's bundled docs), convert it to pipeline stages, train pipe 2 x data 2 on 4 CPU ranks
+# on the raw-text corpus (tokenized once into a cache, packed), export to Hugging Face and evaluate the
+# export. A second run skips set-up, model building, conversion and tokenization.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WORK="${WORK:-work/demo}"
@@ -12,7 +13,7 @@ export OMP_NUM_THREADS=1
 bash scripts/setup.sh
 mkdir -p "$WORK"
 if [ ! -f "$WORK/tiny-hf/model.safetensors" ]; then
-  $PY scripts/make_tiny_model.py --output "$WORK/tiny-hf" --data "$WORK/train.jsonl" --seq-len 128
+  $PY scripts/make_tiny_model.py --output "$WORK/tiny-hf" --data "$WORK/corpus.jsonl"
 fi
 if [ ! -f "$WORK/ckpt/latest" ]; then
   $PY convert2ckpt.py --input "$WORK/tiny-hf" --output "$WORK/ckpt"
@@ -21,15 +22,16 @@ fi
 .venv/bin/deepspeed --num_gpus 4 train.py \
   model_name_or_path="$WORK/ckpt" output_dir="$WORK/run" \
   num_stages=2 micro_batch_size=4 gradient_accumulation_steps=4 max_steps=40 \
-  data.train_file="$WORK/train.jsonl" data.max_seq_length=128 \
+  data.train_file="$WORK/corpus.jsonl" data.format=text data.max_seq_length=128 data.cache_dir="$WORK/cache" \
   optim.lr=3e-3 optim.warmup_steps=5
 
 $PY convert2ckpt.py --to-hf --input "$WORK/run" --output "$WORK/hf-export" --overwrite
-$PY scripts/eval_hf.py --model "$WORK/tiny-hf" --data "$WORK/train.jsonl"
-$PY scripts/eval_hf.py --model "$WORK/hf-export" --data "$WORK/train.jsonl"
+$PY scripts/eval_hf.py --model "$WORK/tiny-hf" --data "$WORK/corpus.jsonl"
+$PY scripts/eval_hf.py --model "$WORK/hf-export" --data "$WORK/corpus.jsonl"
 
 echo
 echo "[demo] Hugging Face model (before):  $WORK/tiny-hf"
 echo "[demo] pipeline checkpoint (before): $WORK/ckpt"
+echo "[demo] tokenized data cache:        $WORK/cache"
 echo "[demo] training run + checkpoint:    $WORK/run (metrics.jsonl, train_config.yaml, $(cat "$WORK/run/latest"))"
 echo "[demo] exported Hugging Face model:  $WORK/hf-export"

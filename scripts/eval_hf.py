@@ -1,9 +1,9 @@
-"""Mean next-token loss of a Hugging Face model directory on the first samples of a token file.
+"""Mean next-token loss of a Hugging Face model directory on the first documents of a text corpus.
 
-    python scripts/eval_hf.py --model work/demo/hf-export --data work/demo/train.jsonl [--samples 32]
+    python scripts/eval_hf.py --model work/demo/hf-export --data work/demo/corpus.jsonl [--docs 16 --seq-len 128]
 
 Loads with LlamaForCausalLM.from_pretrained and AutoTokenizer.from_pretrained, as a user of the
-exported model would.
+exported model would, and scores each document as <s> text </s> truncated to --seq-len tokens.
 """
 
 from __future__ import annotations
@@ -18,18 +18,23 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--data", required=True, help="JSONL token file (input_ids per line, equal lengths)")
-    p.add_argument("--samples", type=int, default=32, help="how many samples from the start of the file")
+    p.add_argument("--data", required=True, help='JSONL corpus, {"text": ...} per line')
+    p.add_argument("--docs", type=int, default=16, help="how many documents from the start of the file")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens scored per document")
     args = p.parse_args()
 
     model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tok = AutoTokenizer.from_pretrained(args.model)
     with open(args.data) as f:
-        rows = [json.loads(line)["input_ids"] for _, line in zip(range(args.samples), f)]
+        texts = [json.loads(line)["text"] for _, line in zip(range(args.docs), f)]
+    losses = []
     with torch.no_grad():
-        loss = model(input_ids=torch.tensor(rows), labels=torch.tensor(rows)).loss.item()
-    print(f"{args.model}: loss {loss:.4f} on {len(rows)} samples "
-          f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, tokenizer vocab {len(tokenizer)})")
+        for text in texts:
+            ids = [tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id][: args.seq_len]
+            x = torch.tensor([ids])
+            losses.append(model(input_ids=x, labels=x).loss.item())
+    print(f"{args.model}: mean loss {sum(losses) / len(losses):.4f} over {len(losses)} documents "
+          f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, tokenizer vocab {len(tok)})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Build the tiny debug Llama (Hugging Face format) and a pre-tokenized training file, offline.
+"""Build the tiny debug Llama (Hugging Face format) and a raw-text training corpus, offline.
 
-    python scripts/make_tiny_model.py --output work/tiny-hf --data work/train.jsonl [--seq-len 128]
+    python scripts/make_tiny_model.py --output work/tiny-hf --data work/corpus.jsonl
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.tiny import save_random_model, tiny_config, train_tokenizer, write_token_samples  # noqa: E402
+from models.tiny import save_random_model, tiny_config, train_tokenizer, write_text_corpus  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", required=True, help="Hugging Face model directory to write")
-    p.add_argument("--data", required=True, help="JSONL file of token samples to write")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per training sample")
+    p.add_argument("--data", required=True, help="JSONL text corpus to write ({\"text\": ...} per document)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--seed", type=int, default=0, help="weight init seed")
     args = p.parse_args()
@@ -26,9 +25,9 @@ def main() -> None:
     config = tiny_config(num_hidden_layers=args.layers)
     train_tokenizer(args.output, config.vocab_size)
     save_random_model(config, args.output, seed=args.seed)
-    n = write_token_samples(args.data, args.output, args.seq_len)
+    n = write_text_corpus(args.data)
     print(f"[tiny] wrote {args.output} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"vocab {config.vocab_size}) and {args.data} ({n} samples x {args.seq_len} tokens)")
+          f"vocab {config.vocab_size}) and {args.data} ({n} documents)")
 
 
 if __name__ == "__main__":

@@ -112,3 +112,22 @@ def test_cli_refuses_unknown_keys_and_bad_configs_before_starting(tiny_hf):
     assert "world size 4 is not divisible by num_stages 3" in bad.stderr
     assert "data.train_file /nope.jsonl does not exist" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_data_settings_are_checked_together(good, tmp_path):
+    (tmp_path / "no_tokenizer").mkdir()
+    (tmp_path / "no_tokenizer" / "config.json").write_text(open(os.path.join(good.model_name_or_path, "config.json")).read())
+    good.model_name_or_path = str(tmp_path / "no_tokenizer")
+    good.data = DataConfig(train_file=good.data.train_file, format="text", eval_file=good.data.train_file,
+                           eval_fraction=0.1, order_check_steps=-1)
+    message = problems_of(good, 4)
+    assert "data.format=text tokenizes with the model's tokenizer, but" in message
+    assert "data.eval_file and data.eval_fraction are both set" in message
+    assert "data.order_check_steps -1 < 0" in message
+
+
+def test_packing_defaults_to_text_only():
+    from training.config import default_packing
+
+    assert default_packing(DataConfig(format="text")) and not default_packing(DataConfig(format="sft"))
+    assert default_packing(DataConfig(format="sft", packing=True)) and not default_packing(DataConfig(format="text", packing=False))

@@ -1,68 +1,256 @@
-"""Token data: padding and labels, batch layout, data-parallel sharding, placeholder, clear errors."""
+"""Data pipeline: formats, packing, SFT masking, cache, sharding, resume, bad input."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import shutil
 
+import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
-from data.tokens import DataError, PlaceholderDataset, TokensDataset, batch_iterator, collate
+from data.cache import DataSettings, TokenBlocks, build_or_reuse
+from data.guard import fingerprint
+from data.packing import pack_rows, pad_rows
+from data.sampling import MicroBatchIterator, PlaceholderDataset, collate
+from data.sources import DataError, Example, SFTRenderer, SourceStats, read_examples
 from models.llama_pipe import IGNORE_INDEX
+from training.data_setup import split_eval
+
+I = IGNORE_INDEX  # noqa: E741
 
 
-def write(path, rows):
+def write_jsonl(path, rows) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
 
-def test_truncate_pad_and_mask_padding(tmp_path):
-    ds = TokensDataset(write(tmp_path / "d.jsonl", [{"input_ids": [5, 6, 7, 8, 9, 10]}, {"input_ids": [5, 6]}]),
-                       max_seq_length=4, pad_token_id=0, vocab_size=16)
-    assert ds[0]["input_ids"].tolist() == [5, 6, 7, 8] and ds[0]["labels"].tolist() == [5, 6, 7, 8]
-    assert ds[1]["input_ids"].tolist() == [5, 6, 0, 0]
-    assert ds[1]["labels"].tolist() == [5, 6, IGNORE_INDEX, IGNORE_INDEX]
+def settings(fmt="text", seq=16, packing=True, skip=False, vocab=512) -> DataSettings:
+    return DataSettings(format=fmt, max_seq_length=seq, packing=packing, skip_bad_lines=skip, pad_id=0, vocab_size=vocab)
 
 
-def test_collate_gives_the_stage_contract_layout(tmp_path):
-    ds = TokensDataset(write(tmp_path / "d.jsonl", [{"input_ids": [1, 2, 3]}] * 2), 3, 0, 16)
-    (input_ids, position_ids), labels = collate([ds[0], ds[1]])
-    assert input_ids.shape == position_ids.shape == labels.shape == (2, 3)
-    assert input_ids.dtype == position_ids.dtype == labels.dtype == torch.long  # no float crosses stages
-    assert position_ids.tolist() == [[0, 1, 2], [0, 1, 2]]
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-@pytest.mark.parametrize(
-    "line, fragment",
-    [("not json", "d.jsonl:2: expected a JSON object"), ('{"ids": [1]}', "d.jsonl:2"), ('{"input_ids": [1, 99]}', "[0, 16)")],
-)
-def test_bad_lines_name_file_and_line(tmp_path, line, fragment):
-    path = tmp_path / "d.jsonl"
-    path.write_text('{"input_ids": [1]}\n' + line + "\n")
-    with pytest.raises(DataError, match=fragment.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        TokensDataset(str(path), 4, 0, 16)
+@pytest.fixture(scope="module")
+def chat_tokenizer_dir(tmp_path_factory, tokenizer_dir) -> str:
+    """The tiny tokenizer with a Llama-3-like chat template."""
+    path = str(tmp_path_factory.mktemp("chat_tok"))
+    t = AutoTokenizer.from_pretrained(tokenizer_dir)
+    t.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    t.save_pretrained(path)
+    return path
 
 
-def take_ids(it, n):
+# ---------- packing and padding ----------
+
+def test_packing_restarts_positions_and_masks_document_starts():
+    stats = SourceStats()
+    examples = [Example([1, 5, 6, 2], [1, 5, 6, 2]), Example([1, 7, 2], [1, 7, 2]), Example([1, 8, 9, 10, 11, 2], [1, 8, 9, 10, 11, 2])]
+    rows = list(pack_rows(examples, seq_len=6, pad_id=0, split=True, stats=stats))
+    assert rows[0] == ([1, 5, 6, 2, 1, 7], [I, 5, 6, 2, I, 7], [0, 1, 2, 3, 0, 1])
+    assert rows[1] == ([2, 1, 8, 9, 10, 11], [I, I, 8, 9, 10, 11], [0, 0, 1, 2, 3, 4])  # continuation restarts
+    assert rows[2] == ([2, 0, 0, 0, 0, 0], [I, I, I, I, I, I], [0, 1, 2, 3, 4, 5])  # padded tail
+    assert stats.tokens == 13
+
+
+def test_sft_packing_never_splits_an_example():
+    examples = [Example([1, 5, 6], [I, 5, 6]), Example([1, 7, 8, 9], [I, I, 8, 9])]
+    rows = list(pack_rows(examples, seq_len=5, pad_id=0, split=False, stats=SourceStats()))
+    assert rows == [([1, 5, 6, 0, 0], [I, 5, 6, I, I], [0, 1, 2, 3, 4]), ([1, 7, 8, 9, 0], [I, I, 8, 9, I], [0, 1, 2, 3, 4])]
+
+
+def test_no_packing_truncates_and_pads_with_ignored_labels():
+    stats = SourceStats()
+    rows = list(pad_rows([Example([5, 6, 7, 8, 9], [5, 6, 7, 8, 9]), Example([5, 6], [5, 6])], 4, 0, stats))
+    assert rows == [([5, 6, 7, 8], [5, 6, 7, 8], [0, 1, 2, 3]), ([5, 6, 0, 0], [5, 6, I, I], [0, 1, 2, 3])]
+    assert stats.truncated == 1
+
+
+def test_packed_block_loss_equals_documents_run_separately():
+    """Per-document attention really isolates documents: per-token losses of a packed row equal the
+    per-token losses of each document run alone (stage chain, fp32)."""
+    from transformers import LlamaForCausalLM
+
+    from models.llama_pipe import build_sequential, spec_layout
+    from models.tiny import tiny_config
+    from tests.test_stage_parity import copy_hf_weights, run_chain
+
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=300)
+    hf = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    funcs = build_sequential(config)
+    copy_hf_weights(funcs, config, hf.state_dict())
+    docs = [torch.randint(3, 300, (n,)).tolist() for n in (9, 5, 12)]
+    ids, labels, pos = next(pack_rows([Example(d, d) for d in docs], 26, 0, split=True, stats=SourceStats()))
+    logits = run_chain(funcs, torch.tensor([ids]), torch.tensor([pos]))[0]  # [S,V]
+    packed = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(labels[1:]), ignore_index=I, reduction="none")
+    separate, offset = [], 0
+    for d in docs:
+        doc_logits = run_chain(funcs, torch.tensor([d]), torch.arange(len(d))[None])[0]
+        separate.append(torch.nn.functional.cross_entropy(doc_logits[:-1], torch.tensor(d[1:]), reduction="none"))
+        # in the packed row: targets offset+1 .. offset+len-1; the target at offset (doc start) is ignored
+        assert packed[offset : offset + len(d) - 1].sub(separate[-1]).abs().max() < 1e-5
+        if offset > 0:
+            assert packed[offset - 1] == 0  # the cross-document target is ignored (loss 0 with reduction none)
+        offset += len(d)
+    assert (torch.tensor(labels[1:]) != I).sum() == sum(len(d) - 1 for d in docs)  # nothing else is trained
+
+
+# ---------- SFT ----------
+
+def test_sft_labels_only_on_the_response(tmp_path, tok):
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "What is a list?", "response": "A mutable sequence."}])
+    (ex,) = read_examples(path, "sft", tok, 64, 512, False, SourceStats())
+    prompt = [tok.bos_token_id] + tok("What is a list?", add_special_tokens=False)["input_ids"]
+    response = tok("A mutable sequence.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ex.input_ids == prompt + response
+    assert ex.labels == [I] * len(prompt) + response
+
+
+def test_sft_truncates_the_prompt_side_and_drops_examples_without_response(tmp_path, tok):
+    long_prompt = "def f(x): return x + 1. " * 20
+    path = write_jsonl(tmp_path / "sft.jsonl", [
+        {"prompt": long_prompt, "response": "ok then"},
+        {"prompt": "hello", "response": ""},
+    ])
+    stats = SourceStats()
+    examples = list(read_examples(path, "sft", tok, 16, 512, False, stats))
+    assert len(examples) == 1 and stats.dropped_no_trainable == 1 and stats.truncated == 1
+    ex = examples[0]
+    response = tok("ok then", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert len(ex.input_ids) == 16
+    assert ex.input_ids[0] == tok.bos_token_id  # BOS kept
+    assert ex.input_ids[-len(response):] == response and ex.labels[-len(response):] == response  # response whole
+    assert all(label == I for label in ex.labels[: -len(response)])
+
+
+def test_sft_chat_messages_train_only_assistant_turns(tmp_path, chat_tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    (ex,) = read_examples(path, "sft", tok, 256, 512, False, SourceStats())
+    full = tok.apply_chat_template(messages, tokenize=False)
+    assert tok.decode(ex.input_ids) == tok.decode(tok(full, add_special_tokens=False)["input_ids"])
+    trained = tok.decode([t for t, label in zip(ex.input_ids, ex.labels) if label != I])
+    assert trained.replace(" ", "") == "hello</s>seeyou</s>"
+
+
+def test_chat_messages_without_a_template_fail_clearly(tmp_path, tok):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(DataError, match=r"chat.jsonl:1: 'messages' need a chat template"):
+        list(read_examples(path, "sft", tok, 64, 512, False, SourceStats()))
+
+
+# ---------- text ----------
+
+def test_text_documents_get_bos_and_eos_and_txt_splits_on_blank_lines(tmp_path, tok):
+    (tmp_path / "c.txt").write_text("first doc\nline two\n\n\nsecond doc\n")
+    docs = list(read_examples(str(tmp_path / "c.txt"), "text", tok, 64, 512, False, SourceStats()))
+    assert len(docs) == 2
+    assert docs[0].input_ids == [tok.bos_token_id] + tok("first doc\nline two", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
+# ---------- bad input ----------
+
+@pytest.mark.parametrize("fmt, content, message", [
+    ("text", b'{"text": "a"}\n{"text": "b"\n', "bad.jsonl:2: malformed JSON"),
+    ("text", b'{"text": "a"}\n{"body": "b"}\n', "bad.jsonl:2: missing field 'text'"),
+    ("sft", b'{"prompt": "a"}\n', "bad.jsonl:1: missing field 'response'"),
+    ("text", b'{"text": 3}\n', "bad.jsonl:1: field 'text' must be a str, got int"),
+    ("text", b'{"text": "a"}\n{"text": "caf\xe9"}\n', "bad.jsonl:2: not valid UTF-8 (byte 0xe9 at column 14)"),
+    ("tokens", b'{"input_ids": [1, 9999]}\n', "bad.jsonl:1: input_ids must be a non-empty list of ints in [0, 512)"),
+    ("text", b"", "bad.jsonl: file is empty"),
+])
+def test_bad_input_names_file_and_line(tmp_path, tokenizer_dir, fmt, content, message):
+    (tmp_path / "bad.jsonl").write_bytes(content)
+    with pytest.raises(DataError) as err:
+        build_or_reuse(str(tmp_path / "bad.jsonl"), settings(fmt), tokenizer_dir, str(tmp_path / "cache"), print)
+    assert message in str(err.value)
+    assert not os.listdir(tmp_path / "cache") if (tmp_path / "cache").exists() else True  # no entry left behind
+
+
+def test_skip_bad_lines_counts_and_every_example_filtered_is_an_error(tmp_path, tokenizer_dir):
+    (tmp_path / "d.jsonl").write_bytes(b'{"text": "a b c"}\nnot json\n{"x": 1}\n{"text": "d e f"}\n')
+    entry, meta = build_or_reuse(str(tmp_path / "d.jsonl"), settings(skip=True), tokenizer_dir, str(tmp_path / "cache"), print)
+    assert meta["stats"]["skipped_bad_lines"] == 2 and meta["stats"]["examples"] == 2
+
+    write_jsonl(tmp_path / "empty_responses.jsonl", [{"prompt": "a", "response": ""}] * 3)
+    with pytest.raises(DataError, match=r"no usable example \(3 records read, 0 bad lines skipped, 3 dropped"):
+        build_or_reuse(str(tmp_path / "empty_responses.jsonl"), settings("sft", packing=False), tokenizer_dir, str(tmp_path / "cache"), print)
+
+
+# ---------- cache ----------
+
+def test_cache_is_reused_and_rebuilt_when_the_file_or_a_setting_changes(tmp_path, tokenizer_dir, capsys):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"document number {i}"} for i in range(20)])
+    cache = str(tmp_path / "cache")
+    first, meta = build_or_reuse(path, settings(), tokenizer_dir, cache, print)
+    assert "tokenized" in capsys.readouterr().out
+    again, _ = build_or_reuse(path, settings(), tokenizer_dir, cache, print)
+    assert again == first and "reusing tokenized cache" in capsys.readouterr().out
+    other_setting, _ = build_or_reuse(path, settings(seq=32), tokenizer_dir, cache, print)
+    write_jsonl(tmp_path / "d.jsonl", [{"text": f"document number {i}"} for i in range(21)])
+    changed, _ = build_or_reuse(path, settings(), tokenizer_dir, cache, print)
+    assert len({first, other_setting, changed}) == 3
+    assert sorted(os.listdir(cache)) == sorted(os.path.basename(p) for p in (first, other_setting, changed))  # no temp dirs
+
+    ds = TokenBlocks(first)
+    assert len(ds) == meta["num_samples"] and isinstance(ds.arrays["input_ids"], np.memmap)
+    sample = ds[0]
+    assert set(sample) == {"input_ids", "labels", "position_ids"} and sample["input_ids"].dtype == torch.int64
+
+
+# ---------- sampling ----------
+
+def make_blocks(tmp_path, tokenizer_dir, n: int) -> TokenBlocks:
+    path = write_jsonl(tmp_path / f"tok{n}.jsonl", [{"input_ids": [i % 500 + 3] * 4} for i in range(n)])
+    entry, _ = build_or_reuse(path, settings("tokens", seq=4, packing=False), tokenizer_dir, str(tmp_path / "cache"), print)
+    return TokenBlocks(entry)
+
+
+def first_tokens(it, n: int) -> list[int]:
     return [row[0] for (ids, _), _ in itertools.islice(it, n) for row in ids.tolist()]
 
 
-def test_data_parallel_ranks_get_disjoint_shards_and_stages_agree(tmp_path):
-    ds = TokensDataset(write(tmp_path / "d.jsonl", [{"input_ids": [i, 1]} for i in range(2, 14)]), 2, 0, 16)
-    rank0 = take_ids(batch_iterator(ds, 2, dp_rank=0, dp_size=2, shuffle=True, seed=3), 3)
-    rank1 = take_ids(batch_iterator(ds, 2, dp_rank=1, dp_size=2, shuffle=True, seed=3), 3)
-    assert sorted(rank0 + rank1) == list(range(2, 14))  # one epoch, each sample once
-    # The last stage builds its own iterator with the same dp rank and seed: same order.
-    assert take_ids(batch_iterator(ds, 2, dp_rank=0, dp_size=2, shuffle=True, seed=3), 3) == rank0
-    two_epochs = take_ids(batch_iterator(ds, 2, dp_rank=0, dp_size=2, shuffle=True, seed=3), 6)
-    assert two_epochs[:6] == rank0 and two_epochs[6:] != rank0  # the next epoch is reshuffled
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_shards_are_disjoint_cover_the_data_and_reshuffle_per_epoch(tmp_path, tokenizer_dir, dp):
+    ds = make_blocks(tmp_path, tokenizer_dir, 48)
+    per_rank = 48 // dp // 2  # micro-batches per epoch per rank (micro 2)
+    epochs = [first_tokens(MicroBatchIterator(ds, 2, r, dp, True, 7), 2 * per_rank) for r in range(dp)]
+    epoch0 = [e[: 2 * per_rank] for e in epochs]
+    assert sorted(sum(epoch0, [])) == sorted(i % 500 + 3 for i in range(48))  # disjoint and complete
+    again = [first_tokens(MicroBatchIterator(ds, 2, r, dp, True, 7), per_rank) for r in range(dp)]
+    assert again == epoch0  # same seed, same epoch: same order
+    assert all(e[2 * per_rank :] != e[: 2 * per_rank] for e in epochs)  # next epoch reshuffled
+    assert first_tokens(MicroBatchIterator(ds, 2, 0, dp, True, 8), per_rank) != epoch0[0]  # other seed
 
 
-def test_too_little_data_fails_instead_of_spinning(tmp_path):
-    ds = TokensDataset(write(tmp_path / "d.jsonl", [{"input_ids": [2, 3]}] * 3), 2, 0, 16)
+def test_iterator_resumes_mid_epoch(tmp_path, tokenizer_dir):
+    ds = make_blocks(tmp_path, tokenizer_dir, 24)
+    reference = MicroBatchIterator(ds, 2, 1, 2, True, 3)
+    expected = [fingerprint(b) for b in itertools.islice(reference, 10)]  # crosses into epoch 1
+    it = MicroBatchIterator(ds, 2, 1, 2, True, 3)
+    seen = [fingerprint(b) for b in itertools.islice(it, 4)]
+    state = json.loads(json.dumps(it.state_dict()))  # survives serialisation into a checkpoint
+    resumed = MicroBatchIterator(ds, 2, 1, 2, True, 3)
+    resumed.load_state_dict(state)
+    assert seen + [fingerprint(b) for b in itertools.islice(resumed, 6)] == expected
+
+
+def test_too_little_data_fails_instead_of_spinning(tmp_path, tokenizer_dir):
+    ds = make_blocks(tmp_path, tokenizer_dir, 3)
     with pytest.raises(DataError, match="3 samples give no full micro-batch .* = 4 needed"):
-        batch_iterator(ds, 2, dp_rank=0, dp_size=2, shuffle=False, seed=0)
+        MicroBatchIterator(ds, 2, 0, 2, False, 0)
 
 
 def test_placeholder_has_length_and_refuses_reads():
@@ -70,3 +258,16 @@ def test_placeholder_has_length_and_refuses_reads():
     assert len(ph) == 10
     with pytest.raises(RuntimeError, match="middle pipeline stage"):
         ph[0]
+
+
+def test_collate_gives_the_stage_contract_layout(tmp_path, tokenizer_dir):
+    ds = make_blocks(tmp_path, tokenizer_dir, 4)
+    (input_ids, position_ids), labels = collate([ds[0], ds[1]])
+    assert input_ids.shape == position_ids.shape == labels.shape == (2, 4)
+    assert input_ids.dtype == position_ids.dtype == labels.dtype == torch.long  # no float crosses stages
+
+
+def test_eval_split_is_deterministic_and_disjoint():
+    train, evaluation = split_eval(100, 0.1)
+    assert len(evaluation) == 10 and len(train) == 90 and not set(train) & set(evaluation)
+    assert (split_eval(100, 0.1)[1] == evaluation).all()

@@ -17,7 +17,8 @@ def test_missing_layer_file_on_one_stage_stops_all_ranks(tmp_path, tiny_hf):
     proc = run_deepspeed(
         4, "train.py",
         [f"model_name_or_path={ckpt}", f"data.train_file={data}", "data.max_seq_length=16", "num_stages=2",
-         "gradient_accumulation_steps=2", "precision=fp32", f"output_dir={tmp_path / 'out'}"],
+         "gradient_accumulation_steps=2", "precision=fp32", f"output_dir={tmp_path / 'out'}",
+         f"data.cache_dir={tmp_path / 'cache'}"],
         str(tmp_path / "log.txt"),
     )
     assert proc.returncode != 0

@@ -70,7 +70,8 @@ def test_chained_stages_match_hf(name):
     position_ids = torch.arange(seq).repeat(batch, 1)  # [B,S]
     position_ids[1, 25:] = torch.arange(seq - 25)  # restart mid-row (a packed second document)
 
-    ref = hf(input_ids=input_ids, position_ids=position_ids, labels=labels)
+    # use_cache=False: with a KV cache, LlamaModel ignores packed position_ids and attends across documents.
+    ref = hf(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False)
     logits = run_chain(funcs, input_ids, position_ids)
     loss = causal_lm_loss(logits, labels)
     assert logits.shape == ref.logits.shape

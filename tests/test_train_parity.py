@@ -38,6 +38,7 @@ def train_args(ckpt: str, data: str, out: str, **overrides) -> list[str]:
         "data.train_file": data,
         "data.max_seq_length": SEQ,
         "data.shuffle": "false",
+        "data.cache_dir": os.path.join(os.path.dirname(out), "cache"),
         "micro_batch_size": MICRO,
         "max_steps": STEPS,
         "precision": "fp32",
@@ -133,6 +134,9 @@ def test_progress_is_announced_and_logged_once_per_step(runs):
     for rank in range(4):
         assert f"rank {rank}: stage {rank // 2} specs" in out
     assert sum(line.startswith("step ") for line in out.splitlines()) == STEPS  # one rank logs
+    deep = (runs["root"] / "deep.log").read_text()
+    assert "rank 1: data placeholder" in deep and "rank 2: data placeholder" in deep  # middle stages read nothing
+    assert "rank 0: data builds + reads" in deep and "rank 3: data reads" in deep
 
 
 def test_hf_export_holds_exactly_the_trained_weights(runs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -18,7 +19,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DS_CONFIG_DIR = os.path.join(REPO_ROOT, "ds_configs")
 
 SCHEDULERS = ("constant",)
-DATA_FORMATS = ("tokens",)
+DATA_FORMATS = ("tokens", "text", "sft")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either lets AutoTokenizer load the tokenizer
 PRECISIONS = ("fp32", "bf16", "fp16")
 PARTITION_METHODS = ("parameters", "uniform", "type:DecoderLayerPipe")
 
@@ -38,12 +40,18 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """Training data. ``tokens``: JSONL lines ``{"input_ids": [...]}``, labels = input_ids."""
+    """Training data: formats and rules in ``data/sources.py`` and ``data/packing.py``."""
 
-    train_file: str = ""  # path of the training data file
-    format: str = "tokens"  # data format: tokens
-    max_seq_length: int = 512  # tokens per sample; longer samples are truncated, shorter ones padded
+    train_file: str = ""  # path of the training data file (.jsonl, or .txt for format=text)
+    format: str = "tokens"  # tokens: {"input_ids"} | text: {"text"} or .txt | sft: {"prompt","response"} or {"messages"}
+    max_seq_length: int = 512  # tokens per sample row
+    packing: Optional[bool] = None  # pack examples into rows with per-document attention; None: true for text only
     shuffle: bool = True  # reshuffle the samples each epoch (seeded with `seed`)
+    eval_file: str = ""  # separate eval data (same format); exclusive with eval_fraction
+    eval_fraction: float = 0.0  # fraction of the training samples split off for eval (fixed seed), 0 = none
+    cache_dir: str = ""  # tokenized cache location; empty: $XDG_CACHE_HOME or ~/.cache, then llama-pipe/tokenized
+    skip_bad_lines: bool = False  # skip and count malformed lines instead of stopping with their file:line
+    order_check_steps: int = 10  # steps during which first and last stage compare batch fingerprints; 0 = off
 
 
 @dataclass
@@ -140,14 +148,7 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
         problems.append(f"optim.betas {list(cfg.optim.betas)} must hold two numbers, e.g. optim.betas=[0.9,0.95]")
     if cfg.optim.max_grad_norm < 0:
         problems.append(f"optim.max_grad_norm {cfg.optim.max_grad_norm} < 0: set it >= 0 (0 = no clipping)")
-    if cfg.data.format not in DATA_FORMATS:
-        problems.append(f"data.format {cfg.data.format!r} unknown: choose one of {list(DATA_FORMATS)}")
-    if not cfg.data.train_file:
-        problems.append("data.train_file is not set: set data.train_file=PATH")
-    elif not os.path.isfile(cfg.data.train_file):
-        problems.append(f"data.train_file {cfg.data.train_file} does not exist")
-    if cfg.data.max_seq_length < 2:
-        problems.append(f"data.max_seq_length {cfg.data.max_seq_length} < 2: a next-token loss needs 2 tokens or more")
+    problems += data_problems(cfg)
 
     dp = world_size // k if k >= 1 and world_size % k == 0 else 0
     if dp:
@@ -162,6 +163,38 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return Resolved(cfg, world_size, dp, ds_json, model_config, warnings)
+
+
+def default_packing(data: DataConfig) -> bool:
+    """``data.packing``, or its default: packing for raw text, one example per row otherwise."""
+    return data.packing if data.packing is not None else data.format == "text"
+
+
+def data_problems(cfg: TrainConfig) -> list[str]:
+    d, problems = cfg.data, []
+    if d.format not in DATA_FORMATS:
+        problems.append(f"data.format {d.format!r} unknown: choose one of {list(DATA_FORMATS)}")
+    for key in ("train_file", "eval_file"):
+        path = getattr(d, key)
+        if key == "train_file" and not path:
+            problems.append("data.train_file is not set: set data.train_file=PATH")
+        elif path and not os.path.isfile(path):
+            problems.append(f"data.{key} {path} does not exist")
+    if d.max_seq_length < 2:
+        problems.append(f"data.max_seq_length {d.max_seq_length} < 2: a next-token loss needs 2 tokens or more")
+    if not 0.0 <= d.eval_fraction < 1.0:
+        problems.append(f"data.eval_fraction {d.eval_fraction} must be in [0, 1)")
+    if d.eval_fraction > 0 and d.eval_file:
+        problems.append("data.eval_file and data.eval_fraction are both set: use one (set the other to its default)")
+    if d.order_check_steps < 0:
+        problems.append(f"data.order_check_steps {d.order_check_steps} < 0: set it >= 0 (0 = off)")
+    model_dir = cfg.model_name_or_path
+    if d.format in ("text", "sft") and model_dir and not any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
+        problems.append(
+            f"data.format={d.format} tokenizes with the model's tokenizer, but {model_dir} has none "
+            f"({' or '.join(TOKENIZER_FILES)}): copy the tokenizer files there"
+        )
+    return problems
 
 
 def _fp16_supported() -> bool:

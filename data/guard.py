@@ -1,0 +1,95 @@
+"""Order guard: the first and last stage of every pipeline must load the same micro-batches.
+
+The first stage reads the inputs and the last stage the labels, each from its own iterator; if they
+ever disagree, the model silently trains on wrong labels. Both stages fingerprint every micro-batch
+they load; after each of the first ``check_steps`` steps, all ranks exchange the fingerprints and
+compare them per pipeline. A mismatch stops training on every rank, naming the step, the ranks and
+both fingerprints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch.distributed as dist
+
+from data.sampling import Batch
+
+
+class OrderMismatchError(RuntimeError):
+    """The first and last stage of a pipeline loaded different micro-batches."""
+
+
+def fingerprint(batch: Batch) -> str:
+    """Short hash of a micro-batch's token ids and labels (what both end stages load)."""
+    (input_ids, position_ids), labels = batch
+    h = hashlib.blake2b(digest_size=8)
+    for t in (input_ids, position_ids, labels):
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class FingerprintingIterator:
+    """Wraps a micro-batch iterator and records a fingerprint per batch while ``active``."""
+
+    def __init__(self, iterator):
+        self.iterator, self.active, self.pending = iterator, True, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        batch = next(self.iterator)
+        if self.active:
+            self.pending.append(fingerprint(batch))
+        return batch
+
+    def state_dict(self) -> dict:
+        return self.iterator.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iterator.load_state_dict(state)
+
+
+class OrderGuard:
+    """Compares the end stages' fingerprints after each of the first ``check_steps`` steps.
+
+    ``iterator`` is this rank's FingerprintingIterator (None on middle stages). ``pipeline`` is this
+    rank's data-parallel coordinate (which pipeline), ``stage`` its pipeline stage.
+    """
+
+    def __init__(self, iterator: FingerprintingIterator | None, check_steps: int, num_stages: int, pipeline: int, stage: int):
+        self.iterator, self.check_steps, self.num_stages = iterator, check_steps, num_stages
+        self.pipeline, self.stage = pipeline, stage
+        self.enabled = check_steps > 0 and num_stages > 1  # one stage reads inputs and labels together
+        self.compared = 0  # micro-batches compared so far, over all pipelines
+        if iterator is not None:
+            iterator.active = self.enabled
+
+    def after_step(self, step: int) -> None:
+        """Collective on all ranks (every rank calls it with the same step)."""
+        if not self.enabled or step > self.check_steps:
+            return
+        mine = (self.pipeline, self.stage, dist.get_rank(), list(self.iterator.pending) if self.iterator else [])
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        if self.iterator is not None:
+            self.iterator.pending.clear()
+            self.iterator.active = step < self.check_steps
+        problems = []
+        for pipeline in sorted({g[0] for g in gathered}):
+            first = next(g for g in gathered if g[0] == pipeline and g[1] == 0)
+            last = next(g for g in gathered if g[0] == pipeline and g[1] == self.num_stages - 1)
+            self.compared += min(len(first[3]), len(last[3]))
+            for i, (a, b) in enumerate(zip(first[3], last[3])):
+                if a != b:
+                    problems.append(
+                        f"step {step}, micro-batch {i}: first stage (rank {first[2]}) loaded {a}, "
+                        f"last stage (rank {last[2]}) loaded {b}"
+                    )
+                    break
+            if len(first[3]) != len(last[3]):
+                problems.append(f"step {step}: first stage (rank {first[2]}) loaded {len(first[3])} micro-batches, "
+                                f"last stage (rank {last[2]}) {len(last[3])}")
+        if problems:
+            raise OrderMismatchError("first and last stage disagree on the data order:\n  " + "\n  ".join(problems))

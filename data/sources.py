@@ -1,0 +1,286 @@
+"""Training files -> tokenized examples (input ids + labels), streamed, with errors naming file and line.
+
+Formats (``data.format``):
+
+- ``tokens``: JSONL ``{"input_ids": [...]}``; labels = input ids.
+- ``text``: JSONL ``{"text": "..."}``, or a ``.txt`` file whose documents are separated by blank lines.
+  Each document becomes ``[BOS] + tokens + [EOS]`` (the tokenizer's own BOS/EOS, where it defines them).
+- ``sft``: JSONL ``{"prompt": ..., "response": ...}`` or ``{"messages": [{"role", "content"}, ...]}``
+  (rendered with the tokenizer's chat template). Labels are -100 except on response / assistant tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from models.llama_pipe import IGNORE_INDEX
+
+FORMATS = ("tokens", "text", "sft")
+TOKENIZE_BATCH = 256  # documents per call of the (Rust, multi-threaded) tokenizer
+
+
+class DataError(ValueError):
+    """Unusable training data, naming the file and line."""
+
+
+@dataclass
+class Example:
+    """One document or conversation: token ids and their labels (same length)."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+@dataclass
+class SourceStats:
+    """Counts reported after reading a file (and stored in the cache's meta.json)."""
+
+    lines: int = 0  # records read (JSONL lines, or .txt documents)
+    examples: int = 0  # examples kept
+    tokens: int = 0  # tokens in kept examples, after truncation
+    skipped_bad_lines: int = 0  # with data.skip_bad_lines=true
+    dropped_no_trainable: int = 0  # SFT examples left with no response token to learn
+    truncated: int = 0  # examples cut to max_seq_length
+    bytes_read: int = 0  # progress through the file
+    bad_line_examples: list[str] = field(default_factory=list)  # first few skipped lines, for the log
+
+
+def read_records(path: str, fmt: str, skip_bad_lines: bool, stats: SourceStats) -> Iterator[tuple[int, object]]:
+    """(line number, record) for each record: a parsed JSON object, or a document string for .txt."""
+    if os.path.getsize(path) == 0:
+        raise DataError(f"{path}: file is empty")
+    with open(path, "rb") as f:
+        if path.endswith(".txt"):
+            if fmt != "text":
+                raise DataError(f"{path}: .txt files hold raw text; use data.format=text or a .jsonl file")
+            yield from _txt_documents(path, f, skip_bad_lines, stats)
+            return
+        for lineno, raw in enumerate(f, 1):
+            stats.bytes_read += len(raw)
+            if not raw.strip():
+                continue
+            try:
+                yield lineno, json.loads(_decode(path, lineno, raw))
+            except (DataError, json.JSONDecodeError) as e:
+                message = str(e) if isinstance(e, DataError) else f"{path}:{lineno}: malformed JSON ({e.msg}, column {e.colno})"
+                _bad_line(message, skip_bad_lines, stats)
+
+
+def _decode(path: str, lineno: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+
+
+def _txt_documents(path: str, f, skip_bad_lines: bool, stats: SourceStats) -> Iterator[tuple[int, str]]:
+    """Documents of a .txt file: runs of non-empty lines, separated by blank lines."""
+    lines, start = [], 0
+    for lineno, raw in enumerate(f, 1):
+        stats.bytes_read += len(raw)
+        try:
+            text = _decode(path, lineno, raw)
+        except DataError as e:
+            _bad_line(str(e), skip_bad_lines, stats)
+            continue
+        if text.strip():
+            if not lines:
+                start = lineno
+            lines.append(text)
+        elif lines:
+            yield start, "".join(lines).strip("\n")
+            lines = []
+    if lines:
+        yield start, "".join(lines).strip("\n")
+
+
+def _bad_line(message: str, skip: bool, stats: SourceStats) -> None:
+    if not skip:
+        raise DataError(message + " (set data.skip_bad_lines=true to skip and count such lines)")
+    stats.skipped_bad_lines += 1
+    if len(stats.bad_line_examples) < 5:
+        stats.bad_line_examples.append(message)
+
+
+def _field(path: str, lineno: int, record, name: str, kind: type):
+    """record[name] checked for presence and type; DataError naming file, line and field otherwise."""
+    if not isinstance(record, dict) or name not in record:
+        raise DataError(f"{path}:{lineno}: missing field '{name}'")
+    value = record[name]
+    if not isinstance(value, kind):
+        raise DataError(f"{path}:{lineno}: field '{name}' must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def read_examples(
+    path: str, fmt: str, tokenizer, max_seq_length: int, vocab_size: int, skip_bad_lines: bool, stats: SourceStats
+) -> Iterator[Example]:
+    """Tokenized examples of ``path``, in file order. ``tokenizer`` is None for ``tokens``."""
+    for example in _examples(path, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_lines, stats):
+        stats.examples += 1
+        yield example
+
+
+def _examples(path, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_lines, stats) -> Iterator[Example]:
+    records = read_records(path, fmt, skip_bad_lines, stats)
+    if fmt == "tokens":
+        parse = _tokens_example(path, vocab_size)
+        yield from _checked(records, parse, skip_bad_lines, stats)
+    elif fmt == "text":
+        yield from _text_examples(path, records, tokenizer, skip_bad_lines, stats)
+    else:
+        sft = SFTRenderer(path, tokenizer, max_seq_length, stats)
+        for example in _checked(records, sft.example, skip_bad_lines, stats):
+            if example is None:
+                stats.dropped_no_trainable += 1
+            else:
+                yield example
+
+
+def _checked(records, parse, skip_bad_lines: bool, stats: SourceStats) -> Iterator:
+    for lineno, record in records:
+        stats.lines += 1
+        try:
+            yield parse(lineno, record)
+        except DataError as e:
+            _bad_line(str(e), skip_bad_lines, stats)
+
+
+def _tokens_example(path: str, vocab_size: int):
+    def parse(lineno: int, record) -> Example:
+        ids = _field(path, lineno, record, "input_ids", list)
+        if not ids or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+            raise DataError(f"{path}:{lineno}: input_ids must be a non-empty list of ints in [0, {vocab_size})")
+        return Example(ids, list(ids))
+
+    return parse
+
+
+def _text_examples(path: str, records, tokenizer, skip_bad_lines: bool, stats: SourceStats) -> Iterator[Example]:
+    """Batched tokenization: [BOS] + tokens + [EOS] per document."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    batch: list[str] = []
+
+    def flush() -> Iterator[Example]:
+        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            ids = bos + ids + eos
+            yield Example(ids, list(ids))
+        batch.clear()
+
+    for lineno, record in records:
+        stats.lines += 1
+        try:
+            text = record if isinstance(record, str) else _field(path, lineno, record, "text", str)
+        except DataError as e:
+            _bad_line(str(e), skip_bad_lines, stats)
+            continue
+        batch.append(text)
+        if len(batch) == TOKENIZE_BATCH:
+            yield from flush()
+    if batch:
+        yield from flush()
+
+
+class SFTRenderer:
+    """prompt/response or chat messages -> Example with labels only on response / assistant tokens.
+
+    prompt/response: ``[BOS] prompt response [EOS]``, the EOS trained so the model learns to stop.
+    messages: the chat template's own rendering (it supplies BOS and end-of-turn tokens).
+    Over-long examples lose tokens from the left (after a leading BOS) so the final response keeps
+    its tokens; if that response alone is too long, its end is cut. An example with no response token
+    left gives None, and the caller counts it as dropped.
+    """
+
+    def __init__(self, path: str, tokenizer, max_seq_length: int, stats: SourceStats):
+        self.path, self.tok, self.max_len, self.stats = path, tokenizer, max_seq_length, stats
+        self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def example(self, lineno: int, record) -> Example | None:
+        if isinstance(record, dict) and "messages" in record:
+            return self._truncate(self._chat_example(lineno, _field(self.path, lineno, record, "messages", list)))
+        prompt = _field(self.path, lineno, record, "prompt", str)
+        response = _field(self.path, lineno, record, "response", str)
+        prompt_ids = self.bos + (self.tok(prompt, add_special_tokens=False)["input_ids"] if prompt else [])
+        response_ids = self.tok(response, add_special_tokens=False)["input_ids"] + self.eos if response else []
+        return self._truncate(Example(prompt_ids + response_ids, [IGNORE_INDEX] * len(prompt_ids) + response_ids))
+
+    def _chat_example(self, lineno: int, messages: list) -> Example:
+        """The whole rendering tokenized at once (segment-wise tokenization would differ at the
+        boundaries); a token is trained when its first character lies in an assistant's content."""
+        if not getattr(self.tok, "is_fast", False):
+            raise DataError(f"{self.path}:{lineno}: chat messages need a fast tokenizer (character offsets)")
+        text, spans = "", []
+        for piece, trainable in self._chat_segments(lineno, messages):
+            if trainable:
+                spans.append((len(text), len(text) + len(piece)))
+            text += piece
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        labels = [t if any(a <= start < b for a, b in spans) else IGNORE_INDEX for t, (start, _) in zip(ids, enc["offset_mapping"])]
+        return Example(ids, labels)
+
+    def _truncate(self, ex: Example) -> Example | None:
+        excess = len(ex.input_ids) - self.max_len
+        if excess > 0:
+            self.stats.truncated += 1
+            keep = 1 if self.bos and ex.input_ids[:1] == self.bos else 0
+            final_start = _final_trainable_run_start(ex.labels)
+            cut = min(excess, max(final_start - keep, 0))  # left side first, never into the final response
+            ids = ex.input_ids[:keep] + ex.input_ids[keep + cut :]
+            labels = ex.labels[:keep] + ex.labels[keep + cut :]
+            ex = Example(ids[: self.max_len], labels[: self.max_len])  # then the response's end
+        # Position 0's label is never a target (the loss predicts token t+1 from t).
+        return ex if any(label != IGNORE_INDEX for label in ex.labels[1:]) else None
+
+    def _chat_segments(self, lineno: int, messages: list) -> list[tuple[str, bool]]:
+        """Chat template rendering split into (text, is_assistant_content) pieces.
+
+        Each message's text is the difference between the template rendered with and without it, so
+        the segments concatenate to exactly the full rendering; an assistant turn is split into its
+        header (the generation prompt, not trained) and its content (trained).
+        """
+        if not getattr(self.tok, "chat_template", None):
+            raise DataError(
+                f"{self.path}:{lineno}: 'messages' need a chat template and this tokenizer has none; "
+                f"use prompt/response fields or a tokenizer with a chat template"
+            )
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{self.path}:{lineno}: each message needs string fields 'role' and 'content'")
+
+        def render(msgs, generation_prompt=False) -> str:
+            if not msgs and not generation_prompt:
+                return ""
+            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+
+        segments, done = [], ""
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                header = render(messages[:i], generation_prompt=True)
+                full = render(messages[: i + 1])
+                if not header.startswith(done) or not full.startswith(header):
+                    raise DataError(f"{self.path}:{lineno}: the chat template does not render conversations incrementally")
+                segments += [(header[len(done):], False), (full[len(header):], True)]
+            else:
+                full = render(messages[: i + 1])
+                if not full.startswith(done):
+                    raise DataError(f"{self.path}:{lineno}: the chat template does not render conversations incrementally")
+                segments.append((full[len(done):], False))
+            done = full
+        return segments
+
+
+def _final_trainable_run_start(labels: list[int]) -> int:
+    """Index where the last run of trainable labels starts (len(labels) if there is none)."""
+    end = len(labels)
+    while end > 0 and labels[end - 1] == IGNORE_INDEX:
+        end -= 1
+    start = end
+    while start > 0 and labels[start - 1] != IGNORE_INDEX:
+        start -= 1
+    return start if end > 0 else len(labels)
