@@ -1,14 +1,16 @@
 """Train Llama with DeepSpeed pipeline parallelism (pipe x data), configured by Hydra.
 
     deepspeed --num_gpus 4 train.py model_name_or_path=CKPT_DIR num_stages=2 data.train_file=train.jsonl
+    deepspeed --num_gpus 4 train.py model=tiny model.tokenizer=TOK_DIR num_stages=2 ...   # from scratch
     python train.py --cfg job            # print the resolved config and exit
 
 ``main`` reads like the table of contents: config -> topology -> pipeline model -> weights -> data ->
-engine -> loop -> checkpoint. Each step is a short function below it.
+engine -> resume -> loop (eval, checkpoints). Each step is a short function below it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -25,11 +27,12 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E4
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from data.guard import OrderMismatchError  # noqa: E402
-from models.checkpoint import copy_side_files, load_stage_weights, local_modules, peak_rss_mb  # noqa: E402
-from models.llama_pipe import build_pipeline_model  # noqa: E402
+from models.checkpoint import load_stage_weights, local_modules, peak_rss_mb  # noqa: E402
+from models.llama_pipe import build_pipeline_model, init_weights_, spec_layout  # noqa: E402
+from training import checkpointing  # noqa: E402
 from training.config import ConfigError, Resolved, TrainConfig, register_configs, resolve  # noqa: E402
 from training.data_setup import RankData, prepare_rank_data  # noqa: E402
-from training.distributed import StartupError, on_all_ranks  # noqa: E402
+from training.distributed import StartupError, on_all_ranks, release_cpu_comm_buffer  # noqa: E402
 from training.metrics import StepLogger  # noqa: E402
 from training.optim import build_lr_scheduler, fill_ds_config, param_groups  # noqa: E402
 
@@ -67,105 +70,134 @@ def init_topology(resolved: Resolved) -> PipeDataParallelTopology:
 
 def build_model(resolved: Resolved, topology: PipeDataParallelTopology):
     """The pipeline module; this rank builds only its own stage's layers."""
-    deepspeed.runtime.utils.set_random_seed(resolved.cfg.seed)
-    return build_pipeline_model(resolved.model_config, topology, resolved.cfg.partition_method)
+    cfg = resolved.cfg
+    return build_pipeline_model(resolved.model_config, topology, cfg.partition_method, cfg.activation_checkpoint_interval)
 
 
-def load_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list[dict]:
-    """Read this stage's layer files only; returns every rank's load report, for the announcement."""
+def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list[dict]:
+    """This stage's starting weights: its layer files from model_name_or_path, a seeded from-scratch
+    initialisation, or nothing yet when resuming (the checkpoint's weights replace them).
+    Returns every rank's report, for the announcement."""
+    cfg, config = resolved.cfg, resolved.model_config
 
-    def load() -> dict:
-        start = time.time()
-        report = load_stage_weights(model, resolved.model_config, resolved.cfg.model_name_or_path)
+    def init() -> dict:
+        start, loaded_mib = time.time(), 0.0
+        if resolved.resume_tag:
+            source = f"resuming {resolved.resume_tag}"
+        elif resolved.from_scratch:
+            layout = spec_layout(config)
+            for index, module in local_modules(model):
+                init_weights_(module, config, seed=cfg.seed + layout[index].file_index)
+            source = f"initialised from scratch (model={cfg.model.name}, seed {cfg.seed})"
+        else:
+            report = load_stage_weights(model, config, cfg.model_name_or_path)
+            loaded_mib = report.bytes_read / 2**20
+            source = f"loaded {loaded_mib:.1f} MiB from {len(report.files)} layer files"
         params = [p for _, m in local_modules(model) for p in m.parameters()]
         return {
             "stage": model.stage_id,
             "specs": list(range(model._local_start, model._local_stop)),
             "params": sum(p.numel() for p in params),
             "param_mib": sum(p.numel() * p.element_size() for p in params) / 2**20,
+            "source": source,
+            "seconds": time.time() - start,
             "rss_before_model_mib": rss_before_model_mib,
-            "load_mib": report.bytes_read / 2**20,
-            "load_s": time.time() - start,
-            "peak_rss_mib": report.peak_rss_mb,
+            "peak_rss_mib": peak_rss_mb(),
         }
 
-    return on_all_ranks("loading stage weights", load)
+    return on_all_ranks("initialising stage weights", init)
 
 
 def build_data(resolved: Resolved, topology: PipeDataParallelTopology) -> tuple[RankData, list[dict]]:
     """This rank's data (who tokenizes, who reads, placeholders: training/data_setup.py) and every
     rank's data report, for the announcement."""
     data = prepare_rank_data(resolved.cfg, resolved.model_config, topology.get_coord(dist.get_rank()), resolved.dp)
-    reports = on_all_ranks("reporting data", lambda: {
-        "role": data.role,
-        "train": len(data.train),
-        "eval": len(data.eval) if data.eval is not None else 0,
-        "peak_rss_mib": peak_rss_mb(),
-    })
+    reports = on_all_ranks("reporting data", lambda: {"role": data.role, "peak_rss_mib": peak_rss_mb()})
     return data, reports
 
 
-def build_engine(resolved: Resolved, model):
+def plan_steps(resolved: Resolved, data: RankData) -> tuple[int, float]:
+    """(optimizer steps to train, steps per epoch): max_steps, or num_epochs passes, whichever is first."""
+    cfg = resolved.cfg
+    micro_per_epoch = len(data.train) // resolved.dp // cfg.micro_batch_size  # per data-parallel rank
+    steps_per_epoch = micro_per_epoch / cfg.gradient_accumulation_steps
+    total = cfg.max_steps
+    if cfg.num_epochs:
+        epoch_steps = math.ceil(cfg.num_epochs * steps_per_epoch)
+        total = min(total, epoch_steps) if total else epoch_steps
+    return total, steps_per_epoch
+
+
+def build_engine(resolved: Resolved, model, total_steps: int):
     """DeepSpeed's pipeline engine with AdamW and the LR schedule from the Hydra config."""
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, resolved.cfg.optim.weight_decay),
         config=fill_ds_config(resolved),
-        lr_scheduler=build_lr_scheduler(resolved.cfg),
+        lr_scheduler=build_lr_scheduler(resolved.cfg, total_steps),
     )
     return engine
 
 
-def announce(resolved: Resolved, load_reports: list[dict], data_reports: list[dict]) -> int:
-    """Print, from rank 0, what was built: per rank its stage, specs, parameters, load cost and data."""
+def resume_or_start(resolved: Resolved, engine, data: RankData) -> int:
+    """The step to continue after: 0 for a new run, the checkpoint's step with resume=auto."""
+    if not resolved.resume_tag:
+        return 0
+    local: dict = {}
+    on_all_ranks("reading trainer state", lambda: local.update(state=checkpointing.read_trainer_state(resolved)))
+    return checkpointing.restore(resolved, engine, data.iterator, local["state"])
+
+
+def announce(resolved: Resolved, init_reports: list[dict], data_reports: list[dict], data: RankData,
+             start_step: int, total_steps: int, steps_per_epoch: float) -> int:
+    """Print, from rank 0, what was built: per rank its stage, specs, parameters, weights and data."""
     cfg = resolved.cfg
-    tokens_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * resolved.dp * cfg.data.max_seq_length
-    log0(
-        f"world {resolved.world_size} = pipe {cfg.num_stages} x data {resolved.dp} | "
-        f"global batch {cfg.micro_batch_size * cfg.gradient_accumulation_steps * resolved.dp} samples = "
-        f"micro {cfg.micro_batch_size} x grad_acc {cfg.gradient_accumulation_steps} x dp {resolved.dp} | "
-        f"{tokens_per_step} tokens/step | {data_reports[0]['train']} training samples, {data_reports[0]['eval']} eval samples"
-    )
-    for rank, info in enumerate(load_reports):
-        log0(
-            f"rank {rank}: stage {info['stage']} specs {info['specs'][0]}..{info['specs'][-1]} "
-            f"({len(info['specs'])} specs, {info['params'] / 1e6:.2f} M params) | loaded {info['load_mib']:.1f} MiB "
-            f"in {info['load_s']:.2f} s | peak RSS at load {info['peak_rss_mib']:.0f} MiB "
-            f"(before building the stage {info['rss_before_model_mib']:.0f} MiB, stage parameters {info['param_mib']:.0f} MiB)"
-        )
-    for rank, info in enumerate(data_reports):
-        log0(f"rank {rank}: data {info['role']} | peak RSS after data {info['peak_rss_mib']:.0f} MiB")
+    global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * resolved.dp
+    tokens_per_step = global_batch * cfg.data.max_seq_length
+    log0(f"world {resolved.world_size} = pipe {cfg.num_stages} x data {resolved.dp} | global batch {global_batch} samples "
+         f"= micro {cfg.micro_batch_size} x grad_acc {cfg.gradient_accumulation_steps} x dp {resolved.dp} | "
+         f"{tokens_per_step} tokens/step")
+    log0(f"data: {len(data.train)} training samples ({steps_per_epoch:.1f} steps/epoch), {data.eval_samples} eval samples | "
+         f"steps {start_step + 1}..{total_steps}" + (f" (resumed from {resolved.resume_tag})" if start_step else ""))
+    for rank, (info, d) in enumerate(zip(init_reports, data_reports)):
+        log0(f"rank {rank}: stage {info['stage']} specs {info['specs'][0]}..{info['specs'][-1]} "
+             f"({len(info['specs'])} specs, {info['params'] / 1e6:.2f} M params) | {info['source']} in {info['seconds']:.2f} s "
+             f"| peak RSS at load {info['peak_rss_mib']:.0f} MiB (before building the stage "
+             f"{info['rss_before_model_mib']:.0f} MiB, stage parameters {info['param_mib']:.0f} MiB)")
+        log0(f"rank {rank}: data {d['role']} | peak RSS after data {d['peak_rss_mib']:.0f} MiB")
     return tokens_per_step
 
 
-def train_loop(resolved: Resolved, engine, data: RankData, tokens_per_step: int) -> None:
-    """``max_steps`` optimizer steps; one line and one metrics.jsonl record per step from rank 0.
+def evaluate(resolved: Resolved, engine, data: RankData, step: int, logger: StepLogger) -> None:
+    """One pass over the eval data (every rank's shard), through the pipeline without gradients."""
+    start = time.time()
+    loss = engine.eval_batch(data_iter=data.eval_iterator(), num_micro_batches=data.eval_batches).item()
+    logger.log_eval(step, loss, time.time() - start)
 
-    After each of the first ``data.order_check_steps`` steps, the order guard checks that first and
-    last stage loaded the same micro-batches (a collective on every rank).
-    """
+
+def train(resolved: Resolved, engine, data: RankData, start_step: int, total_steps: int, tokens_per_step: int) -> None:
+    """Steps ``start_step + 1 .. total_steps``: train, check the data order, log, evaluate, save."""
     cfg = resolved.cfg
-    logger = StepLogger(cfg.output_dir, cfg.max_steps, tokens_per_step, active=dist.get_rank() == 0)
-    for step in range(1, cfg.max_steps + 1):
+    logger = StepLogger(cfg.output_dir, total_steps, tokens_per_step, cfg.log_steps, dist.get_rank() == 0, start_step)
+    last_saved = start_step if resolved.resume_tag else None
+    for step in range(start_step + 1, total_steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside train_batch
         loss = engine.train_batch(data_iter=data.iterator)  # mean over the global batch, on every rank
         data.guard.after_step(step)
-        if data.guard.enabled and step == min(cfg.max_steps, data.guard.check_steps):
+        if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
             log0(f"data order check passed: first and last stage of every pipeline loaded the same "
-                 f"{data.guard.compared} micro-batches in steps 1..{step}")
+                 f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}")
         grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
         logger.log(step, loss.item(), lr, None if grad_norm is None else float(grad_norm))
+        if data.eval_batches and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
+            evaluate(resolved, engine, data, step, logger)
+        if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps:
+            tag = checkpointing.save(resolved, engine, step, data.iterator)
+            last_saved = step
+            log0(f"saved checkpoint {tag} in {cfg.output_dir} (peak RSS {peak_rss_mb():.0f} MiB)")
     logger.close()
-
-
-def save_checkpoint(resolved: Resolved, engine) -> None:
-    """DeepSpeed checkpoint plus model config, tokenizer and resolved config: a self-contained dir."""
-    cfg = resolved.cfg
-    engine.save_checkpoint(cfg.output_dir)
-    if dist.get_rank() == 0:
-        copy_side_files(cfg.model_name_or_path, cfg.output_dir, dtype=None)
-        OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.output_dir, "train_config.yaml"))
-    log0(f"saved checkpoint global_step{engine.global_steps} in {cfg.output_dir} (peak RSS {peak_rss_mb():.0f} MiB)")
+    if last_saved is None:
+        log0("no step to train (max_steps=0 or already reached): nothing trained, no checkpoint written")
 
 
 # An absolute path: Hydra resolves a relative one against the calling module, which breaks imports of train.
@@ -180,15 +212,13 @@ def main(dict_cfg: DictConfig) -> None:
         on_all_ranks("creating output_dir", lambda: os.makedirs(resolved.cfg.output_dir, exist_ok=True))
         rss_before_model = peak_rss_mb()
         model = build_model(resolved, topology)
-        load_reports = load_weights(model, resolved, rss_before_model)
+        init_reports = init_weights(model, resolved, rss_before_model)
         data, data_reports = build_data(resolved, topology)
-        engine = build_engine(resolved, model)
-        tokens_per_step = announce(resolved, load_reports, data_reports)
-        train_loop(resolved, engine, data, tokens_per_step)
-        if resolved.cfg.max_steps > 0:
-            save_checkpoint(resolved, engine)
-        else:
-            log0("max_steps=0: weights and data loaded, nothing trained, no checkpoint written")
+        total_steps, steps_per_epoch = plan_steps(resolved, data)
+        engine = build_engine(resolved, model, total_steps)
+        start_step = resume_or_start(resolved, engine, data)
+        tokens_per_step = announce(resolved, init_reports, data_reports, data, start_step, total_steps, steps_per_epoch)
+        train(resolved, engine, data, start_step, total_steps, tokens_per_step)
         dist.barrier()
     except (StartupError, OrderMismatchError) as e:  # raised on every rank alike
         fail(str(e))
@@ -196,6 +226,7 @@ def main(dict_cfg: DictConfig) -> None:
         # Every rank leaves the process group before exiting (DeepSpeed on CPU can abort at exit otherwise).
         if dist.is_initialized():
             dist.destroy_process_group()
+        release_cpu_comm_buffer()
 
 
 def fail(message: str) -> None:

@@ -144,15 +144,24 @@ def load_stage_weights(model: PipelineModule, config, ckpt_dir: str, tag: str | 
     return StageLoadReport(files, num_tensors, nbytes, peak_rss_mb())
 
 
-def copy_side_files(src: str, dst: str, dtype: torch.dtype | None) -> None:
-    """config.json (with its dtype updated when converting), generation config and tokenizer files."""
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
+def write_config(config: dict, dst: str, dtype: torch.dtype | None = None) -> None:
+    """``config.json`` in ``dst``, with its dtype updated when the weights were cast."""
     if dtype is not None:
-        config.pop("torch_dtype", None)
+        config = {k: v for k, v in config.items() if k != "torch_dtype"}
         config["dtype"] = DTYPE_NAMES[dtype]
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+
+
+def copy_tokenizer_files(src: str, dst: str) -> None:
+    """Generation config and every tokenizer file present in ``src``."""
     for name in SIDE_FILES:
         if os.path.isfile(os.path.join(src, name)):
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+
+
+def copy_side_files(src: str, dst: str, dtype: torch.dtype | None) -> None:
+    """config.json (dtype updated when converting), generation config and tokenizer files."""
+    with open(os.path.join(src, "config.json")) as f:
+        write_config(json.load(f), dst, dtype)
+    copy_tokenizer_files(src, dst)

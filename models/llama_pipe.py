@@ -232,20 +232,46 @@ class LlamaPipelineModule(PipelineModule):
 
 
 def build_pipeline_model(
-    config: LlamaConfig, topology: ProcessTopology, partition_method: str = "parameters"
+    config: LlamaConfig, topology: ProcessTopology, partition_method: str = "parameters", activation_checkpoint_interval: int = 0
 ) -> LlamaPipelineModule:
     """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
 
     Must be called after ``deepspeed.init_distributed()``, with a topology whose axes are pipe and
-    data (``PipeDataParallelTopology``).
+    data (``PipeDataParallelTopology``). With ``activation_checkpoint_interval`` N > 0, activations
+    are recomputed in chunks of N layers, but only chunks made of decoder layers: DeepSpeed's
+    reentrant checkpoint around the embedding (integer inputs) would get no gradient at all.
     """
     return LlamaPipelineModule(
         layers=build_specs(config),
         topology=topology,
         loss_fn=causal_lm_loss,
         partition_method=partition_method,
-        activation_checkpoint_interval=0,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        checkpointable_layers=[DecoderLayerPipe.__name__],
     )
+
+
+@torch.no_grad()
+def init_weights_(module: nn.Module, config: LlamaConfig, seed: int) -> None:
+    """Hugging Face's Llama initialisation (``LlamaPreTrainedModel._init_weights``), from its own seed.
+
+    Linear and embedding weights ~ N(0, initializer_range), biases 0, the padding row 0, RMSNorm 1.
+    Seeding per spec (not per rank) gives every data-parallel replica, and both ends of a tied
+    embedding, the same weights, whatever the partitioning.
+    """
+    g = torch.Generator().manual_seed(seed)
+    std = config.initializer_range
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            m.weight.normal_(0.0, std, generator=g)
+            if m.bias is not None:
+                m.bias.zero_()
+        elif isinstance(m, nn.Embedding):
+            m.weight.normal_(0.0, std, generator=g)
+            if m.padding_idx is not None:
+                m.weight[m.padding_idx].zero_()
+        elif isinstance(m, LlamaRMSNorm):
+            m.weight.fill_(1.0)
 
 
 def build_sequential(config: LlamaConfig) -> list[nn.Module | partial]:

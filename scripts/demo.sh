@@ -22,9 +22,11 @@ fi
 .venv/bin/deepspeed --num_gpus 4 train.py \
   model_name_or_path="$WORK/ckpt" output_dir="$WORK/run" \
   num_stages=2 micro_batch_size=4 gradient_accumulation_steps=4 max_steps=40 \
-  data.train_file="$WORK/corpus.jsonl" data.format=text data.max_seq_length=128 data.cache_dir="$WORK/cache" \
-  optim.lr=3e-3 optim.warmup_steps=5
+  data=text data.train_file="$WORK/corpus.jsonl" data.max_seq_length=128 data.cache_dir="$WORK/cache" \
+  data.eval_fraction=0.05 eval_steps=10 log_steps=5 \
+  optim.lr=3e-3 optim.warmup_steps=5 optim.scheduler=cosine optim.min_lr=3e-4
 
+$PY scripts/plot_metrics.py "$WORK/run"
 $PY convert2ckpt.py --to-hf --input "$WORK/run" --output "$WORK/hf-export" --overwrite
 $PY scripts/eval_hf.py --model "$WORK/tiny-hf" --data "$WORK/corpus.jsonl"
 $PY scripts/eval_hf.py --model "$WORK/hf-export" --data "$WORK/corpus.jsonl"
@@ -34,4 +36,5 @@ echo "[demo] Hugging Face model (before):  $WORK/tiny-hf"
 echo "[demo] pipeline checkpoint (before): $WORK/ckpt"
 echo "[demo] tokenized data cache:        $WORK/cache"
 echo "[demo] training run + checkpoint:    $WORK/run (metrics.jsonl, train_config.yaml, $(cat "$WORK/run/latest"))"
+echo "[demo] loss and lr curves:          $WORK/run/metrics.png"
 echo "[demo] exported Hugging Face model:  $WORK/hf-export"

@@ -9,7 +9,7 @@ TORCH_VERSION=2.13.0  # the local CPU wheel; any other request pulls GBs of CUDA
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - <<'PY' 2>/dev/null
 import importlib.metadata as md, sys
 want = {"torch": "2.13.0", "deepspeed": "0.19.8", "transformers": "5.23.0", "hydra-core": "1.3.8"}
-for pkg in ["safetensors", "sentencepiece", "protobuf", "pytest", "ninja"]:
+for pkg in ["safetensors", "sentencepiece", "protobuf", "pytest", "ninja", "tensorboard", "matplotlib"]:
     md.version(pkg)
 sys.exit(any(not md.version(p).startswith(v) for p, v in want.items()))
 PY

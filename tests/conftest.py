@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import socket
@@ -30,17 +31,25 @@ def free_port() -> int:
 def run_deepspeed(num_ranks: int, script: str, args: list[str], log_path: str) -> subprocess.CompletedProcess:
     """``deepspeed --num_gpus N script args`` (N CPU ranks) from the repo root; output saved to ``log_path``."""
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", str(num_ranks), "--master_port", str(free_port()), script, *args]
+    port = free_port()
+    cmd = [launcher, "--num_gpus", str(num_ranks), "--master_port", str(port), script, *args]
     env = {**os.environ, **RANK_ENV}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        # DeepSpeed's CPU shm collectives leave a 66 MB segment per rank in /dev/shm; train.py removes
+        # its own, but scripts and killed ranks do not (see training/distributed.py).
+        for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+            os.remove(leftover)
     with open(log_path, "w") as f:
         f.write(proc.stdout + proc.stderr)
     return proc
 
 
-def read_metrics(output_dir: str) -> list[dict]:
+def read_metrics(output_dir: str, kind: str = "train") -> list[dict]:
+    """metrics.jsonl records of one kind (train: one per step, eval: one per evaluation)."""
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
 
 
 def write_random_tokens(path: str, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

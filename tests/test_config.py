@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import REPO
-from training.config import ConfigError, DataConfig, OptimConfig, TrainConfig, resolve
+from training.config import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig, resolve
 from training.optim import fill_ds_config
 
 
@@ -131,3 +133,134 @@ def test_packing_defaults_to_text_only():
 
     assert default_packing(DataConfig(format="text")) and not default_packing(DataConfig(format="sft"))
     assert default_packing(DataConfig(format="sft", packing=True)) and not default_packing(DataConfig(format="text", packing=False))
+
+
+# ---------- schedules, architectures, initialisation ----------
+
+@pytest.mark.parametrize("scheduler, expected", [
+    # warm-up 4 steps to lr 1.0, then to min_lr 0.1 at the last step (index 13 of 14)
+    ("constant", {0: 0.25, 3: 1.0, 4: 1.0, 13: 1.0}),
+    ("linear", {0: 0.25, 3: 1.0, 4: 1.0, 8.5: None, 13: 0.1}),
+    ("cosine", {0: 0.25, 3: 1.0, 4: 1.0, 13: 0.1}),
+])
+def test_schedules_give_the_expected_lr(scheduler, expected):
+    from training.optim import lr_lambda
+
+    cfg = TrainConfig(optim=OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, scheduler=scheduler))
+    f = lr_lambda(cfg, total_steps=14)
+    for step, lr in expected.items():
+        if lr is not None:
+            assert f(step) == pytest.approx(lr), (scheduler, step)
+    if scheduler == "linear":
+        assert f(8) == pytest.approx(1.0 - 0.9 * 4 / 9)  # 4 of the 9 decay steps done
+    if scheduler == "cosine":
+        assert f(8) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 9)))
+        assert all(f(s) >= f(s + 1) for s in range(3, 13))  # monotone after warm-up
+
+
+REFERENCE_PARAMS = {  # parameter counts of the published models (from their config.json shapes)
+    "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
+    "llama3-8b": 8_030_261_248, "llama3.2-1b": 1_235_814_400, "tiny": None,
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_PARAMS))
+def test_reference_architectures_build_through_the_same_specs(name):
+    """Each conf/model entry is a valid LlamaConfig whose stage specs hold the published parameter
+    count (built on the meta device: no memory)."""
+    import yaml
+    from transformers import LlamaConfig
+
+    from models.llama_pipe import build_specs, expected_state_shapes, spec_layout
+
+    with open(os.path.join(REPO, "conf", "model", f"{name}.yaml")) as f:
+        entry = yaml.safe_load(f)
+    assert entry["name"] == name
+    config = LlamaConfig(**entry["architecture"])
+    specs = build_specs(config)
+    total = sum(math.prod(s) for info in spec_layout(config) if info.owns_file
+                for s in expected_state_shapes(specs[info.index]).values())
+    if REFERENCE_PARAMS[name] is not None:
+        assert total == REFERENCE_PARAMS[name]
+
+
+def test_every_ds_json_has_a_ds_group_entry():
+    from training.config import available_ds_configs
+
+    entries = sorted(f[:-5] for f in os.listdir(os.path.join(REPO, "conf", "ds")) if f.endswith(".yaml"))
+    assert entries == available_ds_configs()
+
+
+def test_from_scratch_init_is_seeded_per_spec_and_follows_hf():
+    from models.llama_pipe import DecoderLayerPipe, init_weights_
+    from models.tiny import tiny_config
+
+    config = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4)
+    a, b = DecoderLayerPipe(config, 0), DecoderLayerPipe(config, 0)
+    init_weights_(a, config, seed=5)
+    init_weights_(b, config, seed=5)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert a.mlp.up_proj.weight.std().item() == pytest.approx(config.initializer_range, rel=0.05)
+    assert torch.equal(a.input_layernorm.weight, torch.ones(256))
+    init_weights_(b, config, seed=6)
+    assert not torch.equal(a.self_attn.q_proj.weight, b.self_attn.q_proj.weight)
+
+
+# ---------- model source and resume rules ----------
+
+def test_training_from_scratch_needs_an_architecture_and_a_tokenizer(good):
+    good.model_name_or_path = ""
+    assert "no model: set model_name_or_path=CKPT_DIR" in problems_of(good, 4)
+    good.model = ModelConfig(name="tiny", architecture={"hidden_size": 64, "num_hidden_layers": 4}, tokenizer="/nope")
+    assert "model.tokenizer '/nope' holds no tokenizer" in problems_of(good, 4)
+
+
+def test_checkpoint_and_a_different_architecture_conflict(good):
+    good.model = ModelConfig(name="llama2-7b", architecture={"hidden_size": 4096, "num_hidden_layers": 32,
+                                                              "intermediate_size": 11008, "num_attention_heads": 32})
+    message = problems_of(good, 4)
+    assert "model=llama2-7b has hidden_size=4096 but" in message and "config.json has 64" in message
+
+
+def test_resume_rules(good, tmp_path, tokenizer_dir):
+    from tests.conftest import make_hf_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "latest").write_text("global_step4")
+    (out / "global_step4").mkdir()
+    good.output_dir = str(out)
+    assert resolve(good, 4).resume_tag == "global_step4"
+    good.resume = "never"
+    assert "already holds a checkpoint (global_step4): set resume=auto" in problems_of(good, 4)
+    good.resume = "auto"
+    wide = make_hf_dir(tmp_path, tokenizer_dir, "wide", intermediate_size=128)
+    (out / "config.json").write_text(open(os.path.join(wide, "config.json")).read())
+    assert "holds a checkpoint with intermediate_size=128, this model has 176" in problems_of(good, 4)
+
+
+def test_fp16_is_refused_on_a_device_without_it(good):
+    good.precision = "fp16"
+    assert "precision fp16 is not supported on this device" in problems_of(good, 4)
+
+
+def test_hydra_groups_and_unknown_group_entries():
+    ok = run_train_py("model=llama3-8b", "ds=zero0", "data=sft", "--cfg", "job")
+    assert ok.returncode == 0, ok.stderr
+    assert "hidden_size: 4096" in ok.stdout and "ds_config: zero0" in ok.stdout and "format: sft" in ok.stdout
+    bad = run_train_py("ds=zero9", "--cfg", "job")
+    assert bad.returncode != 0 and "zero9" in bad.stderr and "zero1" in bad.stderr  # Hydra lists the options
+
+
+@pytest.mark.parametrize("max_steps, num_epochs, expected", [(100, 0, 100), (0, 2, 10), (7, 2, 7), (100, 0.5, 3)])
+def test_training_stops_at_max_steps_or_after_num_epochs(max_steps, num_epochs, expected):
+    """100 samples, dp 2, micro 5, grad_acc 2: 10 micro-batches per rank per epoch = 5 steps/epoch."""
+    from types import SimpleNamespace
+
+    import train
+
+    cfg = TrainConfig(max_steps=max_steps, micro_batch_size=5, gradient_accumulation_steps=2)
+    cfg.num_epochs = num_epochs
+    resolved = SimpleNamespace(cfg=cfg, dp=2)
+    total, per_epoch = train.plan_steps(resolved, SimpleNamespace(train=range(100)))
+    assert per_epoch == 5 and total == expected

@@ -22,6 +22,6 @@ def test_missing_layer_file_on_one_stage_stops_all_ranks(tmp_path, tiny_hf):
         str(tmp_path / "log.txt"),
     )
     assert proc.returncode != 0
-    assert "loading stage weights failed on rank(s) 2, 3" in proc.stderr
+    assert "initialising stage weights failed on rank(s) 2, 3" in proc.stderr
     assert f"missing layer file {os.path.join(ckpt, 'global_step0', layer_file_name(4))}" in proc.stderr
     assert not os.path.exists(tmp_path / "out" / "latest")  # nothing was trained or saved

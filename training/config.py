@@ -8,17 +8,19 @@ once, each with the numbers involved and the knob to change.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DS_CONFIG_DIR = os.path.join(REPO_ROOT, "ds_configs")
 
-SCHEDULERS = ("constant",)
+SCHEDULERS = ("constant", "linear", "cosine")
+RESUME_MODES = ("auto", "never")
 DATA_FORMATS = ("tokens", "text", "sft")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either lets AutoTokenizer load the tokenizer
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -34,8 +36,26 @@ class OptimConfig:
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.0  # decoupled weight decay; never applied to norm weights (1-D tensors)
     max_grad_norm: float = 1.0  # clip the global gradient L2 norm to this; 0 = no clipping
-    scheduler: str = "constant"  # learning-rate schedule after warm-up: constant
-    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
+    scheduler: str = "constant"  # after warm-up: constant | linear | cosine (decay to min_lr at the last step)
+    warmup_steps: int = 0  # optimizer steps of linear warm-up to lr
+    min_lr: float = 0.0  # learning rate reached at the last step by linear and cosine
+
+
+@dataclass
+class ModelConfig:
+    """Architecture for training from scratch (conf/model/*.yaml); unused when loading a checkpoint."""
+
+    name: str = "checkpoint"  # the conf/model entry: checkpoint (take config.json from model_name_or_path) or an architecture
+    architecture: Optional[Dict[str, Any]] = None  # transformers.LlamaConfig fields; None: from model_name_or_path
+    tokenizer: str = ""  # directory with the tokenizer files, for training from scratch
+
+
+@dataclass
+class MonitorConfig:
+    """DeepSpeed's own monitors, written under ``output_dir/monitor``."""
+
+    tensorboard: bool = False  # TensorBoard event files (needs the tensorboard package)
+    csv: bool = False  # one CSV file per metric
 
 
 @dataclass
@@ -66,10 +86,19 @@ class TrainConfig:
     precision: str = "bf16"  # fp32 | bf16 | fp16 (fp16 needs a device that supports it)
     micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step per data-parallel rank
-    max_steps: int = 100  # optimizer steps to train
-    seed: int = 42  # seeds the data order (and any random initialisation)
+    max_steps: int = 100  # optimizer steps to train; 0 with num_epochs 0: load everything, train nothing
+    num_epochs: float = 0.0  # stop after this many passes over the training data (fractions allowed); 0 = max_steps alone decides
+    seed: int = 42  # seeds the data order and a from-scratch initialisation
+    activation_checkpoint_interval: int = 0  # recompute activations in chunks of this many decoder layers; 0 = off
+    log_steps: int = 1  # print a progress line every this many steps (metrics.jsonl gets every step)
+    eval_steps: int = 0  # evaluate every this many steps and at the end, when there is eval data; 0 = only at the end
+    save_steps: int = 0  # save a checkpoint every this many steps (and always at the end); 0 = only at the end
+    save_total_limit: int = 0  # keep only the newest this many checkpoints; 0 = keep all
+    resume: str = "auto"  # auto: continue from output_dir's latest checkpoint if there is one | never: refuse to reuse it
+    model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
 
 def register_configs() -> None:
@@ -100,22 +129,89 @@ class Resolved:
     world_size: int
     dp: int  # data-parallel degree = world_size / num_stages
     ds_json: dict  # the DeepSpeed JSON as written by the user (batch keys not yet filled)
-    model_config: object  # transformers.LlamaConfig of model_name_or_path
+    model_config: object  # transformers.LlamaConfig: model_name_or_path's config.json, or model.architecture
     warnings: list[str]
+    resume_tag: Optional[str] = None  # checkpoint in output_dir to continue from (resume=auto)
+
+    @property
+    def from_scratch(self) -> bool:
+        return not self.cfg.model_name_or_path
+
+
+# Fields that define the tensor shapes: a checkpoint and a chosen architecture must agree on them.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "tie_word_embeddings")
+
+
+def tokenizer_dir(cfg: TrainConfig) -> str:
+    """Where the tokenizer files are: the checkpoint, or model.tokenizer when training from scratch."""
+    return cfg.model_name_or_path or cfg.model.tokenizer
+
+
+def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
+    """(LlamaConfig or None, problems): from model_name_or_path, or from the model group's architecture."""
+    from transformers import LlamaConfig  # heavy import, only once the config parsed
+
+    arch = dict(cfg.model.architecture) if cfg.model.architecture is not None else None
+    if cfg.model_name_or_path:
+        if not os.path.isfile(os.path.join(cfg.model_name_or_path, "config.json")):
+            return None, [f"model_name_or_path {cfg.model_name_or_path}: no config.json there"]
+        config = LlamaConfig.from_pretrained(cfg.model_name_or_path)
+        if arch is None:
+            return config, []
+        chosen = LlamaConfig(**arch)
+        return config, [
+            f"model={cfg.model.name} has {f}={getattr(chosen, f)} but {cfg.model_name_or_path}/config.json has "
+            f"{getattr(config, f)}: drop the model= override or use a checkpoint of that architecture"
+            for f in SHAPE_FIELDS
+            if getattr(chosen, f) != getattr(config, f)
+        ]
+    if arch is None:
+        return None, ["no model: set model_name_or_path=CKPT_DIR (made by convert2ckpt.py) or, to train from "
+                      "scratch, model=<architecture in conf/model/> and model.tokenizer=DIR"]
+    problems = []
+    if not cfg.model.tokenizer or not any(os.path.isfile(os.path.join(cfg.model.tokenizer, f)) for f in TOKENIZER_FILES):
+        problems.append(f"model.tokenizer {cfg.model.tokenizer!r} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}): "
+                        f"training from scratch needs one (it is saved with every checkpoint)")
+    try:
+        return LlamaConfig(**arch), problems
+    except (TypeError, ValueError) as e:
+        return None, problems + [f"model.architecture is not a valid LlamaConfig: {e}"]
+
+
+def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], list[str]]:
+    """(tag to resume from, problems) for output_dir's ``latest`` checkpoint, if any."""
+    if cfg.resume not in RESUME_MODES:
+        return None, [f"resume {cfg.resume!r} unknown: choose one of {list(RESUME_MODES)}"]
+    latest = os.path.join(cfg.output_dir, "latest")
+    if not os.path.isfile(latest):
+        return None, []
+    with open(latest) as f:
+        tag = f.read().strip()
+    if cfg.resume == "never":
+        return None, [f"output_dir {cfg.output_dir} already holds a checkpoint ({tag}): set resume=auto to continue "
+                      f"it, or choose another output_dir"]
+    problems = []
+    if not os.path.isdir(os.path.join(cfg.output_dir, tag)):
+        problems.append(f"{latest} names {tag}, which is not in {cfg.output_dir}")
+    saved = os.path.join(cfg.output_dir, "config.json")
+    if model_config is not None and os.path.isfile(saved):
+        from transformers import LlamaConfig
+
+        old = LlamaConfig.from_pretrained(cfg.output_dir)
+        problems += [f"output_dir {cfg.output_dir} holds a checkpoint with {f}={getattr(old, f)}, this model has "
+                     f"{getattr(model_config, f)}: choose another output_dir" for f in SHAPE_FIELDS
+                     if getattr(old, f) != getattr(model_config, f)]
+    return tag, problems
 
 
 def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
     """Check every cross-field rule; raise :class:`ConfigError` listing all problems together."""
-    from transformers import LlamaConfig  # heavy import, only once the config parsed
-
     problems, warnings = [], []
-    model_config = None
-    if not cfg.model_name_or_path:
-        problems.append("model_name_or_path is not set: set it to a directory made by convert2ckpt.py")
-    elif not os.path.isfile(os.path.join(cfg.model_name_or_path, "config.json")):
-        problems.append(f"model_name_or_path {cfg.model_name_or_path}: no config.json there")
-    else:
-        model_config = LlamaConfig.from_pretrained(cfg.model_name_or_path)
+    model_config, model_problems = resolve_model(cfg)
+    problems += model_problems
+    resume_tag, resume_problems = find_resume(cfg, model_config)
+    problems += resume_problems
     ds_json, ds_problem = load_ds_json(cfg.ds_config)
     if ds_problem:
         problems.append(ds_problem)
@@ -135,7 +231,9 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
         )
     if cfg.partition_method not in PARTITION_METHODS:
         problems.append(f"partition_method {cfg.partition_method!r} unknown: choose one of {list(PARTITION_METHODS)}")
-    for name, minimum in (("micro_batch_size", 1), ("gradient_accumulation_steps", 1), ("max_steps", 0)):
+    for name, minimum in (("micro_batch_size", 1), ("gradient_accumulation_steps", 1), ("max_steps", 0), ("num_epochs", 0),
+                          ("activation_checkpoint_interval", 0), ("log_steps", 1), ("eval_steps", 0), ("save_steps", 0),
+                          ("save_total_limit", 0)):
         if getattr(cfg, name) < minimum:
             problems.append(f"{name} {getattr(cfg, name)} is out of range: set {name} >= {minimum}")
     if cfg.precision not in PRECISIONS:
@@ -148,7 +246,13 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
         problems.append(f"optim.betas {list(cfg.optim.betas)} must hold two numbers, e.g. optim.betas=[0.9,0.95]")
     if cfg.optim.max_grad_norm < 0:
         problems.append(f"optim.max_grad_norm {cfg.optim.max_grad_norm} < 0: set it >= 0 (0 = no clipping)")
+    if not 0 <= cfg.optim.min_lr <= cfg.optim.lr:
+        problems.append(f"optim.min_lr {cfg.optim.min_lr} must be in [0, optim.lr={cfg.optim.lr}]")
+    if cfg.monitor.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        problems.append("monitor.tensorboard=true needs the tensorboard package: pip install tensorboard")
     problems += data_problems(cfg)
+    if cfg.eval_steps and not (cfg.data.eval_file or cfg.data.eval_fraction):
+        warnings.append(f"eval_steps={cfg.eval_steps} but no eval data: set data.eval_file or data.eval_fraction")
 
     dp = world_size // k if k >= 1 and world_size % k == 0 else 0
     if dp:
@@ -162,7 +266,7 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
             problems += ds_json_conflicts(cfg, ds_json, dp)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-    return Resolved(cfg, world_size, dp, ds_json, model_config, warnings)
+    return Resolved(cfg, world_size, dp, ds_json, model_config, warnings, resume_tag)
 
 
 def default_packing(data: DataConfig) -> bool:
@@ -188,8 +292,10 @@ def data_problems(cfg: TrainConfig) -> list[str]:
         problems.append("data.eval_file and data.eval_fraction are both set: use one (set the other to its default)")
     if d.order_check_steps < 0:
         problems.append(f"data.order_check_steps {d.order_check_steps} < 0: set it >= 0 (0 = off)")
-    model_dir = cfg.model_name_or_path
-    if d.format in ("text", "sft") and model_dir and not any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
+    model_dir = tokenizer_dir(cfg)
+    if d.format in ("text", "sft") and cfg.model_name_or_path and not any(
+        os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES
+    ):
         problems.append(
             f"data.format={d.format} tokenizes with the model's tokenizer, but {model_dir} has none "
             f"({' or '.join(TOKENIZER_FILES)}): copy the tokenizer files there"

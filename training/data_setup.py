@@ -20,7 +20,8 @@ from torch.utils.data import Dataset
 from data.cache import DataSettings, TokenBlocks, build_or_reuse
 from data.guard import FingerprintingIterator, OrderGuard
 from data.sampling import MicroBatchIterator, PlaceholderDataset
-from training.config import TrainConfig, default_packing
+from data.sources import DataError
+from training.config import TrainConfig, default_packing, tokenizer_dir
 from training.distributed import on_all_ranks
 
 EVAL_SPLIT_SEED = 1234  # fixed, so the eval split does not move when the training seed changes
@@ -31,10 +32,21 @@ class RankData:
     """This rank's view of the data."""
 
     train: Dataset  # TokenBlocks on end stages, PlaceholderDataset in the middle
-    eval: Dataset | None
+    eval: Dataset | None  # None on middle stages and without eval data
     iterator: FingerprintingIterator | None  # None on middle stages: DeepSpeed never asks them
     guard: OrderGuard
     role: str  # "builds + reads", "reads" or "placeholder"
+    eval_samples: int  # known on every rank
+    eval_batches: int  # eval micro-batches per data-parallel rank (one pass, drop_last); 0 = no eval
+    micro_batch_size: int
+    dp_rank: int
+    dp_size: int
+
+    def eval_iterator(self) -> MicroBatchIterator | None:
+        """A fresh, unshuffled pass over this rank's eval shard (None on middle stages)."""
+        if self.eval is None:
+            return None
+        return MicroBatchIterator(self.eval, self.micro_batch_size, self.dp_rank, self.dp_size, shuffle=False, seed=0)
 
 
 def data_settings(cfg: TrainConfig, model_config) -> DataSettings:
@@ -77,13 +89,14 @@ def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> Ra
         if rank != builder:
             return None
         log = lambda msg: print(f"[data] rank {rank}: {msg}", flush=True)  # noqa: E731
-        train_entry, meta = build_or_reuse(cfg.data.train_file, settings, cfg.model_name_or_path, cache_dir(cfg), log)
+        train_entry, meta = build_or_reuse(cfg.data.train_file, settings, tokenizer_dir(cfg), cache_dir(cfg), log)
         eval_entry = None
         if cfg.data.eval_file:
-            eval_entry, _ = build_or_reuse(cfg.data.eval_file, settings, cfg.model_name_or_path, cache_dir(cfg), log)
+            eval_entry, _ = build_or_reuse(cfg.data.eval_file, settings, tokenizer_dir(cfg), cache_dir(cfg), log)
         n = meta["num_samples"]
         n_train = len(split_eval(n, cfg.data.eval_fraction)[0]) if cfg.data.eval_fraction > 0 else n
-        return {"host": host, "train": train_entry, "eval": eval_entry, "num_train": n_train}
+        n_eval = n - n_train if cfg.data.eval_fraction > 0 else (TokenBlocks(eval_entry).meta["num_samples"] if eval_entry else 0)
+        return {"host": host, "train": train_entry, "eval": eval_entry, "num_train": n_train, "num_eval": n_eval}
 
     results = on_all_ranks("preparing data", build)
     built = [r for r in results if r is not None]
@@ -98,9 +111,15 @@ def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> Ra
 
 def _open_rank_data(cfg: TrainConfig, coord, dp_size: int, reads: bool, is_builder: bool, host: str, built: list) -> RankData:
     k = cfg.num_stages
+    n_eval = built[0]["num_eval"]
+    if n_eval and n_eval < dp_size * cfg.micro_batch_size:
+        raise DataError(f"the eval set has {n_eval} samples, fewer than one micro-batch per data-parallel rank "
+                        f"(micro_batch_size {cfg.micro_batch_size} x dp {dp_size}): add eval data or raise data.eval_fraction")
+    shape = dict(eval_samples=n_eval, eval_batches=n_eval // dp_size // cfg.micro_batch_size,
+                 micro_batch_size=cfg.micro_batch_size, dp_rank=coord.data, dp_size=dp_size)
     if not reads:
         return RankData(PlaceholderDataset(built[0]["num_train"]), None, None,
-                        OrderGuard(None, cfg.data.order_check_steps, k, coord.data, coord.pipe), "placeholder")
+                        OrderGuard(None, cfg.data.order_check_steps, k, coord.data, coord.pipe), "placeholder", **shape)
     mine = next(r for r in built if r["host"] == host)
     train = TokenBlocks(mine["train"])
     evaluation = TokenBlocks(mine["eval"]) if mine["eval"] else None
@@ -111,4 +130,4 @@ def _open_rank_data(cfg: TrainConfig, coord, dp_size: int, reads: bool, is_build
         MicroBatchIterator(train, cfg.micro_batch_size, coord.data, dp_size, cfg.data.shuffle, cfg.seed)
     )
     guard = OrderGuard(iterator, cfg.data.order_check_steps, k, coord.data, coord.pipe)
-    return RankData(train, evaluation, iterator, guard, "builds + reads" if is_builder else "reads")
+    return RankData(train, evaluation, iterator, guard, "builds + reads" if is_builder else "reads", **shape)

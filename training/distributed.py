@@ -7,6 +7,7 @@ ranks raise the same error together, naming the ranks that failed.
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -34,3 +35,20 @@ def on_all_ranks(step: str, fn: Callable[[], Any]) -> list[Any]:
         others = [f"rank {r}: {e}" for r, e in errors if e != first]
         raise StartupError("\n".join([f"{step} failed on rank(s) {ranks}: {first}", *others]))
     return [result for result, _ in gathered]
+
+
+def release_cpu_comm_buffer() -> None:
+    """Unlink this rank's DeepSpeed shared-memory allreduce segment, if there is one.
+
+    On the CPU accelerator, DeepSpeed's shm collectives create a 66 MB segment per rank in /dev/shm,
+    named ``deepspeed_allreduce_buffer_<uid>_<master addr>_<master port>_<local rank>``, and never
+    remove it: every job leaks RAM, and a later job on the same address and port can attach to the
+    stale segment. Call after the final barrier; the mappings of other ranks stay valid.
+    """
+    name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), os.environ.get("LOCAL_RANK", "0")
+    )
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:
+        pass

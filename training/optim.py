@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import math
+import os
 
 import torch
 from torch import nn
@@ -41,6 +43,11 @@ def fill_ds_config(resolved: Resolved) -> dict:
             "torch_adam": not offload,
         },
     }
+    monitor_dir = os.path.join(os.path.abspath(cfg.output_dir), "monitor")
+    if cfg.monitor.tensorboard:
+        ds["tensorboard"] = {"enabled": True, "output_path": monitor_dir, "job_name": "tensorboard"}
+    if cfg.monitor.csv:
+        ds["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": "csv"}
     ds.setdefault("steps_per_print", DS_STEPS_PER_PRINT)
     ds.setdefault("wall_clock_breakdown", False)
     return ds
@@ -54,18 +61,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def lr_lambda(cfg: TrainConfig):
-    """Multiplier of optim.lr after ``step`` optimizer steps: linear warm-up, then the schedule."""
-    warmup = cfg.optim.warmup_steps
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    """Multiplier of optim.lr for the optimizer step after ``step`` completed ones (LambdaLR's counter).
+
+    Linear warm-up over ``warmup_steps`` (the first step uses lr / warmup_steps), then constant, or a
+    linear or cosine decay that reaches ``min_lr`` at the last step (``total_steps - 1``).
+    """
+    o = cfg.optim
+    warmup, floor = o.warmup_steps, o.min_lr / o.lr if o.lr > 0 else 0.0
 
     def factor(step: int) -> float:
         if warmup > 0 and step < warmup:
             return (step + 1) / warmup
-        return 1.0  # constant
+        if o.scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))  # 0 after warm-up .. 1 at the end
+        decay = 1.0 - progress if o.scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return floor + (1.0 - floor) * decay
 
     return factor
 
 
-def build_lr_scheduler(cfg: TrainConfig):
+def build_lr_scheduler(cfg: TrainConfig, total_steps: int):
     """A callable DeepSpeed accepts as ``lr_scheduler``: it gets the optimizer DeepSpeed built."""
-    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))

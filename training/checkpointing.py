@@ -1,0 +1,135 @@
+"""Checkpoints that a run can resume from exactly, and that ``latest`` names only once complete.
+
+A checkpoint is DeepSpeed's own (``engine.save_checkpoint``: layer files, engine and optimizer
+states, LR scheduler) plus one ``trainer_state_rank<R>.json`` per rank (step, sampler position, RNG
+states), plus the model config, tokenizer and resolved training config in ``output_dir``. The order
+of writing is what makes it safe:
+
+1. every rank writes its DeepSpeed files and its trainer state into ``<output_dir>/<tag>/``;
+2. all ranks meet at a barrier;
+3. rank 0 writes ``latest`` (to a temporary file, then renamed), then deletes checkpoints beyond
+   ``save_total_limit``.
+
+A crash before step 3 leaves ``latest`` naming the previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from models.checkpoint import LATEST_FILE, copy_side_files, copy_tokenizer_files, write_config
+from training.config import Resolved, tokenizer_dir
+
+TAG_PATTERN = re.compile(r"^global_step(\d+)$")  # DeepSpeed's default tag naming
+
+
+def tag_for(step: int) -> str:
+    return f"global_step{step}"
+
+
+def trainer_state_file(output_dir: str, tag: str, rank: int) -> str:
+    return os.path.join(output_dir, tag, f"trainer_state_rank{rank:05d}.json")
+
+
+def rng_state() -> dict:
+    """Python, NumPy and torch generator states, as JSON-serialisable lists."""
+    np_state = np.random.get_state()
+    return {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def save(resolved: Resolved, engine, step: int, iterator) -> str:
+    """Collective: write checkpoint ``global_step<step>``; returns its tag."""
+    cfg, rank = resolved.cfg, dist.get_rank()
+    tag = tag_for(step)
+    engine.save_checkpoint(cfg.output_dir, tag=tag, save_latest=False)
+    state = {"step": step, "world_size": dist.get_world_size(), "rng": rng_state(),
+             "iterator": iterator.state_dict() if iterator is not None else None}
+    with open(trainer_state_file(cfg.output_dir, tag, rank), "w") as f:
+        json.dump(state, f)
+    if rank == 0:
+        write_side_files(resolved)
+        OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.output_dir, tag, "train_config.yaml"))
+    dist.barrier()  # every rank's files are complete
+    if rank == 0:
+        tmp = os.path.join(cfg.output_dir, f".{LATEST_FILE}.tmp")
+        with open(tmp, "w") as f:
+            f.write(tag)
+        os.replace(tmp, os.path.join(cfg.output_dir, LATEST_FILE))
+        prune(cfg.output_dir, cfg.save_total_limit, keep=tag)
+    dist.barrier()
+    return tag
+
+
+def write_side_files(resolved: Resolved) -> None:
+    """config.json, tokenizer files and the resolved config, so output_dir is self-contained."""
+    cfg = resolved.cfg
+    if resolved.from_scratch:
+        write_config(resolved.model_config.to_dict(), cfg.output_dir)
+        copy_tokenizer_files(tokenizer_dir(cfg), cfg.output_dir)
+    elif os.path.abspath(cfg.model_name_or_path) != os.path.abspath(cfg.output_dir):
+        copy_side_files(cfg.model_name_or_path, cfg.output_dir, dtype=None)
+    OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.output_dir, "train_config.yaml"))
+
+
+def prune(output_dir: str, limit: int, keep: str) -> list[str]:
+    """Delete the oldest ``global_step*`` checkpoints beyond ``limit`` (never ``keep``)."""
+    if limit <= 0:
+        return []
+    tags = sorted((int(m.group(1)), name) for name in os.listdir(output_dir)
+                  if (m := TAG_PATTERN.match(name)) and os.path.isdir(os.path.join(output_dir, name)))
+    doomed = [name for _, name in tags[:-limit] if name != keep]
+    for name in doomed:
+        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+    return doomed
+
+
+def read_trainer_state(resolved: Resolved) -> dict:
+    """This rank's trainer state of the checkpoint being resumed (run through on_all_ranks)."""
+    cfg, tag = resolved.cfg, resolved.resume_tag
+    path = trainer_state_file(cfg.output_dir, tag, dist.get_rank())
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: {cfg.output_dir}/{tag} was not written by train.py with "
+                                f"{dist.get_world_size()} ranks")
+    with open(path) as f:
+        state = json.load(f)
+    if state["world_size"] != dist.get_world_size():
+        raise ValueError(f"{cfg.output_dir}/{tag} was written by {state['world_size']} ranks, this job has "
+                         f"{dist.get_world_size()}: resume with the same layout, or start a new output_dir with "
+                         f"model_name_or_path={cfg.output_dir} (weights only)")
+    return state
+
+
+def restore(resolved: Resolved, engine, iterator, state: dict) -> int:
+    """Collective: model, optimizer and LR schedule from DeepSpeed's files, then RNG and sampler
+    position from ``state``; returns the step the checkpoint was taken at."""
+    load_path, _ = engine.load_checkpoint(resolved.cfg.output_dir, tag=resolved.resume_tag)
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed could not load {resolved.cfg.output_dir}/{resolved.resume_tag}")
+    set_rng_state(state["rng"])
+    if iterator is not None:
+        iterator.load_state_dict(state["iterator"])
+    return state["step"]
