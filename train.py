@@ -148,17 +148,23 @@ def resume_or_start(resolved: Resolved, engine, data: RankData) -> int:
     return checkpointing.restore(resolved, engine, data.iterator, local["state"])
 
 
-def announce(resolved: Resolved, init_reports: list[dict], data_reports: list[dict], data: RankData,
+def announce(resolved: Resolved, engine, init_reports: list[dict], data_reports: list[dict], data: RankData,
              start_step: int, total_steps: int, steps_per_epoch: float) -> int:
-    """Print, from rank 0, what was built: per rank its stage, specs, parameters, weights and data."""
+    """Print, from rank 0, what was built: engine, per rank its stage, specs, parameters, weights and data."""
     cfg = resolved.cfg
+    offload = resolved.ds_json.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    log0(f"engine: {type(engine).__name__}, ZeRO stage {engine.zero_optimization_stage()}, optimizer "
+         f"{type(engine.basic_optimizer).__name__} (offload: {offload}), precision {cfg.precision}")
     global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * resolved.dp
     tokens_per_step = global_batch * cfg.data.max_seq_length
     log0(f"world {resolved.world_size} = pipe {cfg.num_stages} x data {resolved.dp} | global batch {global_batch} samples "
          f"= micro {cfg.micro_batch_size} x grad_acc {cfg.gradient_accumulation_steps} x dp {resolved.dp} | "
          f"{tokens_per_step} tokens/step")
-    log0(f"data: {len(data.train)} training samples ({steps_per_epoch:.1f} steps/epoch), {data.eval_samples} eval samples | "
-         f"steps {start_step + 1}..{total_steps}" + (f" (resumed from {resolved.resume_tag})" if start_step else ""))
+    if start_step >= total_steps:
+        plan = f"{resolved.resume_tag} is at step {start_step} >= {total_steps} steps to train: nothing to train (raise max_steps)"
+    else:
+        plan = f"steps {start_step + 1}..{total_steps}" + (f" (resumed from {resolved.resume_tag})" if start_step else "")
+    log0(f"data: {len(data.train)} training samples ({steps_per_epoch:.1f} steps/epoch), {data.eval_samples} eval samples | {plan}")
     for rank, (info, d) in enumerate(zip(init_reports, data_reports)):
         log0(f"rank {rank}: stage {info['stage']} specs {info['specs'][0]}..{info['specs'][-1]} "
              f"({len(info['specs'])} specs, {info['params'] / 1e6:.2f} M params) | {info['source']} in {info['seconds']:.2f} s "
@@ -197,7 +203,7 @@ def train(resolved: Resolved, engine, data: RankData, start_step: int, total_ste
             log0(f"saved checkpoint {tag} in {cfg.output_dir} (peak RSS {peak_rss_mb():.0f} MiB)")
     logger.close()
     if last_saved is None:
-        log0("no step to train (max_steps=0 or already reached): nothing trained, no checkpoint written")
+        log0("no step to train (max_steps=0): nothing trained, no checkpoint written")
 
 
 # An absolute path: Hydra resolves a relative one against the calling module, which breaks imports of train.
@@ -217,7 +223,7 @@ def main(dict_cfg: DictConfig) -> None:
         total_steps, steps_per_epoch = plan_steps(resolved, data)
         engine = build_engine(resolved, model, total_steps)
         start_step = resume_or_start(resolved, engine, data)
-        tokens_per_step = announce(resolved, init_reports, data_reports, data, start_step, total_steps, steps_per_epoch)
+        tokens_per_step = announce(resolved, engine, init_reports, data_reports, data, start_step, total_steps, steps_per_epoch)
         train(resolved, engine, data, start_step, total_steps, tokens_per_step)
         dist.barrier()
     except (StartupError, OrderMismatchError) as e:  # raised on every rank alike

@@ -80,7 +80,8 @@ def runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
         hf_to_stages(hf_dir, str(root / name))
 
     def launch(name: str, ranks: int, ckpt: str, **overrides):
-        proc = run_deepspeed(ranks, "train.py", train_args(str(root / ckpt), data, str(root / name), **overrides), str(root / f"{name}.log"))
+        args = train_args(str(root / ckpt), data, str(root / name), **overrides)
+        proc = run_deepspeed(ranks, "train.py", args, str(root / f"{name}.log"))
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         return proc
 
@@ -92,6 +93,9 @@ def runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
     launch("single", 1, "ckpt", num_stages=1, gradient_accumulation_steps=4, ds_config="zero0")
     # Four stages on four ranks: stages 1 and 2 are middle stages with placeholder data.
     launch("deep", 4, "ckpt", num_stages=4, gradient_accumulation_steps=4, ds_config="zero0")
+    # ZeRO-1 with the optimizer offloaded to the host (DeepSpeed's CPU Adam).
+    offload = launch("offload", 4, "ckpt", num_stages=2, gradient_accumulation_steps=2, ds="zero1_offload")
+    assert "optimizer DeepSpeedCPUAdam (offload: cpu)" in offload.stdout
     # Tied embeddings: the shared weight lives on the first and the last stage.
     launch("tied", 4, "ckpt_tied", num_stages=2, gradient_accumulation_steps=2, ds_config="zero0")
     ref_losses, ref_lrs, ref_model = reference_run(tiny_hf, samples, global_batch=MICRO * 4)
@@ -122,6 +126,10 @@ def test_pipe_x_data_losses_equal_reference_and_single_rank(runs):
         f"{max(rel(s['loss'], r) for s, r in zip(single, runs['ref_losses'])):.2e}, pipe4 vs reference "
         f"{max(rel(d['loss'], r) for d, r in zip(deep, runs['ref_losses'])):.2e}"
     )
+    offload = read_metrics(str(runs["root"] / "offload"))
+    offload_diff = max(rel(o["loss"], r) for o, r in zip(offload, runs["ref_losses"]))
+    print(f"max relative loss difference, ZeRO-1 + CPU offload pipe2xdata2 vs reference: {offload_diff:.2e}")
+    assert len(offload) == STEPS and offload_diff < REL_TOL
     tied = read_metrics(str(runs["root"] / "tied"))
     tied_diff = max(rel(t["loss"], r) for t, r in zip(tied, runs["tied_losses"]))
     print(f"max relative loss difference, tied embeddings pipe2xdata2 vs reference: {tied_diff:.2e}")

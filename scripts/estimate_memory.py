@@ -1,0 +1,138 @@
+"""Per-GPU memory of a layout, and the layouts that fit a cluster (formulas: training/memory_plan.py).
+
+    python scripts/estimate_memory.py --model llama2-70b --stages 8 --dp 2 --zero 1 --offload optimizer \\
+        --micro-batch 1 --seq-len 4096 --grad-accum 16 --checkpointing
+    python scripts/estimate_memory.py --model llama2-70b --gpus 16 --gpu-mem 80 --seq-len 4096
+    python scripts/estimate_memory.py --model 7.5e9 --dp 64 --zero 3        # a bare parameter count
+
+--model is a conf/model name, a Hugging Face config.json (or its directory), or a parameter count
+(model states only: activations need an architecture).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from training.memory_plan import GB, Layout, Shape, estimate, fitting  # noqa: E402
+
+SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+
+
+def load_model(spec: str):
+    """(LlamaConfig or None, total parameters)."""
+    m = re.fullmatch(r"([\d.]+(?:e\d+)?)([KMBT]?)", spec.strip(), re.IGNORECASE)
+    if m:
+        return None, float(m.group(1)) * SUFFIX.get(m.group(2).upper(), 1)
+    from transformers import LlamaConfig
+
+    if os.path.isfile(os.path.join(ROOT, "conf", "model", f"{spec}.yaml")):
+        import yaml
+
+        with open(os.path.join(ROOT, "conf", "model", f"{spec}.yaml")) as f:
+            arch = yaml.safe_load(f)["architecture"]
+        if arch is None:
+            raise SystemExit(f"conf/model/{spec}.yaml takes its architecture from a checkpoint: pass that checkpoint's config.json")
+        config = LlamaConfig(**arch)
+    elif os.path.exists(spec):
+        config = LlamaConfig.from_pretrained(os.path.dirname(spec) if spec.endswith(".json") else spec)
+    else:
+        names = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "conf", "model")) if f.endswith(".yaml"))
+        raise SystemExit(f"--model {spec!r}: not a parameter count, a file, or one of {names}")
+    return config, None
+
+
+def spec_param_counts(config) -> list[int]:
+    """Parameters of every spec (a tied head counts again, as DeepSpeed's partitioner counts it)."""
+    from models.llama_pipe import build_specs, expected_state_shapes
+
+    return [sum(math.prod(s) for s in expected_state_shapes(spec).values()) for spec in build_specs(config)]
+
+
+def splitter(config, total: float | None):
+    """stages -> (parameters per stage, decoder layers per stage), partitioned as train.py partitions."""
+    if config is None:
+        return lambda stages: ([total / stages] * stages, None)
+    from deepspeed.runtime.utils import partition_balanced
+
+    from models.llama_pipe import spec_layout
+
+    counts, kinds = spec_param_counts(config), [info.kind for info in spec_layout(config)]
+
+    def split(stages: int):
+        parts = partition_balanced(weights=counts, num_parts=stages)
+        params = [float(sum(counts[parts[p]:parts[p + 1]])) for p in range(stages)]
+        layers = [kinds[parts[p]:parts[p + 1]].count("decoder") for p in range(stages)]
+        return params, layers
+
+    return split
+
+
+def shape_of(config) -> Shape | None:
+    if config is None:
+        return None
+    return Shape(config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+                 config.num_attention_heads, config.num_key_value_heads, config.vocab_size)
+
+
+def report(config, total, layout: Layout) -> None:
+    params, layers = splitter(config, total)(layout.stages)
+    e = estimate(params, layout, shape_of(config), layers)
+    print(f"layout: {layout.describe()}")
+    print(f"parameters: {sum(params) / 1e9:.3f} B in {layout.stages} stage(s), most loaded: stage {e.stage} "
+          f"({params[e.stage] / 1e9:.3f} B)")
+    rows = [("weights", e.params), ("gradients", e.grads), ("optimizer states", e.optimizer), ("model states", e.model_states)]
+    if e.activations is not None:
+        rows += [("activations", e.activations), ("total", e.total)]
+    for name, value in rows:
+        print(f"  {name:<17} {value / GB:10.2f} GB")
+    if e.activations is None:
+        print("  (activations need an architecture: pass a conf/model name or a config.json)")
+
+
+def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
+    num_layers = config.num_hidden_layers if config is not None else None
+    found = fitting(splitter(config, total), shape_of(config), gpus, gpu_mem, num_layers, args.micro_batch,
+                    args.seq_len, args.grad_accum, args.dtype)
+    print(f"layouts that fit {gpus} x {gpu_mem:g} GB, cheapest first (estimate incl. activations, GB per GPU):")
+    for layout, e in found[: args.top]:
+        print(f"  {e.total / GB:7.1f}  {layout.describe()}")
+    if not found:
+        print("  none: add GPUs, shorten sequences or use a smaller micro-batch")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    p.add_argument("--zero", type=int, default=0, choices=range(4))
+    p.add_argument("--offload", choices=("none", "optimizer", "params"), default="none",
+                   help="optimizer: optimizer states on the host; params: weights too (ZeRO-3)")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--grad-accum", type=int, default=8, help="micro-batches per step (pipeline in-flight bound)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--gpus", type=int, help="with --gpu-mem: list the layouts that fit")
+    p.add_argument("--gpu-mem", type=float, help="GB per GPU")
+    p.add_argument("--top", type=int, default=10, help="how many fitting layouts to list")
+    args = p.parse_args()
+
+    config, total = load_model(args.model)
+    if args.gpus and args.gpu_mem:
+        fits(config, total, args.gpus, args.gpu_mem, args)
+        return
+    layout = Layout(args.stages, args.dp, args.zero, args.offload != "none", args.offload == "params",
+                    args.micro_batch, args.seq_len, args.grad_accum, args.checkpointing, args.dtype)
+    report(config, total, layout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The memory planner: the ZeRO paper's figures, monotonicity, and a fit list worked by hand."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from training.memory_plan import GB, Layout, estimate, fitting
+
+
+def states_gb(psi: float, **layout) -> float:
+    return estimate([psi], Layout(**layout)).model_states / GB
+
+
+def test_reproduces_the_zero_paper_model_states():
+    """Rajbhandari et al. 2020, Figure 1 / Table 1: 7.5 B parameters, Nd = 64, K = 12."""
+    assert [round(states_gb(7.5e9, dp=64, zero=z), 1) for z in range(4)] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_memory_falls_with_zero_stage_and_data_parallel_degree():
+    for dp in (1, 2, 8, 64):
+        by_stage = [states_gb(1e9, dp=dp, zero=z) for z in range(4)]
+        assert by_stage == sorted(by_stage, reverse=True)
+    for z in (1, 2, 3):
+        by_dp = [states_gb(1e9, dp=dp, zero=z) for dp in (1, 2, 4, 8)]
+        assert by_dp == sorted(by_dp, reverse=True) and by_dp[0] > by_dp[-1]
+    assert states_gb(1e9, dp=8, zero=1, offload_optimizer=True) == 4.0  # bf16 weights + gradients stay
+
+
+def test_fit_list_worked_by_hand():
+    """10 B parameters (model states only), 8 GPUs x 40 GB. By hand, with psi = 10 B / stages:
+    pipe 1 x dp 8: ZeRO-2 20+140/8=37.5, ZeRO-3 160/8=20, ZeRO-1+offload 40, ZeRO-2+offload 22.5,
+    ZeRO-3+offload 5, ZeRO-3+offload(params) 2.5 fit; ZeRO-0 160 and ZeRO-1 40+15 do not.
+    pipe 2 x dp 4 (psi 5): ZeRO-1 20+15=35 and ZeRO-1+offload 20 fit, ZeRO-0 80 does not.
+    pipe 4 x dp 2 (psi 2.5): ZeRO-0 40, ZeRO-1 25, +offload 10. pipe 8 x dp 1 (psi 1.25): all three."""
+    found = fitting(lambda s: ([10e9 / s] * s, None), None, gpus=8, gpu_mem_gb=40, num_layers=None,
+                    micro_batch=1, seq_len=2048, grad_accum=8, dtype="bf16")
+    got = {(l.stages, l.zero, l.offload_optimizer, l.offload_params) for l, _ in found if not l.checkpointing}
+    assert got == {
+        (1, 2, False, False), (1, 3, False, False), (1, 1, True, False), (1, 2, True, False), (1, 3, True, False),
+        (1, 3, True, True), (2, 1, False, False), (2, 1, True, False), (4, 0, False, False), (4, 1, False, False),
+        (4, 1, True, False), (8, 0, False, False), (8, 1, False, False), (8, 1, True, False),
+    }
+    first = found[0][0]
+    assert (first.stages, first.zero, first.offload_optimizer) == (4, 0, False)  # no offload, ZeRO-0: cheapest
+
+
+def test_activations_grow_with_sequence_and_shrink_with_checkpointing():
+    from training.memory_plan import Shape
+
+    shape = Shape(hidden=4096, ffn=11008, layers=32, heads=32, kv_heads=32, vocab=32000)
+    acts = lambda **kw: estimate([6.7e9], Layout(**kw), shape, [32]).activations  # noqa: E731
+    assert acts(seq_len=4096) > acts(seq_len=2048) > acts(seq_len=2048, checkpointing=True)
+
+
+def test_cli_on_a_reference_model():
+    proc = subprocess.run([sys.executable, "scripts/estimate_memory.py", "--model", "llama2-70b", "--stages", "8", "--dp", "2",
+                           "--zero", "1", "--offload", "optimizer", "--seq-len", "4096", "--grad-accum", "16",
+                           "--checkpointing"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "parameters: 68.977 B in 8 stage(s)" in proc.stdout and "optimizer states        0.00 GB" in proc.stdout

@@ -1,0 +1,154 @@
+"""Per-GPU memory of a training layout, before booking the GPUs.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, section 3/5): with mixed-precision Adam
+every parameter costs 2 bytes (bf16/fp16 weights) + 2 (gradients) + K=12 (fp32 master weights,
+momentum, variance). Per GPU, for the parameters Psi of its pipeline stage and data-parallel degree Nd:
+
+    ZeRO-0   (2 + 2 + K) Psi            ZeRO-2   2 Psi + (2 + K) Psi / Nd
+    ZeRO-1   (2 + 2) Psi + K Psi / Nd   ZeRO-3   (2 + 2 + K) Psi / Nd
+
+Optimizer offload moves the K part to host memory; ZeRO-3 parameter offload moves the weights too
+(the GPU keeps about one layer). fp32 training uses 4 + 4 bytes for weights and gradients and K=8
+(momentum, variance; the weights are their own master copy).
+
+Activations are estimated for Llama in 16-bit (SDPA/flash attention, so no S x S score matrix is
+kept): per decoder layer and micro-batch of B x S tokens, the saved tensors are about
+(6 + 2 * kv_heads / heads) * B*S*H + 4 * B*S*F elements (norm inputs/outputs, q/k/v, attention and
+projection outputs, the three SwiGLU tensors of width F). Activation checkpointing keeps only the
+layer inputs (B*S*H each) plus one layer being recomputed. With the 1F1B pipeline schedule stage p
+holds min(stages - p, micro-batches) micro-batches in flight. The last stage also holds the logits
+(B*S*V in 16-bit plus the fp32 copy the loss uses).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+GB = 1e9  # the ZeRO paper and GPU vendors count decimal gigabytes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job."""
+
+    stages: int = 1
+    dp: int = 1
+    zero: int = 0  # 0..3
+    offload_optimizer: bool = False
+    offload_params: bool = False  # ZeRO-3 only
+    micro_batch: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 8  # micro-batches per step: how many are in flight in the pipeline
+    checkpointing: bool = False
+    dtype: str = "bf16"  # bf16 | fp16 (mixed precision, K=12) | fp32 (K=8)
+
+    def describe(self) -> str:
+        off = "+offload(opt" + ("+params" if self.offload_params else "") + ")" if self.offload_optimizer else ""
+        return (f"pipe {self.stages} x data {self.dp}, ZeRO-{self.zero}{off}, micro {self.micro_batch} x seq {self.seq_len}"
+                f"{', act. ckpt' if self.checkpointing else ''}, {self.dtype}")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the activation estimate needs from the architecture."""
+
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+
+@dataclass
+class Estimate:
+    """Bytes per GPU on the most loaded stage."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float | None  # None: no architecture given (a bare parameter count)
+    stage: int  # which stage is the most loaded
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + (self.activations or 0.0)
+
+
+def model_state_bytes(psi: float, layout: Layout) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) bytes per GPU for ``psi`` parameters of one stage."""
+    w, g, k = (4, 4, 8) if layout.dtype == "fp32" else (2, 2, 12)
+    nd = layout.dp
+    shard = {0: (1, 1, 1), 1: (1, 1, nd), 2: (1, nd, nd), 3: (nd, nd, nd)}[layout.zero]
+    params, grads, optim = w * psi / shard[0], g * psi / shard[1], k * psi / shard[2]
+    if layout.offload_optimizer:
+        optim = 0.0
+    if layout.offload_params:
+        params = 0.0
+    return params, grads, optim
+
+
+def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: int, last: bool) -> float:
+    tokens = layout.micro_batch * layout.seq_len
+    elem = 4 if layout.dtype == "fp32" else 2
+    per_layer = ((6 + 2 * shape.kv_heads / shape.heads) * shape.hidden + 4 * shape.ffn) * tokens * elem
+    if layout.checkpointing:
+        per_micro = layers_on_stage * shape.hidden * tokens * elem + per_layer  # inputs + one recomputed layer
+    else:
+        per_micro = layers_on_stage * per_layer
+    in_flight = min(layout.stages - stage, layout.grad_accum)
+    logits = tokens * shape.vocab * (elem + 4) if last else 0.0  # 16-bit logits + fp32 copy for the loss
+    return in_flight * per_micro + logits
+
+
+def estimate(stage_params: list[float], layout: Layout, shape: Shape | None = None,
+             stage_layers: list[int] | None = None) -> Estimate:
+    """Per-GPU memory of the most loaded stage. ``stage_params[p]``: parameters of stage p."""
+    best = None
+    for p, psi in enumerate(stage_params):
+        params, grads, optim = model_state_bytes(psi, layout)
+        acts = None
+        if shape is not None:
+            acts = activation_bytes(shape, layout, p, stage_layers[p], last=p == len(stage_params) - 1)
+        e = Estimate(params, grads, optim, acts, p)
+        if best is None or e.total > best.total:
+            best = e
+    return best
+
+
+def layouts_for(gpus: int, num_layers: int | None, micro_batch: int, seq_len: int, grad_accum: int, dtype: str):
+    """Every layout worth trying on ``gpus`` GPUs, cheapest in communication and compute first.
+
+    Order: no offload before optimizer offload before parameter offload; no activation checkpointing
+    before checkpointing; lower ZeRO stage first; fewer pipeline stages first.
+    """
+    candidates = []
+    for stages in (s for s in range(1, gpus + 1) if gpus % s == 0 and (num_layers is None or s <= num_layers)):
+        for zero, opt_off, par_off, ckpt in itertools.product(range(4), (False, True), (False, True), (False, True)):
+            if stages > 1 and zero > 1:
+                continue  # DeepSpeed's pipeline engine: ZeRO 0 and 1 only
+            if (opt_off and zero == 0) or (par_off and (zero != 3 or not opt_off)):
+                continue  # offload needs ZeRO; parameter offload needs ZeRO-3 with optimizer offload
+            layout = Layout(stages, gpus // stages, zero, opt_off, par_off, micro_batch, seq_len, grad_accum, ckpt, dtype)
+            candidates.append(((par_off + opt_off, ckpt, zero, stages), layout))
+    return [layout for _, layout in sorted(candidates, key=lambda c: c[0])]
+
+
+def fitting(split, shape: Shape | None, gpus: int, gpu_mem_gb: float, num_layers: int | None, micro_batch: int,
+            seq_len: int, grad_accum: int, dtype: str) -> list[tuple[Layout, Estimate]]:
+    """Layouts whose most loaded GPU fits ``gpu_mem_gb``, cheapest first (see layouts_for).
+
+    ``split(stages)`` gives (parameters per stage, decoder layers per stage or None).
+    """
+    out = []
+    for layout in layouts_for(gpus, num_layers, micro_batch, seq_len, grad_accum, dtype):
+        params, layers = split(layout.stages)
+        e = estimate(params, layout, shape, layers)
+        if e.total <= gpu_mem_gb * GB:
+            out.append((layout, e))
+    return out
