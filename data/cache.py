@@ -88,6 +88,9 @@ def build_or_reuse(path: str, settings: DataSettings, tokenizer_dir: str | None,
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if len(tokenizer) > settings.vocab_size:
+            raise DataError(f"the tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens but the model's embedding has "
+                            f"{settings.vocab_size} rows: use the model's own tokenizer, or resize the model")
     stats = SourceStats()
     examples = read_examples(path, settings.format, tokenizer, settings.max_seq_length, settings.vocab_size,
                              settings.skip_bad_lines, stats)

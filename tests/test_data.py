@@ -179,6 +179,12 @@ def test_bad_input_names_file_and_line(tmp_path, tokenizer_dir, fmt, content, me
     assert not os.listdir(tmp_path / "cache") if (tmp_path / "cache").exists() else True  # no entry left behind
 
 
+def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, tokenizer_dir):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    with pytest.raises(DataError, match="has 512 tokens but the model's embedding has 300 rows"):
+        build_or_reuse(path, settings(vocab=300), tokenizer_dir, str(tmp_path / "cache"), print)
+
+
 def test_skip_bad_lines_counts_and_every_example_filtered_is_an_error(tmp_path, tokenizer_dir):
     (tmp_path / "d.jsonl").write_bytes(b'{"text": "a b c"}\nnot json\n{"x": 1}\n{"text": "d e f"}\n')
     entry, meta = build_or_reuse(str(tmp_path / "d.jsonl"), settings(skip=True), tokenizer_dir, str(tmp_path / "cache"), print)
