@@ -10,6 +10,7 @@ engine -> resume -> loop (eval, checkpoints). Each step is a short function belo
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import socket
@@ -22,13 +23,14 @@ sys.argv = [a for a in sys.argv if not a.startswith("--local_rank")]
 
 import deepspeed  # noqa: E402
 import hydra  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from data.guard import OrderMismatchError  # noqa: E402
 from models.checkpoint import load_stage_weights, local_modules, peak_rss_mb  # noqa: E402
-from models.llama_pipe import build_pipeline_model, init_weights_, spec_layout  # noqa: E402
+from models.llama_pipe import LlamaStack, build_pipeline_model, causal_lm_loss, init_weights_, spec_layout  # noqa: E402
 from training import checkpointing  # noqa: E402
 from training.config import ConfigError, Resolved, TrainConfig, register_configs, resolve  # noqa: E402
 from training.data_setup import RankData, prepare_rank_data  # noqa: E402
@@ -69,8 +71,11 @@ def init_topology(resolved: Resolved) -> PipeDataParallelTopology:
 
 
 def build_model(resolved: Resolved, topology: PipeDataParallelTopology):
-    """The pipeline module; this rank builds only its own stage's layers."""
+    """The pipeline module (this rank builds only its own stage's layers), or, for num_stages=1 with
+    ZeRO 2/3, every spec in one module for DeepSpeed's data-parallel engine (ZeRO shards it)."""
     cfg = resolved.cfg
+    if not resolved.uses_pipeline:
+        return LlamaStack(resolved.model_config, activation_checkpointing=cfg.activation_checkpoint_interval > 0)
     return build_pipeline_model(resolved.model_config, topology, cfg.partition_method, cfg.activation_checkpoint_interval)
 
 
@@ -174,11 +179,40 @@ def announce(resolved: Resolved, engine, init_reports: list[dict], data_reports:
     return tokens_per_step
 
 
+def train_step(resolved: Resolved, engine, data: RankData) -> float:
+    """One optimizer step; the loss is the mean over the global batch, identical on every rank."""
+    if resolved.uses_pipeline:
+        return engine.train_batch(data_iter=data.iterator).item()
+    losses = []
+    for _ in range(resolved.cfg.gradient_accumulation_steps):
+        (input_ids, position_ids), labels = next(data.iterator)
+        loss = causal_lm_loss(engine(input_ids, position_ids), labels)
+        engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
+        engine.step()  # applies the optimizer at the accumulation boundary only
+        losses.append(loss.detach())
+    return mean_over_ranks(torch.stack(losses).mean())
+
+
 def evaluate(resolved: Resolved, engine, data: RankData, step: int, logger: StepLogger) -> None:
-    """One pass over the eval data (every rank's shard), through the pipeline without gradients."""
+    """One pass over the eval data (every rank's shard), without gradients."""
     start = time.time()
-    loss = engine.eval_batch(data_iter=data.eval_iterator(), num_micro_batches=data.eval_batches).item()
+    if resolved.uses_pipeline:
+        loss = engine.eval_batch(data_iter=data.eval_iterator(), num_micro_batches=data.eval_batches).item()
+    else:
+        engine.eval()
+        with torch.no_grad():
+            batches = itertools.islice(data.eval_iterator(), data.eval_batches)
+            losses = [causal_lm_loss(engine(ids, pos), labels) for (ids, pos), labels in batches]
+        engine.train()
+        loss = mean_over_ranks(torch.stack(losses).mean())
     logger.log_eval(step, loss, time.time() - start)
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    """The mean of a scalar over all ranks (data-parallel engine: every rank is a replica)."""
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
 
 
 def train(resolved: Resolved, engine, data: RankData, start_step: int, total_steps: int, tokens_per_step: int) -> None:
@@ -187,14 +221,14 @@ def train(resolved: Resolved, engine, data: RankData, start_step: int, total_ste
     logger = StepLogger(cfg.output_dir, total_steps, tokens_per_step, cfg.log_steps, dist.get_rank() == 0, start_step)
     last_saved = start_step if resolved.resume_tag else None
     for step in range(start_step + 1, total_steps + 1):
-        lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside train_batch
-        loss = engine.train_batch(data_iter=data.iterator)  # mean over the global batch, on every rank
+        lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside the step
+        loss = train_step(resolved, engine, data)
         data.guard.after_step(step)
         if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
             log0(f"data order check passed: first and last stage of every pipeline loaded the same "
                  f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}")
         grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
-        logger.log(step, loss.item(), lr, None if grad_norm is None else float(grad_norm))
+        logger.log(step, loss, lr, None if grad_norm is None else float(grad_norm))
         if data.eval_batches and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
             evaluate(resolved, engine, data, step, logger)
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import ProcessTopology
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
@@ -272,6 +273,35 @@ def init_weights_(module: nn.Module, config: LlamaConfig, seed: int) -> None:
                 m.weight[m.padding_idx].zero_()
         elif isinstance(m, LlamaRMSNorm):
             m.weight.fill_(1.0)
+
+
+class LlamaStack(nn.Module):
+    """Every spec in one module, for DeepSpeed's data-parallel engine (``num_stages=1`` with ZeRO 2/3).
+
+    The same modules in the same order as the pipeline (so the same layer files, weights and
+    numbers); ``forward`` chains them like ``PipelineModule.forward``. It carries the attributes of a
+    one-stage ``PipelineModule`` that ``models.checkpoint.local_modules`` reads, so loading, seeded
+    initialisation and layer-file export are the pipeline's code paths.
+    """
+
+    def __init__(self, config: LlamaConfig, activation_checkpointing: bool = False):
+        super().__init__()
+        self._layer_specs = build_specs(config)
+        self.forward_funcs = build_sequential(config)
+        self._local_start, self._local_stop, self.stage_id = 0, len(self._layer_specs), 0
+        # Registered once each (a tied head is a partial over the embedding module).
+        self.layers = nn.ModuleList([f for f in self.forward_funcs if isinstance(f, nn.Module)])
+        self.tied_modules = {s.key: self.forward_funcs[0] for s in self._layer_specs if isinstance(s, TiedLayerSpec)}
+        self.activation_checkpointing = activation_checkpointing
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = (input_ids, position_ids)  # [B,S] int64 each
+        for f in self.forward_funcs:
+            if self.activation_checkpointing and isinstance(f, DecoderLayerPipe) and self.training:
+                x = (checkpoint(lambda h, p, f=f: f((h, p))[0], x[0], x[1], use_reentrant=False), x[1])
+            else:
+                x = f(x)
+        return x  # logits [B,S,V]
 
 
 def build_sequential(config: LlamaConfig) -> list[nn.Module | partial]:

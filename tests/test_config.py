@@ -264,3 +264,28 @@ def test_training_stops_at_max_steps_or_after_num_epochs(max_steps, num_epochs, 
     resolved = SimpleNamespace(cfg=cfg, dp=2)
     total, per_epoch = train.plan_steps(resolved, SimpleNamespace(train=range(100)))
     assert per_epoch == 5 and total == expected
+
+
+def test_zero_plus_plus_quantized_weights_are_refused_on_cpu(good):
+    good.num_stages, good.ds_config = 1, "zeropp"
+    assert "ZeRO++ quantized weights (zero_quantized_weights), whose quantizer kernel the CPU accelerator lacks" in problems_of(good, 4)
+
+
+def test_every_ds_config_trains_or_is_refused_before_training(good):
+    """Each JSON in ds_configs/ is trained by tests/test_train_parity.py, or refused by validation."""
+    from tests.test_train_parity import TRAINED_CONFIGS
+    from training.config import available_ds_configs
+
+    for name in available_ds_configs():
+        if name in TRAINED_CONFIGS:
+            continue
+        good.num_stages, good.ds_config = 1, name
+        with pytest.raises(ConfigError):
+            resolve(good, 4)
+
+
+def test_zero_2_and_3_choose_the_data_parallel_engine(good):
+    good.num_stages, good.ds_config = 1, "zero3"
+    assert not resolve(good, 4).uses_pipeline
+    good.ds_config = "zero1"
+    assert resolve(good, 4).uses_pipeline

@@ -130,3 +130,34 @@ def test_activation_checkpointing_recomputes_decoder_layers(tmp_path, tiny_hf):
         f"output_dir={tmp_path / 'out'}", "activation_checkpoint_interval=1"], str(tmp_path / "log.txt"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "DECODER_FORWARDS rank 0: 16" in proc.stdout
+
+
+def test_zero3_data_parallel_run_resumes_exactly_and_exports(tmp_path, tiny_hf, corpus):
+    """num_stages=1 with ZeRO-3 (DeepSpeed's data-parallel engine): the same checkpoints, resume and export."""
+    ckpt = str(tmp_path / "ckpt")
+    hf_to_stages(tiny_hf, ckpt)
+    def args(out) -> list[str]:
+        return run_args(ckpt, corpus, out, tmp_path / "cache", num_stages=1, ds="zero3", max_steps=4, save_steps=2,
+                        save_total_limit=0)
+
+    full = run_deepspeed(2, "train.py", args(tmp_path / "A"), str(tmp_path / "A.log"))
+    assert full.returncode == 0, (full.stdout + full.stderr)[-4000:]
+    assert "engine: DeepSpeedEngine, ZeRO stage 3" in full.stdout
+    shutil.copytree(tmp_path / "A", tmp_path / "B")
+    shutil.rmtree(tmp_path / "B" / "global_step4")
+    (tmp_path / "B" / "latest").write_text("global_step2")
+    resumed = run_deepspeed(2, "train.py", args(tmp_path / "B"), str(tmp_path / "B.log"))
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert [m["loss"] for m in read_metrics(str(tmp_path / "B"))] == [m["loss"] for m in read_metrics(str(tmp_path / "A"))]
+    for name in sorted(os.listdir(tmp_path / "A" / "global_step4")):
+        if name.startswith("layer_"):
+            a_state, b_state = (load_layer_file(str(tmp_path / r / "global_step4" / name)) for r in "AB")
+            assert all(torch.equal(a_state[k], b_state[k]) for k in a_state), name
+    proc = subprocess.run([sys.executable, "convert2ckpt.py", "--to-hf", "--input", str(tmp_path / "A"), "--output",
+                           str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    from transformers import LlamaForCausalLM
+
+    exported = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    trained = load_layer_file(str(tmp_path / "A" / "global_step4" / "layer_02-model_states.pt"))
+    assert torch.equal(exported.model.layers[1].mlp.up_proj.weight, trained["mlp.up_proj.weight"])

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from models.checkpoint import LATEST_FILE, copy_side_files, copy_tokenizer_files, write_config
+from models.checkpoint import LATEST_FILE, copy_side_files, copy_tokenizer_files, local_modules, write_config
+from models.llama_pipe import layer_file_name
 from training.config import Resolved, tokenizer_dir
 
 TAG_PATTERN = re.compile(r"^global_step(\d+)$")  # DeepSpeed's default tag naming
@@ -66,6 +67,8 @@ def save(resolved: Resolved, engine, step: int, iterator) -> str:
     cfg, rank = resolved.cfg, dist.get_rank()
     tag = tag_for(step)
     engine.save_checkpoint(cfg.output_dir, tag=tag, save_latest=False)
+    if not resolved.uses_pipeline:
+        write_layer_files(engine.module, resolved.model_config, os.path.join(cfg.output_dir, tag))
     state = {"step": step, "world_size": dist.get_world_size(), "rng": rng_state(),
              "iterator": iterator.state_dict() if iterator is not None else None}
     with open(trainer_state_file(cfg.output_dir, tag, rank), "w") as f:
@@ -82,6 +85,22 @@ def save(resolved: Resolved, engine, step: int, iterator) -> str:
         prune(cfg.output_dir, cfg.save_total_limit, keep=tag)
     dist.barrier()
     return tag
+
+
+def write_layer_files(module, config, tag_dir: str) -> None:
+    """Collective, data-parallel engine: the pipeline's per-spec layer files, written by rank 0.
+
+    Under ZeRO-3 each module's parameters are gathered first (a no-op for ZeRO 0-2), so the
+    checkpoint exports with ``convert2ckpt.py --to-hf`` and loads as ``model_name_or_path`` exactly
+    like one saved by the pipeline engine.
+    """
+    import deepspeed
+
+    for index, m in local_modules(module):
+        with deepspeed.zero.GatheredParameters(list(m.parameters()), modifier_rank=None):
+            if dist.get_rank() == 0:
+                state = {k: v.detach().clone() for k, v in m.state_dict().items()}
+                torch.save(state, os.path.join(tag_dir, layer_file_name(index)))
 
 
 def write_side_files(resolved: Resolved) -> None:

@@ -137,6 +137,15 @@ class Resolved:
     def from_scratch(self) -> bool:
         return not self.cfg.model_name_or_path
 
+    @property
+    def zero_stage(self) -> int:
+        return self.ds_json.get("zero_optimization", {}).get("stage", 0)
+
+    @property
+    def uses_pipeline(self) -> bool:
+        """DeepSpeed's pipeline engine (ZeRO 0/1), or its data-parallel engine (num_stages=1, ZeRO 2/3)."""
+        return self.cfg.num_stages > 1 or self.zero_stage < 2
+
 
 # Fields that define the tensor shapes: a checkpoint and a chosen architecture must agree on them.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -303,6 +312,12 @@ def data_problems(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+def _accelerator_name() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
 def _fp16_supported() -> bool:
     from deepspeed.accelerator import get_accelerator
 
@@ -338,7 +353,13 @@ def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, dp: int) -> list[str]:
         enabled = ds_json.get(key, {}).get("enabled", False)
         if enabled and cfg.precision != key:
             problems.append(f"ds_config enables {key} but precision={cfg.precision}: remove '{key}' from the JSON or set precision={key}")
-    stage = ds_json.get("zero_optimization", {}).get("stage", 0)
+    zero = ds_json.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if zero.get("zero_quantized_weights") and _accelerator_name() == "cpu":
+        problems.append(
+            "ds_config uses ZeRO++ quantized weights (zero_quantized_weights), whose quantizer kernel the CPU accelerator "
+            "lacks ('This op had not been implemented on CPU backend'): run on GPUs, or use ds=zero3 here"
+        )
     if stage >= 2 and cfg.num_stages > 1:
         problems.append(
             f"ZeRO stage {stage} with num_stages={cfg.num_stages}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only "
