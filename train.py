@@ -238,6 +238,16 @@ def train(resolved: Resolved, engine, data: RankData, start_step: int, total_ste
     logger.close()
     if last_saved is None:
         log0("no step to train (max_steps=0): nothing trained, no checkpoint written")
+    peaks = on_all_ranks("reporting memory", peak_memory_mib)
+    log0("peak memory per rank (MiB): " + ", ".join(f"rank {r} {p}" for r, p in enumerate(peaks)))
+
+
+def peak_memory_mib() -> str:
+    """This rank's peak host RSS, and its peak accelerator memory where there is one."""
+    host = f"host {peak_rss_mb():.0f}"
+    if torch.cuda.is_available():
+        return f"{host} / GPU {torch.cuda.max_memory_allocated() / 2**20:.0f}"
+    return host
 
 
 # An absolute path: Hydra resolves a relative one against the calling module, which breaks imports of train.

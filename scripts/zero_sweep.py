@@ -1,0 +1,152 @@
+"""Every ZeRO configuration on the same model and data, in one table and one chart.
+
+    python scripts/zero_sweep.py [--steps 6] [--hidden 256] [--layers 4] [--ranks 4]
+
+Trains a small Llama from scratch (bf16, raw text packed into 128-token rows, micro-batch 2) with
+`deepspeed --num_gpus RANKS train.py` for each configuration of ds_configs/ (pipeline configurations
+with num_stages=2, the others with num_stages=1), plus activation checkpointing and gradient
+accumulation variants. Records per-rank peak memory (host RSS here; GPU memory on a GPU), seconds per
+step (median after the first step), tokens/s and the final loss. A configuration that cannot run
+gets a row with the reason train.py gave. Writes results/zero_sweep.md, .png and .json (the raw rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PIPELINE_CONFIGS = ("zero0", "zero1", "zero1_offload")  # DeepSpeed's pipeline engine runs ZeRO 0/1 only
+PEAKS = re.compile(r"peak memory per rank \(MiB\): (.*)")
+RANK_PEAK = re.compile(r"rank (\d+) host (\d+)(?: / GPU (\d+))?")
+
+
+def cases(configs: list[str]) -> list[dict]:
+    """(config, activation checkpointing, gradient accumulation) combinations to run."""
+    out = [dict(ds=c, ckpt=False, ga=4) for c in configs]
+    out += [dict(ds="zero1", ckpt=True, ga=4), dict(ds="zero1", ckpt=False, ga=8), dict(ds="zero3", ckpt=True, ga=4)]
+    return [c for c in out if c["ds"] in configs]
+
+
+def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
+    with open(os.path.join(ROOT, "ds_configs", f"{case['ds']}.json")) as f:
+        zero = json.load(f).get("zero_optimization", {})
+    stages = 2 if case["ds"] in PIPELINE_CONFIGS else 1
+    name = f"{case['ds']}{'_ckpt' if case['ckpt'] else ''}_ga{case['ga']}"
+    out = os.path.join(work, "runs", name)
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(args.ranks), "train.py",
+           "model=tiny", f"model.tokenizer={tokenizer}", f"model.architecture.hidden_size={args.hidden}",
+           f"model.architecture.intermediate_size={int(args.hidden * 2.75)}", f"model.architecture.num_hidden_layers={args.layers}",
+           f"ds={case['ds']}", f"num_stages={stages}", "micro_batch_size=2", f"gradient_accumulation_steps={case['ga']}",
+           f"activation_checkpoint_interval={1 if case['ckpt'] else 0}", f"max_steps={args.steps}", "data=text",
+           f"data.train_file={corpus}", "data.max_seq_length=128", f"data.cache_dir={os.path.join(work, 'cache')}",
+           f"output_dir={out}", "resume=never", "save_steps=0"]
+    if os.path.isdir(out):
+        subprocess.run(["rm", "-rf", out], check=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    offload = "+".join(k.split("_")[1] for k in ("offload_optimizer", "offload_param") if zero.get(k, {}).get("device", "none") != "none")
+    row = dict(name=name, ds=case["ds"], stage=zero.get("stage", 0), offload=offload or "none", ckpt=case["ckpt"], ga=case["ga"],
+               stages=stages, batch=2 * case["ga"] * (args.ranks // stages))
+    if proc.returncode != 0:
+        row["reason"] = failure_reason(proc.stderr + proc.stdout)
+        return row
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    peaks = {int(r): (int(h), int(g) if g else None) for r, h, g in RANK_PEAK.findall(PEAKS.search(proc.stdout).group(1))}
+    s_per_step = statistics.median(r["step_s"] for r in steps[1:])
+    row.update(memory=max(h for h, _ in peaks.values()), gpu=max((g or 0) for _, g in peaks.values()) or None,
+               s_per_step=s_per_step, tokens_per_s=steps[-1]["tokens"] / s_per_step, loss=steps[-1]["loss"])
+    return row
+
+
+def failure_reason(output: str) -> str:
+    """train.py's error message (its first line and the indented problem lines under it), one line."""
+    lines = output.splitlines()
+    start = next((i for i, line in enumerate(lines) if "train.py: error:" in line), None)
+    if start is None:
+        return "failed: " + (lines[-1] if lines else "no output")
+    message = [lines[start].split("train.py: error:", 1)[1]]
+    message += [line.strip() for line in lines[start + 1 :] if line.startswith("  ")]
+    return " ".join(m.strip() for m in message if m.strip())
+
+
+def write_results(rows: list[dict], args, command: str) -> None:
+    os.makedirs(os.path.join(ROOT, "results"), exist_ok=True)
+    lines = [
+        "# ZeRO sweep",
+        "",
+        f"Command: `{command.strip()}`. {args.ranks} CPU ranks (gloo), bf16, tiny Llama (hidden {args.hidden}, {args.layers} layers) "
+        f"from scratch, 128-token rows, micro-batch 2, {args.steps} steps. Memory: peak host RSS of the largest rank "
+        "(on CPU, mostly the framework's ~380 MiB per rank; model states of this model are a few MiB).",
+        "",
+        "| config | ZeRO stage | offload | activation checkpointing | gradient accumulation | batch size | pipeline stages | "
+        "memory (MiB, max rank) | time per step (s) | tokens/s | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        head = f"| `{r['ds']}` | {r['stage']} | {r['offload']} | {'on' if r['ckpt'] else 'off'} | {r['ga']} | {r['batch']} | {r['stages']} |"
+        if "reason" in r:
+            lines.append(f"{head} cannot run here: {r['reason']} | | | |")
+        else:
+            lines.append(f"{head} {r['memory']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:.0f} | {r['loss']:.4f} |")
+    with open(os.path.join(ROOT, "results", "zero_sweep.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "reason" not in r]
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [r["name"] for r in ok]
+    ax_mem.barh(names, [r["memory"] for r in ok], color="tab:blue")
+    ax_mem.set_xlabel("peak memory, largest rank (MiB)")
+    ax_time.barh(names, [r["s_per_step"] for r in ok], color="tab:orange")
+    ax_time.set_xlabel("time per step (s)")
+    ax_time.set_yticklabels([])
+    skipped = [r["name"] for r in rows if "reason" in r]
+    fig.suptitle("ZeRO sweep" + (f" (cannot run here: {', '.join(skipped)}; see zero_sweep.md)" if skipped else ""))
+    fig.tight_layout()
+    fig.savefig(os.path.join(ROOT, "results", "zero_sweep.png"), dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=4, help="ranks (CPU processes or GPUs)")
+    p.add_argument("--work", default=os.path.join(ROOT, "work", "zero_sweep"))
+    args = p.parse_args()
+
+    from models.tiny import train_tokenizer, write_text_corpus
+    from training.config import available_ds_configs
+
+    os.makedirs(args.work, exist_ok=True)
+    os.makedirs(os.path.join(ROOT, "results"), exist_ok=True)
+    tokenizer, corpus = os.path.join(args.work, "tokenizer"), os.path.join(args.work, "corpus.jsonl")
+    if not os.path.isfile(os.path.join(tokenizer, "tokenizer.model")):
+        train_tokenizer(tokenizer, 512)
+    write_text_corpus(corpus)
+    rows = []
+    for case in cases(available_ds_configs()):
+        row = run(case, args, args.work, tokenizer, corpus)
+        print(f"[sweep] {row['name']}: " + (f"cannot run: {row['reason']}" if "reason" in row else
+              f"{row['memory']} MiB, {row['s_per_step']:.3f} s/step, loss {row['loss']:.4f}"), flush=True)
+        rows.append(row)
+    with open(os.path.join(ROOT, "results", "zero_sweep.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    write_results(rows, args, "python scripts/zero_sweep.py " + " ".join(sys.argv[1:]))
+    print("[sweep] wrote results/zero_sweep.md and results/zero_sweep.png")
+
+
+if __name__ == "__main__":
+    main()
