@@ -31,11 +31,10 @@ from torch.utils.data import Dataset
 
 from data.packing import Row, pack_rows, pad_rows
 from data.sources import DataError, SourceStats, read_examples
+from models.checkpoint import TOKENIZER_FILES
 
 CACHE_VERSION = 1  # bump when the on-disk layout or the tokenization rules change
 ARRAYS = ("input_ids", "labels", "position_ids")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
 WRITE_ROWS = 1024  # rows buffered before a write
 PROGRESS_EVERY_S = 5.0  # seconds between progress lines while tokenizing
 HASH_CHUNK = 1 << 24  # 16 MiB reads while hashing

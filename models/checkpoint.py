@@ -23,18 +23,11 @@ from torch import nn
 from models.llama_pipe import SpecInfo, layer_file_name, spec_layout
 
 LATEST_FILE = "latest"  # DeepSpeed's name for the file holding the newest tag
-# Files copied alongside the weights so a directory is self-contained (model config, generation
-# defaults, every tokenizer format transformers may write).
-SIDE_FILES = [
-    "generation_config.json",
-    "tokenizer.model",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-]
+# Every tokenizer file transformers may write (copied with checkpoints, hashed into data cache keys).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# Files copied alongside the weights so a directory is self-contained: generation defaults and tokenizer.
+SIDE_FILES = ("generation_config.json", *TOKENIZER_FILES)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 

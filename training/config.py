@@ -22,7 +22,7 @@ DS_CONFIG_DIR = os.path.join(REPO_ROOT, "ds_configs")
 SCHEDULERS = ("constant", "linear", "cosine")
 RESUME_MODES = ("auto", "never")
 DATA_FORMATS = ("tokens", "text", "sft")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either lets AutoTokenizer load the tokenizer
+LOADABLE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either lets AutoTokenizer load a tokenizer
 PRECISIONS = ("fp32", "bf16", "fp16")
 PARTITION_METHODS = ("parameters", "uniform", "type:DecoderLayerPipe")
 
@@ -179,8 +179,8 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
         return None, ["no model: set model_name_or_path=CKPT_DIR (made by convert2ckpt.py) or, to train from "
                       "scratch, model=<architecture in conf/model/> and model.tokenizer=DIR"]
     problems = []
-    if not cfg.model.tokenizer or not any(os.path.isfile(os.path.join(cfg.model.tokenizer, f)) for f in TOKENIZER_FILES):
-        problems.append(f"model.tokenizer {cfg.model.tokenizer!r} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}): "
+    if not cfg.model.tokenizer or not any(os.path.isfile(os.path.join(cfg.model.tokenizer, f)) for f in LOADABLE_TOKENIZER_FILES):
+        problems.append(f"model.tokenizer {cfg.model.tokenizer!r} holds no tokenizer ({' or '.join(LOADABLE_TOKENIZER_FILES)}): "
                         f"training from scratch needs one (it is saved with every checkpoint)")
     try:
         return LlamaConfig(**arch), problems
@@ -303,11 +303,11 @@ def data_problems(cfg: TrainConfig) -> list[str]:
         problems.append(f"data.order_check_steps {d.order_check_steps} < 0: set it >= 0 (0 = off)")
     model_dir = tokenizer_dir(cfg)
     if d.format in ("text", "sft") and cfg.model_name_or_path and not any(
-        os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES
+        os.path.isfile(os.path.join(model_dir, f)) for f in LOADABLE_TOKENIZER_FILES
     ):
         problems.append(
             f"data.format={d.format} tokenizes with the model's tokenizer, but {model_dir} has none "
-            f"({' or '.join(TOKENIZER_FILES)}): copy the tokenizer files there"
+            f"({' or '.join(LOADABLE_TOKENIZER_FILES)}): copy the tokenizer files there"
         )
     return problems
 

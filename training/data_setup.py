@@ -90,12 +90,14 @@ def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> Ra
             return None
         log = lambda msg: print(f"[data] rank {rank}: {msg}", flush=True)  # noqa: E731
         train_entry, meta = build_or_reuse(cfg.data.train_file, settings, tokenizer_dir(cfg), cache_dir(cfg), log)
-        eval_entry = None
+        eval_entry, n_eval = None, 0
         if cfg.data.eval_file:
-            eval_entry, _ = build_or_reuse(cfg.data.eval_file, settings, tokenizer_dir(cfg), cache_dir(cfg), log)
+            eval_entry, eval_meta = build_or_reuse(cfg.data.eval_file, settings, tokenizer_dir(cfg), cache_dir(cfg), log)
+            n_eval = eval_meta["num_samples"]
         n = meta["num_samples"]
         n_train = len(split_eval(n, cfg.data.eval_fraction)[0]) if cfg.data.eval_fraction > 0 else n
-        n_eval = n - n_train if cfg.data.eval_fraction > 0 else (TokenBlocks(eval_entry).meta["num_samples"] if eval_entry else 0)
+        if cfg.data.eval_fraction > 0:
+            n_eval = n - n_train
         return {"host": host, "train": train_entry, "eval": eval_entry, "num_train": n_train, "num_eval": n_eval}
 
     results = on_all_ranks("preparing data", build)
