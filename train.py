@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import time
+from datetime import timedelta
 
 # The DeepSpeed launcher appends --local_rank=N to the arguments, which Hydra rejects as an override.
 # The same value is in the LOCAL_RANK environment variable, so the argument is dropped before Hydra parses.
@@ -29,12 +30,13 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E4
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from data.guard import OrderMismatchError  # noqa: E402
-from models.checkpoint import load_stage_weights, local_modules, peak_rss_mb  # noqa: E402
+from models.checkpoint import current_rss_mb, load_stage_weights, local_modules, peak_rss_mb  # noqa: E402
 from models.llama_pipe import LlamaStack, build_pipeline_model, causal_lm_loss, init_weights_, spec_layout  # noqa: E402
 from training import checkpointing  # noqa: E402
 from training.config import ConfigError, Resolved, TrainConfig, register_configs, resolve  # noqa: E402
 from training.data_setup import RankData, prepare_rank_data  # noqa: E402
-from training.distributed import StartupError, on_all_ranks, release_cpu_comm_buffer  # noqa: E402
+from training.distributed import StartupError, TrainingStopped, on_all_ranks, release_cpu_comm_buffer  # noqa: E402
+from training.memory_census import CensusAtStep  # noqa: E402
 from training.metrics import StepLogger  # noqa: E402
 from training.optim import build_lr_scheduler, fill_ds_config, param_groups  # noqa: E402
 
@@ -66,7 +68,9 @@ def init_topology(resolved: Resolved) -> PipeDataParallelTopology:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    deepspeed.init_distributed()
+    release_cpu_comm_buffer()  # a killed job's segment of this name would be attached to (no peer has started yet)
+    # Every collective fails after dist_timeout_s instead of waiting forever for a hung or vanished rank.
+    deepspeed.init_distributed(timeout=timedelta(seconds=resolved.cfg.dist_timeout_s))
     return PipeDataParallelTopology(num_pp=resolved.cfg.num_stages, num_dp=resolved.dp)
 
 
@@ -149,7 +153,7 @@ def resume_or_start(resolved: Resolved, engine, data: RankData) -> int:
     if not resolved.resume_tag:
         return 0
     local: dict = {}
-    on_all_ranks("reading trainer state", lambda: local.update(state=checkpointing.read_trainer_state(resolved)))
+    on_all_ranks("reading trainer state", lambda: local.update(state=checkpointing.read_trainer_state(resolved, engine.module)))
     return checkpointing.restore(resolved, engine, data.iterator, local["state"])
 
 
@@ -220,8 +224,11 @@ def train(resolved: Resolved, engine, data: RankData, start_step: int, total_ste
     cfg = resolved.cfg
     logger = StepLogger(cfg.output_dir, total_steps, tokens_per_step, cfg.log_steps, dist.get_rank() == 0, start_step)
     last_saved = start_step if resolved.resume_tag else None
+    census = CensusAtStep(engine)  # model-state bytes per rank, measured before the second optimizer step
+    skipped: list[int] = []  # steps whose update the optimizer skipped (non-finite), with nonfinite_loss=skip
     for step in range(start_step + 1, total_steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside the step
+        skipped_before = engine.skipped_steps
         loss = train_step(resolved, engine, data)
         data.guard.after_step(step)
         if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
@@ -229,17 +236,59 @@ def train(resolved: Resolved, engine, data: RankData, start_step: int, total_ste
                  f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}")
         grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
         logger.log(step, loss, lr, None if grad_norm is None else float(grad_norm))
+        check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
         if data.eval_batches and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
             evaluate(resolved, engine, data, step, logger)
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps:
             tag = checkpointing.save(resolved, engine, step, data.iterator)
             last_saved = step
-            log0(f"saved checkpoint {tag} in {cfg.output_dir} (peak RSS {peak_rss_mb():.0f} MiB)")
+            rss = on_all_ranks("reporting memory", current_rss_mb)
+            log0(f"saved checkpoint {tag} in {cfg.output_dir} (RSS per rank now: "
+                 f"{', '.join(f'{r:.0f}' for r in rss)} MiB; peak RSS {peak_rss_mb():.0f} MiB)")
     logger.close()
     if last_saved is None:
         log0("no step to train (max_steps=0): nothing trained, no checkpoint written")
     peaks = on_all_ranks("reporting memory", peak_memory_mib)
     log0("peak memory per rank (MiB): " + ", ".join(f"rank {r} {p}" for r, p in enumerate(peaks)))
+    states = on_all_ranks("measuring model states", lambda: census.result)
+    if all(states):
+        log0("model states per rank (MiB, tensors held: weights + grads + optimizer = total): " + ", ".join(
+            f"rank {r} {s['weights'] / 2**20:.2f} + {s['grads'] / 2**20:.2f} + {s['optimizer'] / 2**20:.2f} = "
+            f"{s['total'] / 2**20:.2f}" for r, s in enumerate(states)))
+
+
+def check_finite(resolved: Resolved, step: int, loss: float, update_skipped: bool, last_saved: int | None,
+                 skipped: list[int]) -> None:
+    """A non-finite loss (or gradient: the optimizer skipped the update) never passes silently.
+
+    ``nonfinite_loss=stop`` raises on every rank (the loss and the optimizer's skip are the same on
+    all ranks), naming the step and the last good checkpoint; ``skip`` logs the step and goes on,
+    but only where the optimizer did skip the update: where it applied a non-finite one (ZeRO 0 in
+    fp32 checks nothing), the weights are lost, and training stops either way. fp16's loss-scale
+    overflows (finite loss, skipped update) are routine and pass.
+    """
+    cfg = resolved.cfg
+    bad_loss = not math.isfinite(loss)
+    if not bad_loss and (not update_skipped or cfg.precision == "fp16"):
+        return
+    what = f"loss is {loss}" if bad_loss else f"loss {loss:.4f} but non-finite gradients (the optimizer skipped the update)"
+    if cfg.nonfinite_loss == "skip" and update_skipped:
+        skipped.append(step)
+        log0(f"warning: step {step}: {what}: update skipped (nonfinite_loss=skip; {len(skipped)} skipped: steps {skipped})")
+        return
+    if last_saved is not None:
+        last = f"{os.path.join(cfg.output_dir, checkpointing.tag_for(last_saved))} (resume=auto continues from it)"
+    else:
+        last = f"none in {cfg.output_dir} (start again from {cfg.model_name_or_path or 'scratch'})"
+    if update_skipped:
+        advice = ("The optimizer skipped this update; nothing after the last good checkpoint is saved. Lower optim.lr, "
+                  "raise optim.warmup_steps, check this step's data, or set nonfinite_loss=skip to skip such steps.")
+    else:
+        advice = (f"The optimizer applied this update (ZeRO stage {resolved.zero_stage} with {cfg.precision} checks no "
+                  f"overflow): the weights are no longer finite and are not saved. Lower optim.lr or raise "
+                  f"optim.warmup_steps (nonfinite_loss=skip needs an optimizer that skips such updates, e.g. ds=zero1).")
+    raise TrainingStopped(f"step {step}: {what}: training stopped (nonfinite_loss={cfg.nonfinite_loss}). "
+                          f"Last good checkpoint: {last}. {advice}")
 
 
 def peak_memory_mib() -> str:
@@ -270,7 +319,7 @@ def main(dict_cfg: DictConfig) -> None:
         tokens_per_step = announce(resolved, engine, init_reports, data_reports, data, start_step, total_steps, steps_per_epoch)
         train(resolved, engine, data, start_step, total_steps, tokens_per_step)
         dist.barrier()
-    except (StartupError, OrderMismatchError) as e:  # raised on every rank alike
+    except (StartupError, OrderMismatchError, TrainingStopped) as e:  # raised on every rank alike
         fail(str(e))
     finally:
         # Every rank leaves the process group before exiting (DeepSpeed on CPU can abort at exit otherwise).

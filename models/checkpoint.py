@@ -6,12 +6,19 @@ A directory made by ``convert2ckpt.py`` or saved by ``train.py`` looks like::
     CKPT_DIR/<tag>/layer_XX-model_states.pt          one per spec with weights (see layer_file_name)
     CKPT_DIR/<tag>/mp_rank_00_model_states.pt        DeepSpeed's per-stage engine state (a stub after conversion)
     CKPT_DIR/config.json, tokenizer files            so the directory is self-contained
+
+Layer files hold tensors only and are read with ``torch.load(weights_only=True)``: a file that holds
+anything else (a pickle that would run code when loaded) is refused. DeepSpeed's own files
+(``mp_rank_*``, optimizer states) are pickles that DeepSpeed loads with ``weights_only=False`` when a
+run resumes: a checkpoint directory to resume from must be trusted like code.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import resource
 import shutil
 from dataclasses import dataclass
@@ -20,7 +27,7 @@ import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from torch import nn
 
-from models.llama_pipe import SpecInfo, layer_file_name, spec_layout
+from models.llama_pipe import SpecInfo, expected_state_shapes, layer_file_name, spec_layout
 
 LATEST_FILE = "latest"  # DeepSpeed's name for the file holding the newest tag
 # Every tokenizer file transformers may write (copied with checkpoints, hashed into data cache keys).
@@ -29,6 +36,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 # Files copied alongside the weights so a directory is self-contained: generation defaults and tokenizer.
 SIDE_FILES = ("generation_config.json", *TOKENIZER_FILES)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+TAG_PATTERN = re.compile(r"^global_step(\d+)$")  # DeepSpeed's default tag naming, used by train.py
 
 
 class CheckpointError(RuntimeError):
@@ -57,10 +65,49 @@ def read_tag(ckpt_dir: str, tag: str | None = None) -> str:
 
 
 def load_layer_file(path: str) -> dict[str, torch.Tensor]:
-    """One layer file, tensors only (``weights_only``), memory-mapped so nothing is read twice."""
+    """One layer file, tensors only (``weights_only``), memory-mapped so nothing is read twice.
+
+    A file holding anything but tensors is refused before any of it is unpickled into objects.
+    """
     if not os.path.isfile(path):
         raise CheckpointError(f"missing layer file {path}")
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path} holds objects other than tensors (a pickle that could run code when "
+                              f"loaded): refused ({unpickling_refusal(e)})") from None
+    except RuntimeError as e:  # not a zip archive: truncated, or not written by torch.save
+        raise CheckpointError(f"{path} is not a readable layer file: {str(e).splitlines()[0]}") from None
+
+
+def unpickling_refusal(error: Exception) -> str:
+    """The line of a ``weights_only=True`` refusal that says what the file tried to load."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    detail = [line for line in lines if not line.startswith(("Weights only load failed", "Check the documentation"))]
+    return detail[0] if detail else lines[0] if lines else type(error).__name__
+
+
+def checkpoint_tags(ckpt_dir: str) -> list[tuple[int, str]]:
+    """(step, tag) of every ``global_step<N>`` directory in ``ckpt_dir``, oldest first."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir)
+                  if (m := TAG_PATTERN.match(name)) and os.path.isdir(os.path.join(ckpt_dir, name)))
+
+
+def tags_newer_than_latest(ckpt_dir: str) -> list[str]:
+    """Checkpoint directories that ``latest`` does not cover: newer than the tag it names, or any at
+    all when there is no ``latest``. train.py writes ``latest`` only once every rank has finished a
+    save, so these were left by an interrupted save (or by moving ``latest`` back): never resumed from."""
+    latest = os.path.join(ckpt_dir, LATEST_FILE)
+    latest_step = -1
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            m = TAG_PATTERN.match(f.read().strip())
+        if m is None:
+            return []  # a tag train.py did not name: nothing to compare with
+        latest_step = int(m.group(1))
+    return [tag for step, tag in checkpoint_tags(ckpt_dir) if step > latest_step]
 
 
 def check_state_dict(
@@ -90,6 +137,15 @@ class StageLoadReport:
 def peak_rss_mb() -> float:
     """Peak resident set size of this process so far, in MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mb() -> float:
+    """Resident set size of this process now, in MiB (``/proc/self/statm``; the peak where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return peak_rss_mb()
 
 
 def local_modules(model: PipelineModule) -> list[tuple[int, nn.Module]]:
@@ -135,6 +191,26 @@ def load_stage_weights(model: PipelineModule, config, ckpt_dir: str, tag: str | 
     if problems:
         raise CheckpointError("cannot load stage weights:\n  " + "\n  ".join(problems))
     return StageLoadReport(files, num_tensors, nbytes, peak_rss_mb())
+
+
+def stage_file_problems(model: PipelineModule, config, ckpt_dir: str, tag: str) -> list[str]:
+    """Problems of this stage's layer files in ``ckpt_dir/tag`` against the model ``config``: a missing
+    file, a missing or unexpected tensor, a wrong shape (file, tensor and both shapes). Expected
+    shapes come from the specs on the meta device, so this works whatever DeepSpeed did to the
+    module's parameters (ZeRO-3 partitions them)."""
+    layout: list[SpecInfo] = spec_layout(config)
+    problems = []
+    for index, _ in local_modules(model):
+        file_index = layout[index].file_index
+        path = os.path.join(ckpt_dir, tag, layer_file_name(file_index))
+        try:
+            state = load_layer_file(path)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        problems += check_state_dict(path, state, expected_state_shapes(model._layer_specs[file_index]))
+        del state
+    return problems
 
 
 def write_config(config: dict, dst: str, dtype: torch.dtype | None = None) -> None:

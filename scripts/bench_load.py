@@ -4,8 +4,13 @@
 
 Builds a random Llama of that shape (fp32), converts it, then for each stage count K launches
 `deepspeed --num_gpus K train.py num_stages=K max_steps=0` (data parallel 1: one rank per stage) and
-reads every rank's load report. Prints one table row per rank: stage parameters, RSS before the stage
-was built (imports + process group), peak RSS after loading, and the growth over stage parameters.
+reads every rank's load report: stage parameters, RSS before the stage was built (imports + process
+group) and peak RSS after loading.
+
+The framework's own share is measured on an "empty" rank: the same launch (same K, same command) with
+a tiny model (hidden 64, vocabulary 512: under 1 MiB of parameters per stage), whose peak RSS at load
+is everything but the weights. Target per rank: peak RSS at load <= 1.3 x stage parameter bytes +
+that rank's empty-rank peak.
 """
 
 from __future__ import annotations
@@ -24,6 +29,49 @@ REPORT = re.compile(
     r"rank (\d+): stage (\d+) .*?\(\d+ specs, ([\d.]+) M params\).*peak RSS at load (\d+) MiB "
     r"\(before building the stage (\d+) MiB, stage parameters (\d+) MiB\)"
 )
+TARGET = 1.3  # peak RSS at load <= TARGET x stage bytes + empty-rank peak
+
+
+def make_checkpoint(work: str, config) -> str:
+    """A random fp32 Llama of ``config``, converted to layer files in ``work/ckpt`` (reused if there)."""
+    from convert2ckpt import hf_to_stages
+    from models.tiny import save_random_model
+
+    hf_dir, ckpt = os.path.join(work, "hf"), os.path.join(work, "ckpt")
+    shape_file = os.path.join(work, "shape.json")
+    shape = json.dumps(config.to_dict(), sort_keys=True)
+    if not (os.path.isfile(os.path.join(ckpt, "latest")) and os.path.isfile(shape_file) and open(shape_file).read() == shape):
+        os.makedirs(work, exist_ok=True)
+        save_random_model(config, hf_dir)
+        hf_to_stages(hf_dir, ckpt, overwrite=True)
+        with open(shape_file, "w") as f:
+            f.write(shape)
+    return ckpt
+
+
+def load_reports(ckpt: str, k: int, data: str, out: str) -> dict[int, tuple]:
+    """rank -> (stage, M params, stage MiB, RSS before stage MiB, peak RSS at load MiB) for K stages."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(k), "--master_port", str(free_port()),
+           "train.py", f"model_name_or_path={ckpt}", f"num_stages={k}", "max_steps=0", f"data.train_file={data}",
+           "data.max_seq_length=64", f"gradient_accumulation_steps={k}", "precision=fp32", f"output_dir={out}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        sys.exit(f"{ckpt}, num_stages={k} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    reports = {}
+    for m in REPORT.finditer(proc.stdout):
+        rank, stage, mparams, peak, before, param_mib = m.groups()
+        reports[int(rank)] = (int(stage), float(mparams), int(param_mib), int(before), int(peak))
+    if len(reports) != k:
+        sys.exit(f"{ckpt}, num_stages={k}: found {len(reports)} load reports, expected {k}:\n{proc.stdout[-3000:]}")
+    return reports
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -38,41 +86,39 @@ def main() -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    from convert2ckpt import hf_to_stages
-    from models.tiny import save_random_model, tiny_config
+    from models.tiny import tiny_config
 
-    hf_dir, ckpt, data = (os.path.join(args.work, n) for n in ("hf", "ckpt", "train.jsonl"))
-    os.makedirs(args.work, exist_ok=True)
+    stage_counts = [int(s) for s in args.stages.split(",")]
     config = tiny_config(hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75), num_hidden_layers=args.layers,
                          vocab_size=args.vocab, num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64)
-    if not os.path.isfile(os.path.join(ckpt, "latest")):
-        save_random_model(config, hf_dir)
-        hf_to_stages(hf_dir, ckpt, overwrite=True)
+    empty_config = tiny_config(num_hidden_layers=max(4, *stage_counts))  # hidden 64, vocabulary 512
+    ckpt = make_checkpoint(args.work, config)
+    empty_ckpt = make_checkpoint(os.path.join(args.work, "empty"), empty_config)
+    data = os.path.join(args.work, "train.jsonl")
     with open(data, "w") as f:
         for i in range(16):
             f.write(json.dumps({"input_ids": list(range(3, 67))}) + "\n")
 
     rows = []
-    for k in (int(s) for s in args.stages.split(",")):
-        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(k), "train.py",
-               f"model_name_or_path={ckpt}", f"num_stages={k}", "max_steps=0", f"data.train_file={data}",
-               "data.max_seq_length=64", f"gradient_accumulation_steps={k}", "precision=fp32",
-               f"output_dir={os.path.join(args.work, 'out')}"]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if proc.returncode != 0:
-            sys.exit(f"num_stages={k} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-        for m in REPORT.finditer(proc.stdout):
-            rank, stage, mparams, peak, before, param_mib = m.groups()
-            rows.append((k, int(rank), int(stage), float(mparams), int(param_mib), int(before), int(peak)))
+    for k in stage_counts:
+        empty = load_reports(empty_ckpt, k, data, os.path.join(args.work, "out_empty"))
+        full = load_reports(ckpt, k, data, os.path.join(args.work, "out"))
+        for rank in sorted(full):
+            stage, mparams, param_mib, before, peak = full[rank]
+            rows.append((k, rank, stage, mparams, param_mib, before, empty[rank][4], empty[rank][2], peak))
 
     with torch.device("meta"):  # count without allocating
         total = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
     print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {total / 1e6:.0f} M params, "
-          f"{total * 4 / 2**20:.0f} MiB fp32")
-    print("| stages | rank | stage | params (M) | stage params (MiB) | RSS before stage (MiB) | peak RSS at load (MiB) | growth / stage bytes |")
-    print("|---|---|---|---|---|---|---|---|")
-    for k, rank, stage, mparams, param_mib, before, peak in rows:
-        print(f"| {k} | {rank} | {stage} | {mparams:.1f} | {param_mib} | {before} | {peak} | {(peak - before) / param_mib:.2f} |")
+          f"{total * 4 / 2**20:.0f} MiB fp32; empty rank: the same launch with a {empty_config.num_hidden_layers}-layer "
+          f"hidden-{empty_config.hidden_size} model")
+    print(f"| stages | rank | stage | params (M) | stage params (MiB) | RSS before stage (MiB) | empty-rank peak (MiB) "
+          f"| peak RSS at load (MiB) | limit {TARGET} x stage + empty (MiB) | (peak - empty) / stage bytes | target |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for k, rank, stage, mparams, param_mib, before, empty_peak, empty_mib, peak in rows:
+        limit = TARGET * param_mib + empty_peak
+        print(f"| {k} | {rank} | {stage} | {mparams:.1f} | {param_mib} | {before} | {empty_peak} | {peak} | {limit:.0f} | "
+              f"{(peak - empty_peak) / param_mib:.2f} | {'met' if peak <= limit else 'MISSED'} |")
 
 
 if __name__ == "__main__":

@@ -88,10 +88,14 @@ def report(config, total, layout: Layout) -> None:
     print(f"parameters: {sum(params) / 1e9:.3f} B in {layout.stages} stage(s), most loaded: stage {e.stage} "
           f"({params[e.stage] / 1e9:.3f} B)")
     rows = [("weights", e.params), ("gradients", e.grads), ("optimizer states", e.optimizer), ("model states", e.model_states)]
+    if e.buffers:
+        rows.append(("reduce bucket", e.buffers))
     if e.activations is not None:
         rows += [("activations", e.activations), ("total", e.total)]
     for name, value in rows:
         print(f"  {name:<17} {value / GB:10.2f} GB")
+    if e.host:
+        print(f"  {'host (offloaded)':<17} {e.host / GB:10.2f} GB per rank, in host memory (not in the GPU total)")
     if e.activations is None:
         print("  (activations need an architecture: pass a conf/model name or a config.json)")
 

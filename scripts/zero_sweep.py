@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +26,8 @@ sys.path.insert(0, ROOT)
 
 PIPELINE_CONFIGS = ("zero0", "zero1", "zero1_offload")  # DeepSpeed's pipeline engine runs ZeRO 0/1 only
 PEAKS = re.compile(r"peak memory per rank \(MiB\): (.*)")
+STATES = re.compile(r"model states per rank .*?: (.*)")
+RANK_STATES = re.compile(r"rank (\d+) [\d.]+ \+ [\d.]+ \+ [\d.]+ = ([\d.]+)")
 RANK_PEAK = re.compile(r"rank (\d+) host (\d+)(?: / GPU (\d+))?")
 
 
@@ -41,7 +44,10 @@ def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
     stages = 2 if case["ds"] in PIPELINE_CONFIGS else 1
     name = f"{case['ds']}{'_ckpt' if case['ckpt'] else ''}_ga{case['ga']}"
     out = os.path.join(work, "runs", name)
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(args.ranks), "train.py",
+    with socket.socket() as sock:  # a free port: a fixed one collides with other jobs on this machine
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(args.ranks), "--master_port", str(port), "train.py",
            "model=tiny", f"model.tokenizer={tokenizer}", f"model.architecture.hidden_size={args.hidden}",
            f"model.architecture.intermediate_size={int(args.hidden * 2.75)}", f"model.architecture.num_hidden_layers={args.layers}",
            f"ds={case['ds']}", f"num_stages={stages}", "micro_batch_size=2", f"gradient_accumulation_steps={case['ga']}",
@@ -61,9 +67,31 @@ def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
         steps = [r for r in map(json.loads, f) if r["kind"] == "train"]
     peaks = {int(r): (int(h), int(g) if g else None) for r, h, g in RANK_PEAK.findall(PEAKS.search(proc.stdout).group(1))}
     s_per_step = statistics.median(r["step_s"] for r in steps[1:])
+    states = {int(r): float(t) for r, t in RANK_STATES.findall(STATES.search(proc.stdout).group(1))}
+    row.update(states_mib=max(states.values()), estimate_mib=estimate_states_mib(args, row, zero))
     row.update(memory=max(h for h, _ in peaks.values()), gpu=max((g or 0) for _, g in peaks.values()) or None,
                s_per_step=s_per_step, tokens_per_s=steps[-1]["tokens"] / s_per_step, loss=steps[-1]["loss"])
     return row
+
+
+def estimate_states_mib(args, row: dict, zero: dict) -> float:
+    """The planner's model-state bytes for the most loaded rank of this run, with the offloaded states
+    (on CPU the host is the device, and the census counts them) and ZeRO-2/3's reduce bucket."""
+    import yaml
+    from transformers import LlamaConfig
+
+    from scripts.estimate_memory import splitter
+    from training.memory_plan import Layout, estimate
+
+    with open(os.path.join(ROOT, "conf", "model", "tiny.yaml")) as f:
+        arch = yaml.safe_load(f)["architecture"]
+    config = LlamaConfig(**{**arch, "hidden_size": args.hidden, "intermediate_size": int(args.hidden * 2.75),
+                            "num_hidden_layers": args.layers})
+    params, _ = splitter(config, None)(row["stages"])
+    offload = [zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param")]
+    layout = Layout(row["stages"], args.ranks // row["stages"], zero.get("stage", 0), *offload, dtype="bf16")
+    e = estimate(params, layout)
+    return (e.model_states + e.host + e.buffers) / 2**20
 
 
 def failure_reason(output: str) -> str:
@@ -84,18 +112,23 @@ def write_results(rows: list[dict], args, command: str) -> None:
         "",
         f"Command: `{command.strip()}`. {args.ranks} CPU ranks (gloo), bf16, tiny Llama (hidden {args.hidden}, {args.layers} layers) "
         f"from scratch, 128-token rows, micro-batch 2, {args.steps} steps. Memory: peak host RSS of the largest rank "
-        "(on CPU, mostly the framework's ~380 MiB per rank; model states of this model are a few MiB).",
+        "(on CPU, mostly the framework's ~380 MiB per rank). Model states: the bytes of the tensors holding weights, "
+        "gradients and optimizer states on the most loaded rank, measured before the second optimizer step "
+        "(training/memory_census.py), next to the planner's estimate for the same layout "
+        "(scripts/estimate_memory.py; offloaded states counted, since the host is the device here).",
         "",
         "| config | ZeRO stage | offload | activation checkpointing | gradient accumulation | batch size | pipeline stages | "
-        "memory (MiB, max rank) | time per step (s) | tokens/s | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "memory (MiB, max rank) | model states measured (MiB) | planner estimate (MiB) | estimate / measured | "
+        "time per step (s) | tokens/s | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         head = f"| `{r['ds']}` | {r['stage']} | {r['offload']} | {'on' if r['ckpt'] else 'off'} | {r['ga']} | {r['batch']} | {r['stages']} |"
         if "reason" in r:
-            lines.append(f"{head} cannot run here: {r['reason']} | | | |")
+            lines.append(f"{head} cannot run here: {r['reason']} | | | | | | |")
         else:
-            lines.append(f"{head} {r['memory']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:.0f} | {r['loss']:.4f} |")
+            lines.append(f"{head} {r['memory']} | {r['states_mib']:.2f} | {r['estimate_mib']:.2f} | "
+                         f"{r['estimate_mib'] / r['states_mib']:.2f} | {r['s_per_step']:.3f} | {r['tokens_per_s']:.0f} | {r['loss']:.4f} |")
     with open(os.path.join(ROOT, "results", "zero_sweep.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

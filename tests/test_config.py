@@ -47,6 +47,19 @@ def test_no_clipping_is_written_explicitly(good):
     assert fill_ds_config(resolve(good, 4))["gradient_clipping"] == 0.0
 
 
+def test_zero3_reduce_bucket_capped_at_the_model_unless_set(good, tmp_path):
+    """DeepSpeed allocates its 5e8-element default bucket whole; train.py caps it at the model's size."""
+    from models.llama_pipe import model_parameters
+
+    good.num_stages, good.ds_config = 1, "zero3"
+    resolved = resolve(good, 4)
+    assert fill_ds_config(resolved)["zero_optimization"]["reduce_bucket_size"] == model_parameters(resolved.model_config)
+    own = tmp_path / "own.json"
+    own.write_text('{"zero_optimization": {"stage": 3, "reduce_bucket_size": 12345}}')
+    good.ds_config = str(own)
+    assert fill_ds_config(resolve(good, 4))["zero_optimization"]["reduce_bucket_size"] == 12345
+
+
 def test_all_problems_reported_together(good):
     good.num_stages = 3
     good.micro_batch_size = 0

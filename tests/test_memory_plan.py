@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 from training.memory_plan import GB, Layout, estimate, fitting
@@ -16,8 +17,14 @@ def states_gb(psi: float, **layout) -> float:
 
 
 def test_reproduces_the_zero_paper_model_states():
-    """Rajbhandari et al. 2020, Figure 1 / Table 1: 7.5 B parameters, Nd = 64, K = 12."""
-    assert [round(states_gb(7.5e9, dp=64, zero=z), 1) for z in range(4)] == [120.0, 31.4, 16.6, 1.9]
+    """Rajbhandari et al. 2020, Figure 1 / Table 1: 7.5 B parameters, Nd = 64, K = 12, fp16 mixed precision."""
+    assert [round(states_gb(7.5e9, dp=64, zero=z, dtype="fp16"), 1) for z in range(4)] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_bf16_zero0_follows_deepspeeds_bf16_optimizer():
+    """bf16 at ZeRO-0: weights 2 + gradients 2 + accumulation buffer 2 bytes, K=12 sharded over Nd (as measured)."""
+    assert states_gb(1e9, dp=4, zero=0) == 2 + 4 + 12 / 4
+    assert [round(states_gb(7.5e9, dp=64, zero=z), 1) for z in range(1, 4)] == [31.4, 16.6, 1.9]  # bf16 = paper
 
 
 def test_memory_falls_with_zero_stage_and_data_parallel_degree():
@@ -28,14 +35,21 @@ def test_memory_falls_with_zero_stage_and_data_parallel_degree():
         by_dp = [states_gb(1e9, dp=dp, zero=z) for dp in (1, 2, 4, 8)]
         assert by_dp == sorted(by_dp, reverse=True) and by_dp[0] > by_dp[-1]
     assert states_gb(1e9, dp=8, zero=1, offload_optimizer=True) == 4.0  # bf16 weights + gradients stay
+    host = lambda **kw: estimate([1e9], Layout(offload_optimizer=True, **kw)).host / GB  # noqa: E731
+    assert host(dp=8, zero=1) == host(dp=8, zero=2) == (12 + 4) / 8  # + the fp32 gradient partition
+    assert host(dp=8, zero=3) == 12 / 8 and host(dp=8, zero=3, offload_params=True) == (12 + 2) / 8
+    bucket = lambda psi, **kw: estimate([psi], Layout(dp=8, **kw)).buffers  # noqa: E731
+    assert bucket(1e9, zero=1) == 0 and bucket(1e9, zero=2) == bucket(1e9, zero=3) == 2 * 5e8  # DeepSpeed's default
+    assert bucket(1e6, zero=3) == 2 * 1e6  # capped at the model, as train.py sets it
 
 
 def test_fit_list_worked_by_hand():
     """10 B parameters (model states only), 8 GPUs x 40 GB. By hand, with psi = 10 B / stages:
+    bf16 ZeRO-0 costs 6 psi + 12 psi / dp (DeepSpeed's BF16_Optimizer).
     pipe 1 x dp 8: ZeRO-2 20+140/8=37.5, ZeRO-3 160/8=20, ZeRO-1+offload 40, ZeRO-2+offload 22.5,
-    ZeRO-3+offload 5, ZeRO-3+offload(params) 2.5 fit; ZeRO-0 160 and ZeRO-1 40+15 do not.
-    pipe 2 x dp 4 (psi 5): ZeRO-1 20+15=35 and ZeRO-1+offload 20 fit, ZeRO-0 80 does not.
-    pipe 4 x dp 2 (psi 2.5): ZeRO-0 40, ZeRO-1 25, +offload 10. pipe 8 x dp 1 (psi 1.25): all three."""
+    ZeRO-3+offload 5, ZeRO-3+offload(params) 2.5 fit; ZeRO-0 60+15 and ZeRO-1 40+15 do not.
+    pipe 2 x dp 4 (psi 5): ZeRO-1 20+15=35 and ZeRO-1+offload 20 fit, ZeRO-0 30+15 does not.
+    pipe 4 x dp 2 (psi 2.5): ZeRO-0 15+15, ZeRO-1 25, +offload 10. pipe 8 x dp 1 (psi 1.25): all three."""
     found = fitting(lambda s: ([10e9 / s] * s, None), None, gpus=8, gpu_mem_gb=40, num_layers=None,
                     micro_batch=1, seq_len=2048, grad_accum=8, dtype="bf16")
     got = {(l.stages, l.zero, l.offload_optimizer, l.offload_params) for l, _ in found if not l.checkpointing}
@@ -62,3 +76,23 @@ def test_cli_on_a_reference_model():
                            "--checkpointing"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "parameters: 68.977 B in 8 stage(s)" in proc.stdout and "optimizer states        0.00 GB" in proc.stdout
+
+
+def test_census_counts_each_storage_once_by_role():
+    """Weights, gradients and Adam moments of a small module; views into one flat buffer count once."""
+    from torch import nn
+
+    from training.memory_census import census
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32, bias=False), nn.Linear(32, 8, bias=False))  # 2048 + 256 fp32 weights
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    flat = torch.zeros(2304)
+    opt.flat_views = [flat[:2048], flat[2048:]]  # a wrapper's flat buffer and its per-parameter views
+    got = census(model, opt)
+    weights = 2304 * 4
+    assert got["weights"] == weights and got["grads"] == weights
+    assert got["optimizer"] == 2 * weights + 2 * 4 + weights  # exp_avg, exp_avg_sq, two fp32 step counts, flat
+    assert got["total"] == got["weights"] + got["grads"] + got["optimizer"]

@@ -5,12 +5,15 @@ states, LR scheduler) plus one ``trainer_state_rank<R>.json`` per rank (step, sa
 states), plus the model config, tokenizer and resolved training config in ``output_dir``. The order
 of writing is what makes it safe:
 
+0. rank 0 removes ``<output_dir>/<tag>/`` if an interrupted save left one; all ranks meet;
 1. every rank writes its DeepSpeed files and its trainer state into ``<output_dir>/<tag>/``;
 2. all ranks meet at a barrier;
 3. rank 0 writes ``latest`` (to a temporary file, then renamed), then deletes checkpoints beyond
-   ``save_total_limit``.
+   ``save_total_limit`` and any directory newer than the one just saved.
 
-A crash before step 3 leaves ``latest`` naming the previous complete checkpoint.
+A crash before step 3 (a rank killed mid-save) leaves ``latest`` naming the previous complete
+checkpoint, and a directory newer than it that is never resumed from
+(``models.checkpoint.tags_newer_than_latest``); the next save of that tag replaces it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 
 import numpy as np
@@ -26,11 +28,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from models.checkpoint import LATEST_FILE, copy_side_files, copy_tokenizer_files, local_modules, write_config
+from models.checkpoint import (LATEST_FILE, CheckpointError, checkpoint_tags, copy_side_files, copy_tokenizer_files,
+                               local_modules, stage_file_problems, write_config)
 from models.llama_pipe import layer_file_name
 from training.config import Resolved, tokenizer_dir
-
-TAG_PATTERN = re.compile(r"^global_step(\d+)$")  # DeepSpeed's default tag naming
 
 
 def tag_for(step: int) -> str:
@@ -66,6 +67,9 @@ def save(resolved: Resolved, engine, step: int, iterator) -> str:
     """Collective: write checkpoint ``global_step<step>``; returns its tag."""
     cfg, rank = resolved.cfg, dist.get_rank()
     tag = tag_for(step)
+    if rank == 0:
+        remove_interrupted(cfg.output_dir, tag)
+    dist.barrier()  # no rank writes into the directory before a stale one is gone
     engine.save_checkpoint(cfg.output_dir, tag=tag, save_latest=False)
     if not resolved.uses_pipeline:
         write_layer_files(engine.module, resolved.model_config, os.path.join(cfg.output_dir, tag))
@@ -114,21 +118,42 @@ def write_side_files(resolved: Resolved) -> None:
     OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.output_dir, "train_config.yaml"))
 
 
+def remove_interrupted(output_dir: str, tag: str) -> None:
+    """Remove ``output_dir/tag`` before saving into it: left by an interrupted save, it may hold files
+    of the older attempt that this save would not overwrite. Never the checkpoint ``latest`` names."""
+    path, latest = os.path.join(output_dir, tag), os.path.join(output_dir, LATEST_FILE)
+    if not os.path.isdir(path):
+        return
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            if f.read().strip() == tag:
+                return
+    print(f"[train] removing {path}: an incomplete checkpoint left by an interrupted save", flush=True)
+    shutil.rmtree(path)
+
+
 def prune(output_dir: str, limit: int, keep: str) -> list[str]:
-    """Delete the oldest ``global_step*`` checkpoints beyond ``limit`` (never ``keep``)."""
-    if limit <= 0:
-        return []
-    tags = sorted((int(m.group(1)), name) for name in os.listdir(output_dir)
-                  if (m := TAG_PATTERN.match(name)) and os.path.isdir(os.path.join(output_dir, name)))
-    doomed = [name for _, name in tags[:-limit] if name != keep]
+    """After saving ``keep``: delete the oldest ``global_step*`` checkpoints beyond ``limit`` (0 = keep
+    all), and every directory newer than ``keep`` (an interrupted save's, or a run that ``latest`` was
+    moved back from), so that ``latest`` always names the newest checkpoint in ``output_dir``."""
+    tags = checkpoint_tags(output_dir)
+    keep_step = next((step for step, name in tags if name == keep), float("inf"))
+    done = [name for step, name in tags if step <= keep_step]
+    doomed = [name for step, name in tags if step > keep_step]
+    if limit > 0:
+        doomed += [name for name in done[:-limit] if name != keep]
     for name in doomed:
         shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
     return doomed
 
 
-def read_trainer_state(resolved: Resolved) -> dict:
-    """This rank's trainer state of the checkpoint being resumed (run through on_all_ranks)."""
+def read_trainer_state(resolved: Resolved, module) -> dict:
+    """This rank's trainer state of the checkpoint being resumed (run through on_all_ranks), once this
+    stage's layer files are checked against the model (before DeepSpeed loads anything)."""
     cfg, tag = resolved.cfg, resolved.resume_tag
+    problems = stage_file_problems(module, resolved.model_config, cfg.output_dir, tag)
+    if problems:
+        raise CheckpointError(f"cannot resume from {cfg.output_dir}/{tag}:\n  " + "\n  ".join(problems))
     path = trainer_state_file(cfg.output_dir, tag, dist.get_rank())
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: {cfg.output_dir}/{tag} was not written by train.py with "

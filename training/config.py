@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -24,7 +26,13 @@ RESUME_MODES = ("auto", "never")
 DATA_FORMATS = ("tokens", "text", "sft")
 LOADABLE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either lets AutoTokenizer load a tokenizer
 PRECISIONS = ("fp32", "bf16", "fp16")
-PARTITION_METHODS = ("parameters", "uniform", "type:DecoderLayerPipe")
+PARTITION_METHODS = ("parameters", "compute", "uniform", "type:DecoderLayerPipe")
+NONFINITE_POLICIES = ("stop", "skip")
+# Checkpoint bytes per parameter besides the weights: AdamW's two moments and the fp32 master copy
+# (ZeRO keeps one even in fp32), 4 bytes each, in DeepSpeed's optimizer-state files. Measured: a
+# tiny fp32 ZeRO-1 pipe 2 x data 2 checkpoint is 16.8 bytes per parameter (4 weights + 12 + JSON).
+OPTIMIZER_BYTES_PER_PARAM = 12
+CHECKPOINT_OVERHEAD_BYTES_PER_RANK = 64 << 10  # trainer state JSON (RNG states, ~34 KB), engine file, YAML
 
 
 @dataclass
@@ -81,7 +89,7 @@ class TrainConfig:
     model_name_or_path: str = ""  # pipeline checkpoint made by convert2ckpt.py (or saved by train.py)
     output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl and the resolved config go here
     num_stages: int = 1  # pipeline stages; data-parallel degree = world size / num_stages
-    partition_method: str = "parameters"  # how specs are split into stages: parameters | uniform | type:DecoderLayerPipe
+    partition_method: str = "parameters"  # how specs are split into stages: parameters | compute | uniform | type:DecoderLayerPipe
     ds_config: str = "zero1"  # DeepSpeed JSON: a name in ds_configs/ (without .json) or a path
     precision: str = "bf16"  # fp32 | bf16 | fp16 (fp16 needs a device that supports it)
     micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
@@ -95,6 +103,14 @@ class TrainConfig:
     save_steps: int = 0  # save a checkpoint every this many steps (and always at the end); 0 = only at the end
     save_total_limit: int = 0  # keep only the newest this many checkpoints; 0 = keep all
     resume: str = "auto"  # auto: continue from output_dir's latest checkpoint if there is one | never: refuse to reuse it
+    # Seconds a collective (all-reduce, barrier, pipeline send/recv, the start-up rendezvous) waits for
+    # the other ranks before it fails and the job exits. It bounds how long a hung or unreachable rank
+    # (another node gone, a stopped process) can stall the others; a rank that dies on the same node is
+    # noticed by the DeepSpeed launcher within seconds anyway. It must exceed the longest legitimate
+    # wait: the tokenized-cache build on the first start (other ranks wait for it) and a checkpoint save.
+    dist_timeout_s: int = 1800
+    nonfinite_loss: str = "stop"  # a non-finite loss or gradient: stop (name the last good checkpoint) | skip (the optimizer skips the step; logged)
+    min_free_disk_gb: float = -1.0  # refuse to start with less free space under output_dir; -1 = the estimated size of one checkpoint, 0 = no check
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -211,7 +227,97 @@ def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], list[str
         problems += [f"output_dir {cfg.output_dir} holds a checkpoint with {f}={getattr(old, f)}, this model has "
                      f"{getattr(model_config, f)}: choose another output_dir" for f in SHAPE_FIELDS
                      if getattr(old, f) != getattr(model_config, f)]
+        problems += [f"output_dir {cfg.output_dir}/{tag}: {line}" for line in tensor_shape_differences(old, model_config)]
     return tag, problems
+
+
+def tensor_shape_differences(old, new, limit: int = 3) -> list[str]:
+    """Layer files whose tensors would change shape between two configs: file, tensor, both shapes.
+
+    Compared spec by spec when both have the same layer list (same layer count and tying); otherwise
+    the layer files do not even correspond and the config fields say it all.
+    """
+    if old.num_hidden_layers != new.num_hidden_layers or old.tie_word_embeddings != new.tie_word_embeddings:
+        return []
+    from models.llama_pipe import build_specs, expected_state_shapes, layer_file_name, spec_layout
+
+    old_specs, new_specs, lines = build_specs(old), build_specs(new), []
+    for info in spec_layout(new):
+        if info.owns_file:
+            a, b = expected_state_shapes(old_specs[info.index]), expected_state_shapes(new_specs[info.index])
+            lines += [f"{layer_file_name(info.index)} tensor {k!r} has shape {tuple(a[k])} in the checkpoint, "
+                      f"{tuple(b[k])} in this model" for k in b if k in a and tuple(a[k]) != tuple(b[k])]
+    if len(lines) > limit:
+        lines = lines[:limit] + [f"... and {len(lines) - limit} more tensors of other shapes"]
+    return lines
+
+
+def nearest_existing_dir(path: str) -> str:
+    """``path`` itself if it exists, else its closest existing ancestor (what creating it would write into)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def output_dir_problems(cfg: TrainConfig) -> list[str]:
+    """output_dir must be (or be creatable as) a directory this process can write: probed by creating
+    and removing a temporary entry, so permissions, read-only mounts and full quotas all show."""
+    out = cfg.output_dir
+    where = nearest_existing_dir(out)
+    if not os.path.isdir(where):
+        return [f"output_dir {out}: {where} exists and is not a directory: choose another output_dir"]
+    try:
+        if where == os.path.abspath(out):
+            fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=where)
+            os.close(fd)
+            os.remove(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=where))
+    except OSError as e:
+        return [f"output_dir {out} is not writable ({e.strerror} in {where}): choose another output_dir or make it writable"]
+    return []
+
+
+def checkpoint_size_bytes(model_config, precision: str, uses_pipeline: bool, world_size: int) -> tuple[int, str]:
+    """(estimated bytes of one checkpoint, how it was estimated).
+
+    Layer files hold the weights in the training dtype; DeepSpeed's optimizer-state files hold
+    AdamW's two moments and an fp32 master copy (OPTIMIZER_BYTES_PER_PARAM); the data-parallel engine
+    (ZeRO 2/3) also writes its own copy of the module's weights.
+    """
+    from models.llama_pipe import model_parameters
+
+    params = model_parameters(model_config)
+    weight_bytes = 4 if precision == "fp32" else 2
+    per_param = weight_bytes * (1 if uses_pipeline else 2) + OPTIMIZER_BYTES_PER_PARAM
+    how = (f"{params / 1e6:.1f} M parameters x {per_param} bytes: {precision} weights"
+           f"{'' if uses_pipeline else ' twice (layer files + engine file)'} + AdamW moments and fp32 master weights")
+    return params * per_param + world_size * CHECKPOINT_OVERHEAD_BYTES_PER_RANK, how
+
+
+def disk_problems(cfg: TrainConfig, model_config, uses_pipeline: bool, world_size: int) -> tuple[list[str], list[str]]:
+    """(problems, warnings): free space under output_dir against one checkpoint (``min_free_disk_gb``)."""
+    if cfg.min_free_disk_gb == 0 or model_config is None:
+        return [], []
+    where = nearest_existing_dir(cfg.output_dir)
+    if not os.path.isdir(where):
+        return [], []  # output_dir_problems reports it
+    free = shutil.disk_usage(where).free
+    one, how = checkpoint_size_bytes(model_config, cfg.precision, uses_pipeline, world_size)
+    need = one if cfg.min_free_disk_gb < 0 else cfg.min_free_disk_gb * 1e9
+    if free < need:
+        why = f"one checkpoint needs about {need / 1e9:.3g} GB ({how})" if cfg.min_free_disk_gb < 0 else \
+              f"min_free_disk_gb={cfg.min_free_disk_gb:g} asks for {need / 1e9:.3g} GB"
+        return [f"output_dir {cfg.output_dir}: {free / 1e9:.3g} GB free on its file system ({where}), but {why}: "
+                f"free space or choose another output_dir (min_free_disk_gb=0 skips this check)"], []
+    kept = cfg.save_total_limit + 1 if cfg.save_total_limit else (
+        cfg.max_steps // cfg.save_steps + 1 if cfg.save_steps and cfg.max_steps and not cfg.num_epochs else 1)
+    if kept > 1 and free < kept * one:
+        return [], [f"output_dir {cfg.output_dir}: {free / 1e9:.3g} GB free, but {kept} checkpoints of about {one / 1e9:.3g} GB "
+                    f"each will be on disk at once (save_total_limit={cfg.save_total_limit}, the new one is written before "
+                    f"the oldest is deleted): a later save will fail; lower save_total_limit or free space"]
+    return [], []
 
 
 def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
@@ -242,7 +348,7 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
         problems.append(f"partition_method {cfg.partition_method!r} unknown: choose one of {list(PARTITION_METHODS)}")
     for name, minimum in (("micro_batch_size", 1), ("gradient_accumulation_steps", 1), ("max_steps", 0), ("num_epochs", 0),
                           ("activation_checkpoint_interval", 0), ("log_steps", 1), ("eval_steps", 0), ("save_steps", 0),
-                          ("save_total_limit", 0)):
+                          ("save_total_limit", 0), ("dist_timeout_s", 1)):
         if getattr(cfg, name) < minimum:
             problems.append(f"{name} {getattr(cfg, name)} is out of range: set {name} >= {minimum}")
     if cfg.precision not in PRECISIONS:
@@ -260,6 +366,20 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
     if cfg.monitor.tensorboard and importlib.util.find_spec("tensorboard") is None:
         problems.append("monitor.tensorboard=true needs the tensorboard package: pip install tensorboard")
     problems += data_problems(cfg)
+    if cfg.nonfinite_loss not in NONFINITE_POLICIES:
+        problems.append(f"nonfinite_loss {cfg.nonfinite_loss!r} unknown: choose one of {list(NONFINITE_POLICIES)}")
+    if cfg.min_free_disk_gb < 0 and cfg.min_free_disk_gb != -1:
+        problems.append(f"min_free_disk_gb {cfg.min_free_disk_gb} < 0: set it to -1 (one checkpoint's estimated size), 0 (no check) or a size in GB")
+    output_problems = output_dir_problems(cfg)
+    problems += output_problems
+    if not output_problems and ds_json is not None:
+        uses_pipeline = k > 1 or ds_json.get("zero_optimization", {}).get("stage", 0) < 2
+        disk, disk_warnings = disk_problems(cfg, model_config, uses_pipeline, world_size)
+        problems += disk
+        warnings += disk_warnings
+    warnings += [f"{cfg.output_dir}/{tag} is not a complete checkpoint (newer than the one `latest` names: a save "
+                 f"was interrupted): not resumed from; it is replaced or removed when this run saves"
+                 for tag in _tags_newer_than_latest(cfg.output_dir)] if not resume_problems else []
     if cfg.eval_steps and not (cfg.data.eval_file or cfg.data.eval_fraction):
         warnings.append(f"eval_steps={cfg.eval_steps} but no eval data: set data.eval_file or data.eval_fraction")
 
@@ -276,6 +396,12 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return Resolved(cfg, world_size, dp, ds_json, model_config, warnings, resume_tag)
+
+
+def _tags_newer_than_latest(output_dir: str) -> list[str]:
+    from models.checkpoint import tags_newer_than_latest
+
+    return tags_newer_than_latest(output_dir)
 
 
 def default_packing(data: DataConfig) -> bool:

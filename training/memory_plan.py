@@ -7,8 +7,16 @@ momentum, variance). Per GPU, for the parameters Psi of its pipeline stage and d
     ZeRO-0   (2 + 2 + K) Psi            ZeRO-2   2 Psi + (2 + K) Psi / Nd
     ZeRO-1   (2 + 2) Psi + K Psi / Nd   ZeRO-3   (2 + 2 + K) Psi / Nd
 
+That is the paper's mixed precision (fp16). DeepSpeed trains bf16 at ZeRO-0 differently: its
+pipeline engine then uses BF16_Optimizer, which shards the fp32 master weights and Adam moments over
+data-parallel ranks as ZeRO-1 does and keeps a bf16 gradient-accumulation buffer beside the
+gradients: 2 Psi + (2 + 2) Psi + K Psi / Nd (measured with training/memory_census.py; the sweep
+prints estimate and measurement side by side).
+
 Optimizer offload moves the K part to host memory; ZeRO-3 parameter offload moves the weights too
-(the GPU keeps about one layer). fp32 training uses 4 + 4 bytes for weights and gradients and K=8
+(the GPU keeps about one layer). What moves is counted as host memory per rank; with ZeRO-1/2 the host
+also holds an fp32 copy of the rank's gradient partition for CPU Adam, 4 Psi / Nd (measured; ZeRO-3
+writes gradients into its fp32 partitions in place). fp32 training uses 4 + 4 bytes for weights and gradients and K=8
 (momentum, variance; the weights are their own master copy).
 
 Activations are estimated for Llama in 16-bit (SDPA/flash attention, so no S x S score matrix is
@@ -26,6 +34,13 @@ import itertools
 from dataclasses import dataclass
 
 GB = 1e9  # the ZeRO paper and GPU vendors count decimal gigabytes
+DS_REDUCE_BUCKET_DEFAULT = 500_000_000  # elements: DeepSpeed's reduce_bucket_size when the JSON has none
+
+
+def reduce_bucket_elements(total_params: float) -> int:
+    """ZeRO-2/3's gradient reduce bucket as train.py sets it: DeepSpeed's default, capped at the model's
+    size (the bucket is allocated whole; a larger one holds nothing more)."""
+    return int(min(DS_REDUCE_BUCKET_DEFAULT, total_params))
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,8 @@ class Estimate:
     optimizer: float
     activations: float | None  # None: no architecture given (a bare parameter count)
     stage: int  # which stage is the most loaded
+    host: float = 0.0  # offloaded model states, in host memory (per rank)
+    buffers: float = 0.0  # ZeRO-2/3's gradient reduce bucket (the paper's "temporary buffers")
 
     @property
     def model_states(self) -> float:
@@ -77,20 +94,26 @@ class Estimate:
 
     @property
     def total(self) -> float:
-        return self.model_states + (self.activations or 0.0)
+        return self.model_states + self.buffers + (self.activations or 0.0)
 
 
-def model_state_bytes(psi: float, layout: Layout) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer states) bytes per GPU for ``psi`` parameters of one stage."""
+def model_state_bytes(psi: float, layout: Layout) -> tuple[float, float, float, float]:
+    """(weights, gradients, optimizer states) bytes per GPU, and offloaded bytes per rank on the host,
+    for ``psi`` parameters of one stage."""
     w, g, k = (4, 4, 8) if layout.dtype == "fp32" else (2, 2, 12)
     nd = layout.dp
     shard = {0: (1, 1, 1), 1: (1, 1, nd), 2: (1, nd, nd), 3: (nd, nd, nd)}[layout.zero]
+    if layout.dtype == "bf16" and layout.zero == 0:
+        g, shard = g + 2, (1, 1, nd)  # DeepSpeed's BF16_Optimizer: + accumulation buffer, states sharded
     params, grads, optim = w * psi / shard[0], g * psi / shard[1], k * psi / shard[2]
+    host = 0.0
     if layout.offload_optimizer:
-        optim = 0.0
+        host, optim = optim, 0.0
+        if layout.zero in (1, 2):
+            host += 4 * psi / nd  # fp32 gradient partition for CPU Adam
     if layout.offload_params:
-        params = 0.0
-    return params, grads, optim
+        host, params = host + params, 0.0
+    return params, grads, optim, host
 
 
 def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: int, last: bool) -> float:
@@ -111,11 +134,14 @@ def estimate(stage_params: list[float], layout: Layout, shape: Shape | None = No
     """Per-GPU memory of the most loaded stage. ``stage_params[p]``: parameters of stage p."""
     best = None
     for p, psi in enumerate(stage_params):
-        params, grads, optim = model_state_bytes(psi, layout)
+        params, grads, optim, host = model_state_bytes(psi, layout)
         acts = None
         if shape is not None:
             acts = activation_bytes(shape, layout, p, stage_layers[p], last=p == len(stage_params) - 1)
-        e = Estimate(params, grads, optim, acts, p)
+        buffers = 0.0
+        if layout.zero >= 2:  # one 16-bit (fp32 for fp32 training) bucket per rank, allocated whole
+            buffers = (4 if layout.dtype == "fp32" else 2) * reduce_bucket_elements(sum(stage_params))
+        e = Estimate(params, grads, optim, acts, p, host, buffers)
         if best is None or e.total > best.total:
             best = e
     return best

@@ -9,7 +9,9 @@ import os
 import torch
 from torch import nn
 
+from models.llama_pipe import model_parameters
 from training.config import Resolved, TrainConfig
+from training.memory_plan import reduce_bucket_elements
 
 # DeepSpeed prints its own step line every steps_per_print steps; train.py logs its own line instead.
 DS_STEPS_PER_PRINT = 2**31 - 1
@@ -41,6 +43,9 @@ def fill_ds_config(resolved: Resolved) -> dict:
             # torch.optim.AdamW: no JIT-compiled fused_adam op to build; with optimizer offload
             # DeepSpeed's CPU Adam is the one that works, so leave the choice to DeepSpeed.
             "torch_adam": not offload,
+            # torch's fused kernel (CPU and GPU): 10x faster than its default per-tensor loop on
+            # ZeRO's flat fp32 partition (0.19 -> 0.018 s per step, 34 M parameters, one CPU thread).
+            **({} if offload else {"fused": True}),
         },
     }
     monitor_dir = os.path.join(os.path.abspath(cfg.output_dir), "monitor")
@@ -48,9 +53,24 @@ def fill_ds_config(resolved: Resolved) -> dict:
         ds["tensorboard"] = {"enabled": True, "output_path": monitor_dir, "job_name": "tensorboard"}
     if cfg.monitor.csv:
         ds["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": "csv"}
+    size_zero_buckets(ds, resolved.model_config)
     ds.setdefault("steps_per_print", DS_STEPS_PER_PRINT)
     ds.setdefault("wall_clock_breakdown", False)
     return ds
+
+
+def size_zero_buckets(ds: dict, model_config) -> None:
+    """ZeRO-2/3's gradient reduce bucket capped at the model's size, where the JSON leaves it out or
+    says "auto".
+
+    DeepSpeed allocates the whole bucket (default 5e8 elements: 954 MiB per rank in bf16, measured by
+    the model-state census on a 3.5 M-parameter model). A bucket larger than the model holds nothing
+    more; a smaller one means more collectives (hidden^2, Hugging Face's "auto", made ZeRO-2 steps of
+    that model 4x slower on CPU gloo).
+    """
+    zero = ds.get("zero_optimization", {})
+    if zero.get("stage", 0) >= 2 and zero.get("reduce_bucket_size", "auto") == "auto":
+        zero["reduce_bucket_size"] = reduce_bucket_elements(model_parameters(model_config))
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -1,0 +1,79 @@
+"""train.py with faults injected at chosen moments (test-only; nothing here is in train.py itself).
+
+Launched like train.py (`deepspeed --num_gpus 4 tests/ds_scripts/train_faults.py key=value ...`), with
+environment variables choosing the faults:
+
+- ``FAULT_CRASH_IN_SAVE=<step>:<rank>``: that rank SIGKILLs itself right after writing its first file
+  of checkpoint ``global_step<step>`` (a rank dying in the middle of a save); the time of the kill
+  is written to ``FAULT_KILL_TIME_FILE`` first, so the test can time the job's exit from it.
+- ``FAULT_NAN_AT_STEPS=<step>[,<step>...]``: the loss of those optimizer steps is NaN (the last
+  stage's loss function multiplies it by NaN, so the gradients are NaN too).
+- ``FAULT_HANG_AT_STEP=<step>:<rank>``: that rank stops responding at the start of that step (it
+  sleeps forever, like a rank stuck in I/O), while the others wait for it in a collective.
+"""
+
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+import models.llama_pipe as llama_pipe  # noqa: E402
+
+RANK = int(os.environ.get("RANK", "0"))
+CURRENT = {"step": 0}  # the optimizer step being trained (1-based)
+
+
+def parse_pair(name: str) -> tuple[int, int] | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    step, rank = value.split(":")
+    return int(step), int(rank)
+
+
+crash = parse_pair("FAULT_CRASH_IN_SAVE")
+hang = parse_pair("FAULT_HANG_AT_STEP")
+nan_steps = {int(s) for s in os.environ.get("FAULT_NAN_AT_STEPS", "").split(",") if s}
+
+if crash and crash[1] == RANK:
+    _save = torch.save
+    tag_dir = f"{os.sep}global_step{crash[0]}{os.sep}"
+
+    def save_then_die(obj, f, *args, **kwargs):
+        _save(obj, f, *args, **kwargs)
+        if isinstance(f, (str, os.PathLike)) and tag_dir in os.fspath(f):
+            with open(os.environ["FAULT_KILL_TIME_FILE"], "w") as out:
+                out.write(f"{time.time()}\n{os.fspath(f)}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = save_then_die
+
+if nan_steps:
+    _loss = llama_pipe.causal_lm_loss
+
+    def loss_with_nan(logits, labels):
+        loss = _loss(logits, labels)
+        return loss * float("nan") if CURRENT["step"] in nan_steps else loss
+
+    llama_pipe.causal_lm_loss = loss_with_nan  # build_pipeline_model reads it when the model is built
+
+import train  # noqa: E402  (strips the launcher's --local_rank argument)
+
+_train_step = train.train_step
+
+
+def train_step(resolved, engine, data):
+    CURRENT["step"] = engine.global_steps + 1  # restored by load_checkpoint when resuming
+    if hang and hang == (CURRENT["step"], RANK):
+        print(f"FAULT rank {RANK} hangs at step {CURRENT['step']}", flush=True)
+        while True:
+            time.sleep(3600)
+    return _train_step(resolved, engine, data)
+
+
+train.train_step = train_step
+train.main()

@@ -1,0 +1,80 @@
+"""Smoke tests of the benchmark scripts at tiny sizes (scripts/bench_train.py, bench_convert.py, bench_load.py).
+
+They check that each script runs end to end and that its arithmetic is right; the numbers themselves
+are in BENCHMARKS.md. About 20 s on the 2-core CPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+import bench_load  # noqa: E402
+import bench_train  # noqa: E402
+
+TINY = ["--vocab-size", "256", "--hidden-size", "64", "--intermediate-size", "176", "--num-hidden-layers", "2",
+        "--num-attention-heads", "4", "--num-key-value-heads", "2", "--seq", "32"]
+
+
+def test_flops_per_token_counts_matmul_parameters_and_causal_attention():
+    from models.tiny import tiny_config
+
+    for tied in (False, True):
+        config = tiny_config(tie_word_embeddings=tied)
+        six_n, attn, total = bench_train.flops_per_token(config, seq=128)
+        embed = config.vocab_size * config.hidden_size
+        # Every parameter but the input embedding, plus the LM head's matmul (a tied head shares the embedding's weights).
+        assert six_n == 6 * (total - embed + (embed if tied else 0))
+        assert attn == 6 * config.num_hidden_layers * 128 * config.hidden_size
+
+
+def test_ratios_pair_the_runs_of_each_round():
+    run = lambda *steps: {"tokens": 100, "step_s": list(steps)}  # noqa: E731
+    results = {"a": [run(1.0, 1.0), run(2.0, 2.0)], "b": [run(1.0), run(4.0)],
+               "e": [run(2.0), run(2.0)], "c": [run(1.0), run(1.25)], "d": [run(1.0), run(1.0)]}
+    rows = {case: (ref, per_round, ideal, target) for case, ref, per_round, ideal, target in bench_train.ratio_rows(results, micro=8)}
+    assert rows["b"] == ("a", [1.0, 0.5], 1.0, 0.95)
+    ref, per_round, ideal, target = rows["c"]
+    assert ref == "e" and per_round == [2.0, 1.6] and ideal == pytest.approx(16 / 9) and target == pytest.approx(0.9 * 16 / 9)
+    assert rows["d"] == ("e", [2.0, 2.0], 2.0, 1.8)
+
+
+def test_case_args_apply_to_their_case_only():
+    args = ["optim.lr=1e-4", "c:partition_method=compute", "b,e:ds=zero0"]
+    assert bench_train.case_args(args, "c") == ["optim.lr=1e-4", "partition_method=compute"]
+    assert bench_train.case_args(args, "e") == ["optim.lr=1e-4", "ds=zero0"]
+    assert bench_train.case_args(args, "d") == ["optim.lr=1e-4"]
+
+
+def test_bench_train_plain_cases_end_to_end(tmp_path):
+    """The plain loop (a), two at once (x) and the matmul peak: one table row each and the (x)/(a) ratio."""
+    proc = subprocess.run([sys.executable, "scripts/bench_train.py", *TINY, "--cases", "a,x", "--rounds", "1", "--steps", "1",
+                           "--max-wait", "0", "--work", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| a | plain HF loop" in proc.stdout and "| x | two plain HF loops" in proc.stdout
+    assert "| (x)/(a) |" in proc.stdout and "matmul peak (float32" in proc.stdout
+
+
+def test_bench_convert_end_to_end(tmp_path):
+    """Both directions at a tiny size: every table row is there and the memory target is met."""
+    work = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "scripts/bench_convert.py", "--layers", "1", "--hidden", "64", "--vocab", "256",
+                           "--repeats", "1", "--work", str(work)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 2 and "HF -> stages" in rows[0] and "stages -> HF" in rows[1]
+    assert all(row.rstrip(" |").endswith("met") for row in rows)  # memory target (speed at this size is start-up)
+    assert not work.exists()  # the big files are deleted at the end
+
+
+def test_bench_load_reads_train_py_load_report():
+    line = ("[train] rank 1: stage 1 specs 5..10 (6 specs, 17.04 M params) | loaded 65.0 MiB from 6 layer files in 0.10 s "
+            "| peak RSS at load 441 MiB (before building the stage 372 MiB, stage parameters 65 MiB)")
+    assert bench_load.REPORT.search(line).groups() == ("1", "1", "17.04", "441", "372", "65")

@@ -1,0 +1,455 @@
+"""Failure behaviour (issue 8): a killed rank, a crash while saving, a hung rank, a non-finite loss,
+output and input problems, untrusted files. Nothing hangs, nothing is lost.
+
+The multi-rank runs are few and serve several assertions each:
+
+- ``chain`` (4 ranks, pipe 2 x data 2, fp32, 10 steps, a checkpoint every 2): an uninterrupted run U;
+  run C whose rank 2 SIGKILLs itself in the middle of saving step 4; C resumed and killed from
+  outside (``kill -9`` of rank 1) after step 7; C resumed to the end. C must end bit-identical to U.
+- a NaN loss with ``nonfinite_loss=stop`` (2 ranks); a NaN loss with ``nonfinite_loss=skip``
+  followed by a hung rank that ``dist_timeout_s`` unblocks (4 ranks).
+
+Faults are injected by ``tests/ds_scripts/train_faults.py`` (nothing test-only is in train.py).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import psutil
+import pytest
+import torch
+
+import convert2ckpt
+from convert2ckpt import ConversionError, hf_to_stages, stages_to_hf
+from models.checkpoint import CheckpointError, load_layer_file, load_stage_weights, stage_file_problems
+from models.llama_pipe import layer_file_name
+from tests.conftest import LAUNCH_TIMEOUT_S, REPO, RANK_ENV, free_port, make_hf_dir, read_metrics, write_random_tokens
+from training.config import ConfigError, DataConfig, TrainConfig, checkpoint_size_bytes, resolve
+
+KILL_EXIT_BOUND_S = 60  # the whole job must be gone this long after a rank is killed
+STEPS = 10
+FAULTS = "tests/ds_scripts/train_faults.py"
+
+
+# ---------- launching with a kill switch ----------
+
+@dataclass
+class Launch:
+    returncode: int
+    output: str  # stdout and stderr, interleaved
+    marks: dict  # pattern -> time its first line appeared
+    killed_at: float | None
+    ended_at: float
+    port: int
+
+    def line(self, fragment: str) -> str:
+        return next(line for line in self.output.splitlines() if fragment in line)
+
+
+def launch(num_ranks: int, script: str, args: list[str], log_path: str, env: dict | None = None,
+           kill_rank_after: tuple[str, int] | None = None, mark: tuple[str, ...] = ()) -> Launch:
+    """``deepspeed --num_gpus N script args``, output streamed; with ``kill_rank_after=(text, rank)``,
+    that rank gets SIGKILL as soon as a line containing ``text`` appears. Afterwards every process
+    left of the job is killed and its /dev/shm segments removed (a killed rank cannot remove its own)."""
+    port = free_port()
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(num_ranks),
+           "--master_port", str(port), script, *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **RANK_ENV, **(env or {})}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines, marks, killed_at = [], {}, None
+    deadline = time.time() + LAUNCH_TIMEOUT_S
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            for m in mark:
+                if m in line and m not in marks:
+                    marks[m] = time.time()
+            if kill_rank_after and killed_at is None and kill_rank_after[0] in line:
+                victim = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                          if f"--local_rank={kill_rank_after[1]}" in p.cmdline()]
+                assert len(victim) == 1, victim
+                victim[0].send_signal(signal.SIGKILL)
+                killed_at = time.time()
+            if time.time() > deadline:
+                break
+        proc.wait(timeout=max(1.0, deadline - time.time()))
+    finally:
+        ended_at = time.time()
+        if proc.poll() is None:  # a hang the job did not resolve itself: fail the test, not the CI run
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
+            proc.kill()
+            proc.wait()
+        for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+            os.remove(leftover)
+    output = "".join(lines)
+    with open(log_path, "w") as f:
+        f.write(output)
+    return Launch(proc.returncode, output, marks, killed_at, ended_at, port)
+
+
+def train_args(ckpt: str, data: str, out, cache, **overrides) -> list[str]:
+    args = {"model_name_or_path": ckpt, "output_dir": out, "data.train_file": data, "data.max_seq_length": 16,
+            "data.cache_dir": cache, "num_stages": 2, "micro_batch_size": 1, "gradient_accumulation_steps": 2,
+            "max_steps": STEPS, "precision": "fp32", "ds": "zero1", "optim.lr": 1e-3, "save_steps": 2,
+            "save_total_limit": 0, **overrides}
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+def trainer_states(tag_dir) -> list[str]:
+    return sorted(f for f in os.listdir(tag_dir) if f.startswith("trainer_state_rank"))
+
+
+def layers_equal(a_dir, b_dir) -> bool:
+    names = sorted(f for f in os.listdir(a_dir) if f.startswith("layer_"))
+    assert names and names == sorted(f for f in os.listdir(b_dir) if f.startswith("layer_"))
+    for name in names:
+        a, b = load_layer_file(os.path.join(a_dir, name)), load_layer_file(os.path.join(b_dir, name))
+        if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_hf):
+    root = tmp_path_factory.mktemp("reliability")
+    ckpt, data = str(root / "ckpt"), str(root / "train.jsonl")
+    hf_to_stages(tiny_hf, ckpt)
+    write_random_tokens(data, 64, 16, vocab_size=512)
+    return root, ckpt, data
+
+
+# ---------- 1 + 2: a killed rank, a crash while saving, resume ----------
+
+@pytest.fixture(scope="module")
+def chain(setup):
+    root, ckpt, data = setup
+    cache = root / "cache"
+    runs = {}
+    runs["U"] = launch(4, "train.py", train_args(ckpt, data, root / "U", cache), str(root / "U.log"))
+    assert runs["U"].returncode == 0, runs["U"].output[-4000:]
+    # C: rank 2 dies right after writing its first file of global_step4 (the others wait in the save).
+    kill_time = root / "crash.time"
+    runs["crash"] = launch(4, FAULTS, train_args(ckpt, data, root / "C", cache), str(root / "C-crash.log"),
+                           env={"FAULT_CRASH_IN_SAVE": "4:2", "FAULT_KILL_TIME_FILE": str(kill_time)})
+    runs["crash"].killed_at = float(kill_time.read_text().split()[0])
+    runs["after_crash"] = {"latest": (root / "C" / "latest").read_text(), "step4": sorted(os.listdir(root / "C" / "global_step4"))}
+    # C resumed, then rank 1 killed from outside while step 8 trains (latest = global_step6 by then).
+    runs["kill"] = launch(4, "train.py", train_args(ckpt, data, root / "C", cache), str(root / "C-kill.log"),
+                          kill_rank_after=("step 7/", 1))
+    runs["after_kill"] = {"latest": (root / "C" / "latest").read_text()}
+    runs["final"] = launch(4, "train.py", train_args(ckpt, data, root / "C", cache), str(root / "C-final.log"))
+    assert runs["final"].returncode == 0, runs["final"].output[-4000:]
+    return root, runs
+
+
+def test_a_rank_killed_mid_training_ends_the_job_and_resume_matches_an_uninterrupted_run(chain):
+    root, runs = chain
+    kill = runs["kill"]
+    assert kill.killed_at is not None and kill.returncode != 0
+    exit_s = kill.ended_at - kill.killed_at
+    print(f"kill -9 of rank 1 mid-training: job exited {exit_s:.1f} s later with code {kill.returncode}")
+    assert exit_s < KILL_EXIT_BOUND_S
+    assert "exits with return code = " in kill.output  # the launcher saw a rank fail and stopped the others
+    assert runs["after_kill"]["latest"] in ("global_step6", "global_step8")
+    final = runs["final"]
+    assert f"(resumed from {runs['after_kill']['latest']})" in final.output
+    u, c = read_metrics(str(root / "U")), read_metrics(str(root / "C"))
+    assert [m["step"] for m in c] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in c] == [m["loss"] for m in u]  # bit-identical, fp32
+    for step in range(2, STEPS + 1, 2):  # every checkpoint: same files, same weights
+        tag = f"global_step{step}"
+        assert sorted(os.listdir(root / "C" / tag)) == sorted(os.listdir(root / "U" / tag)), tag
+        assert layers_equal(root / "U" / tag, root / "C" / tag), tag
+    assert (root / "C" / "latest").read_text() == f"global_step{STEPS}"
+
+
+def test_a_crash_while_saving_keeps_latest_and_the_incomplete_checkpoint_is_never_used(chain):
+    root, runs = chain
+    crash = runs["crash"]
+    exit_s = crash.ended_at - crash.killed_at
+    print(f"rank 2 killed while saving global_step4: job exited {exit_s:.1f} s later with code {crash.returncode}")
+    assert crash.returncode != 0 and exit_s < KILL_EXIT_BOUND_S
+    assert runs["after_crash"]["latest"] == "global_step2"  # the previous complete checkpoint
+    partial = runs["after_crash"]["step4"]
+    assert len([f for f in partial if f.startswith("trainer_state_rank")]) < 4, partial  # incomplete
+    resumed = runs["kill"]
+    assert "(resumed from global_step2)" in resumed.output
+    assert "global_step4 is not a complete checkpoint" in resumed.line("warning:")
+    assert f"removing {root / 'C' / 'global_step4'}: an incomplete checkpoint left by an interrupted save" in resumed.output
+    # replaced cleanly: the same files as the uninterrupted run's global_step4 (checked in the test above too)
+    assert trainer_states(root / "C" / "global_step4") == [f"trainer_state_rank{r:05d}.json" for r in range(4)]
+    assert sorted(os.listdir(root / "C" / "global_step4")) == sorted(os.listdir(root / "U" / "global_step4"))
+
+
+def test_saved_checkpoint_lines_report_rss_per_rank_and_the_size_estimate_holds(chain, setup):
+    root, runs = chain
+    line = runs["U"].line("saved checkpoint global_step10")
+    assert "RSS per rank now: " in line and len(line.split("RSS per rank now: ")[1].split(" MiB")[0].split(", ")) == 4
+    from transformers import LlamaConfig
+
+    tag_dir = root / "U" / "global_step10"
+    actual = sum(os.path.getsize(tag_dir / f) for f in os.listdir(tag_dir))
+    estimate, _ = checkpoint_size_bytes(LlamaConfig.from_pretrained(setup[1]), "fp32", True, 4)
+    print(f"checkpoint size: estimated {estimate} bytes, written {actual} bytes")
+    assert 1.0 <= estimate / actual < 1.15  # measured 1.02 (4,269,056 vs 4,194,905 bytes)
+
+
+def test_the_stress_script_reads_the_saved_checkpoint_lines(chain):
+    """scripts/stress.py (by hand: 20 short runs and a 500-step run) measures RSS from these lines."""
+    from scripts.stress import SAVED
+
+    saves = {int(m.group(1)): [int(x) for x in m.group(2).split(", ")] for m in SAVED.finditer(chain[1]["U"].output)}
+    assert sorted(saves) == list(range(2, STEPS + 1, 2)) and all(len(r) == 4 and min(r) > 0 for r in saves.values())
+
+
+def test_no_shared_memory_segment_is_left_behind(chain):
+    """Killed ranks cannot remove their /dev/shm segments; the launch helper does (by the job's port)."""
+    for run in chain[1].values():
+        if isinstance(run, Launch):
+            assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{run.port}_*"), run.port
+
+
+# ---------- 4 (NaN) and 1 (hung rank): non-finite loss, dist_timeout_s ----------
+
+def test_a_nan_loss_stops_every_rank_naming_the_step_and_the_last_good_checkpoint(setup):
+    root, ckpt, data = setup
+    out = root / "nan-stop"
+    run = launch(2, FAULTS, train_args(ckpt, data, out, root / "cache", max_steps=6), str(root / "nan-stop.log"),
+                 env={"FAULT_NAN_AT_STEPS": "3"})
+    assert run.returncode != 0
+    assert (f"train.py: error: step 3: loss is nan: training stopped (nonfinite_loss=stop). "
+            f"Last good checkpoint: {out / 'global_step2'} (resume=auto continues from it).") in run.output
+    assert "set nonfinite_loss=skip to skip such steps" in run.output
+    assert "Traceback" not in run.output
+    assert (out / "latest").read_text() == "global_step2"
+    assert sorted(t for t in os.listdir(out) if t.startswith("global_step")) == ["global_step2"]
+
+
+def test_nan_skip_leaves_the_weights_and_a_hung_rank_times_out(setup):
+    """nonfinite_loss=skip: step 3's NaN update is skipped (its checkpoint equals step 2's), step 4
+    trains. Then rank 3 hangs at step 5: the others fail after dist_timeout_s and the job exits."""
+    root, ckpt, data = setup
+    out, timeout_s = root / "nan-skip", 30  # above any wait between ranks at start-up, even on a busy machine
+    run = launch(4, FAULTS, train_args(ckpt, data, out, root / "cache", max_steps=8, save_steps=1,
+                                       nonfinite_loss="skip", dist_timeout_s=timeout_s),
+                 str(root / "nan-skip.log"), env={"FAULT_NAN_AT_STEPS": "3", "FAULT_HANG_AT_STEP": "5:3"},
+                 mark=("FAULT rank 3 hangs",))
+    assert "warning: step 3: loss is nan: update skipped (nonfinite_loss=skip; 1 skipped: steps [3])" in run.output
+    losses = {m["step"]: m["loss"] for m in read_metrics(str(out))}
+    assert math.isnan(losses[3]) and all(math.isfinite(losses[s]) for s in (1, 2, 4))
+    assert layers_equal(out / "global_step2", out / "global_step3")  # the NaN step changed nothing
+    assert not layers_equal(out / "global_step3", out / "global_step4")  # the next one trained
+    for tag in ("global_step3", "global_step4"):
+        weights = [t for f in os.listdir(out / tag) if f.startswith("layer_")
+                   for t in load_layer_file(str(out / tag / f)).values()]
+        assert all(torch.isfinite(t).all() for t in weights)
+    hung_at = run.marks["FAULT rank 3 hangs"]
+    exit_s = run.ended_at - hung_at
+    print(f"rank 3 hung at step 5 with dist_timeout_s={timeout_s}: job exited {exit_s:.1f} s later, code {run.returncode}")
+    assert run.returncode != 0
+    assert f"Timed out waiting {timeout_s * 1000}ms" in run.output
+    assert exit_s < timeout_s + 40
+    assert (out / "latest").read_text() == "global_step4"
+
+
+# ---------- 3: output problems before training starts ----------
+
+@pytest.fixture()
+def good(tmp_path, tiny_hf) -> TrainConfig:
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    return TrainConfig(model_name_or_path=tiny_hf, num_stages=2, micro_batch_size=1, gradient_accumulation_steps=2,
+                       output_dir=str(tmp_path / "out"), data=DataConfig(train_file=str(data)))
+
+
+def problems_of(cfg: TrainConfig, world_size: int = 4) -> str:
+    with pytest.raises(ConfigError) as err:
+        resolve(cfg, world_size)
+    return str(err.value)
+
+
+def test_an_unwritable_output_dir_is_refused_before_training(good, tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    good.output_dir = str(tmp_path / "a_file" / "run")
+    assert f"output_dir {good.output_dir}: {tmp_path / 'a_file'} exists and is not a directory" in problems_of(good)
+    if os.geteuid() == 0:  # root writes through permissions: use a file system that refuses everyone
+        if not os.path.isdir("/sys"):
+            pytest.skip("running as root without /sys")
+        good.output_dir = "/sys/llama-pipe-run"
+    else:
+        (tmp_path / "ro").mkdir(mode=0o500)
+        good.output_dir = str(tmp_path / "ro" / "run")
+    assert f"output_dir {good.output_dir} is not writable" in problems_of(good)
+
+
+def test_too_little_free_disk_for_one_checkpoint_is_refused(good, monkeypatch):
+    import shutil
+
+    import training.config as config
+
+    need, _ = checkpoint_size_bytes(resolve(good, 4).model_config, "bf16", True, 4)
+    real = shutil.disk_usage
+    monkeypatch.setattr(config.shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
+    message = problems_of(good)
+    assert f"output_dir {good.output_dir}: {(need - 1) / 1e9:.3g} GB free on its file system" in message
+    assert "one checkpoint needs about" in message and "0.3 M parameters x 14 bytes: bf16 weights" in message
+    assert "(min_free_disk_gb=0 skips this check)" in message
+    good.min_free_disk_gb = 0.0
+    resolve(good, 4)  # the knob turns the check off
+    good.min_free_disk_gb = -1.0
+    monkeypatch.setattr(config.shutil, "disk_usage", lambda p: real(p)._replace(free=2 * need))
+    good.save_total_limit = 3
+    (warning,) = resolve(good, 4).warnings
+    assert "4 checkpoints of about" in warning and "a later save will fail" in warning
+
+
+def test_cli_refuses_output_problems_before_any_process_group(tmp_path, tiny_hf):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    env = {**os.environ, "WORLD_SIZE": "4"}
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, "train.py", f"model_name_or_path={tiny_hf}", f"data.train_file={data}",
+                           "num_stages=2", f"output_dir={tmp_path / 'out'}", "min_free_disk_gb=1e9"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "train.py: error: invalid configuration:" in proc.stderr
+    assert "GB free on its file system" in proc.stderr and "but min_free_disk_gb=1e+09 asks for 1e+09 GB" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_an_output_dir_holding_another_shape_names_the_layer_and_both_shapes(good, tmp_path, tokenizer_dir):
+    out = tmp_path / "out"
+    (out / "global_step4").mkdir(parents=True)
+    (out / "latest").write_text("global_step4")
+    wide = make_hf_dir(tmp_path, tokenizer_dir, "wide", intermediate_size=128)
+    (out / "config.json").write_text(open(os.path.join(wide, "config.json")).read())
+    message = problems_of(good)
+    assert "holds a checkpoint with intermediate_size=128, this model has 176: choose another output_dir" in message
+    assert (f"output_dir {out}/global_step4: layer_01-model_states.pt tensor 'mlp.gate_proj.weight' has shape "
+            f"(128, 64) in the checkpoint, (176, 64) in this model") in message
+    assert "... and 9 more tensors of other shapes" in message  # 3 MLP matrices x 4 layers, 3 named
+
+
+def test_latest_naming_a_missing_tag_and_leftover_newer_directories(good, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "latest").write_text("global_step9")
+    assert f"{out}/latest names global_step9, which is not in {out}" in problems_of(good)
+    (out / "global_step9").mkdir()
+    (out / "global_step12").mkdir()
+    (warning,) = resolve(good, 4).warnings
+    assert f"{out}/global_step12 is not a complete checkpoint" in warning
+
+
+def test_prune_keeps_the_newest_and_removes_directories_newer_than_the_saved_one(tmp_path):
+    from training.checkpointing import prune
+
+    for step in (2, 4, 6, 8, 10):
+        (tmp_path / f"global_step{step}").mkdir()
+    assert sorted(prune(str(tmp_path), 2, keep="global_step6")) == ["global_step10", "global_step2", "global_step8"]
+    assert sorted(os.listdir(tmp_path)) == ["global_step4", "global_step6"]
+
+
+# ---------- 4: bad input, named with what and where ----------
+
+class _Stage:
+    """Just enough of a PipelineModule: one stage owning ``specs``."""
+
+    def __init__(self, config, specs):
+        from models.llama_pipe import build_specs
+
+        self._layer_specs = build_specs(config)
+        self._local_start, self._local_stop = specs[0], specs[-1] + 1
+        self.tied_modules = {}
+        self.forward_funcs = [self._layer_specs[i].build() for i in specs]
+
+
+def test_a_checkpoint_of_another_shape_names_the_layer_file_and_both_shapes(tmp_path, tiny_hf, tokenizer_dir):
+    from transformers import LlamaConfig
+
+    hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
+    wide = LlamaConfig.from_pretrained(make_hf_dir(tmp_path, tokenizer_dir, "wide", intermediate_size=128))
+    path = tmp_path / "ckpt" / "global_step0" / layer_file_name(2)
+    with pytest.raises(CheckpointError) as err:
+        load_stage_weights(_Stage(wide, [2, 3]), wide, str(tmp_path / "ckpt"))
+    assert f"{path}: tensor 'mlp.gate_proj.weight' has shape (176, 64), the model config expects (128, 64)" in str(err.value)
+    # the same check before a resume, from the specs (whatever ZeRO did to the module's parameters)
+    problems = stage_file_problems(_Stage(wide, [2, 3]), wide, str(tmp_path / "ckpt"), "global_step0")
+    assert f"{path}: tensor 'mlp.up_proj.weight' has shape (176, 64), the model config expects (128, 64)" in problems
+    with pytest.raises(CheckpointError, match="checkpoint tag 'global_step5' not found in .*tags there: \\['global_step0'\\]"):
+        load_stage_weights(_Stage(wide, [2, 3]), wide, str(tmp_path / "ckpt"), tag="global_step5")
+
+
+def test_invalid_ds_config_json_names_the_file_line_and_column(good, tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('{\n  "zero_optimization": {"stage": 1},\n}\n')
+    good.ds_config = str(path)
+    message = problems_of(good)
+    assert f"ds_config {path} is not valid JSON: " in message and " at line 3 column 1" in message
+
+
+# ---------- 5: untrusted files ----------
+
+class _Payload:
+    """Unpickling this runs a shell command (what a malicious checkpoint would do)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
+def test_a_malicious_pickle_bin_is_refused_by_the_converter(tmp_path, tiny_hf, zip_format, capsys):
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text(open(os.path.join(tiny_hf, "config.json")).read())
+    marker = tmp_path / "PWNED"
+    state = {"model.embed_tokens.weight": torch.zeros(512, 64), "x": _Payload(str(marker))}
+    torch.save(state, model / "pytorch_model.bin", _use_new_zipfile_serialization=zip_format)
+    assert convert2ckpt.main(["--input", str(model), "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert f"convert2ckpt.py: error: {model / 'pytorch_model.bin'} holds objects other than tensors" in err
+    assert "unsupported GLOBAL posix.system" in err or "unsupported GLOBAL os.system" in err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    with pytest.raises(ConversionError):
+        convert2ckpt.load_bin(str(model / "pytorch_model.bin"))
+    assert not marker.exists()
+
+
+def test_a_malicious_layer_file_is_refused_by_the_loaders(tmp_path, tiny_hf):
+    from transformers import LlamaConfig
+
+    hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
+    marker = tmp_path / "PWNED"
+    path = tmp_path / "ckpt" / "global_step0" / layer_file_name(2)
+    torch.save({"x": _Payload(str(marker))}, path)
+    config = LlamaConfig.from_pretrained(tiny_hf)
+    with pytest.raises(CheckpointError, match=f"{path} holds objects other than tensors"):
+        load_stage_weights(_Stage(config, [2, 3]), config, str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match="holds objects other than tensors"):
+        stages_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert not marker.exists()
+
+
+def test_every_torch_load_in_the_project_is_weights_only():
+    """DeepSpeed's own load_checkpoint (resume) unpickles mp_rank_* and optimizer files with
+    weights_only=False: that is why a checkpoint to resume from is trusted like code (README)."""
+    offenders = []
+    for folder in ("", "models", "training", "data", "scripts"):
+        for path in glob.glob(os.path.join(REPO, folder, "*.py")):
+            for n, line in enumerate(open(path), 1):
+                if "torch.load(" in line and "weights_only=True" not in line:
+                    offenders.append(f"{path}:{n}: {line.strip()}")
+    assert not offenders, offenders

@@ -1,0 +1,96 @@
+"""Measured model-state memory of one rank: the bytes of the tensors that hold its weights,
+gradients and optimizer states, for comparison with the planner (training/memory_plan.py).
+
+Host RSS cannot show this on CPU: the framework's ~380 MiB per rank dwarfs a tiny model's states.
+Instead the census walks what the engine holds (the module's parameters and gradients, ZeRO-3's
+partitions, and every tensor reachable from DeepSpeed's optimizer wrapper: fp32 master copies,
+Adam moments, flat gradient buffers) and adds up each distinct storage once (flat buffers and the
+views into them count once).
+
+It runs just before the second optimizer step (``CensusAtStep``): gradients are populated then, and
+Adam has created its moments during the first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+WALK_DEPTH = 4  # optimizer wrapper -> inner optimizer -> state dict -> per-parameter dict -> tensor
+
+
+def _tensors(obj, depth: int, visited: set[int]) -> Iterator[torch.Tensor]:
+    """Tensors reachable from ``obj`` through lists, tuples, dicts and plain objects' attributes.
+
+    Modules are not entered (the module's parameters are counted separately), nor is anything
+    already visited (DeepSpeed objects point back at each other)."""
+    if id(obj) in visited:
+        return
+    visited.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if hasattr(obj, "ds_tensor"):  # a ZeRO-3 parameter: its data is empty, its partition is here
+            yield obj.ds_tensor
+        return
+    if depth == 0 or isinstance(obj, (nn.Module, str, bytes, int, float, bool, type)) or obj is None:
+        return
+    if isinstance(obj, dict):
+        children = list(obj.keys()) + list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        children = list(obj)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("deepspeed", "torch"):
+        children = list(vars(obj).values())  # DeepSpeed optimizer wrappers and torch optimizers only
+    else:
+        return
+    for child in children:
+        yield from _tensors(child, depth - 1, visited)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(storage address, storage bytes) of a materialised tensor, None for empty or meta ones."""
+    if t.device.type == "meta":
+        return None
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return storage.data_ptr(), storage.nbytes()
+
+
+def census(module: nn.Module, optimizer) -> dict[str, int]:
+    """Bytes this rank holds as weights, gradients and optimizer-side tensors (each storage once)."""
+    seen: set[int] = set()
+    out = {"weights": 0, "grads": 0, "optimizer": 0}
+
+    def add(role: str, tensors) -> None:
+        for t in tensors:
+            s = _storage(t)
+            if s is not None and s[0] not in seen:
+                seen.add(s[0])
+                out[role] += s[1]
+
+    params = list(module.parameters())
+    add("weights", [getattr(p, "ds_tensor", p) for p in params] + params)
+    add("grads", [p.grad for p in params if p.grad is not None])
+    add("optimizer", _tensors(optimizer, WALK_DEPTH, set()))
+    out["total"] = sum(out.values())
+    return out
+
+
+class CensusAtStep:
+    """Takes the census once, just before optimizer step number ``at`` (1-based) on this rank."""
+
+    def __init__(self, engine, at: int = 2):
+        self.result: dict[str, int] | None = None
+        self._calls = 0
+        optimizer = engine.optimizer
+        step = optimizer.step
+
+        def counted_step(*args, **kwargs):
+            self._calls += 1
+            if self._calls == at:
+                self.result = census(engine.module, optimizer)
+            return step(*args, **kwargs)
+
+        optimizer.step = counted_step
