@@ -46,7 +46,7 @@ ENGINE_STUB_FILE = "mp_rank_00_model_states.pt"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_MAX_SHARD = "2GB"  # shard size of exported safetensors (written one tensor at a time)
-WRITE_CHUNK = 2**20  # bytes per write() call (see ChunkedWriter)
+WRITE_CHUNK = 2**18  # bytes per write() call (see ChunkedWriter)
 
 
 class ConversionError(RuntimeError):
@@ -153,7 +153,9 @@ class ChunkedWriter(io.RawIOBase):
 
     Measured on the 2-core CPU machine (page cache, no fsync): one ``write()`` of a 12 MB tensor ran
     at 373 MB/s, the same bytes in 1 MiB writes at 3.7 GB/s; ``torch.save(obj, path)`` writes each
-    tensor in one piece (344 MB/s), ``torch.save(obj, ChunkedWriter(f))`` ran at 2.6 GB/s.
+    tensor in one piece (344 MB/s), ``torch.save(obj, ChunkedWriter(f))`` ran at 2.6 GB/s. Writing
+    from a memory-mapped layer file (the export), smaller pieces were faster still: 495 MB in
+    0.20-0.24 s with 256 KiB writes, 0.25-0.30 s with 1 MiB, 0.34-0.50 s with 4 MiB (5 runs each).
     """
 
     def __init__(self, f):

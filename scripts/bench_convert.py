@@ -97,7 +97,7 @@ def run_copy(files: list[str], dst_dir: str) -> tuple[float, int]:
 def raw_copy(files: list[str], dst_dir: str, buf_mib: int = 1) -> tuple[float, int]:
     """Read + write every file through a user-space buffer; (seconds, bytes)."""
     os.makedirs(dst_dir)
-    buf = bytearray(buf_mib * 2**20)
+    buf = bytearray(int(buf_mib * 2**20))
     view, total, start, write_s = memoryview(buf), 0, time.time(), 0.0
     for i, src in enumerate(files):
         with open(src, "rb", buffering=0) as fi, open(os.path.join(dst_dir, f"{i:05d}.bin"), "wb", buffering=0) as fo:
@@ -191,15 +191,20 @@ def main() -> None:
             times: dict[str, list] = {k: [] for k in ("copy_hf", "to_stages", "copy_stages", "to_hf")}
             for r in range(args.repeats):
                 tag = f"{layers}_{r}"
+                # Each output is deleted as soon as it is not needed (page cache this VM has to hold: less of it,
+                # fewer writes that wait for reclaim).
                 copy_s, copied = run_copy(weight_files(hf), os.path.join(args.work, f"copy_hf_{tag}"))
                 times["copy_hf"].append((copy_s, copied))
+                shutil.rmtree(os.path.join(args.work, f"copy_hf_{tag}"))
                 ckpt = os.path.join(args.work, f"ckpt_{tag}")
                 times["to_stages"].append(run_converter(["--input", hf, "--output", ckpt], args.converter))
                 copy_s, copied = run_copy(weight_files(ckpt), os.path.join(args.work, f"copy_ckpt_{tag}"))
                 times["copy_stages"].append((copy_s, copied))
+                shutil.rmtree(os.path.join(args.work, f"copy_ckpt_{tag}"))
                 back = os.path.join(args.work, f"back_{tag}")
-                times["to_hf"].append(run_converter(["--to-hf", "--input", ckpt, "--output", back] + (["--max-shard-size", args.export_shard] if args.export_shard else []), args.converter))
-                for d in (f"copy_hf_{tag}", f"copy_ckpt_{tag}", f"back_{tag}", f"ckpt_{tag}"):
+                export_shard = ["--max-shard-size", args.export_shard] if args.export_shard else []
+                times["to_hf"].append(run_converter(["--to-hf", "--input", ckpt, "--output", back, *export_shard], args.converter))
+                for d in (f"back_{tag}", f"ckpt_{tag}"):
                     shutil.rmtree(os.path.join(args.work, d))
                 print(f"{layers} layers, repeat {r + 1}: copy HF {times['copy_hf'][-1][0]:.2f} s (writes {copy_write_s[-2]:.2f} s), "
                       f"HF->stages {times['to_stages'][-1]['convert_s']:.2f} s (process {times['to_stages'][-1]['wall_s']:.1f} s, "

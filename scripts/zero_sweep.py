@@ -76,7 +76,7 @@ def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
 
 def estimate_states_mib(args, row: dict, zero: dict) -> float:
     """The planner's model-state bytes for the most loaded rank of this run, with the offloaded states
-    (on CPU the host is the device, and the census counts them) and ZeRO-2/3's reduce bucket."""
+    (on CPU the host is the device, and the census counts them) and ZeRO-3's reduce bucket."""
     import yaml
     from transformers import LlamaConfig
 
@@ -91,7 +91,9 @@ def estimate_states_mib(args, row: dict, zero: dict) -> float:
     offload = [zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param")]
     layout = Layout(row["stages"], args.ranks // row["stages"], zero.get("stage", 0), *offload, dtype="bf16")
     e = estimate(params, layout)
-    return (e.model_states + e.host + e.buffers) / 2**20
+    # ZeRO-1/2 release their reduce bucket at the end of each backward (DeepSpeed's _release_ipg_buffers),
+    # so the census, taken at the optimizer step, sees it only with ZeRO-3, which keeps it.
+    return (e.model_states + e.host + (e.buffers if layout.zero == 3 else 0.0)) / 2**20
 
 
 def failure_reason(output: str) -> str:
@@ -158,7 +160,21 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--ranks", type=int, default=4, help="ranks (CPU processes or GPUs)")
     p.add_argument("--work", default=os.path.join(ROOT, "work", "zero_sweep"))
+    p.add_argument("--replan", action="store_true",
+                   help="no training: recompute the planner column of results/zero_sweep.json's rows and rewrite the table")
     args = p.parse_args()
+    if args.replan:
+        with open(os.path.join(ROOT, "results", "zero_sweep.json")) as f:
+            rows = json.load(f)
+        for row in rows:
+            if "reason" not in row:
+                with open(os.path.join(ROOT, "ds_configs", f"{row['ds']}.json")) as f:
+                    row["estimate_mib"] = estimate_states_mib(args, row, json.load(f).get("zero_optimization", {}))
+        with open(os.path.join(ROOT, "results", "zero_sweep.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        write_results(rows, args, "python scripts/zero_sweep.py " + " ".join(a for a in sys.argv[1:] if a != "--replan"))
+        print("[sweep] rewrote results/zero_sweep.md and .png with the current planner")
+        return
 
     from models.tiny import train_tokenizer, write_text_corpus
     from training.config import available_ds_configs

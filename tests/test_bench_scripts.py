@@ -1,7 +1,7 @@
 """Smoke tests of the benchmark scripts at tiny sizes (scripts/bench_train.py, bench_convert.py, bench_load.py).
 
 They check that each script runs end to end and that its arithmetic is right; the numbers themselves
-are in BENCHMARKS.md. About 20 s on the 2-core CPU machine.
+are in BENCHMARKS.md. About 20 s on the 2-core CPU machine (start-up of the subprocesses, mostly).
 """
 
 from __future__ import annotations
@@ -53,13 +53,16 @@ def test_case_args_apply_to_their_case_only():
     assert bench_train.case_args(args, "d") == ["optim.lr=1e-4"]
 
 
-def test_bench_train_plain_cases_end_to_end(tmp_path):
-    """The plain loop (a), two at once (x) and the matmul peak: one table row each and the (x)/(a) ratio."""
-    proc = subprocess.run([sys.executable, "scripts/bench_train.py", *TINY, "--cases", "a,x", "--rounds", "1", "--steps", "1",
-                           "--max-wait", "0", "--work", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+def test_bench_train_plain_case_end_to_end(tmp_path):
+    """The matmul peak and the plain loop (a) through the script's own loop and table (the train.py cases
+    launch DeepSpeed, tens of seconds each: run the script itself for those)."""
+    proc = subprocess.run([sys.executable, "scripts/bench_train.py", *TINY, "--cases", "a", "--rounds", "1", "--steps", "1",
+                           "--micro-batches", "2", "--max-wait", "0", "--work", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "| a | plain HF loop" in proc.stdout and "| x | two plain HF loops" in proc.stdout
-    assert "| (x)/(a) |" in proc.stdout and "matmul peak (float32" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| a | plain HF loop"))
+    assert float(row.split("|")[6]) > 0  # tokens/s
+    assert "matmul peak (float32" in proc.stdout
 
 
 def test_bench_convert_end_to_end(tmp_path):

@@ -86,7 +86,8 @@ class Estimate:
     activations: float | None  # None: no architecture given (a bare parameter count)
     stage: int  # which stage is the most loaded
     host: float = 0.0  # offloaded model states, in host memory (per rank)
-    buffers: float = 0.0  # ZeRO-2/3's gradient reduce bucket (the paper's "temporary buffers")
+    buffers: float = 0.0  # ZeRO-2/3's gradient reduce bucket (the paper's "temporary buffers"): ZeRO-2
+    # allocates it for each backward and releases it after (a peak), ZeRO-3 keeps it
 
     @property
     def model_states(self) -> float:
