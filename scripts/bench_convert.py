@@ -20,7 +20,9 @@ without root, so the copy and the converter alike read their sources from the pa
 neither fsyncs what it writes. Targets: conversion (median of --repeats) >= 0.5 x the best copy's
 MB/s, the fastest raw copy of the model's bytes in the run (either file set: writes on this VM vary
 10x from one moment to the next, the same 1.4 GB of layer files copied in 0.3 s or 4 s, so the best
-copy is the conservative baseline); peak RSS < 2 x the largest tensor + 1 GiB at every size. The files live in --work (under work/, git-ignored) and are deleted at the end.
+copy is the conservative baseline); peak RSS < 2 x the largest tensor + 1 GiB at every size. The
+"with sync" columns add the os.sync() that follows each step (writing its output back to the disk):
+what a model too big for the page cache costs, where the disk's own speed decides. The files live in --work (under work/, git-ignored) and are deleted at the end.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def run_copy(files: list[str], dst_dir: str) -> tuple[float, int]:
         sys.exit(f"copy failed:\n{proc.stderr[-3000:]}")
     seconds, nbytes, write_s = json.loads(proc.stdout.strip().splitlines()[-1])
     copy_write_s.append(write_s)
+    sync_s.append(timed_sync())
     return seconds, nbytes
 
 
@@ -126,7 +129,18 @@ def run_converter(argv: list[str], converter: str) -> dict:
         sys.exit(f"convert2ckpt.py {' '.join(argv)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     res = json.loads(line[len("BENCH "):])
     res["wall_s"] = wall
+    res["sync_s"] = timed_sync()
     return res
+
+
+def timed_sync() -> float:
+    """Seconds os.sync() takes: writing back what the step left in the page cache (its durable cost)."""
+    start = time.time()
+    os.sync()
+    return time.time() - start
+
+
+sync_s: list[float] = []  # timed_sync() after each run_copy
 
 
 MAKE_MODEL = """
@@ -194,12 +208,12 @@ def main() -> None:
                 # Each output is deleted as soon as it is not needed (page cache this VM has to hold: less of it,
                 # fewer writes that wait for reclaim).
                 copy_s, copied = run_copy(weight_files(hf), os.path.join(args.work, f"copy_hf_{tag}"))
-                times["copy_hf"].append((copy_s, copied))
+                times["copy_hf"].append((copy_s, copied, sync_s[-1]))
                 shutil.rmtree(os.path.join(args.work, f"copy_hf_{tag}"))
                 ckpt = os.path.join(args.work, f"ckpt_{tag}")
                 times["to_stages"].append(run_converter(["--input", hf, "--output", ckpt], args.converter))
                 copy_s, copied = run_copy(weight_files(ckpt), os.path.join(args.work, f"copy_ckpt_{tag}"))
-                times["copy_stages"].append((copy_s, copied))
+                times["copy_stages"].append((copy_s, copied, sync_s[-1]))
                 shutil.rmtree(os.path.join(args.work, f"copy_ckpt_{tag}"))
                 back = os.path.join(args.work, f"back_{tag}")
                 export_shard = ["--max-shard-size", args.export_shard] if args.export_shard else []
@@ -220,22 +234,25 @@ def main() -> None:
 
     print()
     print("| layers | params (M) | weights (MiB) | largest tensor (MiB) | direction | its copy, median (s) | best copy (MB/s) "
-          "| convert, median (s) | convert (MB/s) | convert / best copy | process wall (s) | import (s) | RSS after imports (MiB) "
-          "| peak RSS (MiB) | RSS limit (MiB) | speed target | memory target |")
-    print("|---" * 17 + "|")
+          "| convert, median (s) | convert (MB/s) | convert / best copy | with sync: copy / convert (s) | with sync: ratio "
+          "| process wall (s) | import (s) | RSS after imports (MiB) | peak RSS (MiB) | RSS limit (MiB) | speed target | memory target |")
+    print("|---" * 19 + "|")
     for layers, params, size, largest, times in rows:
         limit = (2 * largest + 2**30) / 2**20
         # The baseline: the fastest raw copy of this model's bytes in this run, either file set (see the docstring).
-        best_copy = max(n / t for key in ("copy_hf", "copy_stages") for t, n in times[key])
+        best_copy = max(n / t for key in ("copy_hf", "copy_stages") for t, n, _ in times[key])
         for name, copy_key, conv_key in (("HF -> stages", "copy_hf", "to_stages"), ("stages -> HF", "copy_stages", "to_hf")):
-            copy_median = statistics.median(t for t, _ in times[copy_key])
+            copy_median = statistics.median(t for t, _, _ in times[copy_key])
             nbytes = times[copy_key][0][1]
             conv = times[conv_key]
             conv_s = statistics.median(c["convert_s"] for c in conv)
             rss = max(c["peak_rss_mib"] for c in conv)
             ratio = nbytes / conv_s / best_copy
+            copy_durable = statistics.median(t + w for t, _, w in times[copy_key])
+            conv_durable = statistics.median(c["convert_s"] + c["sync_s"] for c in conv)
             print(f"| {layers} | {params / 1e6:.0f} | {size / 2**20:.0f} | {largest / 2**20:.0f} | {name} | {copy_median:.2f} | "
                   f"{best_copy / 1e6:.0f} | {conv_s:.2f} | {nbytes / conv_s / 1e6:.0f} | {ratio:.2f} | "
+                  f"{copy_durable:.2f} / {conv_durable:.2f} | {copy_durable / conv_durable:.2f} | "
                   f"{statistics.median(c['wall_s'] for c in conv):.1f} | {statistics.median(c['import_s'] for c in conv):.1f} | "
                   f"{statistics.median(c['base_rss_mib'] for c in conv):.0f} | {rss:.0f} | {limit:.0f} | "
                   f"{'met' if ratio >= 0.5 else 'MISSED'} | {'met' if rss < limit else 'MISSED'} |")

@@ -443,7 +443,7 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
         monitor.stop.set()
         monitor.join()
     for leftover in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
-        if leftover.startswith(f"deepspeed_allreduce_buffer_{os.getuid()}_") and leftover.endswith(f"_{port}_0"):
+        if leftover.startswith(f"deepspeed_allreduce_buffer_{os.getuid()}_") and f"_{port}_" in leftover:  # a crashed rank's
             os.remove(os.path.join("/dev/shm", leftover))
     if rc != 0:
         with open(log_path) as f:
