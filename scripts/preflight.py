@@ -26,7 +26,7 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
     from omegaconf.errors import OmegaConfBaseException
 
     from scripts.estimate_memory import shape_of, splitter
-    from training.config import ConfigError, register_configs, resolve
+    from training.config import ConfigError, offloads, register_configs, resolve
     from training.memory_plan import GB, Layout, estimate
 
     register_configs()
@@ -39,7 +39,7 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
     cfg, config = resolved.cfg, resolved.model_config
     lines = [f"warning: {w}" for w in resolved.warnings]
     zero = resolved.ds_json.get("zero_optimization", {})
-    offload_opt, offload_par = (zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
+    offload_opt, offload_par = offloads(zero)
     global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * resolved.dp
     engine = "pipeline engine" if resolved.uses_pipeline else "data-parallel engine"
     lines.append(f"config OK for {world_size} ranks: pipe {cfg.num_stages} x data {resolved.dp}, {engine}, "

@@ -24,6 +24,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from training.config import offloads  # noqa: E402
+
 PIPELINE_CONFIGS = ("zero0", "zero1", "zero1_offload")  # DeepSpeed's pipeline engine runs ZeRO 0/1 only
 PEAKS = re.compile(r"peak memory per rank \(MiB\): (.*)")
 STATES = re.compile(r"model states per rank .*?: (.*)")
@@ -57,7 +59,7 @@ def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
     if os.path.isdir(out):
         subprocess.run(["rm", "-rf", out], check=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    offload = "+".join(k.split("_")[1] for k in ("offload_optimizer", "offload_param") if zero.get(k, {}).get("device", "none") != "none")
+    offload = "+".join(name for name, on in zip(("optimizer", "param"), offloads(zero)) if on)
     row = dict(name=name, ds=case["ds"], stage=zero.get("stage", 0), offload=offload or "none", ckpt=case["ckpt"], ga=case["ga"],
                stages=stages, batch=2 * case["ga"] * (args.ranks // stages))
     if proc.returncode != 0:
@@ -88,8 +90,7 @@ def estimate_states_mib(args, row: dict, zero: dict) -> float:
     config = LlamaConfig(**{**arch, "hidden_size": args.hidden, "intermediate_size": int(args.hidden * 2.75),
                             "num_hidden_layers": args.layers})
     params, _ = splitter(config, None)(row["stages"])
-    offload = [zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param")]
-    layout = Layout(row["stages"], args.ranks // row["stages"], zero.get("stage", 0), *offload, dtype="bf16")
+    layout = Layout(row["stages"], args.ranks // row["stages"], zero.get("stage", 0), *offloads(zero), dtype="bf16")
     e = estimate(params, layout)
     # ZeRO-1/2 release their reduce bucket at the end of each backward (DeepSpeed's _release_ipg_buffers),
     # so the census, taken at the optimizer step, sees it only with ZeRO-3, which keeps it.

@@ -168,6 +168,11 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
                 "num_key_value_heads", "tie_word_embeddings")
 
 
+def offloads(zero: dict) -> tuple[bool, bool]:
+    """(optimizer offloaded, parameters offloaded) for a DeepSpeed JSON's ``zero_optimization`` section."""
+    return tuple(zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
+
+
 def tokenizer_dir(cfg: TrainConfig) -> str:
     """Where the tokenizer files are: the checkpoint, or model.tokenizer when training from scratch."""
     return cfg.model_name_or_path or cfg.model.tokenizer
