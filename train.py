@@ -162,7 +162,11 @@ def announce(resolved: Resolved, engine, init_reports: list[dict], data_reports:
     """Print, from rank 0, what was built: engine, per rank its stage, specs, parameters, weights and data."""
     cfg = resolved.cfg
     offload = resolved.ds_json.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-    log0(f"engine: {type(engine).__name__}, ZeRO stage {engine.zero_optimization_stage()}, optimizer "
+    stage = engine.zero_optimization_stage()
+    # DeepSpeed's ZeRO-1/2 gradient path (training/optim.py sets both off on CPU): say which one runs.
+    grads = (f", reduce-scatter {engine.zero_reduce_scatter()}, contiguous gradients {engine.zero_contiguous_gradients()}"
+             if stage in (1, 2) else "")
+    log0(f"engine: {type(engine).__name__}, ZeRO stage {stage}{grads}, optimizer "
          f"{type(engine.basic_optimizer).__name__} (offload: {offload}), precision {cfg.precision}")
     global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * resolved.dp
     tokens_per_step = global_batch * cfg.data.max_seq_length

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass
 from functools import partial
 
@@ -206,11 +207,52 @@ def expected_state_shapes(spec: LayerSpec) -> dict[str, torch.Size]:
     return {key: tensor.shape for key, tensor in module.state_dict().items()}
 
 
+def spec_parameter_counts(config: LlamaConfig) -> list[int]:
+    """Parameters of every spec, from shapes on the meta device; a tied LM head counts the shared
+    embedding again (as DeepSpeed's partitioner counts it: the last stage holds a copy)."""
+    return [sum(math.prod(shape) for shape in expected_state_shapes(spec).values()) for spec in build_specs(config)]
+
+
 def model_parameters(config: LlamaConfig) -> int:
     """Parameters of the whole model (a tied embedding counted once), from shapes only."""
-    specs, layout = build_specs(config), spec_layout(config)
-    return sum(math.prod(shape) for spec, info in zip(specs, layout) if info.owns_file
-               for shape in expected_state_shapes(spec).values())
+    counts = spec_parameter_counts(config)
+    return sum(counts[info.index] for info in spec_layout(config) if info.owns_file)
+
+
+# How train.py splits specs into stages by default (see LlamaPipelineModule and stage_boundaries).
+DEFAULT_PARTITION_METHOD = "compute"
+
+
+def spec_weights(config: LlamaConfig, method: str) -> list[int]:
+    """What the balanced partitioner weighs each spec by, for ``method`` ``parameters`` or ``compute``.
+
+    ``parameters`` (DeepSpeed's method): the spec's parameter count, i.e. the memory it stores.
+    ``compute``: the work per token, 2 FLOPs per parameter, so the same count, except the input
+    embedding, a lookup, which weighs nothing.
+    """
+    counts = spec_parameter_counts(config)
+    if method == "compute":
+        counts[0] = 0  # spec 0 is the input embedding (spec_layout)
+    elif method != "parameters":
+        raise ValueError(f"spec weights are defined for 'parameters' and 'compute', not {method!r}")
+    return counts
+
+
+def stage_boundaries(config: LlamaConfig, num_stages: int, method: str = DEFAULT_PARTITION_METHOD) -> list[int]:
+    """First spec of every stage, plus the end: the split ``LlamaPipelineModule`` makes, computed
+    without building it (for the memory planner). The same DeepSpeed functions, on the same weights."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    method = method.lower()
+    if method == "uniform":
+        parts = partition_uniform(num_items=len(spec_layout(config)), num_parts=num_stages)
+    elif method.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)  # DeepSpeed's _find_layer_type
+        weights = [int(bool(pattern.search(spec.typename.__name__))) for spec in build_specs(config)]
+        parts = partition_balanced(weights=weights, num_parts=num_stages)
+    else:
+        parts = partition_balanced(weights=spec_weights(config, method), num_parts=num_stages)
+    return [int(p) for p in parts]  # DeepSpeed returns numpy integers
 
 
 class LlamaPipelineModule(PipelineModule):
@@ -225,17 +267,18 @@ class LlamaPipelineModule(PipelineModule):
        clipped by stage 0's norm alone. Flagging every parameter of a stage (except the replicated
        copy of a tied weight, which must count once) makes the norm global, as ZeRO-1 computes it.
 
-    ``partition_method="compute"`` balances the work per token instead of the stored parameters: a
-    spec weighs its parameter count (2 FLOPs per parameter and token, forward), except the input
-    embedding, a lookup, which weighs nothing. By parameters, the embedding's V x H weights count
-    as much as a layer's matmuls, so the first stage got one layer too few and the last stage (layers
-    + LM head) became the bottleneck: 4 | 4 layers + head for an 8-layer, 8192-vocabulary model, its
-    last stage 57% of the work (measured: 2.71 vs 2.07 CPU s per step); by compute, 5 | 3 + head.
+    ``partition_method="compute"`` (the default) balances the work per token instead of the stored
+    parameters (see spec_weights). By parameters, the embedding's V x H weights count as much as a
+    layer's matmuls, so the first stage got one layer too few and the last stage (layers + LM head)
+    became the bottleneck: 4 | 4 layers + head for an 8-layer, 8192-vocabulary model, its last stage
+    57% of the work (measured: 2.71 vs 2.07 CPU s per step); by compute, 5 | 3 + head. The price is
+    memory: the first stage stores the embedding on top of its share (Llama-3-8B on 2 stages: 4.23 B
+    vs 4.01 B parameters); ``partition_method=parameters`` balances memory instead.
     """
 
-    _weigh_compute = False  # set while partitioning by compute
-
-    def __init__(self, *args, **kwargs):
+    def __init__(self, config: LlamaConfig, *args, **kwargs):
+        self._llama_config = config
+        self._weigh_compute = False  # set while partitioning by compute
         super().__init__(*args, **kwargs)
         for p in self.parameters():
             p.model_parallel = not p.ds_pipe_replicated
@@ -243,26 +286,19 @@ class LlamaPipelineModule(PipelineModule):
     def _partition_layers(self, method: str = "uniform") -> None:
         if method.lower() != "compute":
             return super()._partition_layers(method)
-        self._weigh_compute = True  # DeepSpeed's 'parameters' balancing, with _count_layer_params' compute weights
+        self._weigh_compute = True  # DeepSpeed's 'parameters' balancing, with compute weights
         try:
             super()._partition_layers("parameters")
         finally:
             self._weigh_compute = False
 
     def _count_layer_params(self) -> list[int]:
-        counts = []
-        for spec in self._layer_specs:
-            if self._weigh_compute and spec.typename is EmbeddingPipe and getattr(spec, "forward_fn", None) is None:
-                counts.append(0)  # the input embedding: a lookup, no matmul
-                continue
-            with torch.device("meta"):
-                module = spec.build()
-            counts.append(sum(p.numel() for p in module.parameters() if p.requires_grad))
-        return counts
+        return spec_weights(self._llama_config, "compute" if self._weigh_compute else "parameters")
 
 
 def build_pipeline_model(
-    config: LlamaConfig, topology: ProcessTopology, partition_method: str = "parameters", activation_checkpoint_interval: int = 0
+    config: LlamaConfig, topology: ProcessTopology, partition_method: str = DEFAULT_PARTITION_METHOD,
+    activation_checkpoint_interval: int = 0,
 ) -> LlamaPipelineModule:
     """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
 
@@ -272,6 +308,7 @@ def build_pipeline_model(
     reentrant checkpoint around the embedding (integer inputs) would get no gradient at all.
     """
     return LlamaPipelineModule(
+        config,
         layers=build_specs(config),
         topology=topology,
         loss_fn=causal_lm_loss,

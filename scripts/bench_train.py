@@ -10,13 +10,15 @@ The same model (random init), the same global batch (``--micro-batches`` micro-b
       process, --threads threads
   x   two copies of a at once, one thread each: no communication at all, so (x)/(a) is what this
       machine gives two ranks (shared caches and memory bandwidth), the ceiling for c and d
-  b   train.py, num_stages=1, one rank, --threads threads (ds=zero1, the default); b0: ds=zero0
-  c   train.py, num_stages=2, two ranks, one thread each (partition_method=parameters, the default);
-      c2: partition_method=compute; c3: compute + ds=zero0
-  d   train.py, num_stages=1, data-parallel 2, two ranks, one thread each; d0: ds=zero0
+  b   train.py, num_stages=1, one rank, --threads threads (ds=zero1, the default); b0: ds=zero0;
+      b1: ZeRO-1 with DeepSpeed's GPU defaults (reduce_scatter and contiguous_gradients on, which
+      train.py turns off on CPU)
+  c   train.py, num_stages=2, two ranks, one thread each (partition_method=compute, the default);
+      c2: partition_method=parameters (DeepSpeed's default); c3: ds=zero0
+  d   train.py, num_stages=1, data-parallel 2, two ranks, one thread each; d0: ds=zero0; d1: as b1
   e   train.py, num_stages=1, one rank, one thread: the reference for c, c2 and d (e0, with ds=zero0:
-      for c3 and d0). With --threads 1 (the default) e and e0 are the commands of b and b0, whose runs
-      serve for both.
+      for c3 and d0; e1 for d1). With --threads 1 (the default) e, e0 and e1 are the commands of b,
+      b0 and b1, whose runs serve for both.
 
 --threads 1 for a and b: c and d give each rank one of the 2 cores, so one thread is the per-core
 reference all ratios share (and one matmul peak); a 2-thread process on a 2-core machine also loses a
@@ -57,26 +59,36 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# ZeRO-1 as DeepSpeed configures it for GPUs; on CPU train.py turns both off (training/optim.py,
+# cpu_zero1_settings): cases b1, d1 and e1 measure what that saves.
+GPU_DEFAULTS_JSON = "zero1_deepspeed_defaults.json"
+GPU_DEFAULTS = {"zero_optimization": {"stage": 1, "reduce_scatter": True, "contiguous_gradients": True}}
 CASES = {
     # name: (description, ranks, num_stages, threads per rank (None: --threads), extra train.py overrides)
     "a": ("plain HF loop (LlamaForCausalLM + torch AdamW, fused)", 1, None, None, []),
     "x": ("two plain HF loops at once, 1 thread each (no communication: the machine's 2-rank ceiling)", 2, None, 1, []),
     "b": ("train.py, num_stages=1, 1 rank", 1, 1, None, []),
     "b0": ("train.py, num_stages=1, 1 rank, ds=zero0", 1, 1, None, ["ds=zero0"]),
+    "b1": ("train.py, num_stages=1, 1 rank, ZeRO-1 with DeepSpeed's GPU defaults (reduce_scatter, contiguous_gradients)",
+           1, 1, None, [f"ds_config={{work}}/{GPU_DEFAULTS_JSON}"]),
     "c": ("train.py, num_stages=2 (pipe 2 x data 1)", 2, 2, 1, []),
-    "c2": ("train.py, num_stages=2, partition_method=compute", 2, 2, 1, ["partition_method=compute"]),
-    "c3": ("train.py, num_stages=2, partition_method=compute, ds=zero0", 2, 2, 1, ["partition_method=compute", "ds=zero0"]),
+    "c2": ("train.py, num_stages=2, partition_method=parameters", 2, 2, 1, ["partition_method=parameters"]),
+    "c3": ("train.py, num_stages=2, ds=zero0", 2, 2, 1, ["ds=zero0"]),
     "d": ("train.py, num_stages=1, data-parallel 2", 2, 1, 1, []),
     "d0": ("train.py, num_stages=1, data-parallel 2, ds=zero0", 2, 1, 1, ["ds=zero0"]),
+    "d1": ("train.py, num_stages=1, data-parallel 2, ZeRO-1 with DeepSpeed's GPU defaults", 2, 1, 1,
+           [f"ds_config={{work}}/{GPU_DEFAULTS_JSON}"]),
     "e": ("train.py, num_stages=1, 1 rank, 1 thread", 1, 1, 1, []),
     "e0": ("train.py, num_stages=1, 1 rank, 1 thread, ds=zero0", 1, 1, 1, ["ds=zero0"]),
+    "e1": ("train.py, num_stages=1, 1 rank, 1 thread, ZeRO-1 with DeepSpeed's GPU defaults", 1, 1, 1,
+           [f"ds_config={{work}}/{GPU_DEFAULTS_JSON}"]),
 }
 # Ratios: case -> (reference, ideal (None: the pipeline's 2M/(M+K-1)), target as a fraction of the ideal)
-RATIOS = {"x": ("a", 2.0, None), "b": ("a", 1.0, 0.95), "b0": ("a", 1.0, 0.95),
+RATIOS = {"x": ("a", 2.0, None), "b": ("a", 1.0, 0.95), "b0": ("a", 1.0, 0.95), "b1": ("a", 1.0, 0.95),
           "c": ("e", None, 0.9), "c2": ("e", None, 0.9), "c3": ("e0", None, 0.9),
-          "d": ("e", 2.0, 0.9), "d0": ("e0", 2.0, 0.9)}
+          "d": ("e", 2.0, 0.9), "d0": ("e0", 2.0, 0.9), "d1": ("e1", 2.0, 0.9)}
 # With --threads 1, e and e0 are the same commands as b and b0: their runs serve for both.
-ALIASES = {"e": "b", "e0": "b0"}
+ALIASES = {"e": "b", "e0": "b0", "e1": "b1"}
 CPU_SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                  num_attention_heads=8, num_key_value_heads=8)
 
@@ -97,13 +109,9 @@ def model_spec(args) -> tuple[str, dict]:
 
 
 def llama_config(group: str, overrides: dict):
-    import yaml
-    from transformers import LlamaConfig
+    from training.config import model_group_config
 
-    with open(os.path.join(ROOT, "conf", "model", f"{group}.yaml")) as f:
-        arch = dict(yaml.safe_load(f)["architecture"])
-    arch.update(overrides)
-    return LlamaConfig(**arch)
+    return model_group_config(group, **overrides)
 
 
 def flops_per_token(config, seq: int) -> tuple[float, float, int]:
@@ -429,7 +437,10 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
            f"gradient_accumulation_steps={args.micro_batches // dp}", f"max_steps={args.warmup + args.steps}",
            "data=tokens", f"data.train_file={data}", f"data.max_seq_length={args.seq}",
            f"data.cache_dir={os.path.join(args.work, 'cache')}", f"output_dir={out}", "resume=never",
-           "min_free_disk_gb=0", *extra, *case_args(args.train_arg, case)]
+           "min_free_disk_gb=0", *[a.format(work=args.work) for a in extra], *case_args(args.train_arg, case)]
+    if any(GPU_DEFAULTS_JSON in a for a in extra):
+        with open(os.path.join(args.work, GPU_DEFAULTS_JSON), "w") as f:
+            json.dump(GPU_DEFAULTS, f)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     log_path = os.path.join(run_dir, "log.txt")
     if args.profile:
@@ -503,7 +514,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="steps measured per run")
     p.add_argument("--rounds", type=int, default=2, help="times every case runs, interleaved")
     p.add_argument("--threads", type=int, default=1, help="threads of the single-process cases a and b")
-    p.add_argument("--cases", default="a,x,b,b0,c,c2,c3,d,d0,e,e0", help=f"comma-separated, from {list(CASES)}")
+    p.add_argument("--cases", default="a,x,b,b0,b1,c,c2,c3,d,d0,d1,e,e0,e1", help=f"comma-separated, from {list(CASES)}")
     p.add_argument("--ds", default="zero1", help="train.py's ds= group entry")
     p.add_argument("--train-arg", action="append", default=[],
                    help="extra train.py override, repeatable; 'c:KEY=VALUE' applies it to case c only")

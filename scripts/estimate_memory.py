@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import sys
@@ -20,6 +19,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from models.llama_pipe import DEFAULT_PARTITION_METHOD  # noqa: E402
 from training.memory_plan import GB, Layout, Shape, estimate, fitting  # noqa: E402
 
 SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
@@ -30,43 +30,32 @@ def load_model(spec: str):
     m = re.fullmatch(r"([\d.]+(?:e\d+)?)([KMBT]?)", spec.strip(), re.IGNORECASE)
     if m:
         return None, float(m.group(1)) * SUFFIX.get(m.group(2).upper(), 1)
-    from transformers import LlamaConfig
+    from training.config import model_group_config, model_group_names
 
-    if os.path.isfile(os.path.join(ROOT, "conf", "model", f"{spec}.yaml")):
-        import yaml
-
-        with open(os.path.join(ROOT, "conf", "model", f"{spec}.yaml")) as f:
-            arch = yaml.safe_load(f)["architecture"]
-        if arch is None:
+    if spec in model_group_names():
+        config = model_group_config(spec)
+        if config is None:
             raise SystemExit(f"conf/model/{spec}.yaml takes its architecture from a checkpoint: pass that checkpoint's config.json")
-        config = LlamaConfig(**arch)
     elif os.path.exists(spec):
+        from transformers import LlamaConfig
+
         config = LlamaConfig.from_pretrained(os.path.dirname(spec) if spec.endswith(".json") else spec)
     else:
-        names = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "conf", "model")) if f.endswith(".yaml"))
-        raise SystemExit(f"--model {spec!r}: not a parameter count, a file, or one of {names}")
+        raise SystemExit(f"--model {spec!r}: not a parameter count, a file, or one of {model_group_names()}")
     return config, None
 
 
-def spec_param_counts(config) -> list[int]:
-    """Parameters of every spec (a tied head counts again, as DeepSpeed's partitioner counts it)."""
-    from models.llama_pipe import build_specs, expected_state_shapes
-
-    return [sum(math.prod(s) for s in expected_state_shapes(spec).values()) for spec in build_specs(config)]
-
-
-def splitter(config, total: float | None):
-    """stages -> (parameters per stage, decoder layers per stage), partitioned as train.py partitions."""
+def splitter(config, total: float | None, method: str = DEFAULT_PARTITION_METHOD):
+    """stages -> (parameters per stage, decoder layers per stage), split as train.py's
+    ``partition_method`` splits (models.llama_pipe.stage_boundaries); a bare count splits evenly."""
     if config is None:
         return lambda stages: ([total / stages] * stages, None)
-    from deepspeed.runtime.utils import partition_balanced
+    from models.llama_pipe import spec_layout, spec_parameter_counts, stage_boundaries
 
-    from models.llama_pipe import spec_layout
-
-    counts, kinds = spec_param_counts(config), [info.kind for info in spec_layout(config)]
+    counts, kinds = spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
 
     def split(stages: int):
-        parts = partition_balanced(weights=counts, num_parts=stages)
+        parts = stage_boundaries(config, stages, method)
         params = [float(sum(counts[parts[p]:parts[p + 1]])) for p in range(stages)]
         layers = [kinds[parts[p]:parts[p + 1]].count("decoder") for p in range(stages)]
         return params, layers
@@ -81,8 +70,8 @@ def shape_of(config) -> Shape | None:
                  config.num_attention_heads, config.num_key_value_heads, config.vocab_size)
 
 
-def report(config, total, layout: Layout) -> None:
-    params, layers = splitter(config, total)(layout.stages)
+def report(config, total, layout: Layout, method: str) -> None:
+    params, layers = splitter(config, total, method)(layout.stages)
     e = estimate(params, layout, shape_of(config), layers)
     print(f"layout: {layout.describe()}")
     print(f"parameters: {sum(params) / 1e9:.3f} B in {layout.stages} stage(s), most loaded: stage {e.stage} "
@@ -102,7 +91,7 @@ def report(config, total, layout: Layout) -> None:
 
 def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
     num_layers = config.num_hidden_layers if config is not None else None
-    found = fitting(splitter(config, total), shape_of(config), gpus, gpu_mem, num_layers, args.micro_batch,
+    found = fitting(splitter(config, total, args.partition_method), shape_of(config), gpus, gpu_mem, num_layers, args.micro_batch,
                     args.seq_len, args.grad_accum, args.dtype)
     print(f"layouts that fit {gpus} x {gpu_mem:g} GB, cheapest first (estimate incl. activations, GB per GPU):")
     for layout, e in found[: args.top]:
@@ -124,6 +113,8 @@ def main() -> None:
     p.add_argument("--grad-accum", type=int, default=8, help="micro-batches per step (pipeline in-flight bound)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--partition-method", default=DEFAULT_PARTITION_METHOD,
+                   help="train.py's partition_method: compute | parameters | uniform | type:DecoderLayerPipe")
     p.add_argument("--gpus", type=int, help="with --gpu-mem: list the layouts that fit")
     p.add_argument("--gpu-mem", type=float, help="GB per GPU")
     p.add_argument("--top", type=int, default=10, help="how many fitting layouts to list")
@@ -135,7 +126,7 @@ def main() -> None:
         return
     layout = Layout(args.stages, args.dp, args.zero, args.offload != "none", args.offload == "params",
                     args.micro_batch, args.seq_len, args.grad_accum, args.checkpointing, args.dtype)
-    report(config, total, layout)
+    report(config, total, layout, args.partition_method)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
     layout = Layout(cfg.num_stages, resolved.dp, resolved.zero_stage, offload_opt, offload_par, cfg.micro_batch_size,
                     cfg.data.max_seq_length, cfg.gradient_accumulation_steps, cfg.activation_checkpoint_interval > 0,
                     "fp32" if cfg.precision == "fp32" else "bf16")
-    params, layers = splitter(config, None)(cfg.num_stages)
+    params, layers = splitter(config, None, cfg.partition_method)(cfg.num_stages)
     e = estimate(params, layout, shape_of(config), layers)
     lines.append(f"planner (scripts/estimate_memory.py), most loaded GPU (stage {e.stage}, {params[e.stage] / 1e9:.2f} B "
                  f"params): model states {e.model_states / GB:.1f} GB + activations {e.activations / GB:.1f} GB = "

@@ -24,7 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from training.config import offloads  # noqa: E402
+from training.config import model_group_config, offloads  # noqa: E402
 
 PIPELINE_CONFIGS = ("zero0", "zero1", "zero1_offload")  # DeepSpeed's pipeline engine runs ZeRO 0/1 only
 PEAKS = re.compile(r"peak memory per rank \(MiB\): (.*)")
@@ -79,16 +79,11 @@ def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
 def estimate_states_mib(args, row: dict, zero: dict) -> float:
     """The planner's model-state bytes for the most loaded rank of this run, with the offloaded states
     (on CPU the host is the device, and the census counts them) and ZeRO-3's reduce bucket."""
-    import yaml
-    from transformers import LlamaConfig
-
     from scripts.estimate_memory import splitter
     from training.memory_plan import Layout, estimate
 
-    with open(os.path.join(ROOT, "conf", "model", "tiny.yaml")) as f:
-        arch = yaml.safe_load(f)["architecture"]
-    config = LlamaConfig(**{**arch, "hidden_size": args.hidden, "intermediate_size": int(args.hidden * 2.75),
-                            "num_hidden_layers": args.layers})
+    config = model_group_config("tiny", hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
+                                num_hidden_layers=args.layers)
     params, _ = splitter(config, None)(row["stages"])
     layout = Layout(row["stages"], args.ranks // row["stages"], zero.get("stage", 0), *offloads(zero), dtype="bf16")
     e = estimate(params, layout)

@@ -13,7 +13,8 @@ import torch
 
 from tests.conftest import REPO
 from training.config import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig, resolve
-from training.optim import fill_ds_config
+from training import optim
+from training.optim import cpu_zero1_settings, fill_ds_config
 
 
 @pytest.fixture()
@@ -30,7 +31,8 @@ def problems_of(cfg: TrainConfig, world_size: int) -> str:
     return str(err.value)
 
 
-def test_valid_config_resolves_and_fills_deepspeed_json(good):
+def test_valid_config_resolves_and_fills_deepspeed_json(good, monkeypatch):
+    monkeypatch.setattr(optim, "accelerator_name", lambda: "cuda")  # the JSON as a GPU run gets it
     resolved = resolve(good, world_size=4)
     assert resolved.dp == 2 and resolved.warnings == []
     ds = fill_ds_config(resolved)
@@ -39,6 +41,20 @@ def test_valid_config_resolves_and_fills_deepspeed_json(good):
     assert ds["gradient_clipping"] == 1.0 and ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
     assert ds["optimizer"]["params"]["torch_adam"] is True
     assert ds["zero_optimization"] == {"stage": 1}
+
+
+def test_zero1_on_cpu_skips_reduce_scatter_and_contiguous_gradients_unless_set():
+    ds = {"zero_optimization": {"stage": 1}}
+    cpu_zero1_settings(ds, "cpu")
+    assert ds["zero_optimization"] == {"stage": 1, "reduce_scatter": False, "contiguous_gradients": False}
+    own = {"zero_optimization": {"stage": 1, "reduce_scatter": True}}
+    cpu_zero1_settings(own, "cpu")
+    assert own["zero_optimization"] == {"stage": 1, "reduce_scatter": True, "contiguous_gradients": False}
+    for ds, accelerator in (({"zero_optimization": {"stage": 1}}, "cuda"), ({"zero_optimization": {"stage": 2}}, "cpu"),
+                            ({"zero_optimization": {"stage": 0}}, "cpu")):
+        before = {k: dict(v) for k, v in ds.items()}
+        cpu_zero1_settings(ds, accelerator)
+        assert ds == before, accelerator
 
 
 def test_no_clipping_is_written_explicitly(good):

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 import convert2ckpt
 from convert2ckpt import ConversionError, hf_to_stages, stages_to_hf
-from models.checkpoint import CheckpointError, load_stage_weights
+from models import checkpoint
+from models.checkpoint import CheckpointError, current_rss_mb, load_layer_file, load_stage_weights, mapped_file_span
 from models.llama_pipe import layer_file_name, spec_layout
 from tests.conftest import make_hf_dir
 
@@ -182,3 +183,35 @@ def test_stage_loader_reads_only_its_files_and_reports_problems(tmp_path, tiny_h
     os.remove(tmp_path / "ckpt" / "global_step0" / layer_file_name(3))
     with pytest.raises(CheckpointError, match="missing layer file .*layer_03-model_states.pt"):
         load_stage_weights(_FakeStage(config, [2, 3]), config, str(tmp_path / "ckpt"))
+
+
+def test_mapped_tensor_file_span_points_at_its_bytes(tmp_path):
+    """The export reads a tensor's bytes from its layer file with pread (where mapped_file_span finds
+    them) instead of through the mapping: the span must point at exactly those bytes."""
+    path = str(tmp_path / "layer.pt")
+    convert2ckpt.save_layer_file({"a": torch.arange(1000, dtype=torch.float32), "b": torch.randn(7, 5).bfloat16()}, path)
+    state = load_layer_file(path)
+    for t in state.values():
+        file, offset = mapped_file_span(t)
+        assert os.path.samefile(file, path)
+        nbytes = t.numel() * t.element_size()
+        with open(path, "rb") as f:
+            f.seek(offset)
+            assert f.read(nbytes) == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert mapped_file_span(torch.ones(3)) is None  # ordinary memory
+    assert mapped_file_span(state["a"].clone()) is None
+
+
+def test_stage_copy_releases_the_mapped_file_as_it_goes(tmp_path, monkeypatch):
+    """Loading a stage holds the stage plus one chunk, not plus one layer file: after copying a 64 MiB
+    tensor out of its mapped file, the file's pages are no longer resident in this process."""
+    path = str(tmp_path / "big.pt")
+    convert2ckpt.save_layer_file({"w": torch.randn(16, 2**20)}, path)  # 64 MiB fp32
+    src = load_layer_file(path)["w"]
+    dst = torch.zeros(16, 2**20)  # touched: resident before the copy starts
+    monkeypatch.setattr(checkpoint, "LOAD_CHUNK", 4 * 2**20)
+    before = current_rss_mb()
+    checkpoint.copy_from_mapped(dst, src)
+    grown = current_rss_mb() - before
+    assert torch.equal(dst, src)
+    assert grown < 16, f"RSS grew {grown:.0f} MiB: the mapped file stayed resident (64 MiB)"

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+from transformers import LlamaConfig
+
 from convert2ckpt import hf_to_stages
+from models.llama_pipe import stage_boundaries
 from tests.conftest import run_deepspeed
 
 
@@ -18,11 +21,14 @@ def test_converted_checkpoint_loads_for_1_2_4_stages(tmp_path, tiny_hf, tiny_tie
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
     ranks = [json.loads((tmp_path / f"result.json.{r}").read_text()) for r in range(4)]
-    for ckpt in (str(tmp_path / "untied"), str(tmp_path / "tied")):
+    for ckpt, hf_dir in ((str(tmp_path / "untied"), tiny_hf), (str(tmp_path / "tied"), tiny_tied_hf)):
         for num_stages in ("1", "2", "4"):
             covered = set()
+            # The planner's split (computed without a process group) is the one the ranks made.
+            planned = stage_boundaries(LlamaConfig.from_pretrained(hf_dir), int(num_stages))
             for rank in ranks:
                 r = rank[ckpt][num_stages]
+                assert r["parts"] == planned, (ckpt, num_stages, r["parts"], planned)
                 assert r["deepspeed"] and r["ours"], r
                 assert all(r["deepspeed"].values()), (ckpt, num_stages, r)
                 assert all(r["ours"].values()), (ckpt, num_stages, r)

@@ -20,9 +20,9 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 from tests.conftest import REPO
+from training.config import model_group_config
 
 README = os.path.join(REPO, "README.md")
 SELF_COVERED = {"scripts/demo.sh", "scripts/test.sh"}  # the demo itself; the suite itself (.ci/run)
@@ -75,14 +75,10 @@ def stage(tmp_path_factory, tiny_hf, tokenizer_dir):
     ckpt = str(root / "ckpt")
     subprocess.run([sys.executable, "convert2ckpt.py", "--input", tiny_hf, "--output", ckpt], cwd=REPO, check=True,
                    capture_output=True)
-    from transformers import LlamaConfig
-
     configs = {}
     for name in ("llama2-70b", "llama3-8b"):
-        with open(os.path.join(REPO, "conf", "model", f"{name}.yaml")) as f:
-            arch = yaml.safe_load(f)["architecture"]
         path = str(root / name)
-        LlamaConfig(**arch).save_pretrained(path)
+        model_group_config(name).save_pretrained(path)
         for tok in os.listdir(tokenizer_dir):
             with open(os.path.join(tokenizer_dir, tok), "rb") as src, open(os.path.join(path, tok), "wb") as dst:
                 dst.write(src.read())

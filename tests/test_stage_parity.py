@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from models.llama_pipe import IGNORE_INDEX, build_sequential, causal_lm_loss, spec_layout
+from models.llama_pipe import (IGNORE_INDEX, DEFAULT_PARTITION_METHOD, build_sequential, causal_lm_loss, model_parameters,
+                               spec_layout, spec_parameter_counts, stage_boundaries)
 from models.tiny import tiny_config
 
 TOL = 1e-5  # max abs difference allowed on logits, loss and every gradient
@@ -109,3 +110,33 @@ def test_spec_layout_prefixes_and_files():
     assert all(i.owns_file for i in untied)
     tied = spec_layout(tiny_config(num_hidden_layers=3, tie_word_embeddings=True))
     assert tied[-1].file_index == 0 and not tied[-1].owns_file  # the head reads the embedding's file
+
+
+def test_stage_boundaries_by_compute_and_by_parameters():
+    # The benchmark's shape (scripts/bench_train.py): 8 layers, vocabulary 8192, hidden 512. By
+    # parameters the 4.2 M-parameter embedding counts as much as a layer's matmuls; by compute it
+    # weighs nothing, so the first stage takes one more layer.
+    config = tiny_config(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8)
+    assert stage_boundaries(config, 2, "parameters") == [0, 5, 11]  # embed + 4 layers | 4 layers + norm + head
+    assert stage_boundaries(config, 2, "compute") == [0, 6, 11]  # embed + 5 layers | 3 layers + norm + head
+    assert stage_boundaries(config, 2) == stage_boundaries(config, 2, DEFAULT_PARTITION_METHOD)
+    assert stage_boundaries(config, 1) == [0, 11]
+    assert stage_boundaries(config, 2, "uniform") == [0, 6, 11]
+    assert stage_boundaries(config, 4, "type:DecoderLayerPipe") == [0, 3, 5, 7, 11]  # 2 decoder layers each
+    with pytest.raises(ValueError, match="not 'profile'"):
+        stage_boundaries(config, 2, "profile")
+
+
+def test_parameter_counts_tied_head_counted_once_in_the_model():
+    tied = tiny_config(num_hidden_layers=2, tie_word_embeddings=True)
+    counts = spec_parameter_counts(tied)
+    assert counts[0] == counts[-1] == tied.vocab_size * tied.hidden_size  # the partitioner sees the copy
+    assert model_parameters(tied) == sum(counts) - counts[-1]
+    assert model_parameters(tied) == LlamaForCausalLM(tied).num_parameters()
+
+
+def test_train_config_default_partition_is_the_planners():
+    from training.config import TrainConfig
+
+    assert TrainConfig().partition_method == DEFAULT_PARTITION_METHOD

@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DS_CONFIG_DIR = os.path.join(REPO_ROOT, "ds_configs")
+MODEL_CONF_DIR = os.path.join(REPO_ROOT, "conf", "model")  # the Hydra model group
 
 SCHEDULERS = ("constant", "linear", "cosine")
 RESUME_MODES = ("auto", "never")
@@ -89,7 +90,10 @@ class TrainConfig:
     model_name_or_path: str = ""  # pipeline checkpoint made by convert2ckpt.py (or saved by train.py)
     output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl and the resolved config go here
     num_stages: int = 1  # pipeline stages; data-parallel degree = world size / num_stages
-    partition_method: str = "parameters"  # how specs are split into stages: parameters | compute | uniform | type:DecoderLayerPipe
+    # How specs are split into stages: compute (balance work; the embedding, a lookup, weighs nothing) |
+    # parameters (balance stored parameters, DeepSpeed's default) | uniform | type:DecoderLayerPipe.
+    # The default equals models.llama_pipe.DEFAULT_PARTITION_METHOD (the planner's; a test checks).
+    partition_method: str = "compute"
     ds_config: str = "zero1"  # DeepSpeed JSON: a name in ds_configs/ (without .json) or a path
     precision: str = "bf16"  # fp32 | bf16 | fp16 (fp16 needs a device that supports it)
     micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
@@ -171,6 +175,26 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
 def offloads(zero: dict) -> tuple[bool, bool]:
     """(optimizer offloaded, parameters offloaded) for a DeepSpeed JSON's ``zero_optimization`` section."""
     return tuple(zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
+
+
+def model_group_names() -> list[str]:
+    """The entries of the ``model=`` group (conf/model/*.yaml)."""
+    return sorted(f[: -len(".yaml")] for f in os.listdir(MODEL_CONF_DIR) if f.endswith(".yaml"))
+
+
+def model_group_config(name: str, **overrides):
+    """The ``transformers.LlamaConfig`` of ``conf/model/<name>.yaml``'s architecture, with ``overrides``
+    applied; None for an entry that takes its architecture from a checkpoint (``checkpoint``).
+    For scripts and tests; train.py reads the same file through Hydra."""
+    import yaml
+    from transformers import LlamaConfig
+
+    path = os.path.join(MODEL_CONF_DIR, f"{name}.yaml")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model {name!r}: no {path} (choose one of {model_group_names()})")
+    with open(path) as f:
+        arch = yaml.safe_load(f)["architecture"]
+    return None if arch is None else LlamaConfig(**{**arch, **overrides})
 
 
 def tokenizer_dir(cfg: TrainConfig) -> str:

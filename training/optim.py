@@ -54,6 +54,7 @@ def fill_ds_config(resolved: Resolved) -> dict:
     if cfg.monitor.csv:
         ds["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": "csv"}
     size_zero_buckets(ds, resolved.model_config)
+    cpu_zero1_settings(ds, accelerator_name())
     ds.setdefault("steps_per_print", DS_STEPS_PER_PRINT)
     ds.setdefault("wall_clock_breakdown", False)
     return ds
@@ -71,6 +72,30 @@ def size_zero_buckets(ds: dict, model_config) -> None:
     zero = ds.get("zero_optimization", {})
     if zero.get("stage", 0) >= 2 and zero.get("reduce_bucket_size", "auto") == "auto":
         zero["reduce_bucket_size"] = reduce_bucket_elements(model_parameters(model_config))
+
+
+def accelerator_name() -> str:
+    """DeepSpeed's accelerator: "cuda", "cpu", ... (what train.py runs on)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
+def cpu_zero1_settings(ds: dict, accelerator: str) -> None:
+    """On the CPU accelerator, ZeRO-1 without reduce-scatter and without the contiguous gradient
+    buffer, where the JSON does not set them.
+
+    Both are DeepSpeed's defaults for GPUs: reduce-scatter (a ``reduce`` per partition) sends each
+    rank only its own gradients over NCCL, and the contiguous buffer keeps GPU memory from
+    fragmenting. Over gloo on CPU neither saves anything, and the buffer is allocated anew every
+    step and every gradient copied into it: with a 34 M-parameter model, data parallel 2, steps took
+    3.38 s with them and 2.86 s without (2.97 s with ZeRO-0), with the same losses and gradient norms
+    to the last digit, and 110 MiB less peak RSS per rank (BENCHMARKS.md).
+    """
+    zero = ds.get("zero_optimization", {})
+    if accelerator == "cpu" and zero.get("stage", 0) == 1:
+        zero.setdefault("reduce_scatter", False)
+        zero.setdefault("contiguous_gradients", False)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -68,6 +68,7 @@ for ckpt_dir, hf_dir in zip(pairs[::2], pairs[1::2]):
         results[ckpt_dir][num_stages] = {
             "stage": engine.module.stage_id,
             "specs": list(range(engine.module._local_start, engine.module._local_stop)),
+            "parts": [int(p) for p in engine.module.parts],  # first spec of every stage (default partition_method)
             "deepspeed": compare(engine.module, layout, reference),
             "ours": compare(ours, layout, reference),
         }
