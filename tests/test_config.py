@@ -268,6 +268,21 @@ def test_resume_rules(good, tmp_path, tokenizer_dir):
     assert "holds a checkpoint with intermediate_size=128, this model has 176" in problems_of(good, 4)
 
 
+def test_resume_needs_the_stage_split_it_was_saved_with(good, tmp_path):
+    out = tmp_path / "out"
+    (out / "global_step4").mkdir(parents=True)
+    (out / "latest").write_text("global_step4")
+    (out / "global_step4" / "train_config.yaml").write_text("num_stages: 2\npartition_method: parameters\n")
+    good.output_dir = str(out)
+    message = problems_of(good, 4)
+    assert "saved with partition_method=parameters, this run has partition_method=compute" in message
+    assert "set partition_method=parameters to resume it" in message and "num_stages" not in message
+    good.partition_method = "parameters"
+    assert resolve(good, 4).resume_tag == "global_step4"
+    good.num_stages = 4
+    assert "saved with num_stages=2, this run has num_stages=4" in problems_of(good, 4)
+
+
 def test_fp16_is_refused_on_a_device_without_it(good):
     good.precision = "fp16"
     assert "precision fp16 is not supported on this device" in problems_of(good, 4)

@@ -257,7 +257,28 @@ def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], list[str
                      f"{getattr(model_config, f)}: choose another output_dir" for f in SHAPE_FIELDS
                      if getattr(old, f) != getattr(model_config, f)]
         problems += [f"output_dir {cfg.output_dir}/{tag}: {line}" for line in tensor_shape_differences(old, model_config)]
+    problems += stage_layout_differences(cfg, tag)
     return tag, problems
+
+
+# Keys that decide which specs each stage holds: DeepSpeed saves optimizer states per stage, so a
+# checkpoint resumes only with the split it was saved with.
+STAGE_LAYOUT_KEYS = ("num_stages", "partition_method")
+
+
+def stage_layout_differences(cfg: TrainConfig, tag: str) -> list[str]:
+    """Problems when ``output_dir/tag`` was saved with another stage split (its train_config.yaml)."""
+    import yaml
+
+    path = os.path.join(cfg.output_dir, tag, "train_config.yaml")
+    if not os.path.isfile(path):
+        return []  # not written by train.py (a converted checkpoint has no optimizer states)
+    with open(path) as f:
+        saved = yaml.safe_load(f) or {}
+    return [f"{cfg.output_dir}/{tag} was saved with {key}={saved[key]}, this run has {key}={getattr(cfg, key)} "
+            f"(optimizer states are saved per stage): set {key}={saved[key]} to resume it, or start a new "
+            f"output_dir with model_name_or_path={cfg.output_dir} (weights only)"
+            for key in STAGE_LAYOUT_KEYS if key in saved and saved[key] != getattr(cfg, key)]
 
 
 def tensor_shape_differences(old, new, limit: int = 3) -> list[str]:
