@@ -118,7 +118,7 @@ def release_mapped_pages(t: torch.Tensor) -> None:
 
 def mapped_file_span(t: torch.Tensor) -> tuple[str, int] | None:
     """(file, byte offset) that the CPU tensor ``t`` is a view of, when it comes from a memory-mapped
-    file (``torch.load(mmap=True)``); None otherwise, or where ``/proc/self/maps`` does not exist.
+    file (a layer file loaded with ``mmap=True``); None otherwise, or where ``/proc/self/maps`` does not exist.
 
     Lets a caller read the bytes with ``pread`` instead of through the mapping: exporting 1.4 GB of
     layer files ran at the raw copy's speed that way (0.44 s, as a 1 MiB read/write loop), against

@@ -471,6 +471,24 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
             "other_cores": [cpu[i][1] if i < len(cpu) else float("nan") for i in measured]}
 
 
+def split_bound_line(config, micro: int, stages: int = 2) -> str:
+    """How each partition method splits the model in ``stages``, each stage's share of the matmul work
+    (parameter counts, the input embedding 0; attention and the loss left out) and the best pipeline
+    speed-up that split allows: 1 / (largest share x (M + K - 1) / M). The ideal 2M/(M+K-1) assumes
+    equal stages, which whole layers may not allow."""
+    from models.llama_pipe import spec_weights, stage_boundaries
+
+    work = spec_weights(config, "compute")
+    parts = []
+    for method in ("compute", "parameters"):
+        bounds = stage_boundaries(config, stages, method)
+        shares = [sum(work[bounds[s]:bounds[s + 1]]) / sum(work) for s in range(stages)]
+        best = 1 / (max(shares) * (micro + stages - 1) / micro)
+        specs = " | ".join(f"specs {bounds[s]}-{bounds[s + 1] - 1}" for s in range(stages))
+        parts.append(f"{method}: {specs}, work {' / '.join(f'{100 * x:.1f}%' for x in shares)}, best speed-up {best:.3f}")
+    return f"{stages}-stage splits (share of the matmul work per stage): " + "; ".join(parts)
+
+
 def run_plain(args, group: str, overrides: dict, data: str, device: str, copies: int = 1) -> dict:
     """Case a; with ``copies`` 2, case x: two independent plain loops at once (the machine's ceiling
     for two ranks that never communicate; their step times are pooled, tokens counted for both)."""
@@ -674,6 +692,9 @@ def main(argv=None) -> None:
             verdict = "" if target is None else ("met" if value >= target else "MISSED")
             print(f"| ({case})/({ref}) | {value:.3f} | {', '.join(f'{x:.3f}' for x in per_round)} | {ideal:.3f} | "
                   f"{'-' if target is None else f'>= {target:.3f}'} | {value / ideal:.3f} | {verdict} |")
+        print()
+    if any(CASES[c][2] == 2 for c in cases):
+        print(split_bound_line(config, args.micro_batches))
         print()
     if args.profile:
         print("Per rank, median seconds per step, wall / CPU (this thread) of each pipeline instruction:")
