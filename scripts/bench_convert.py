@@ -1,6 +1,7 @@
 """Conversion speed and memory: convert2ckpt.py both ways against a raw copy of the same bytes.
 
     python scripts/bench_convert.py [--layers 5,24] [--hidden 1024] [--vocab 32000] [--shard 500MB] [--repeats 3]
+    python scripts/bench_convert.py --read-paths CKPT/global_step0 [--repeats 3]   # the export's read path alone
 
 For each layer count: a random fp32 Llama (hidden 1024, MHA, vocab 32000: ~0.5 GB with 5 layers,
 ~1.5 GB with 24) saved with ``save_pretrained(max_shard_size=--shard)``, then, --repeats times each:
@@ -172,6 +173,57 @@ def make_model(path: str, layers: int, hidden: int, vocab: int, shard: str) -> t
     return params, largest
 
 
+def read_paths(tag_dir: str, out: str, rounds: int) -> None:
+    """The export's three ways to move layer-file bytes into an output file, interleaved in this process
+    (same bytes, same page cache, minutes apart at most): a raw 1 MiB read/write loop; each tensor
+    through ``convert2ckpt.write_tensor`` (``pread`` from its file, what the export does); each tensor
+    written from its memory mapping in 256 KiB pieces (the export before)."""
+    import torch
+
+    import convert2ckpt
+    from models.checkpoint import load_layer_file
+
+    files = sorted(os.path.join(tag_dir, f) for f in os.listdir(tag_dir) if f.startswith("layer_"))
+
+    def tensors(f, write_one):
+        for path in files:
+            for t in load_layer_file(path).values():
+                write_one(f, t)
+
+    def through_mapping(f, t):
+        f.write(t.reshape(-1).view(torch.uint8).numpy())  # ChunkedWriter: 256 KiB writes out of the mapping
+
+    ways = {"raw copy (1 MiB read/write)": lambda f: raw_copy_into(files, f),
+            "export: pread (write_tensor)": lambda f: tensors(f, convert2ckpt.write_tensor),
+            "export: through the mapping": lambda f: tensors(f, through_mapping)}
+    nbytes = sum(os.path.getsize(p) for p in files)
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, way in ways.items():
+            warm(files)
+            os.sync()
+            start = time.perf_counter()
+            with open(out, "wb", buffering=0) as raw:
+                way(convert2ckpt.ChunkedWriter(raw))
+            seconds[name].append(time.perf_counter() - start)
+            os.remove(out)
+    print(f"{len(files)} layer files, {nbytes / 2**20:.0f} MiB, {rounds} rounds interleaved, page cache, no fsync")
+    print("| way | seconds per round | median (s) | MB/s |")
+    print("|---|---|---|---|")
+    for name, s in seconds.items():
+        print(f"| {name} | {', '.join(f'{x:.2f}' for x in s)} | {statistics.median(s):.2f} | "
+              f"{nbytes / statistics.median(s) / 1e6:.0f} |")
+
+
+def raw_copy_into(files: list[str], out) -> None:
+    """Every byte of ``files`` to ``out`` through one 1 MiB buffer."""
+    buf = bytearray(2**20)
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                out.write(memoryview(buf)[:n])
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--copy-worker"]:  # inside run_copy's process
         seconds, nbytes = raw_copy(sys.argv[3:], sys.argv[2])
@@ -187,7 +239,13 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the files")
     p.add_argument("--export-shard", default="", help="--max-shard-size of the export (default: the converter's, 2GB)")
     p.add_argument("--converter", default=ROOT, help="directory whose convert2ckpt.py to run (e.g. an older copy)")
+    p.add_argument("--read-paths", default="", metavar="TAG_DIR",
+                   help="instead: compare the export's ways of reading layer files (TAG_DIR: a checkpoint's global_stepN)")
     args = p.parse_args()
+    if args.read_paths:
+        os.makedirs(args.work, exist_ok=True)
+        read_paths(args.read_paths, os.path.join(args.work, "read_paths.out"), args.repeats)
+        return
 
     free = shutil.disk_usage(os.path.dirname(args.work) if not os.path.exists(args.work) else args.work).free
     print(f"free disk: {free / 2**30:.1f} GiB", flush=True)

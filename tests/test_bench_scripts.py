@@ -81,3 +81,15 @@ def test_bench_load_reads_train_py_load_report():
     line = ("[train] rank 1: stage 1 specs 5..10 (6 specs, 17.04 M params) | loaded 65.0 MiB from 6 layer files in 0.10 s "
             "| peak RSS at load 441 MiB (before building the stage 372 MiB, stage parameters 65 MiB)")
     assert bench_load.REPORT.search(line).groups() == ("1", "1", "17.04", "441", "372", "65")
+
+
+def test_bench_convert_read_paths(tmp_path, tiny_hf):
+    """--read-paths: the export's pread path, the mapping and a raw copy, each timed, on a real checkpoint."""
+    from convert2ckpt import hf_to_stages
+
+    hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
+    proc = subprocess.run([sys.executable, "scripts/bench_convert.py", "--read-paths", str(tmp_path / "ckpt" / "global_step0"),
+                           "--repeats", "1", "--work", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| raw copy", "| export"))]
+    assert len(rows) == 3 and all(float(r.split("|")[4]) > 0 for r in rows), proc.stdout
