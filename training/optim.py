@@ -88,9 +88,10 @@ def cpu_zero1_settings(ds: dict, accelerator: str) -> None:
     Both are DeepSpeed's defaults for GPUs: reduce-scatter (a ``reduce`` per partition) sends each
     rank only its own gradients over NCCL, and the contiguous buffer keeps GPU memory from
     fragmenting. Over gloo on CPU neither saves anything, and the buffer is allocated anew every
-    step and every gradient copied into it: with a 34 M-parameter model, data parallel 2, steps took
-    3.38 s with them and 2.86 s without (2.97 s with ZeRO-0), with the same losses and gradient norms
-    to the last digit, and 110 MiB less peak RSS per rank (BENCHMARKS.md).
+    step and every gradient copied into it: with a 34 M-parameter model at data parallel 2, steps
+    took 1-15% less time without them in four paired runs (3.27 -> 3.16, 3.66 -> 3.36, 3.10 -> 3.08,
+    3.38 -> 2.86 s), with the same losses and gradient norms to the last digit, and 110 MiB less peak
+    RSS per rank (BENCHMARKS.md).
     """
     zero = ds.get("zero_optimization", {})
     if accelerator == "cpu" and zero.get("stage", 0) == 1:
