@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -35,7 +34,8 @@ from models.llama_pipe import LlamaStack, build_pipeline_model, causal_lm_loss, 
 from training import checkpointing  # noqa: E402
 from training.config import ConfigError, Resolved, TrainConfig, register_configs, resolve  # noqa: E402
 from training.data_setup import RankData, prepare_rank_data  # noqa: E402
-from training.distributed import StartupError, TrainingStopped, on_all_ranks, release_cpu_comm_buffer  # noqa: E402
+from training.distributed import (StartupError, TrainingStopped, free_port, on_all_ranks,  # noqa: E402
+                                  release_cpu_comm_buffer)
 from training.memory_census import CensusAtStep  # noqa: E402
 from training.metrics import StepLogger  # noqa: E402
 from training.optim import build_lr_scheduler, fill_ds_config, param_groups  # noqa: E402
@@ -64,10 +64,7 @@ def init_topology(resolved: Resolved) -> PipeDataParallelTopology:
     ``python train.py`` without the launcher runs as a 1-rank job.
     """
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     release_cpu_comm_buffer()  # a killed job's segment of this name would be attached to (no peer has started yet)
     # Every collective fails after dist_timeout_s instead of waiting forever for a hung or vanished rank.
     deepspeed.init_distributed(timeout=timedelta(seconds=resolved.cfg.dist_timeout_s))

@@ -50,20 +50,27 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory that cannot be used, with what is wrong and where."""
 
 
+def latest_tag(ckpt_dir: str) -> str | None:
+    """The tag named in ``ckpt_dir/latest`` (DeepSpeed writes it without a newline), None without one."""
+    latest = os.path.join(ckpt_dir, LATEST_FILE)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
 def read_tag(ckpt_dir: str, tag: str | None = None) -> str:
     """``tag`` if given, else the tag named in ``ckpt_dir/latest``; checks the tag directory exists."""
     if tag is None:
-        latest = os.path.join(ckpt_dir, LATEST_FILE)
-        if not os.path.isfile(latest):
-            hint = ""
-            if os.path.isfile(os.path.join(ckpt_dir, "config.json")):
-                hint = (
-                    f" It looks like a Hugging Face model directory: convert it first with "
-                    f"`python convert2ckpt.py --input {ckpt_dir} --output <CKPT_DIR>`."
-                )
-            raise CheckpointError(f"{latest} not found: {ckpt_dir} is not a pipeline checkpoint.{hint}")
-        with open(latest) as f:
-            tag = f.read().strip()
+        tag = latest_tag(ckpt_dir)
+    if tag is None:
+        hint = ""
+        if os.path.isfile(os.path.join(ckpt_dir, "config.json")):
+            hint = (
+                f" It looks like a Hugging Face model directory: convert it first with "
+                f"`python convert2ckpt.py --input {ckpt_dir} --output <CKPT_DIR>`."
+            )
+        raise CheckpointError(f"{os.path.join(ckpt_dir, LATEST_FILE)} not found: {ckpt_dir} is not a pipeline checkpoint.{hint}")
     tag_dir = os.path.join(ckpt_dir, tag)
     if not os.path.isdir(tag_dir):
         available = sorted(d for d in os.listdir(ckpt_dir) if os.path.isdir(os.path.join(ckpt_dir, d)))
@@ -177,11 +184,9 @@ def tags_newer_than_latest(ckpt_dir: str) -> list[str]:
     """Checkpoint directories that ``latest`` does not cover: newer than the tag it names, or any at
     all when there is no ``latest``. train.py writes ``latest`` only once every rank has finished a
     save, so these were left by an interrupted save (or by moving ``latest`` back): never resumed from."""
-    latest = os.path.join(ckpt_dir, LATEST_FILE)
-    latest_step = -1
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            m = TAG_PATTERN.match(f.read().strip())
+    latest, latest_step = latest_tag(ckpt_dir), -1
+    if latest is not None:
+        m = TAG_PATTERN.match(latest)
         if m is None:
             return []  # a tag train.py did not name: nothing to compare with
         latest_step = int(m.group(1))

@@ -276,24 +276,17 @@ class LlamaPipelineModule(PipelineModule):
     vs 4.01 B parameters); ``partition_method=parameters`` balances memory instead.
     """
 
-    def __init__(self, config: LlamaConfig, *args, **kwargs):
+    def __init__(self, config: LlamaConfig, *args, partition_method: str = "parameters", **kwargs):
+        # "compute" is DeepSpeed's "parameters" balancing over compute weights (_count_layer_params).
         self._llama_config = config
-        self._weigh_compute = False  # set while partitioning by compute
-        super().__init__(*args, **kwargs)
+        self._spec_weights = "compute" if partition_method.lower() == "compute" else "parameters"
+        ds_method = "parameters" if self._spec_weights == "compute" else partition_method
+        super().__init__(*args, partition_method=ds_method, **kwargs)
         for p in self.parameters():
             p.model_parallel = not p.ds_pipe_replicated
 
-    def _partition_layers(self, method: str = "uniform") -> None:
-        if method.lower() != "compute":
-            return super()._partition_layers(method)
-        self._weigh_compute = True  # DeepSpeed's 'parameters' balancing, with compute weights
-        try:
-            super()._partition_layers("parameters")
-        finally:
-            self._weigh_compute = False
-
     def _count_layer_params(self) -> list[int]:
-        return spec_weights(self._llama_config, "compute" if self._weigh_compute else "parameters")
+        return spec_weights(self._llama_config, self._spec_weights)
 
 
 def build_pipeline_model(

@@ -38,6 +38,20 @@ def tiny_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**args)
 
 
+def write_random_tokens(path: str, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """A ``data=tokens`` file of seeded random token ids (above the special tokens 0-2), one sample of
+    ``seq_len`` ids per line; written to a temporary name and renamed, so a reader never sees half a file.
+    Returns the samples."""
+    g = torch.Generator().manual_seed(seed)
+    samples = torch.randint(3, vocab_size, (num_samples, seq_len), generator=g).tolist()  # 3 = past <unk>, <s>, </s>
+    tmp = os.fspath(path) + ".tmp"
+    with open(tmp, "w") as f:
+        for ids in samples:
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+    os.replace(tmp, path)
+    return samples
+
+
 def corpus_documents() -> list[str]:
     """The offline corpus: one document per topic of Python's bundled documentation (~80 documents)."""
     from pydoc_data.topics import topics

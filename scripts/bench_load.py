@@ -25,6 +25,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from training.distributed import free_port  # noqa: E402
+
 REPORT = re.compile(
     r"rank (\d+): stage (\d+) .*?\(\d+ specs, ([\d.]+) M params\).*peak RSS at load (\d+) MiB "
     r"\(before building the stage (\d+) MiB, stage parameters (\d+) MiB\)"
@@ -64,14 +66,6 @@ def load_reports(ckpt: str, k: int, data: str, out: str) -> dict[int, tuple]:
     if len(reports) != k:
         sys.exit(f"{ckpt}, num_stages={k}: found {len(reports)} load reports, expected {k}:\n{proc.stdout[-3000:]}")
     return reports
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -49,7 +49,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -127,17 +126,6 @@ def flops_per_token(config, seq: int) -> tuple[float, float, int]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attn = 6 * config.num_hidden_layers * seq * config.num_attention_heads * head_dim
     return 6 * n, attn, total
-
-
-def write_tokens(path: str, num_samples: int, seq: int, vocab: int) -> None:
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (num_samples, seq), generator=g).tolist()
-    with open(path + ".tmp", "w") as f:
-        for row in ids:
-            f.write(json.dumps({"input_ids": row}) + "\n")
-    os.replace(path + ".tmp", path)
 
 
 # ---------------------------------------------------------------- CPU accounting
@@ -403,12 +391,6 @@ PROFILE_HEADER = ("| case | rank | train_batch | forward | backward | send act. 
 
 # ---------------------------------------------------------------- train.py runs
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def case_args(train_args: list[str], case: str) -> list[str]:
     """--train-arg values for ``case``: plain ones for every case, 'c:KEY=VALUE' for case c only."""
     out = []
@@ -423,6 +405,8 @@ def case_args(train_args: list[str], case: str) -> list[str]:
 
 
 def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data: str, run_dir: str) -> dict:
+    from training.distributed import free_port
+
     _, ranks, stages, threads, extra = CASES[case]
     threads = threads or args.threads
     dp = ranks // stages
@@ -606,7 +590,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from models.tiny import train_tokenizer
+    from models.tiny import train_tokenizer, write_random_tokens
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -626,7 +610,7 @@ def main(argv=None) -> None:
         train_tokenizer(tokenizer, 512)  # train.py trains from scratch with a tokenizer; the plain loop needs none
     data = os.path.join(args.work, f"tokens_{args.seq}_{config.vocab_size}.jsonl")
     if not os.path.isfile(data):
-        write_tokens(data, max(64, args.micro_batches * (args.warmup + args.steps + 1)), args.seq, min(config.vocab_size, 32000))
+        write_random_tokens(data, max(64, args.micro_batches * (args.warmup + args.steps + 1)), args.seq, min(config.vocab_size, 32000))
 
     started = time.strftime("%Y-%m-%d %H:%M")
     print(f"model: {group} {overrides or ''}: {total / 1e6:.1f} M params, {six_n / 6 / 1e6:.1f} M matmul params; "

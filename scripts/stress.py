@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,13 +30,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from training.distributed import free_port  # noqa: E402
+
 SAVED = re.compile(r"saved checkpoint global_step(\d+) in .* \(RSS per rank now: ([\d, ]+) MiB; peak RSS (\d+) MiB\)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepare(work: str) -> tuple[str, str]:

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from training.config import model_group_config, offloads  # noqa: E402
+from training.distributed import free_port  # noqa: E402
 
 PIPELINE_CONFIGS = ("zero0", "zero1", "zero1_offload")  # DeepSpeed's pipeline engine runs ZeRO 0/1 only
 PEAKS = re.compile(r"peak memory per rank \(MiB\): (.*)")
@@ -46,9 +46,7 @@ def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
     stages = 2 if case["ds"] in PIPELINE_CONFIGS else 1
     name = f"{case['ds']}{'_ckpt' if case['ckpt'] else ''}_ga{case['ga']}"
     out = os.path.join(work, "runs", name)
-    with socket.socket() as sock:  # a free port: a fixed one collides with other jobs on this machine
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(args.ranks), "--master_port", str(port), "train.py",
            "model=tiny", f"model.tokenizer={tokenizer}", f"model.architecture.hidden_size={args.hidden}",
            f"model.architecture.intermediate_size={int(args.hidden * 2.75)}", f"model.architecture.num_hidden_layers={args.layers}",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,17 +14,12 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from models.tiny import save_random_model, tiny_config, train_tokenizer  # noqa: E402
+from models.tiny import save_random_model, tiny_config, train_tokenizer, write_random_tokens  # noqa: E402,F401
+from training.distributed import free_port  # noqa: E402,F401 (tests import it from here)
 
 # Multi-rank CPU runs: one thread per rank (2 threads x 4 ranks on 2 cores ran 15-20x slower).
 RANK_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 LAUNCH_TIMEOUT_S = 600  # a hung collective fails the test instead of the whole CI run
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_deepspeed(num_ranks: int, script: str, args: list[str], log_path: str) -> subprocess.CompletedProcess:
@@ -50,15 +44,6 @@ def read_metrics(output_dir: str, kind: str = "train") -> list[dict]:
     """metrics.jsonl records of one kind (train: one per step, eval: one per evaluation)."""
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r["kind"] == kind]
-
-
-def write_random_tokens(path: str, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    samples = torch.randint(3, vocab_size, (num_samples, seq_len), generator=g).tolist()
-    with open(path, "w") as f:
-        for ids in samples:
-            f.write(json.dumps({"input_ids": ids}) + "\n")
-    return samples
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from models.checkpoint import (LATEST_FILE, CheckpointError, checkpoint_tags, copy_side_files, copy_tokenizer_files,
+from models.checkpoint import (LATEST_FILE, CheckpointError, checkpoint_tags, latest_tag, copy_side_files, copy_tokenizer_files,
                                local_modules, stage_file_problems, write_config)
 from models.llama_pipe import layer_file_name
 from training.config import Resolved, tokenizer_dir
@@ -121,13 +121,9 @@ def write_side_files(resolved: Resolved) -> None:
 def remove_interrupted(output_dir: str, tag: str) -> None:
     """Remove ``output_dir/tag`` before saving into it: left by an interrupted save, it may hold files
     of the older attempt that this save would not overwrite. Never the checkpoint ``latest`` names."""
-    path, latest = os.path.join(output_dir, tag), os.path.join(output_dir, LATEST_FILE)
-    if not os.path.isdir(path):
+    path = os.path.join(output_dir, tag)
+    if not os.path.isdir(path) or latest_tag(output_dir) == tag:
         return
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            if f.read().strip() == tag:
-                return
     print(f"[train] removing {path}: an incomplete checkpoint left by an interrupted save", flush=True)
     shutil.rmtree(path)
 

@@ -163,8 +163,12 @@ class Resolved:
 
     @property
     def uses_pipeline(self) -> bool:
-        """DeepSpeed's pipeline engine (ZeRO 0/1), or its data-parallel engine (num_stages=1, ZeRO 2/3)."""
-        return self.cfg.num_stages > 1 or self.zero_stage < 2
+        return uses_pipeline_engine(self.cfg.num_stages, self.zero_stage)
+
+
+def uses_pipeline_engine(num_stages: int, zero_stage: int) -> bool:
+    """DeepSpeed's pipeline engine (ZeRO 0/1), or its data-parallel engine (num_stages=1, ZeRO 2/3)."""
+    return num_stages > 1 or zero_stage < 2
 
 
 # Fields that define the tensor shapes: a checkpoint and a chosen architecture must agree on them.
@@ -237,17 +241,17 @@ def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], list[str
     """(tag to resume from, problems) for output_dir's ``latest`` checkpoint, if any."""
     if cfg.resume not in RESUME_MODES:
         return None, [f"resume {cfg.resume!r} unknown: choose one of {list(RESUME_MODES)}"]
-    latest = os.path.join(cfg.output_dir, "latest")
-    if not os.path.isfile(latest):
+    from models.checkpoint import LATEST_FILE, latest_tag  # heavy import (torch, deepspeed), only once parsed
+
+    tag = latest_tag(cfg.output_dir)
+    if tag is None:
         return None, []
-    with open(latest) as f:
-        tag = f.read().strip()
     if cfg.resume == "never":
         return None, [f"output_dir {cfg.output_dir} already holds a checkpoint ({tag}): set resume=auto to continue "
                       f"it, or choose another output_dir"]
     problems = []
     if not os.path.isdir(os.path.join(cfg.output_dir, tag)):
-        problems.append(f"{latest} names {tag}, which is not in {cfg.output_dir}")
+        problems.append(f"{os.path.join(cfg.output_dir, LATEST_FILE)} names {tag}, which is not in {cfg.output_dir}")
     saved = os.path.join(cfg.output_dir, "config.json")
     if model_config is not None and os.path.isfile(saved):
         from transformers import LlamaConfig
@@ -372,6 +376,8 @@ def disk_problems(cfg: TrainConfig, model_config, uses_pipeline: bool, world_siz
 
 def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
     """Check every cross-field rule; raise :class:`ConfigError` listing all problems together."""
+    from models.checkpoint import tags_newer_than_latest  # heavy import (torch, deepspeed), only once parsed
+
     problems, warnings = [], []
     model_config, model_problems = resolve_model(cfg)
     problems += model_problems
@@ -423,13 +429,13 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
     output_problems = output_dir_problems(cfg)
     problems += output_problems
     if not output_problems and ds_json is not None:
-        uses_pipeline = k > 1 or ds_json.get("zero_optimization", {}).get("stage", 0) < 2
-        disk, disk_warnings = disk_problems(cfg, model_config, uses_pipeline, world_size)
+        zero_stage = ds_json.get("zero_optimization", {}).get("stage", 0)
+        disk, disk_warnings = disk_problems(cfg, model_config, uses_pipeline_engine(k, zero_stage), world_size)
         problems += disk
         warnings += disk_warnings
     warnings += [f"{cfg.output_dir}/{tag} is not a complete checkpoint (newer than the one `latest` names: a save "
                  f"was interrupted): not resumed from; it is replaced or removed when this run saves"
-                 for tag in _tags_newer_than_latest(cfg.output_dir)] if not resume_problems else []
+                 for tag in tags_newer_than_latest(cfg.output_dir)] if not resume_problems else []
     if cfg.eval_steps and not (cfg.data.eval_file or cfg.data.eval_fraction):
         warnings.append(f"eval_steps={cfg.eval_steps} but no eval data: set data.eval_file or data.eval_fraction")
 
@@ -446,12 +452,6 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return Resolved(cfg, world_size, dp, ds_json, model_config, warnings, resume_tag)
-
-
-def _tags_newer_than_latest(output_dir: str) -> list[str]:
-    from models.checkpoint import tags_newer_than_latest
-
-    return tags_newer_than_latest(output_dir)
 
 
 def default_packing(data: DataConfig) -> bool:
@@ -488,7 +488,8 @@ def data_problems(cfg: TrainConfig) -> list[str]:
     return problems
 
 
-def _accelerator_name() -> str:
+def accelerator_name() -> str:
+    """DeepSpeed's accelerator: "cuda", "cpu", ... (what train.py runs on)."""
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().device_name()
@@ -531,7 +532,7 @@ def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, dp: int) -> list[str]:
             problems.append(f"ds_config enables {key} but precision={cfg.precision}: remove '{key}' from the JSON or set precision={key}")
     zero = ds_json.get("zero_optimization", {})
     stage = zero.get("stage", 0)
-    if zero.get("zero_quantized_weights") and _accelerator_name() == "cpu":
+    if zero.get("zero_quantized_weights") and accelerator_name() == "cpu":
         problems.append(
             "ds_config uses ZeRO++ quantized weights (zero_quantized_weights), whose quantizer kernel the CPU accelerator "
             "lacks ('This op had not been implemented on CPU backend'): run on GPUs, or use ds=zero3 here"

@@ -20,11 +20,20 @@ What bounds a wait when a rank is gone (measured on 4 CPU ranks, pipe 2 x data 2
 from __future__ import annotations
 
 import os
+import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, chosen by the OS: for a job's master port, since a fixed one
+    collides with other jobs on a shared machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class StartupError(RuntimeError):

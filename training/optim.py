@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from models.llama_pipe import model_parameters
-from training.config import Resolved, TrainConfig, offloads
+from training.config import Resolved, TrainConfig, accelerator_name, offloads
 from training.memory_plan import reduce_bucket_elements
 
 # DeepSpeed prints its own step line every steps_per_print steps; train.py logs its own line instead.
@@ -72,13 +72,6 @@ def size_zero_buckets(ds: dict, model_config) -> None:
     zero = ds.get("zero_optimization", {})
     if zero.get("stage", 0) >= 2 and zero.get("reduce_bucket_size", "auto") == "auto":
         zero["reduce_bucket_size"] = reduce_bucket_elements(model_parameters(model_config))
-
-
-def accelerator_name() -> str:
-    """DeepSpeed's accelerator: "cuda", "cpu", ... (what train.py runs on)."""
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name()
 
 
 def cpu_zero1_settings(ds: dict, accelerator: str) -> None:
