@@ -77,9 +77,7 @@ def main() -> None:
     p.add_argument("--work", default=os.path.join(ROOT, "work", "bench_load"))
     args = p.parse_args()
 
-    import torch
-    from transformers import LlamaForCausalLM
-
+    from models.llama_pipe import model_parameters
     from models.tiny import tiny_config
 
     stage_counts = [int(s) for s in args.stages.split(",")]
@@ -101,8 +99,7 @@ def main() -> None:
             stage, mparams, param_mib, before, peak = full[rank]
             rows.append((k, rank, stage, mparams, param_mib, before, empty[rank][4], empty[rank][2], peak))
 
-    with torch.device("meta"):  # count without allocating
-        total = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    total = model_parameters(config)
     print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {total / 1e6:.0f} M params, "
           f"{total * 4 / 2**20:.0f} MiB fp32; empty rank: the same launch with a {empty_config.num_hidden_layers}-layer "
           f"hidden-{empty_config.hidden_size} model")

@@ -114,15 +114,11 @@ def llama_config(group: str, overrides: dict):
 
 
 def flops_per_token(config, seq: int) -> tuple[float, float, int]:
-    """(6 N, causal attention FLOPs per token, N): see the module docstring."""
-    import torch
-    from transformers import LlamaForCausalLM
+    """(6 N, causal attention FLOPs per token, parameters): see the module docstring."""
+    from models.llama_pipe import model_parameters, spec_weights
 
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    embed = model.model.embed_tokens.weight.numel()
-    total = sum(p.numel() for p in model.parameters())  # a tied head is counted once, in the embedding
-    n = total - embed + (embed if config.tie_word_embeddings else 0)  # matmul parameters: a tied head counts too
+    n = sum(spec_weights(config, "compute"))  # matmul parameters: all but the input embedding; a tied head counts
+    total = model_parameters(config)  # a tied embedding counted once
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attn = 6 * config.num_hidden_layers * seq * config.num_attention_heads * head_dim
     return 6 * n, attn, total
