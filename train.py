@@ -30,9 +30,10 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from data.guard import OrderMismatchError  # noqa: E402
 from models.checkpoint import current_rss_mb, load_stage_weights, local_modules, peak_rss_mb  # noqa: E402
-from models.llama_pipe import LlamaStack, build_pipeline_model, causal_lm_loss, init_weights_, spec_layout  # noqa: E402
+from models.llama_pipe import LlamaStack, build_pipeline_model, init_weights_, spec_layout  # noqa: E402
+from models.loss import CausalLMLoss, label_tokens  # noqa: E402
 from training import checkpointing  # noqa: E402
-from training.config import ConfigError, Resolved, TrainConfig, register_configs, resolve  # noqa: E402
+from training.config import ConfigError, Resolved, TrainConfig, default_packing, register_configs, resolve  # noqa: E402
 from training.data_setup import RankData, prepare_rank_data  # noqa: E402
 from training.distributed import (StartupError, TrainingStopped, free_port, on_all_ranks,  # noqa: E402
                                   release_cpu_comm_buffer)
@@ -41,6 +42,8 @@ from training.metrics import StepLogger  # noqa: E402
 from training.optim import build_lr_scheduler, fill_ds_config, param_groups  # noqa: E402
 
 register_configs()
+
+PADDING_HINT = 0.10  # padding share of unpacked rows above which the start-up line suggests packing
 
 
 def log0(msg: str) -> None:
@@ -71,13 +74,14 @@ def init_topology(resolved: Resolved) -> PipeDataParallelTopology:
     return PipeDataParallelTopology(num_pp=resolved.cfg.num_stages, num_dp=resolved.dp)
 
 
-def build_model(resolved: Resolved, topology: PipeDataParallelTopology):
+def build_model(resolved: Resolved, topology: PipeDataParallelTopology, loss_fn: CausalLMLoss):
     """The pipeline module (this rank builds only its own stage's layers), or, for num_stages=1 with
     ZeRO 2/3, every spec in one module for DeepSpeed's data-parallel engine (ZeRO shards it)."""
     cfg = resolved.cfg
     if not resolved.uses_pipeline:
         return LlamaStack(resolved.model_config, activation_checkpointing=cfg.activation_checkpoint_interval > 0)
-    return build_pipeline_model(resolved.model_config, topology, cfg.partition_method, cfg.activation_checkpoint_interval)
+    return build_pipeline_model(resolved.model_config, topology, cfg.partition_method, cfg.activation_checkpoint_interval,
+                                loss_fn)
 
 
 def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list[dict]:
@@ -155,7 +159,7 @@ def resume_or_start(resolved: Resolved, engine, data: RankData) -> int:
 
 
 def announce(resolved: Resolved, engine, init_reports: list[dict], data_reports: list[dict], data: RankData,
-             start_step: int, total_steps: int, steps_per_epoch: float) -> int:
+             start_step: int, total_steps: int, steps_per_epoch: float) -> None:
     """Print, from rank 0, what was built: engine, per rank its stage, specs, parameters, weights and data."""
     cfg = resolved.cfg
     offload = resolved.ds_json.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
@@ -166,10 +170,16 @@ def announce(resolved: Resolved, engine, init_reports: list[dict], data_reports:
     log0(f"engine: {type(engine).__name__}, ZeRO stage {stage}{grads}, optimizer "
          f"{type(engine.basic_optimizer).__name__} (offload: {offload}), precision {cfg.precision}")
     global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * resolved.dp
-    tokens_per_step = global_batch * cfg.data.max_seq_length
+    row_tokens = global_batch * cfg.data.max_seq_length
     log0(f"world {resolved.world_size} = pipe {cfg.num_stages} x data {resolved.dp} | global batch {global_batch} samples "
          f"= micro {cfg.micro_batch_size} x grad_acc {cfg.gradient_accumulation_steps} x dp {resolved.dp} | "
-         f"{tokens_per_step} tokens/step")
+         f"{row_tokens} tokens/step (rows of {cfg.data.max_seq_length}, padding included) | loss normalised per "
+         f"{'label token of the global batch' if cfg.loss_normalization == 'tokens' else 'micro-batch'} "
+         f"(loss_normalization={cfg.loss_normalization})")
+    if data.iterator is not None:  # rank 0 is a first stage: it reads the data
+        padding = 1 - data.train.total_tokens() / (len(data.train) * cfg.data.max_seq_length)
+        hint = ": consider data.packing=true" if not default_packing(cfg.data) and padding >= PADDING_HINT else ""
+        log0(f"data: rows of {cfg.data.max_seq_length} tokens, {100 * padding:.1f}% padding{hint}")
     if start_step >= total_steps:
         plan = f"{resolved.resume_tag} is at step {start_step} >= {total_steps} steps to train: nothing to train (raise max_steps)"
     else:
@@ -181,33 +191,82 @@ def announce(resolved: Resolved, engine, init_reports: list[dict], data_reports:
              f"| peak RSS at load {info['peak_rss_mib']:.0f} MiB (before building the stage "
              f"{info['rss_before_model_mib']:.0f} MiB, stage parameters {info['param_mib']:.0f} MiB)")
         log0(f"rank {rank}: data {d['role']} | peak RSS after data {d['peak_rss_mib']:.0f} MiB")
-    return tokens_per_step
 
 
-def train_step(resolved: Resolved, engine, data: RankData) -> float:
-    """One optimizer step; the loss is the mean over the global batch, identical on every rank."""
+def counts_tokens(resolved: Resolved, engine) -> bool:
+    """Whether this rank counts its micro-batches' tokens: the last stage (it holds the labels), or
+    every rank of the data-parallel engine. Their sum over all ranks covers the global batch once."""
+    return not resolved.uses_pipeline or engine.is_last_stage()
+
+
+def global_sum(*values: int) -> list[int]:
+    """Every rank's values summed over all ranks (a collective: every rank calls it)."""
+    total = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+def normalise_loss(resolved: Resolved, loss_fn: CausalLMLoss, micro_batches: int, label_count: int) -> None:
+    """Set the loss scale for the next step or eval pass: ``micro_batches`` per data-parallel rank
+    whose ``label_count`` label tokens (all ranks) make the denominator. DeepSpeed divides each
+    micro-batch's loss by ``micro_batches`` and averages over dp, so scaling by their product over the
+    count gives the token mean of the whole global batch."""
+    if resolved.cfg.loss_normalization == "micro_batch":
+        loss_fn.scale = None
+    elif label_count == 0:  # the data cache drops rows without a label token: a bug if ever seen
+        raise TrainingStopped("a global batch without a label token reached the loss: nothing to normalise by")
+    else:
+        loss_fn.scale = micro_batches * resolved.dp / label_count
+
+
+def train_step(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss) -> tuple[float, int, int]:
+    """One optimizer step: (loss, real tokens, label tokens) of the global batch, identical on every rank.
+
+    The ranks that count tokens take the step's micro-batches from their iterator first, so the global
+    label count is known before the first micro-batch's loss is computed; the engine then reads them
+    from that list (the first stage of a longer pipeline reads its own iterator as before).
+    """
+    gas = resolved.cfg.gradient_accumulation_steps
+    batches, label_count, real_tokens = None, 0, 0
+    if counts_tokens(resolved, engine):
+        before = data.iterator.tokens_read
+        batches = [next(data.iterator) for _ in range(gas)]
+        label_count, real_tokens = sum(label_tokens(labels) for _, labels in batches), data.iterator.tokens_read - before
+    label_count, real_tokens = global_sum(label_count, real_tokens)
+    normalise_loss(resolved, loss_fn, gas, label_count)
     if resolved.uses_pipeline:
-        return engine.train_batch(data_iter=data.iterator).item()
+        loss = engine.train_batch(data_iter=iter(batches) if batches is not None else data.iterator).item()
+        return loss, real_tokens, label_count
     losses = []
-    for _ in range(resolved.cfg.gradient_accumulation_steps):
-        (input_ids, position_ids), labels = next(data.iterator)
-        loss = causal_lm_loss(engine(input_ids, position_ids), labels)
+    for (input_ids, position_ids), labels in batches:
+        loss = loss_fn(engine(input_ids, position_ids), labels)
         engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
         engine.step()  # applies the optimizer at the accumulation boundary only
         losses.append(loss.detach())
-    return mean_over_ranks(torch.stack(losses).mean())
+    return mean_over_ranks(torch.stack(losses).mean()), real_tokens, label_count
 
 
-def evaluate(resolved: Resolved, engine, data: RankData, step: int, logger: StepLogger) -> None:
-    """One pass over the eval data (every rank's shard), without gradients."""
+def eval_label_count(resolved: Resolved, engine, data: RankData) -> int:
+    """Label tokens of the whole eval set (every rank's shard): the eval loss's denominator."""
+    local = 0
+    if counts_tokens(resolved, engine):
+        local = sum(label_tokens(labels) for _, labels in itertools.islice(data.eval_iterator(), data.eval_batches))
+    return global_sum(local)[0]
+
+
+def evaluate(resolved: Resolved, engine, data: RankData, step: int, logger: StepLogger, loss_fn: CausalLMLoss,
+             label_count: int) -> None:
+    """One pass over the eval data (every rank's shard), without gradients; with loss_normalization=tokens
+    the loss is the mean over every label token of the eval set."""
     start = time.time()
+    normalise_loss(resolved, loss_fn, data.eval_batches, label_count)
     if resolved.uses_pipeline:
         loss = engine.eval_batch(data_iter=data.eval_iterator(), num_micro_batches=data.eval_batches).item()
     else:
         engine.eval()
         with torch.no_grad():
             batches = itertools.islice(data.eval_iterator(), data.eval_batches)
-            losses = [causal_lm_loss(engine(ids, pos), labels) for (ids, pos), labels in batches]
+            losses = [loss_fn(engine(ids, pos), labels) for (ids, pos), labels in batches]
         engine.train()
         loss = mean_over_ranks(torch.stack(losses).mean())
     logger.log_eval(step, loss, time.time() - start)
@@ -220,26 +279,27 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def train(resolved: Resolved, engine, data: RankData, start_step: int, total_steps: int, tokens_per_step: int) -> None:
+def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, start_step: int, total_steps: int) -> None:
     """Steps ``start_step + 1 .. total_steps``: train, check the data order, log, evaluate, save."""
     cfg = resolved.cfg
-    logger = StepLogger(cfg.output_dir, total_steps, tokens_per_step, cfg.log_steps, dist.get_rank() == 0, start_step)
+    logger = StepLogger(cfg.output_dir, total_steps, cfg.log_steps, dist.get_rank() == 0, start_step)
+    eval_labels = eval_label_count(resolved, engine, data) if data.eval_batches else 0
     last_saved = start_step if resolved.resume_tag else None
     census = CensusAtStep(engine)  # model-state bytes per rank, measured before the second optimizer step
     skipped: list[int] = []  # steps whose update the optimizer skipped (non-finite), with nonfinite_loss=skip
     for step in range(start_step + 1, total_steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside the step
         skipped_before = engine.skipped_steps
-        loss = train_step(resolved, engine, data)
+        loss, tokens, label_count = train_step(resolved, engine, data, loss_fn)
         data.guard.after_step(step)
         if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
             log0(f"data order check passed: first and last stage of every pipeline loaded the same "
                  f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}")
         grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
-        logger.log(step, loss, lr, None if grad_norm is None else float(grad_norm))
+        logger.log(step, loss, lr, None if grad_norm is None else float(grad_norm), tokens, label_count)
         check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
         if data.eval_batches and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
-            evaluate(resolved, engine, data, step, logger)
+            evaluate(resolved, engine, data, step, logger, loss_fn, eval_labels)
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps:
             tag = checkpointing.save(resolved, engine, step, data.iterator)
             last_saved = step
@@ -311,14 +371,15 @@ def main(dict_cfg: DictConfig) -> None:
     try:
         on_all_ranks("creating output_dir", lambda: os.makedirs(resolved.cfg.output_dir, exist_ok=True))
         rss_before_model = peak_rss_mb()
-        model = build_model(resolved, topology)
+        loss_fn = CausalLMLoss()  # the last stage's loss; train_step sets its normalisation each step
+        model = build_model(resolved, topology, loss_fn)
         init_reports = init_weights(model, resolved, rss_before_model)
         data, data_reports = build_data(resolved, topology)
         total_steps, steps_per_epoch = plan_steps(resolved, data)
         engine = build_engine(resolved, model, total_steps)
         start_step = resume_or_start(resolved, engine, data)
-        tokens_per_step = announce(resolved, engine, init_reports, data_reports, data, start_step, total_steps, steps_per_epoch)
-        train(resolved, engine, data, start_step, total_steps, tokens_per_step)
+        announce(resolved, engine, init_reports, data_reports, data, start_step, total_steps, steps_per_epoch)
+        train(resolved, engine, data, loss_fn, start_step, total_steps)
         dist.barrier()
     except (StartupError, OrderMismatchError, TrainingStopped) as e:  # raised on every rank alike
         fail(str(e))

@@ -9,6 +9,10 @@ temporary directory and renamed, so a crash never leaves a half-written entry th
     <cache_dir>/<key>/input_ids.bin     int32 [N, seq_len]
     <cache_dir>/<key>/labels.bin        int32 [N, seq_len]
     <cache_dir>/<key>/position_ids.bin  int32 [N, seq_len]
+    <cache_dir>/<key>/num_tokens.bin    int32 [N]           real (non-padding) tokens per row
+
+A row with no label token (it can only arise from one-token documents) is dropped and counted: every
+row trains something, so no micro-batch, and no optimizer step, has zero label tokens to divide by.
 
 Ranks open the files with ``np.memmap``: pages are shared through the OS page cache, so the data
 does not multiply with the number of ranks on a node.
@@ -32,9 +36,11 @@ from torch.utils.data import Dataset
 from data.packing import Row, pack_rows, pad_rows
 from data.sources import DataError, SourceStats, read_examples
 from models.checkpoint import TOKENIZER_FILES
+from models.loss import IGNORE_INDEX
 
-CACHE_VERSION = 1  # bump when the on-disk layout or the tokenization rules change
-ARRAYS = ("input_ids", "labels", "position_ids")
+CACHE_VERSION = 2  # bump when the on-disk layout or the tokenization rules change
+ARRAYS = ("input_ids", "labels", "position_ids")  # int32 [N, seq_len] each
+NUM_TOKENS = "num_tokens"  # int32 [N]
 WRITE_ROWS = 1024  # rows buffered before a write
 PROGRESS_EVERY_S = 5.0  # seconds between progress lines while tokenizing
 HASH_CHUNK = 1 << 24  # 16 MiB reads while hashing
@@ -103,7 +109,7 @@ def build_or_reuse(path: str, settings: DataSettings, tokenizer_dir: str | None,
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        num = _write_rows(tmp, rows, _progress(path, stats, log))
+        num = _write_rows(tmp, rows, stats, _progress(path, stats, log))
         if num == 0:
             raise DataError(_nothing_left(path, stats))
         elapsed = time.time() - start
@@ -128,7 +134,7 @@ def build_or_reuse(path: str, settings: DataSettings, tokenizer_dir: str | None,
     log(f"tokenized {path}: {stats.lines} records -> {stats.examples} examples, {stats.tokens} tokens -> "
         f"{num} samples of {settings.max_seq_length} in {meta['build_s']:.1f} s ({meta['tokens_per_s']} tokens/s); "
         f"skipped bad lines {stats.skipped_bad_lines}, dropped without trainable tokens {stats.dropped_no_trainable}, "
-        f"truncated {stats.truncated}")
+        f"truncated {stats.truncated}, rows without a label token dropped {stats.rows_without_labels}")
     for message in stats.bad_line_examples:
         log(f"  skipped: {message}")
     return entry, meta
@@ -136,7 +142,8 @@ def build_or_reuse(path: str, settings: DataSettings, tokenizer_dir: str | None,
 
 def _nothing_left(path: str, stats: SourceStats) -> str:
     return (f"{path}: no usable example ({stats.lines} records read, {stats.skipped_bad_lines} bad lines skipped, "
-            f"{stats.dropped_no_trainable} dropped for having no trainable token)")
+            f"{stats.dropped_no_trainable} dropped for having no trainable token, {stats.rows_without_labels} rows "
+            f"without a label token dropped)")
 
 
 def _progress(path: str, stats: SourceStats, log):
@@ -154,11 +161,14 @@ def _progress(path: str, stats: SourceStats, log):
     return report
 
 
-def _write_rows(directory: str, rows: Iterator[Row], progress) -> int:
-    files = {name: open(os.path.join(directory, f"{name}.bin"), "wb") for name in ARRAYS}
+def _write_rows(directory: str, rows: Iterator[Row], stats: SourceStats, progress) -> int:
+    files = {name: open(os.path.join(directory, f"{name}.bin"), "wb") for name in (*ARRAYS, NUM_TOKENS)}
     count, buffer = 0, []
     try:
         for row in rows:
+            if all(label == IGNORE_INDEX for label in row[1][1:]):  # position 0 is never a target
+                stats.rows_without_labels += 1
+                continue
             buffer.append(row)
             if len(buffer) == WRITE_ROWS:
                 count += _flush(files, buffer)
@@ -173,9 +183,10 @@ def _write_rows(directory: str, rows: Iterator[Row], progress) -> int:
 def _flush(files, buffer: list[Row]) -> int:
     if not buffer:
         return 0
-    block = np.asarray(buffer, dtype=np.int32)  # [rows, 3, seq_len]
+    block = np.asarray([row[:3] for row in buffer], dtype=np.int32)  # [rows, 3, seq_len]
     for i, name in enumerate(ARRAYS):
         files[name].write(block[:, i, :].tobytes())
+    files[NUM_TOKENS].write(np.asarray([row[3] for row in buffer], dtype=np.int32).tobytes())
     n = len(buffer)
     buffer.clear()
     return n
@@ -190,6 +201,7 @@ class TokenBlocks(Dataset):
             self.meta = json.load(f)
         shape = (self.meta["num_samples"], self.meta["seq_len"])
         self.arrays = {n: np.memmap(os.path.join(entry, f"{n}.bin"), dtype=np.int32, mode="r", shape=shape) for n in ARRAYS}
+        self.num_tokens = np.memmap(os.path.join(entry, f"{NUM_TOKENS}.bin"), dtype=np.int32, mode="r", shape=shape[:1])
         self.indices = indices
 
     def subset(self, indices: np.ndarray) -> TokenBlocks:
@@ -201,4 +213,10 @@ class TokenBlocks(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         row = int(i if self.indices is None else self.indices[i])
-        return {n: torch.from_numpy(a[row].astype(np.int64)) for n, a in self.arrays.items()}  # each [S]
+        sample = {n: torch.from_numpy(a[row].astype(np.int64)) for n, a in self.arrays.items()}  # each [S]
+        return {**sample, NUM_TOKENS: int(self.num_tokens[row])}
+
+    def total_tokens(self) -> int:
+        """Real (non-padding) tokens in these rows."""
+        rows = self.num_tokens if self.indices is None else self.num_tokens[self.indices]
+        return int(rows.sum(dtype=np.int64))

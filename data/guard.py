@@ -44,6 +44,10 @@ class FingerprintingIterator:
             self.pending.append(fingerprint(batch))
         return batch
 
+    @property
+    def tokens_read(self) -> int:
+        return self.iterator.tokens_read
+
     def state_dict(self) -> dict:
         return self.iterator.state_dict()
 

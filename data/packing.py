@@ -10,7 +10,8 @@ Every row has the same length because DeepSpeed fixes the shapes sent between pi
 - No packing: one example per row, truncated to ``seq_len`` and right-padded.
 
 Padding: ``pad_id`` tokens with label -100, positions counting on (padding sits at the end of a row,
-where causal attention keeps it from affecting any real token).
+where causal attention keeps it from affecting any real token). Each row carries its count of real
+(non-padding) tokens, so throughput can count the tokens trained on rather than the row length.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from data.sources import Example, SourceStats
-from models.llama_pipe import IGNORE_INDEX
+from models.loss import IGNORE_INDEX
 
-Row = tuple[list[int], list[int], list[int]]  # input_ids, labels, position_ids; each seq_len long
+Row = tuple[list[int], list[int], list[int], int]  # input_ids, labels, position_ids (seq_len each); real tokens
 
 
 def _pad(ids: list[int], labels: list[int], pos: list[int], seq_len: int, pad_id: int) -> Row:
     n = seq_len - len(ids)
     next_pos = pos[-1] + 1 if pos else 0
-    return ids + [pad_id] * n, labels + [IGNORE_INDEX] * n, pos + list(range(next_pos, next_pos + n))
+    return ids + [pad_id] * n, labels + [IGNORE_INDEX] * n, pos + list(range(next_pos, next_pos + n)), len(ids)
 
 
 def pad_rows(examples: Iterable[Example], seq_len: int, pad_id: int, stats: SourceStats) -> Iterator[Row]:
@@ -61,7 +62,7 @@ def pack_rows(examples: Iterable[Example], seq_len: int, pad_id: int, split: boo
             pos += list(range(take))
             piece_ids, piece_labels = piece_ids[take:], piece_labels[take:]
             if len(ids) == seq_len:
-                yield ids, labels, pos
+                yield ids, labels, pos, seq_len
                 ids, labels, pos = [], [], []
     if ids:
         yield _pad(ids, labels, pos, seq_len, pad_id)

@@ -44,6 +44,7 @@ class MicroBatchIterator:
     every rank gets the same number of full micro-batches and no stage waits for a partial one. The
     first and last stage of a pipeline build this with the same rank and seed: the same order.
     ``state_dict()`` / ``load_state_dict()`` save and restore the position mid-epoch.
+    ``tokens_read`` counts the real (non-padding) tokens of every micro-batch taken so far.
     """
 
     def __init__(self, dataset: Dataset, micro_batch_size: int, dp_rank: int, dp_size: int, shuffle: bool, seed: int):
@@ -56,6 +57,7 @@ class MicroBatchIterator:
                 f"(micro_batch_size {micro_batch_size} x dp {dp_size} = {micro_batch_size * dp_size} needed): add data"
             )
         self.epoch, self.position = 0, 0  # position: micro-batches already taken in this epoch
+        self.tokens_read = 0
         self._order: list[int] | None = None
 
     def __iter__(self) -> MicroBatchIterator:
@@ -69,7 +71,9 @@ class MicroBatchIterator:
             self._order = list(self.sampler)
         start = self.position * self.micro
         self.position += 1
-        return collate([self.dataset[i] for i in self._order[start : start + self.micro]])
+        samples = [self.dataset[i] for i in self._order[start : start + self.micro]]
+        self.tokens_read += sum(s["num_tokens"] for s in samples)
+        return collate(samples)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from models.llama_pipe import IGNORE_INDEX
+from models.loss import IGNORE_INDEX
 
 FORMATS = ("tokens", "text", "sft")
 TOKENIZE_BATCH = 256  # documents per call of the (Rust, multi-threaded) tokenizer
@@ -44,6 +44,7 @@ class SourceStats:
     skipped_bad_lines: int = 0  # with data.skip_bad_lines=true
     dropped_no_trainable: int = 0  # SFT examples left with no response token to learn
     truncated: int = 0  # examples cut to max_seq_length
+    rows_without_labels: int = 0  # rows dropped for having no label token (only one-token documents make them)
     bytes_read: int = 0  # progress through the file
     bad_line_examples: list[str] = field(default_factory=list)  # first few skipped lines, for the log
 

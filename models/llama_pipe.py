@@ -24,8 +24,8 @@ from transformers import LlamaConfig
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-# Label value that the loss ignores (prompt tokens, padding); the same value Hugging Face uses.
-IGNORE_INDEX = -100
+from models.loss import CausalLMLoss
+
 # Key under which the embedding and a tied LM head share one weight across stages.
 TIED_EMBEDDING_KEY = "embed_tokens"
 
@@ -146,19 +146,6 @@ class LMHeadPipe(nn.Linear):
         return super().forward(hidden)  # [B,S,H] -> [B,S,V]
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy, mean over the labels that are not ``IGNORE_INDEX``.
-
-    Same definition as Hugging Face's ``ForCausalLMLoss``: position t predicts label t+1; computed in
-    fp32 whatever the training precision.
-    """
-    shift_logits = logits[:, :-1, :].float()  # [B,S-1,V]
-    shift_labels = labels[:, 1:]  # [B,S-1]
-    return F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX
-    )
-
-
 # Stage contract: what each spec receives and returns (B micro-batch, S sequence, H hidden, V vocab).
 # Only the hidden states are floating point: DeepSpeed gives every float tensor sent between stages a
 # gradient and expects it back, so positions travel as int64 and no float mask is ever sent.
@@ -168,7 +155,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 #   spec L+1      NormPipe          (hidden [B,S,H], position_ids [B,S] int64)        -> hidden [B,S,H]
 #   spec L+2      LMHeadPipe        hidden [B,S,H]                                    -> logits [B,S,V]
 #                 (tied embeddings: the spec-0 embedding module with tied_lm_head_forward)
-#   loss          causal_lm_loss    (logits [B,S,V], labels [B,S] int64)              -> scalar
+#   loss          CausalLMLoss      (logits [B,S,V], labels [B,S] int64)              -> scalar (models/loss.py)
 #
 # The first stage's data iterator yields ((input_ids, position_ids), labels); the last stage reads labels.
 def build_specs(config: LlamaConfig) -> list[LayerSpec]:
@@ -291,7 +278,7 @@ class LlamaPipelineModule(PipelineModule):
 
 def build_pipeline_model(
     config: LlamaConfig, topology: ProcessTopology, partition_method: str = DEFAULT_PARTITION_METHOD,
-    activation_checkpoint_interval: int = 0,
+    activation_checkpoint_interval: int = 0, loss_fn: CausalLMLoss | None = None,
 ) -> LlamaPipelineModule:
     """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
 
@@ -304,7 +291,7 @@ def build_pipeline_model(
         config,
         layers=build_specs(config),
         topology=topology,
-        loss_fn=causal_lm_loss,
+        loss_fn=loss_fn or CausalLMLoss(),
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
         checkpointable_layers=[DecoderLayerPipe.__name__],

@@ -93,6 +93,24 @@ def save_random_model(config: LlamaConfig, out_dir: str, seed: int = 0, dtype: t
     model.save_pretrained(out_dir)
 
 
+def write_uneven_sft(path: str, num_examples: int, seed: int = 0, run: int = 4) -> None:
+    """A ``data=sft`` file of prompt/response pairs whose response lengths alternate, ``run`` examples
+    at a time, between 1-3 and 20-30 words (words of the offline corpus): micro-batches with very
+    different label-token counts, where a per-micro-batch mean and a per-token mean of the loss part
+    ways. With shuffle off, data parallel 2 and micro-batches of 2, ``run=4`` makes every micro-batch
+    one kind (rank r reads rows r, r+2, ...)."""
+    import random
+
+    rng = random.Random(seed)
+    words = sorted({w for doc in corpus_documents() for w in doc.split() if w.isalpha() and len(w) <= 6})
+    with open(path, "w") as f:
+        for i in range(num_examples):
+            short = (i // run) % 2 == 0
+            prompt = " ".join(rng.choices(words, k=rng.randint(4, 8)))
+            response = " ".join(rng.choices(words, k=rng.randint(1, 3) if short else rng.randint(20, 30)))
+            f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
+
+
 def write_text_corpus(path: str) -> int:
     """The offline corpus as JSONL ``{"text": ...}`` lines (data.format=text); returns the document count."""
     docs = corpus_documents()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from training.config import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig, resolve
+from training.config import ConfigError, DataConfig, ModelConfig, MonitorConfig, OptimConfig, TrainConfig, resolve
 from training import optim
 from training.optim import cpu_zero1_settings, fill_ds_config
 
@@ -108,6 +108,56 @@ def test_deepspeed_json_that_contradicts_hydra(good, tmp_path):
     assert "train_batch 64 != micro 2 x grad_acc 8 x dp 2 (=32): set gradient_accumulation_steps=16" in message
     assert "gradient_clipping=0.5 but optim.max_grad_norm=1.0" in message
     assert "ZeRO stage 2 with num_stages=2" in message and "set num_stages=1 or ds_config=zero1" in message
+
+
+# Each contradiction between the DeepSpeed JSON and the Hydra config, in both directions, and the line
+# that names the JSON key and the knob. Before these checks, {"bf16": {"enabled": false}} trained in bf16.
+JSON_CONTRADICTIONS = [
+    ({"bf16": {"enabled": False}}, {}, "ds_config sets bf16.enabled=false but precision=bf16: remove bf16.enabled"),
+    ({"bf16": {"enabled": True}}, {"precision": "fp32"}, "ds_config sets bf16.enabled=true but precision=fp32"),
+    ({"fp16": {"enabled": True}}, {}, "ds_config sets fp16.enabled=true but precision=bf16: remove fp16.enabled "
+                                      "from the JSON (precision decides it) or set precision=fp16"),
+    ({"amp": {"enabled": True}}, {}, "ds_config enables amp but precision=bf16"),
+    ({"train_micro_batch_size_per_gpu": 4}, {}, "train_micro_batch_size_per_gpu=4 but micro_batch_size=2"),
+    ({"gradient_accumulation_steps": 2}, {}, "gradient_accumulation_steps=2 but gradient_accumulation_steps=4"),
+    ({"gradient_clipping": 0}, {}, "gradient_clipping=0 but optim.max_grad_norm=1.0"),
+    ({"train_batch_size": 8}, {}, "train_batch 8 != micro 2 x grad_acc 4 x dp 2 (=16): set gradient_accumulation_steps=2"),
+    ({"optimizer": {"type": "Adam"}}, {}, "ds_config has an 'optimizer' section: remove it, optim.* configures it"),
+    ({"scheduler": {"type": "WarmupLR"}}, {}, "ds_config has an 'scheduler' section"),
+    ({"tensorboard": {"enabled": True}}, {}, "'tensorboard' section ({\"enabled\": true}) but monitor.tensorboard=false"),
+    ({"csv_monitor": {"enabled": True, "output_path": "x"}}, {"monitor": MonitorConfig(csv=True)},
+     "'csv_monitor' section ({\"enabled\": true, \"output_path\": \"x\"}) but monitor.csv=true"),
+]
+
+
+@pytest.mark.parametrize("json_part, hydra, message", JSON_CONTRADICTIONS, ids=lambda x: None)
+def test_every_deepspeed_json_contradiction_is_refused(good, tmp_path, json_part, hydra, message):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, **json_part}))
+    good.ds_config = str(path)
+    for key, value in hydra.items():
+        setattr(good, key, value)
+    assert message in problems_of(good, 4)
+
+
+def test_deepspeed_json_that_agrees_or_says_auto_is_accepted(good, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "fp16": {"enabled": False},
+                                "train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+                                "gradient_accumulation_steps": "auto", "gradient_clipping": 1.0,
+                                "tensorboard": {"enabled": False}}))
+    good.ds_config = str(path)
+    resolve(good, 4)
+
+
+def test_a_contradiction_stops_train_py_before_any_process_group(good, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": False}}))
+    proc = run_train_py(f"model_name_or_path={good.model_name_or_path}", f"data.train_file={good.data.train_file}",
+                        f"ds_config={path}", f"output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 1
+    assert "train.py: error: invalid configuration" in proc.stderr and "bf16.enabled=false but precision=bf16" in proc.stderr
+    assert "init_distributed" not in proc.stdout + proc.stderr and not (tmp_path / "out").exists()
 
 
 def test_invalid_json_names_line_and_column(good, tmp_path):

@@ -17,7 +17,7 @@ from data.guard import fingerprint
 from data.packing import pack_rows, pad_rows
 from data.sampling import MicroBatchIterator, PlaceholderDataset, collate
 from data.sources import DataError, Example, SFTRenderer, SourceStats, read_examples
-from models.llama_pipe import IGNORE_INDEX
+from models.loss import IGNORE_INDEX
 from training.data_setup import split_eval
 
 I = IGNORE_INDEX  # noqa: E741
@@ -56,22 +56,22 @@ def test_packing_restarts_positions_and_masks_document_starts():
     stats = SourceStats()
     examples = [Example([1, 5, 6, 2], [1, 5, 6, 2]), Example([1, 7, 2], [1, 7, 2]), Example([1, 8, 9, 10, 11, 2], [1, 8, 9, 10, 11, 2])]
     rows = list(pack_rows(examples, seq_len=6, pad_id=0, split=True, stats=stats))
-    assert rows[0] == ([1, 5, 6, 2, 1, 7], [I, 5, 6, 2, I, 7], [0, 1, 2, 3, 0, 1])
-    assert rows[1] == ([2, 1, 8, 9, 10, 11], [I, I, 8, 9, 10, 11], [0, 0, 1, 2, 3, 4])  # continuation restarts
-    assert rows[2] == ([2, 0, 0, 0, 0, 0], [I, I, I, I, I, I], [0, 1, 2, 3, 4, 5])  # padded tail
+    assert rows[0] == ([1, 5, 6, 2, 1, 7], [I, 5, 6, 2, I, 7], [0, 1, 2, 3, 0, 1], 6)
+    assert rows[1] == ([2, 1, 8, 9, 10, 11], [I, I, 8, 9, 10, 11], [0, 0, 1, 2, 3, 4], 6)  # continuation restarts
+    assert rows[2] == ([2, 0, 0, 0, 0, 0], [I, I, I, I, I, I], [0, 1, 2, 3, 4, 5], 1)  # padded tail
     assert stats.tokens == 13
 
 
 def test_sft_packing_never_splits_an_example():
     examples = [Example([1, 5, 6], [I, 5, 6]), Example([1, 7, 8, 9], [I, I, 8, 9])]
     rows = list(pack_rows(examples, seq_len=5, pad_id=0, split=False, stats=SourceStats()))
-    assert rows == [([1, 5, 6, 0, 0], [I, 5, 6, I, I], [0, 1, 2, 3, 4]), ([1, 7, 8, 9, 0], [I, I, 8, 9, I], [0, 1, 2, 3, 4])]
+    assert rows == [([1, 5, 6, 0, 0], [I, 5, 6, I, I], [0, 1, 2, 3, 4], 3), ([1, 7, 8, 9, 0], [I, I, 8, 9, I], [0, 1, 2, 3, 4], 4)]
 
 
 def test_no_packing_truncates_and_pads_with_ignored_labels():
     stats = SourceStats()
     rows = list(pad_rows([Example([5, 6, 7, 8, 9], [5, 6, 7, 8, 9]), Example([5, 6], [5, 6])], 4, 0, stats))
-    assert rows == [([5, 6, 7, 8], [5, 6, 7, 8], [0, 1, 2, 3]), ([5, 6, 0, 0], [5, 6, I, I], [0, 1, 2, 3])]
+    assert rows == [([5, 6, 7, 8], [5, 6, 7, 8], [0, 1, 2, 3], 4), ([5, 6, 0, 0], [5, 6, I, I], [0, 1, 2, 3], 2)]
     assert stats.truncated == 1
 
 
@@ -90,7 +90,7 @@ def test_packed_block_loss_equals_documents_run_separately():
     funcs = build_sequential(config)
     copy_hf_weights(funcs, config, hf.state_dict())
     docs = [torch.randint(3, 300, (n,)).tolist() for n in (9, 5, 12)]
-    ids, labels, pos = next(pack_rows([Example(d, d) for d in docs], 26, 0, split=True, stats=SourceStats()))
+    ids, labels, pos, _ = next(pack_rows([Example(d, d) for d in docs], 26, 0, split=True, stats=SourceStats()))
     logits = run_chain(funcs, torch.tensor([ids]), torch.tensor([pos]))[0]  # [S,V]
     packed = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(labels[1:]), ignore_index=I, reduction="none")
     separate, offset = [], 0
@@ -213,7 +213,32 @@ def test_cache_is_reused_and_rebuilt_when_the_file_or_a_setting_changes(tmp_path
     ds = TokenBlocks(first)
     assert len(ds) == meta["num_samples"] and isinstance(ds.arrays["input_ids"], np.memmap)
     sample = ds[0]
-    assert set(sample) == {"input_ids", "labels", "position_ids"} and sample["input_ids"].dtype == torch.int64
+    assert set(sample) == {"input_ids", "labels", "position_ids", "num_tokens"} and sample["input_ids"].dtype == torch.int64
+    assert ds.total_tokens() == meta["stats"]["tokens"]  # packed text: every token read is a real token of some row
+
+
+def test_rows_without_a_label_token_are_dropped_and_counted(tmp_path, tokenizer_dir, capsys):
+    """A one-token document has no next token to predict: its row would put a zero label count into the
+    token-normalised loss. Such rows are dropped when the cache is built, so no step divides by zero."""
+    path = write_jsonl(tmp_path / "t.jsonl", [{"input_ids": [5, 6, 7]}, {"input_ids": [9]}, {"input_ids": [5, 6]}])
+    entry, meta = build_or_reuse(path, settings("tokens", seq=4, packing=False), tokenizer_dir, str(tmp_path / "c"), print)
+    ds = TokenBlocks(entry)
+    assert len(ds) == 2 and meta["stats"]["rows_without_labels"] == 1
+    assert [ds[i]["num_tokens"] for i in range(2)] == [3, 2] and ds.total_tokens() == 5
+    assert "rows without a label token dropped 1" in capsys.readouterr().out
+    only = write_jsonl(tmp_path / "one.jsonl", [{"input_ids": [9]}])
+    with pytest.raises(DataError, match="1 rows without a label token dropped"):
+        build_or_reuse(only, settings("tokens", seq=4, packing=False), tokenizer_dir, str(tmp_path / "c"), print)
+
+
+def test_iterator_counts_the_real_tokens_it_hands_out(tmp_path, tokenizer_dir):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"input_ids": [5] * n} for n in (2, 3, 4, 2)])
+    entry, _ = build_or_reuse(path, settings("tokens", seq=4, packing=False), tokenizer_dir, str(tmp_path / "c"), print)
+    it = MicroBatchIterator(TokenBlocks(entry), 2, 0, 1, shuffle=False, seed=0)
+    next(it)
+    assert it.tokens_read == 2 + 3
+    next(it)
+    assert it.tokens_read == 2 + 3 + 4 + 2
 
 
 # ---------- sampling ----------

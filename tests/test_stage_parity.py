@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from models.llama_pipe import (IGNORE_INDEX, DEFAULT_PARTITION_METHOD, build_sequential, causal_lm_loss, model_parameters,
+from models.llama_pipe import (DEFAULT_PARTITION_METHOD, build_sequential, model_parameters,
                                spec_layout, spec_parameter_counts, stage_boundaries)
+from models.loss import IGNORE_INDEX, causal_lm_loss, label_tokens
 from models.tiny import tiny_config
 
 TOL = 1e-5  # max abs difference allowed on logits, loss and every gradient

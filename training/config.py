@@ -29,6 +29,7 @@ LOADABLE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either lets 
 PRECISIONS = ("fp32", "bf16", "fp16")
 PARTITION_METHODS = ("parameters", "compute", "uniform", "type:DecoderLayerPipe")
 NONFINITE_POLICIES = ("stop", "skip")
+LOSS_NORMALIZATIONS = ("tokens", "micro_batch")
 # Checkpoint bytes per parameter besides the weights: AdamW's two moments and the fp32 master copy
 # (ZeRO keeps one even in fp32), 4 bytes each, in DeepSpeed's optimizer-state files. Measured: a
 # tiny fp32 ZeRO-1 pipe 2 x data 2 checkpoint is 16.8 bytes per parameter (4 weights + 12 + JSON).
@@ -98,6 +99,11 @@ class TrainConfig:
     precision: str = "bf16"  # fp32 | bf16 | fp16 (fp16 needs a device that supports it)
     micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step per data-parallel rank
+    # tokens: an optimizer step's loss is its summed token losses / label tokens of the whole global
+    # batch (every micro-batch, every data-parallel rank), as Hugging Face Trainer computes it; eval
+    # weighs every token alike too | micro_batch: the mean of per-micro-batch means (DeepSpeed's
+    # convention and this project's before; a micro-batch of 3 label tokens weighs as much as one of 300).
+    loss_normalization: str = "tokens"
     max_steps: int = 100  # optimizer steps to train; 0 with num_epochs 0: load everything, train nothing
     num_epochs: float = 0.0  # stop after this many passes over the training data (fractions allowed); 0 = max_steps alone decides
     seed: int = 42  # seeds the data order and a from-scratch initialisation
@@ -407,6 +413,8 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
                           ("save_total_limit", 0), ("dist_timeout_s", 1)):
         if getattr(cfg, name) < minimum:
             problems.append(f"{name} {getattr(cfg, name)} is out of range: set {name} >= {minimum}")
+    if cfg.loss_normalization not in LOSS_NORMALIZATIONS:
+        problems.append(f"loss_normalization {cfg.loss_normalization!r} unknown: choose one of {list(LOSS_NORMALIZATIONS)}")
     if cfg.precision not in PRECISIONS:
         problems.append(f"precision {cfg.precision!r} unknown: choose one of {list(PRECISIONS)}")
     elif cfg.precision == "fp16" and not _fp16_supported():
@@ -501,8 +509,19 @@ def _fp16_supported() -> bool:
     return get_accelerator().is_fp16_supported()
 
 
+# The DeepSpeed JSON may leave these to train.py or say "auto" (Hugging Face's spelling of the same).
+AUTO = "auto"
+# Monitor sections that training.optim.fill_ds_config writes from monitor.* (enabled, output_path, job_name).
+MONITOR_SECTIONS = {"tensorboard": "monitor.tensorboard", "csv_monitor": "monitor.csv"}
+
+
 def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, dp: int) -> list[str]:
-    """Values in the DeepSpeed JSON that contradict the Hydra config (which is the source of truth)."""
+    """Values in the DeepSpeed JSON that contradict the Hydra config, in either direction.
+
+    The Hydra config is the source of truth for every key ``training.optim.fill_ds_config`` writes;
+    the JSON may omit such a key, say "auto", or agree, but never say otherwise: a setting that one
+    side silently overrides is a setting the user believes in and does not get.
+    """
     problems = []
     train_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp
     owned = {
@@ -511,25 +530,37 @@ def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, dp: int) -> list[str]:
         "gradient_clipping": (cfg.optim.max_grad_norm, "optim.max_grad_norm"),
     }
     for key, (value, knob) in owned.items():
-        if key in ds_json and ds_json[key] != value:
+        if ds_json.get(key, AUTO) not in (AUTO, value):
             problems.append(f"ds_config sets {key}={ds_json[key]} but {knob}={value}: remove {key} from the JSON or set {knob}")
-    if "train_batch_size" in ds_json and ds_json["train_batch_size"] != train_batch:
+    if ds_json.get("train_batch_size", AUTO) not in (AUTO, train_batch):
         b = ds_json["train_batch_size"]
         fix = ""
         per_step = cfg.micro_batch_size * dp
-        if b % per_step == 0:
+        if isinstance(b, int) and b % per_step == 0:
             fix = f": set gradient_accumulation_steps={b // per_step}"
         problems.append(
             f"train_batch {b} != micro {cfg.micro_batch_size} x grad_acc {cfg.gradient_accumulation_steps} x dp {dp} "
-            f"(={train_batch}){fix}"
+            f"(={train_batch}){fix}, or remove train_batch_size from the JSON"
         )
     for section in ("optimizer", "scheduler"):
         if section in ds_json:
             problems.append(f"ds_config has an '{section}' section: remove it, optim.* configures it")
     for key in ("bf16", "fp16"):
-        enabled = ds_json.get(key, {}).get("enabled", False)
-        if enabled and cfg.precision != key:
-            problems.append(f"ds_config enables {key} but precision={cfg.precision}: remove '{key}' from the JSON or set precision={key}")
+        enabled = ds_json.get(key, {}).get("enabled", AUTO)
+        if enabled != AUTO and bool(enabled) != (cfg.precision == key):
+            fix = f"set precision={key}" if enabled else "set precision to the one you mean (fp32, bf16 or fp16)"
+            problems.append(f"ds_config sets {key}.enabled={str(enabled).lower()} but precision={cfg.precision}: "
+                            f"remove {key}.enabled from the JSON (precision decides it) or {fix}")
+    if ds_json.get("amp", {}).get("enabled", False):
+        problems.append(f"ds_config enables amp but precision={cfg.precision} decides the precision: remove the 'amp' section")
+    for section, knob in MONITOR_SECTIONS.items():
+        if section not in ds_json:
+            continue
+        value = getattr(cfg.monitor, knob.split(".")[1])
+        extra = sorted(set(ds_json[section]) - {"enabled"})
+        if ds_json[section].get("enabled", False) != value or extra:
+            problems.append(f"ds_config has a '{section}' section ({json.dumps(ds_json[section])}) but {knob}={str(value).lower()}: "
+                            f"remove the section and set {knob}=true (it writes to output_dir/monitor)")
     zero = ds_json.get("zero_optimization", {})
     stage = zero.get("stage", 0)
     if zero.get("zero_quantized_weights") and accelerator_name() == "cpu":

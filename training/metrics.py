@@ -14,13 +14,16 @@ class StepLogger:
     """Prints ``step | loss | lr | grad norm | tokens/s | s/step | ETA | peak memory`` every
     ``log_steps`` steps and writes every step to ``metrics.jsonl`` (``kind``: train or eval).
 
+    ``tokens`` and ``tokens/s`` count the real (non-padding) tokens of the global batch, and
+    ``label_tokens`` the tokens the loss was taken over (its denominator with loss_normalization=tokens).
+
     Only the rank created with ``active=True`` (global rank 0) writes anything. When resuming from
     ``start_step``, records of later steps (written after that checkpoint) are dropped first.
     """
 
-    def __init__(self, output_dir: str, max_steps: int, tokens_per_step: int, log_steps: int, active: bool, start_step: int = 0):
+    def __init__(self, output_dir: str, max_steps: int, log_steps: int, active: bool, start_step: int = 0):
         self.active, self.max_steps, self.log_steps = active, max_steps, log_steps
-        self.tokens_per_step, self.start_step = tokens_per_step, start_step
+        self.start_step = start_step
         self.start = self.last = time.time()
         self.file = None
         if active:
@@ -36,7 +39,7 @@ class StepLogger:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
-    def log(self, step: int, loss: float, lr: float, grad_norm: float | None) -> None:
+    def log(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, label_tokens: int) -> None:
         now = time.time()
         step_s, self.last = now - self.last, now
         if not self.active:
@@ -47,9 +50,10 @@ class StepLogger:
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
-            "tokens": self.tokens_per_step,
+            "tokens": tokens,
+            "label_tokens": label_tokens,
             "step_s": round(step_s, 4),
-            "tokens_per_s": round(self.tokens_per_step / step_s, 1),
+            "tokens_per_s": round(tokens / step_s, 1),
             "peak_rss_mb": round(peak_rss_mb(), 1),
         }
         self._write(record)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-import models.llama_pipe as llama_pipe  # noqa: E402
+from models.loss import CausalLMLoss  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 CURRENT = {"step": 0}  # the optimizer step being trained (1-based)
@@ -53,26 +53,26 @@ if crash and crash[1] == RANK:
     torch.save = save_then_die
 
 if nan_steps:
-    _loss = llama_pipe.causal_lm_loss
+    _loss = CausalLMLoss.__call__
 
-    def loss_with_nan(logits, labels):
-        loss = _loss(logits, labels)
+    def loss_with_nan(self, logits, labels):
+        loss = _loss(self, logits, labels)
         return loss * float("nan") if CURRENT["step"] in nan_steps else loss
 
-    llama_pipe.causal_lm_loss = loss_with_nan  # build_pipeline_model reads it when the model is built
+    CausalLMLoss.__call__ = loss_with_nan
 
 import train  # noqa: E402  (strips the launcher's --local_rank argument)
 
 _train_step = train.train_step
 
 
-def train_step(resolved, engine, data):
+def train_step(resolved, engine, data, loss_fn):
     CURRENT["step"] = engine.global_steps + 1  # restored by load_checkpoint when resuming
     if hang and hang == (CURRENT["step"], RANK):
         print(f"FAULT rank {RANK} hangs at step {CURRENT['step']}", flush=True)
         while True:
             time.sleep(3600)
-    return _train_step(resolved, engine, data)
+    return _train_step(resolved, engine, data, loss_fn)
 
 
 train.train_step = train_step
