@@ -5,13 +5,14 @@
 
 Tensors are read and written one layer at a time, so the whole model is never in memory. Output is
 written to ``<output>.tmp-<pid>`` and renamed at the end: a failed conversion leaves no output.
+An --output that is, contains or lies inside the --input is refused; --overwrite replaces only a
+directory this tool wrote (it holds the ``.llama-pipe-output`` marker).
 The key mapping is the prefix of each spec in ``models.llama_pipe.spec_layout``.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import pickle
@@ -22,19 +23,24 @@ import sys
 import time
 
 import torch
-from safetensors import safe_open
 from torch.utils.serialization import config as serialization_config
 from transformers import LlamaConfig
 
 from models.checkpoint import (
     LATEST_FILE,
+    HF_WEIGHT_NAMES,
     CheckpointError,
     check_state_dict,
     copy_side_files,
+    hf_weight_files,
+    is_pipeline_checkpoint,
     load_layer_file,
     mapped_file_span,
+    open_safetensors,
     read_tag,
+    torch_file_damage,
     unpickling_refusal,
+    unreadable_torch_file,
 )
 from models.llama_pipe import build_specs, expected_state_shapes, layer_file_name, spec_layout
 
@@ -49,6 +55,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_MAX_SHARD = "2GB"  # shard size of exported safetensors (written one tensor at a time)
 WRITE_CHUNK = 2**18  # bytes per write() call (see ChunkedWriter)
 READ_CHUNK = 2**20  # bytes per pread() when copying a tensor's bytes out of its layer file (write_tensor)
+# Written into every directory this tool creates: --overwrite replaces only a directory holding it, so
+# it never deletes a model download, a training run or anything else it did not write itself.
+OUTPUT_MARKER = ".llama-pipe-output"
+TOOL = "convert2ckpt.py"
+SHOWN_NAMES = 5  # names of added files listed when --overwrite is refused
 
 
 class ConversionError(RuntimeError):
@@ -80,6 +91,8 @@ def load_bin(path: str) -> dict[str, torch.Tensor]:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # legacy (non-zip) torch.save format cannot be memory-mapped
+            if torch_file_damage(path):  # empty or cut short: no format would read it
+                raise
             log(f"{path}: legacy format, reading the whole file into memory")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -87,6 +100,8 @@ def load_bin(path: str) -> dict[str, torch.Tensor]:
             f"{path} holds objects other than tensors (a pickle that could run code when loaded): refused "
             f"({unpickling_refusal(e)}). Convert from safetensors, or re-save the weights as safetensors "
             f"where the file's origin is trusted") from None
+    except (RuntimeError, EOFError, KeyError, ValueError) as e:  # what torch.load raises on a damaged file
+        raise ConversionError(unreadable_torch_file(path, e)) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConversionError(f"{path} is not a state dict of tensors")
     return state
@@ -110,27 +125,25 @@ class HFTensorSource:
         self._handles: dict[str, object] = {}  # open files: safe_open handle, or a mmap'd state dict for .bin
         self._shapes: dict[str, tuple[int, ...]] = {}
         self.key_to_file: dict[str, str] = {}
-        st_files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-        bin_files = sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
-        if st_files:
-            self._bin = False
-            for path in st_files:
-                with safe_open(path, framework="pt") as handle:
-                    for key in handle.keys():
-                        self.key_to_file[key] = path
-                        self._shapes[key] = tuple(handle.get_slice(key).get_shape())
-        elif bin_files:
-            self._bin = True
-            for path in bin_files:
+        files = hf_weight_files(model_dir)
+        if not files:
+            hint = " It is a pipeline checkpoint: to export it to Hugging Face, add --to-hf." if is_pipeline_checkpoint(model_dir) else ""
+            raise ConversionError(
+                f"no weights in {model_dir}: expected {HF_WEIGHT_NAMES}.{hint}"
+            )
+        self._bin = files[0].endswith(".bin")
+        for path in files:
+            if self._bin:
                 state = load_bin(path)
                 for key, t in state.items():
                     self.key_to_file[key] = path
                     self._shapes[key] = tuple(t.shape)
                 del state
-        else:
-            raise ConversionError(
-                f"no weights in {model_dir}: expected model.safetensors, model-*.safetensors or pytorch_model*.bin"
-            )
+            else:
+                with open_safetensors(path) as handle:
+                    for key in handle.keys():
+                        self.key_to_file[key] = path
+                        self._shapes[key] = tuple(handle.get_slice(key).get_shape())
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self._shapes[key]
@@ -138,7 +151,7 @@ class HFTensorSource:
     def get(self, key: str) -> torch.Tensor:
         path = self.key_to_file[key]
         if path not in self._handles:
-            self._handles[path] = load_bin(path) if self._bin else safe_open(path, framework="pt")
+            self._handles[path] = load_bin(path) if self._bin else open_safetensors(path)
         handle = self._handles[path]
         if isinstance(handle, dict):
             # A .bin tensor may be a view of a larger shared storage: clone so torch.save writes only it.
@@ -186,6 +199,8 @@ def save_layer_file(state: dict[str, torch.Tensor], path: str) -> None:
 
 
 def load_config(model_dir: str) -> LlamaConfig:
+    if not os.path.isdir(model_dir):
+        raise ConversionError(f"--input {model_dir} {'is not a directory' if os.path.exists(model_dir) else 'does not exist'}")
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ConversionError(f"{path} not found: --input must be a model directory with config.json")
@@ -206,13 +221,77 @@ def expected_hf_shapes(config: LlamaConfig) -> dict[int, dict[str, torch.Size]]:
     return out
 
 
-def atomic_output(output: str, overwrite: bool):
-    """Context: yields a temporary directory that becomes ``output`` only if the body succeeds."""
+def shown(path: str) -> str:
+    """``path`` as the user wrote it, with where it really is when symbolic links lead elsewhere."""
+    real = os.path.realpath(path)
+    return path if real == os.path.abspath(path) else f"{path} (-> {real})"
+
+
+def check_output(input_dir: str, output: str, overwrite: bool) -> None:
+    """Refuse an ``output`` whose writing would destroy or change ``input_dir``, whatever ``overwrite``
+    says, and an existing ``output`` that --overwrite may not replace (see ``not_replaceable``)."""
+    src, dst = os.path.realpath(input_dir), os.path.realpath(output)  # symbolic links cannot hide the input
+    common = os.path.commonpath([src, dst])
+    if dst == src:
+        raise ConversionError(f"--output {shown(output)} is the --input directory {shown(input_dir)}: the conversion "
+                              f"would replace what it reads. Choose another --output (refused even with --overwrite)")
+    if common == dst:
+        raise ConversionError(f"--output {shown(output)} contains the --input {shown(input_dir)}: replacing it would "
+                              f"delete the input. Choose an --output outside it (refused even with --overwrite)")
+    if common == src:
+        raise ConversionError(f"--output {shown(output)} is inside the --input {shown(input_dir)}: writing there would "
+                              f"change the input. Choose an --output outside it (refused even with --overwrite)")
+    if not os.path.lexists(output):
+        return
+    if not overwrite:
+        raise ConversionError(f"{output} already exists: choose another --output or pass --overwrite")
+    reason = not_replaceable(output)
+    if reason:
+        raise ConversionError(f"refusing to replace {output}: {reason}; --overwrite replaces only a directory that "
+                              f"{TOOL} wrote, as it wrote it. Remove {output} yourself or choose another --output")
+
+
+def not_replaceable(output: str) -> str | None:
+    """Why --overwrite may not replace the existing ``output``; None for an empty directory, or one this
+    tool wrote that holds nothing else since (a training run in it would be lost otherwise)."""
+    if os.path.islink(output):
+        return f"it is a symbolic link (to {os.path.realpath(output)})"
+    if not os.path.isdir(output):
+        return "it is a file, not a directory"
+    names = set(os.listdir(output))
+    if not names:
+        return None
+    if OUTPUT_MARKER not in names:
+        return f"it was not written by {TOOL} (it has no {OUTPUT_MARKER} marker)"
+    try:
+        with open(os.path.join(output, OUTPUT_MARKER)) as f:
+            marker = json.load(f)
+        tool, written = marker["tool"], set(marker["files"])
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        return f"its {OUTPUT_MARKER} marker is unreadable ({type(e).__name__}: {e})"
+    if tool != TOOL:
+        return f"it was not written by {TOOL} (its {OUTPUT_MARKER} marker names {tool!r})"
+    added = sorted(names - written - {OUTPUT_MARKER})
+    if added:
+        more = f" and {len(added) - SHOWN_NAMES} more" if len(added) > SHOWN_NAMES else ""
+        return f"files were added to it since {TOOL} wrote it: {', '.join(added[:SHOWN_NAMES])}{more}"
+    return None
+
+
+def write_marker(directory: str, input_dir: str, direction: str) -> None:
+    """The marker of a directory this tool wrote: what it holds, so that later additions are not replaced."""
+    record = {"tool": TOOL, "direction": direction, "input": os.path.realpath(input_dir),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": sorted(os.listdir(directory))}
+    with open(os.path.join(directory, OUTPUT_MARKER), "w") as f:
+        json.dump(record, f, indent=2)
+
+
+def atomic_output(input_dir: str, output: str, overwrite: bool, direction: str):
+    """Context: yields a temporary directory that becomes ``output`` (with its marker) only if the body succeeds."""
 
     class _Atomic:
         def __enter__(self):
-            if os.path.exists(output) and not overwrite:
-                raise ConversionError(f"{output} already exists: choose another --output or pass --overwrite")
+            check_output(input_dir, output, overwrite)  # again: ``output`` may have appeared since the start
             parent = os.path.dirname(os.path.abspath(output))
             os.makedirs(parent, exist_ok=True)
             self.tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(output))}.tmp-{os.getpid()}")
@@ -224,6 +303,7 @@ def atomic_output(output: str, overwrite: bool):
             if exc_type is not None:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 return False
+            write_marker(self.tmp, input_dir, direction)
             if os.path.exists(output):
                 old = self.tmp + ".old"
                 os.rename(output, old)
@@ -238,6 +318,7 @@ def atomic_output(output: str, overwrite: bool):
 
 def hf_to_stages(input_dir: str, output: str, dtype: torch.dtype | None = None, overwrite: bool = False) -> None:
     """Hugging Face directory -> DeepSpeed pipeline layout (layer files, engine stub, ``latest``)."""
+    check_output(input_dir, output, overwrite)  # before reading anything: a refusal costs no time
     config = load_config(input_dir)
     expected = expected_hf_shapes(config)
     source = HFTensorSource(input_dir)
@@ -259,7 +340,7 @@ def hf_to_stages(input_dir: str, output: str, dtype: torch.dtype | None = None, 
     if problems:
         raise ConversionError(f"{input_dir} does not match its config.json:\n  " + "\n  ".join(problems))
 
-    with atomic_output(output, overwrite) as tmp:
+    with atomic_output(input_dir, output, overwrite, "hf-to-stages") as tmp:
         tag_dir = os.path.join(tmp, CONVERTED_TAG)
         os.makedirs(tag_dir)
         layout = spec_layout(config)
@@ -356,6 +437,7 @@ def stages_to_hf(
     overwrite: bool = False,
 ) -> None:
     """Pipeline checkpoint (converted, or saved by train.py) -> sharded safetensors + index."""
+    check_output(input_dir, output, overwrite)
     config = load_config(input_dir)
     tag = read_tag(input_dir, tag)
     tag_dir = os.path.join(input_dir, tag)
@@ -394,7 +476,7 @@ def stages_to_hf(
         shard_bytes += item[2]
 
     start, weight_map, total = time.time(), {}, 0
-    with atomic_output(output, overwrite) as tmp:
+    with atomic_output(input_dir, output, overwrite, "stages-to-hf") as tmp:
         cache: dict[int, dict[str, torch.Tensor]] = {}  # the one layer file (memory-mapped) being read
 
         def tensor(index: int, hf_key: str) -> torch.Tensor:
@@ -429,7 +511,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tag", default=None, help="with --to-hf: checkpoint tag to export (default: the one in 'latest')")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: keep each tensor's dtype)")
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD, help="with --to-hf: largest safetensors shard")
-    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists (only once conversion succeeded)")
+    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists and was written by this tool (only once conversion succeeded)")
     return p.parse_args(argv)
 
 

@@ -16,6 +16,7 @@ run resumes: a checkpoint directory to resume from must be trusted like code.
 from __future__ import annotations
 
 import ctypes
+import glob
 import json
 import mmap
 import os
@@ -23,10 +24,13 @@ import pickle
 import re
 import resource
 import shutil
+import struct
+import zipfile
 from dataclasses import dataclass
 
 import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from models.llama_pipe import SpecInfo, expected_state_shapes, layer_file_name, spec_layout
@@ -44,6 +48,8 @@ TAG_PATTERN = re.compile(r"^global_step(\d+)$")  # DeepSpeed's default tag namin
 # madvise call per chunk costs nothing measurable.
 LOAD_CHUNK = 16 * 2**20
 PAGE_SIZE = mmap.PAGESIZE
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since PyTorch 1.6 is a zip archive
+HF_WEIGHT_NAMES = "model.safetensors, model-*.safetensors or pytorch_model*.bin"  # what hf_weight_files finds, for messages
 
 
 class CheckpointError(RuntimeError):
@@ -90,8 +96,91 @@ def load_layer_file(path: str) -> dict[str, torch.Tensor]:
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path} holds objects other than tensors (a pickle that could run code when "
                               f"loaded): refused ({unpickling_refusal(e)})") from None
-    except RuntimeError as e:  # not a zip archive: truncated, or not written by torch.save
-        raise CheckpointError(f"{path} is not a readable layer file: {str(e).splitlines()[0]}") from None
+    except (RuntimeError, EOFError) as e:  # truncated, or not written by torch.save
+        raise CheckpointError(unreadable_torch_file(path, e)) from None
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message, or its type where the message is empty."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def torch_file_damage(path: str) -> str | None:
+    """What makes the ``torch.save`` file ``path`` unreadable, seen from its size and zip structure
+    alone (no tensor is read, so cheap enough to check before loading); None when it looks whole.
+
+    A zip archive is indexed by its central directory at the very end: a file cut short loses it.
+    """
+    size = os.path.getsize(path)
+    if size == 0:
+        return f"{path} is empty (0 bytes)"
+    with open(path, "rb") as f:
+        zipped = f.read(len(ZIP_MAGIC)) == ZIP_MAGIC
+    if zipped and not zipfile.is_zipfile(path):
+        return f"{path} is truncated ({size} bytes): the end of its zip archive (the central directory) is missing"
+    return None
+
+
+def unreadable_torch_file(path: str, error: BaseException) -> str:
+    """A message for a ``torch.load`` of ``path`` that failed with ``error`` (torch's own names no file,
+    or only a zip reader's internals)."""
+    damage = torch_file_damage(path)
+    if damage:
+        return damage
+    detail = first_line(error)
+    if "mmap can only be used" in detail:  # torch's refusal of anything that is not a zip archive
+        with open(path, "rb") as f:
+            return f"{path} is not a torch.save zip archive (it starts with {f.read(8)!r})"
+    if isinstance(error, EOFError) or "unexpected EOF" in detail:  # the legacy (pre-zip) format, cut short
+        return f"{path} is truncated ({os.path.getsize(path)} bytes): {detail}"
+    return f"{path} is not a readable torch.save file: {detail}"
+
+
+def safetensors_damage(path: str, error: BaseException) -> str:
+    """What is wrong with a safetensors file that safetensors refused with ``error``, from its header:
+    safetensors' own message names neither the file nor the sizes ("incomplete metadata, file not
+    fully covered"). The layout: an 8-byte little-endian header length, the JSON header, the tensors."""
+    size = os.path.getsize(path)
+    if size < 8:
+        return f"{path} is truncated ({size} bytes): too short for a safetensors header"
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if 8 + header_len > size:
+            return (f"{path} is truncated or not a safetensors file: its first 8 bytes announce a "
+                    f"{header_len}-byte header, the file has {size} bytes")
+        try:
+            header = json.loads(f.read(header_len))
+            data_len = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return f"{path} is damaged: its header is not valid safetensors JSON ({first_line(error)})"
+    expected = 8 + header_len + data_len
+    if size < expected:
+        return (f"{path} is truncated: {size} of the {expected} bytes its header describes "
+                f"({100 * size / expected:.0f}%)")
+    if size > expected:
+        return f"{path} is damaged: {size - expected} bytes beyond the {expected} its header describes"
+    return f"{path} is not a readable safetensors file: {first_line(error)}"
+
+
+def open_safetensors(path: str):
+    """``safe_open(path)``; a file safetensors refuses raises CheckpointError naming it and what is wrong."""
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise CheckpointError(safetensors_damage(path, e)) from None
+
+
+def hf_weight_files(model_dir: str) -> list[str]:
+    """The weight files of a Hugging Face model directory: its safetensors files (one, or shards) if it
+    has any, else its ``pytorch_model*.bin`` files; [] when it has neither."""
+    return (sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+            or sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin"))))
+
+
+def is_pipeline_checkpoint(path: str) -> bool:
+    """Whether ``path`` is in DeepSpeed's pipeline layout (convert2ckpt.py's output or train.py's output_dir)."""
+    return latest_tag(path) is not None or bool(checkpoint_tags(path))
 
 
 def _libc_madvise():
