@@ -21,6 +21,14 @@ from datetime import timedelta
 # The same value is in the LOCAL_RANK environment variable, so the argument is dropped before Hydra parses.
 sys.argv = [a for a in sys.argv if not a.startswith("--local_rank")]
 
+from training.logs import argv_log_level, quiet_dependencies, set_log_level  # noqa: E402
+from training.startup import StartupWatchdog, use_venv_extensions_dir  # noqa: E402
+
+# Before deepspeed is imported: its ops build into this virtualenv's own cache (training/startup.py), and
+# the known-harmless lines of its import are filtered (training/logs.py).
+EXTENSIONS_DIR = use_venv_extensions_dir()
+quiet_dependencies(argv_log_level(sys.argv))
+
 import deepspeed  # noqa: E402
 import hydra  # noqa: E402
 import torch  # noqa: E402
@@ -33,13 +41,15 @@ from models.checkpoint import current_rss_mb, load_stage_weights, local_modules,
 from models.llama_pipe import LlamaStack, build_pipeline_model, init_weights_, spec_layout  # noqa: E402
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
 from training import checkpointing  # noqa: E402
-from training.config import ConfigError, Resolved, TrainConfig, default_packing, register_configs, resolve  # noqa: E402
+from training.config import (ConfigError, Resolved, TrainConfig, default_packing, register_configs, resolve,  # noqa: E402
+                             unknown_key_problems)
 from training.data_setup import RankData, prepare_rank_data  # noqa: E402
 from training.distributed import (StartupError, TrainingStopped, free_port, on_all_ranks,  # noqa: E402
                                   release_cpu_comm_buffer)
 from training.memory_census import CensusAtStep  # noqa: E402
 from training.metrics import StepLogger  # noqa: E402
-from training.optim import build_lr_scheduler, fill_ds_config, param_groups  # noqa: E402
+from training.optim import apply_optim_settings, build_lr_scheduler, fill_ds_config, param_groups  # noqa: E402
+from training.run_lock import RunLock  # noqa: E402
 
 register_configs()
 
@@ -54,8 +64,9 @@ def log0(msg: str) -> None:
 
 def resolve_config(dict_cfg: DictConfig) -> Resolved:
     """Typed config, validated before any process group exists (all problems reported together)."""
+    unknown = unknown_key_problems(OmegaConf.to_container(dict_cfg))  # to_object would drop them silently
     cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
-    resolved = resolve(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    resolved = resolve(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), problems=unknown)
     for warning in resolved.warnings:
         log0(f"warning: {warning}")
     return resolved
@@ -64,14 +75,32 @@ def resolve_config(dict_cfg: DictConfig) -> Resolved:
 def init_topology(resolved: Resolved) -> PipeDataParallelTopology:
     """Start the process group and lay ranks out as pipe x data (pipe is the outer axis).
 
-    ``python train.py`` without the launcher runs as a 1-rank job.
+    ``python train.py`` without the launcher runs as a 1-rank job. Until the process group exists no
+    collective timeout applies, so a watchdog bounds the wait (``startup_timeout_s``) and says where it was.
     """
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     release_cpu_comm_buffer()  # a killed job's segment of this name would be attached to (no peer has started yet)
-    # Every collective fails after dist_timeout_s instead of waiting forever for a hung or vanished rank.
-    deepspeed.init_distributed(timeout=timedelta(seconds=resolved.cfg.dist_timeout_s))
+    with StartupWatchdog(resolved.cfg.startup_timeout_s, int(os.environ["RANK"]), EXTENSIONS_DIR) as watchdog:
+        watchdog.phase(f"joining the process group (rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
+                       f"with {resolved.world_size} ranks, DeepSpeed loading its communication op)")
+        # Every collective fails after dist_timeout_s instead of waiting forever for a hung or vanished rank.
+        deepspeed.init_distributed(timeout=timedelta(seconds=resolved.cfg.dist_timeout_s))
     return PipeDataParallelTopology(num_pp=resolved.cfg.num_stages, num_dp=resolved.dp)
+
+
+def lock_output_dir(resolved: Resolved) -> RunLock | None:
+    """Rank 0 holds output_dir for the run's lifetime (training/run_lock.py): a second run on it stops
+    here on every rank, before it writes anything there. Returns rank 0's lock."""
+    lock = RunLock(resolved.cfg.output_dir) if dist.get_rank() == 0 else None
+
+    def acquire() -> None:
+        warning = lock.acquire() if lock else None
+        if warning:
+            log0(warning)
+
+    on_all_ranks("locking output_dir", acquire)
+    return lock
 
 
 def build_model(resolved: Resolved, topology: PipeDataParallelTopology, loss_fn: CausalLMLoss):
@@ -149,13 +178,24 @@ def build_engine(resolved: Resolved, model, total_steps: int):
     return engine
 
 
-def resume_or_start(resolved: Resolved, engine, data: RankData) -> int:
-    """The step to continue after: 0 for a new run, the checkpoint's step with resume=auto."""
+def resume_or_start(resolved: Resolved, engine, data: RankData, total_steps: int) -> int:
+    """The step to continue after: 0 for a new run, the checkpoint's step with resume=auto. Settings
+    changed since the checkpoint (validation refused those not allowed) are stated, and the optimizer's
+    are applied over the restored ones."""
     if not resolved.resume_tag:
         return 0
     local: dict = {}
     on_all_ranks("reading trainer state", lambda: local.update(state=checkpointing.read_trainer_state(resolved, engine.module)))
-    return checkpointing.restore(resolved, engine, data.iterator, local["state"])
+    step = checkpointing.restore(resolved, engine, data.iterator, local["state"])
+    changes = resolved.resume_changes
+    if changes.changed.get("optim"):
+        apply_optim_settings(engine, resolved.cfg, total_steps)
+    for cls, effect in (("free", "as given"), ("optim", f"applied from step {step + 1}, the schedule recomputed"),
+                        ("data", "the new sample stream continues at the saved position"),
+                        ("model", "the checkpoint's weights are used")):
+        if changes.changed.get(cls):
+            log0(f"resume: changed since {resolved.resume_tag}: {', '.join(changes.lines(cls))} ({effect})")
+    return step
 
 
 def announce(resolved: Resolved, engine, init_reports: list[dict], data_reports: list[dict], data: RankData,
@@ -367,8 +407,17 @@ def main(dict_cfg: DictConfig) -> None:
         resolved = resolve_config(dict_cfg)
     except ConfigError as e:
         fail(str(e))
-    topology = init_topology(resolved)
+    set_log_level(resolved.cfg.log_level)
     try:
+        topology = init_topology(resolved)
+    except RuntimeError as e:  # torch's DistNetworkError is one
+        if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+            raise
+        fail(f"the master port {os.environ['MASTER_PORT']} is in use (another job on this machine?): launch with another "
+             f"port, `deepspeed --master_port PORT ...` (or MASTER_PORT=PORT for torchrun/SLURM)")
+    lock = None
+    try:
+        lock = lock_output_dir(resolved)
         on_all_ranks("creating output_dir", lambda: os.makedirs(resolved.cfg.output_dir, exist_ok=True))
         rss_before_model = peak_rss_mb()
         loss_fn = CausalLMLoss()  # the last stage's loss; train_step sets its normalisation each step
@@ -377,13 +426,15 @@ def main(dict_cfg: DictConfig) -> None:
         data, data_reports = build_data(resolved, topology)
         total_steps, steps_per_epoch = plan_steps(resolved, data)
         engine = build_engine(resolved, model, total_steps)
-        start_step = resume_or_start(resolved, engine, data)
+        start_step = resume_or_start(resolved, engine, data, total_steps)
         announce(resolved, engine, init_reports, data_reports, data, start_step, total_steps, steps_per_epoch)
         train(resolved, engine, data, loss_fn, start_step, total_steps)
         dist.barrier()
     except (StartupError, OrderMismatchError, TrainingStopped) as e:  # raised on every rank alike
         fail(str(e))
     finally:
+        if lock is not None:
+            lock.release()
         # Every rank leaves the process group before exiting (DeepSpeed on CPU can abort at exit otherwise).
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -391,8 +442,9 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 def fail(message: str) -> None:
-    """Report an error once per node (every rank saw the same one) and exit non-zero."""
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    """Report an error once per job (every rank saw the same one: it was raised on all ranks alike, or
+    found by the same validation) and exit non-zero."""
+    if int(os.environ.get("RANK", "0")) == 0:
         print(f"train.py: error: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
 

@@ -10,23 +10,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models.hf_dir import LOAD_ERRORS, load_failure, missing_dir_problem  # noqa: E402
 
-def main() -> None:
+
+def error(message: str) -> int:
+    print(f"eval_hf.py: error: {message}", file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--data", required=True, help='JSONL corpus, {"text": ...} per line')
     p.add_argument("--docs", type=int, default=16, help="how many documents from the start of the file")
     p.add_argument("--seq-len", type=int, default=128, help="tokens scored per document")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
-    model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(args.model)
-    with open(args.data) as f:
-        texts = [json.loads(line)["text"] for _, line in zip(range(args.docs), f)]
+    problem = missing_dir_problem(args.model)
+    if problem:
+        return error(problem)
+    try:
+        model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(args.model)
+    except LOAD_ERRORS as e:
+        return error(load_failure(args.model, e))
+    try:
+        with open(args.data) as f:
+            texts = [json.loads(line)["text"] for _, line in zip(range(args.docs), f)]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        what = e.strerror if isinstance(e, OSError) else 'not JSONL with a "text" field per line'
+        return error(f"--data {args.data}: {what}")
     losses = []
     with torch.no_grad():
         for text in texts:
@@ -35,7 +55,8 @@ def main() -> None:
             losses.append(model(input_ids=x, labels=x).loss.item())
     print(f"{args.model}: mean loss {sum(losses) / len(losses):.4f} over {len(losses)} documents "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, tokenizer vocab {len(tok)})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -325,12 +325,86 @@ def test_resume_needs_the_stage_split_it_was_saved_with(good, tmp_path):
     (out / "global_step4" / "train_config.yaml").write_text("num_stages: 2\npartition_method: parameters\n")
     good.output_dir = str(out)
     message = problems_of(good, 4)
-    assert "saved with partition_method=parameters, this run has partition_method=compute" in message
-    assert "set partition_method=parameters to resume it" in message and "num_stages" not in message
+    assert "saved with another layout: partition_method 'parameters' -> 'compute'" in message
+    assert "set the saved values to resume it" in message and "num_stages" not in message
     good.partition_method = "parameters"
     assert resolve(good, 4).resume_tag == "global_step4"
     good.num_stages = 4
-    assert "saved with num_stages=2, this run has num_stages=4" in problems_of(good, 4)
+    assert "saved with another layout: num_stages 2 -> 4" in problems_of(good, 4)
+
+
+def saved_run(good, tmp_path) -> str:
+    """An output_dir whose latest checkpoint was saved with ``good``'s settings (its train_config.yaml)."""
+    from omegaconf import OmegaConf
+
+    out = tmp_path / "run"
+    (out / "global_step4").mkdir(parents=True)
+    (out / "latest").write_text("global_step4")
+    good.output_dir = str(out)
+    OmegaConf.save(OmegaConf.structured(good), str(out / "global_step4" / "train_config.yaml"))
+    return str(out)
+
+
+@pytest.mark.parametrize("cls, change, line", [
+    ("optim", lambda c: setattr(c.optim, "lr", 1e-3), "optim.lr 0.0003 -> 0.001"),
+    ("optim", lambda c: setattr(c.optim, "betas", [0.9, 0.99]), "optim.betas [0.9, 0.95] -> [0.9, 0.99]"),
+    ("optim", lambda c: setattr(c, "loss_normalization", "micro_batch"), "loss_normalization 'tokens' -> 'micro_batch'"),
+    ("data", lambda c: setattr(c.data, "max_seq_length", 64), "data.max_seq_length 512 -> 64"),
+    ("data", lambda c: setattr(c, "seed", 7), "seed 42 -> 7"),
+    ("model", lambda c: setattr(c.model, "tokenizer", "/elsewhere"), "model.tokenizer '' -> '/elsewhere'"),
+])
+def test_resume_refuses_changed_settings_unless_their_class_is_allowed(good, tmp_path, cls, change, line):
+    saved_run(good, tmp_path)
+    change(good)
+    message = problems_of(good, 4)
+    assert f"was saved with other {cls} settings: {line}: set the saved values, or add {cls} to resume_allow_changes" in message
+    good.resume_allow_changes = [cls]
+    resolved = resolve(good, 4)
+    assert [f"{k} {o!r} -> {n!r}" for k, (o, n) in resolved.resume_changes.changed[cls].items()] == [line]
+
+
+def test_resume_applies_free_settings_and_refuses_layout_whatever_is_allowed(good, tmp_path):
+    saved_run(good, tmp_path)
+    good.max_steps, good.save_steps, good.monitor.csv = 500, 10, True
+    resolved = resolve(good, 4)
+    assert resolved.resume_changes.changed["free"] == {"max_steps": (100, 500), "save_steps": (0, 10),
+                                                       "monitor.csv": (False, True)}
+    good.micro_batch_size, good.resume_allow_changes = 4, ["optim", "data", "model"]
+    assert "saved with another layout: micro_batch_size 2 -> 4" in problems_of(good, 4)
+    good.resume_allow_changes = ["layout"]
+    assert "resume_allow_changes ['layout'] unknown: choose from ['optim', 'data', 'model']" in problems_of(good, 4)
+
+
+def test_unknown_keys_are_refused_however_they_are_spelled():
+    from training.config import unknown_key_problems
+
+    assert unknown_key_problems({"max_step": 3, "optim": {"lr": 1.0, "warmup": 5}, "data": {"max_seq_len": 8},
+                                 "model": {"architecture": {"hidden_size": 8}}}) == [
+        "unknown key max_step: did you mean max_steps?", "unknown key optim.warmup: did you mean optim.warmup_steps?",
+        "unknown key data.max_seq_len: did you mean data.max_seq_length?"]
+    proc = run_train_py("+max_step=3", "--cfg", "job")
+    assert proc.returncode == 0  # --cfg job prints what Hydra composed; the check runs before training
+    bad = run_train_py("+max_step=3", "+data.foo=1")
+    assert bad.returncode == 1 and "unknown key max_step: did you mean max_steps?" in bad.stderr
+    assert "unknown key data.foo" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def model_group_config_dict(name: str) -> dict:
+    import yaml
+
+    with open(os.path.join(REPO, "conf", "model", f"{name}.yaml")) as f:
+        return yaml.safe_load(f)["architecture"]
+
+
+def test_a_sequence_longer_than_the_model_was_trained_for_warns(good, tokenizer_dir):
+    good.data.max_seq_length = 1024
+    (warning,) = [w for w in resolve(good, 4).warnings if "max_position_embeddings" in w]
+    assert "data.max_seq_length 1024 > max_position_embeddings 512 of the model (no rope scaling)" in warning
+    good.model_name_or_path = ""
+    good.model = ModelConfig(name="llama3.2-1b", architecture=model_group_config_dict("llama3.2-1b"), tokenizer=tokenizer_dir)
+    good.data.max_seq_length = 200_000
+    warnings = [w for w in resolve(good, 4).warnings if "max_position_embeddings" in w]
+    assert warnings and "131072 of the model (rope scaling llama3: " in warnings[0] and "factor=32.0" in warnings[0]
 
 
 def test_fp16_is_refused_on_a_device_without_it(good):

@@ -248,3 +248,12 @@ def test_plot_metrics_skips_and_counts_damaged_lines(tmp_path):
     proc = plot(str(tmp_path))
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1] == f"plot_metrics.py: error: {path} has no training steps (1 damaged line(s) skipped)"
+
+
+def test_eval_hf_names_a_missing_or_unconverted_directory(tmp_path, tiny_ckpt, capsys):
+    eval_hf = load_script("eval_hf")
+    assert eval_hf.main(["--model", str(tmp_path / "nowhere"), "--data", "x.jsonl"]) == 1
+    assert "eval_hf.py: error: --model " in capsys.readouterr().err
+    assert eval_hf.main(["--model", tiny_ckpt, "--data", "x.jsonl"]) == 1
+    assert f"eval_hf.py: error: {tiny_ckpt} is a pipeline checkpoint, not a Hugging Face model: export it with " \
+           f"`python convert2ckpt.py --to-hf --input {tiny_ckpt}" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 
 from models.llama_pipe import (DEFAULT_PARTITION_METHOD, build_sequential, model_parameters,
                                spec_layout, spec_parameter_counts, stage_boundaries)
-from models.loss import IGNORE_INDEX, causal_lm_loss, label_tokens
+from models.loss import IGNORE_INDEX, causal_lm_loss
 from models.tiny import tiny_config
 
 TOL = 1e-5  # max abs difference allowed on logits, loss and every gradient

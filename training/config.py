@@ -8,6 +8,8 @@ once, each with the numbers involved and the knob to change.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib.util
 import json
 import os
@@ -30,6 +32,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 PARTITION_METHODS = ("parameters", "compute", "uniform", "type:DecoderLayerPipe")
 NONFINITE_POLICIES = ("stop", "skip")
 LOSS_NORMALIZATIONS = ("tokens", "micro_batch")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 # Checkpoint bytes per parameter besides the weights: AdamW's two moments and the fp32 master copy
 # (ZeRO keeps one even in fp32), 4 bytes each, in DeepSpeed's optimizer-state files. Measured: a
 # tiny fp32 ZeRO-1 pipe 2 x data 2 checkpoint is 16.8 bytes per parameter (4 weights + 12 + JSON).
@@ -121,6 +124,15 @@ class TrainConfig:
     dist_timeout_s: int = 1800
     nonfinite_loss: str = "stop"  # a non-finite loss or gradient: stop (name the last good checkpoint) | skip (the optimizer skips the step; logged)
     min_free_disk_gb: float = -1.0  # refuse to start with less free space under output_dir; -1 = the estimated size of one checkpoint, 0 = no check
+    # Seconds a rank may take from start to joining the process group (loading or building DeepSpeed's
+    # ops, the rendezvous) before it says where it waits and exits; 0 = no limit. A stale op-build lock
+    # would otherwise hang every job silently, before dist_timeout_s applies.
+    startup_timeout_s: int = 900
+    log_level: str = "warning"  # DeepSpeed's own log lines shown: debug | info | warning | error
+    # Classes of settings that may differ from the checkpoint being resumed (see RESUME_KEY_CLASSES):
+    # optim (optimizer, schedule, loss normalisation: applied exactly from the next step) | data (the new
+    # sample stream continues at the saved epoch and position) | model (the checkpoint's weights are used).
+    resume_allow_changes: list[str] = field(default_factory=list)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -158,6 +170,7 @@ class Resolved:
     model_config: object  # transformers.LlamaConfig: model_name_or_path's config.json, or model.architecture
     warnings: list[str]
     resume_tag: Optional[str] = None  # checkpoint in output_dir to continue from (resume=auto)
+    resume_changes: ResumeChanges = field(default_factory=lambda: ResumeChanges())  # settings changed since it was saved
 
     @property
     def from_scratch(self) -> bool:
@@ -243,17 +256,18 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
         return None, problems + [f"model.architecture is not a valid LlamaConfig: {e}"]
 
 
-def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], list[str]]:
-    """(tag to resume from, problems) for output_dir's ``latest`` checkpoint, if any."""
+def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], ResumeChanges, list[str]]:
+    """(tag to resume from, settings changed since it was saved, problems) for output_dir's ``latest``
+    checkpoint, if any."""
     if cfg.resume not in RESUME_MODES:
-        return None, [f"resume {cfg.resume!r} unknown: choose one of {list(RESUME_MODES)}"]
+        return None, ResumeChanges(), [f"resume {cfg.resume!r} unknown: choose one of {list(RESUME_MODES)}"]
     from models.checkpoint import LATEST_FILE, latest_tag  # heavy import (torch, deepspeed), only once parsed
 
     tag = latest_tag(cfg.output_dir)
     if tag is None:
-        return None, []
+        return None, ResumeChanges(), []
     if cfg.resume == "never":
-        return None, [f"output_dir {cfg.output_dir} already holds a checkpoint ({tag}): set resume=auto to continue "
+        return None, ResumeChanges(), [f"output_dir {cfg.output_dir} already holds a checkpoint ({tag}): set resume=auto to continue "
                       f"it, or choose another output_dir"]
     problems = []
     if not os.path.isdir(os.path.join(cfg.output_dir, tag)):
@@ -267,28 +281,114 @@ def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], list[str
                      f"{getattr(model_config, f)}: choose another output_dir" for f in SHAPE_FIELDS
                      if getattr(old, f) != getattr(model_config, f)]
         problems += [f"output_dir {cfg.output_dir}/{tag}: {line}" for line in tensor_shape_differences(old, model_config)]
-    problems += stage_layout_differences(cfg, tag)
-    return tag, problems
+    changes, change_problems = resume_changes(cfg, tag)
+    return tag, changes, problems + change_problems
 
 
-# Keys that decide which specs each stage holds: DeepSpeed saves optimizer states per stage, so a
-# checkpoint resumes only with the split it was saved with.
-STAGE_LAYOUT_KEYS = ("num_stages", "partition_method")
+# How each setting may differ from the checkpoint being resumed (its train_config.yaml). Keys not listed
+# are "free": they take effect as given (step counts, cadences, outputs, timeouts, eval data).
+#   layout: refused; optimizer states are saved per stage and rank, and the sampler position counts
+#           micro-batches of this size (set the saved value).
+#   optim:  refused unless resume_allow_changes has "optim"; then applied exactly from the next step
+#           (train.py sets them on the restored optimizer and recomputes the schedule).
+#   data:   refused unless resume_allow_changes has "data"; then the new sample stream continues at the
+#           saved epoch and micro-batch position.
+#   model:  refused unless resume_allow_changes has "model"; the checkpoint's weights are used either way
+#           (shapes that differ are refused separately).
+RESUME_KEY_CLASSES = {
+    "layout": ("num_stages", "partition_method", "ds_config", "precision", "micro_batch_size",
+               "gradient_accumulation_steps"),
+    "optim": ("optim.lr", "optim.betas", "optim.eps", "optim.weight_decay", "optim.max_grad_norm", "optim.scheduler",
+              "optim.warmup_steps", "optim.min_lr", "loss_normalization"),
+    "data": ("data.train_file", "data.format", "data.max_seq_length", "data.packing", "data.shuffle",
+             "data.eval_fraction", "data.skip_bad_lines", "seed"),
+    "model": ("model_name_or_path", "model.name", "model.architecture", "model.tokenizer"),
+}
+ACCEPTABLE_CHANGES = ("optim", "data", "model")
 
 
-def stage_layout_differences(cfg: TrainConfig, tag: str) -> list[str]:
-    """Problems when ``output_dir/tag`` was saved with another stage split (its train_config.yaml)."""
+@dataclass
+class ResumeChanges:
+    """Settings that differ from the checkpoint being resumed, by class: key -> (saved, now)."""
+
+    changed: dict[str, dict[str, tuple[Any, Any]]] = field(default_factory=dict)
+
+    def lines(self, cls: str) -> list[str]:
+        return [f"{key} {old!r} -> {new!r}" for key, (old, new) in self.changed.get(cls, {}).items()]
+
+
+def _dotted(cfg, key: str):
+    for part in key.split("."):
+        cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
+    return cfg
+
+
+def resume_changes(cfg: TrainConfig, tag: str) -> tuple[ResumeChanges, list[str]]:
+    """(what changed since ``output_dir/tag`` was saved, problems) from its train_config.yaml."""
     import yaml
 
     path = os.path.join(cfg.output_dir, tag, "train_config.yaml")
     if not os.path.isfile(path):
-        return []  # not written by train.py (a converted checkpoint has no optimizer states)
+        return ResumeChanges(), []  # not written by train.py (a converted checkpoint has no optimizer states)
     with open(path) as f:
         saved = yaml.safe_load(f) or {}
-    return [f"{cfg.output_dir}/{tag} was saved with {key}={saved[key]}, this run has {key}={getattr(cfg, key)} "
-            f"(optimizer states are saved per stage): set {key}={saved[key]} to resume it, or start a new "
-            f"output_dir with model_name_or_path={cfg.output_dir} (weights only)"
-            for key in STAGE_LAYOUT_KEYS if key in saved and saved[key] != getattr(cfg, key)]
+    now = dataclasses.asdict(cfg)
+    changes, classed = ResumeChanges(), {k for keys in RESUME_KEY_CLASSES.values() for k in keys}
+    free = tuple(sorted(set(_leaf_keys(now)) - classed - {"resume_allow_changes"}))  # the knob itself is no change
+    for cls, keys in [*RESUME_KEY_CLASSES.items(), ("free", free)]:
+        for key in keys:
+            try:
+                old = _dotted(saved, key)
+            except (KeyError, AttributeError):
+                continue  # a checkpoint from a version without this key
+            new = _dotted(now, key)
+            if old != new and not (isinstance(new, (list, tuple)) and list(old or []) == list(new)):
+                changes.changed.setdefault(cls, {})[key] = (old, new)
+    problems = []
+    where = f"{cfg.output_dir}/{tag}"
+    if changes.changed.get("layout"):
+        problems.append(f"{where} was saved with another layout: {', '.join(changes.lines('layout'))} (optimizer "
+                        f"states are saved per stage and rank, the data position in micro-batches): set the saved values "
+                        f"to resume it, or start a new output_dir with model_name_or_path={cfg.output_dir} (weights only)")
+    for cls in ACCEPTABLE_CHANGES:
+        if changes.changed.get(cls) and cls not in cfg.resume_allow_changes:
+            problems.append(f"{where} was saved with other {cls} settings: {', '.join(changes.lines(cls))}: set the saved "
+                            f"values, or add {cls} to resume_allow_changes (resume_allow_changes=[{cls}]) to "
+                            f"{RESUME_EFFECT[cls]}")
+    return changes, problems
+
+
+RESUME_EFFECT = {
+    "optim": "apply them exactly from the next step (the schedule recomputed from the new settings)",
+    "data": "continue the new sample stream at the saved epoch and micro-batch position",
+    "model": "resume the checkpoint's weights under the new model settings",
+}
+
+
+def _leaf_keys(tree: dict, prefix: str = "") -> list[str]:
+    """Dotted keys of a config dict's leaves (a dict-typed field such as model.architecture is one leaf)."""
+    keys = []
+    for k, v in tree.items():
+        if isinstance(v, dict) and f"{prefix}{k}" != "model.architecture":
+            keys += _leaf_keys(v, f"{prefix}{k}.")
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+def unknown_key_problems(given: dict, schema: type | None = None, prefix: str = "") -> list[str]:
+    """Keys of the composed config that TrainConfig does not have (``+key=value`` adds them past Hydra's
+    own check, and OmegaConf.to_object drops them silently), each with the nearest valid key."""
+    defaults = (schema or TrainConfig)()
+    problems = []
+    for key, value in given.items():
+        if not hasattr(defaults, key):
+            near = difflib.get_close_matches(f"{prefix}{key}", _leaf_keys(dataclasses.asdict(TrainConfig())), n=1, cutoff=0.6)
+            hint = f": did you mean {near[0]}?" if near else ": `python train.py --cfg job` lists the keys"
+            problems.append(f"unknown key {prefix}{key}{hint}")
+        elif dataclasses.is_dataclass(getattr(defaults, key)) and isinstance(value, dict):
+            problems += unknown_key_problems(value, type(getattr(defaults, key)), f"{prefix}{key}.")
+    return problems
 
 
 def tensor_shape_differences(old, new, limit: int = 3) -> list[str]:
@@ -380,14 +480,18 @@ def disk_problems(cfg: TrainConfig, model_config, uses_pipeline: bool, world_siz
     return [], []
 
 
-def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
-    """Check every cross-field rule; raise :class:`ConfigError` listing all problems together."""
+def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None) -> Resolved:
+    """Check every cross-field rule; raise :class:`ConfigError` listing all problems together (with
+    ``problems`` found before, such as unknown keys)."""
     from models.checkpoint import tags_newer_than_latest  # heavy import (torch, deepspeed), only once parsed
 
-    problems, warnings = [], []
+    from training.run_lock import RunLock
+
+    in_use = RunLock(cfg.output_dir).holder()  # acquired after the process group starts; said here first
+    problems, warnings = ([in_use] if in_use else []) + list(problems or []), []
     model_config, model_problems = resolve_model(cfg)
     problems += model_problems
-    resume_tag, resume_problems = find_resume(cfg, model_config)
+    resume_tag, resume_changes_, resume_problems = find_resume(cfg, model_config)
     problems += resume_problems
     ds_json, ds_problem = load_ds_json(cfg.ds_config)
     if ds_problem:
@@ -413,6 +517,23 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
                           ("save_total_limit", 0), ("dist_timeout_s", 1)):
         if getattr(cfg, name) < minimum:
             problems.append(f"{name} {getattr(cfg, name)} is out of range: set {name} >= {minimum}")
+    if cfg.log_level not in LOG_LEVELS:
+        problems.append(f"log_level {cfg.log_level!r} unknown: choose one of {list(LOG_LEVELS)}")
+    if cfg.startup_timeout_s < 0:
+        problems.append(f"startup_timeout_s {cfg.startup_timeout_s} < 0: set it >= 0 (0 = no limit)")
+    unknown_classes = sorted(set(cfg.resume_allow_changes) - set(ACCEPTABLE_CHANGES))
+    if unknown_classes:
+        problems.append(f"resume_allow_changes {unknown_classes} unknown: choose from {list(ACCEPTABLE_CHANGES)} "
+                        f"({', '.join(RESUME_KEY_CLASSES['layout'])} cannot change on resume)")
+    if model_config is not None and cfg.data.max_seq_length > model_config.max_position_embeddings:
+        rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+        kind = rope.get("rope_type", "default")
+        scaling = "no rope scaling" if kind == "default" else f"rope scaling {kind}: " + ", ".join(
+            f"{k}={v}" for k, v in rope.items() if k != "rope_type")
+        warnings.append(f"data.max_seq_length {cfg.data.max_seq_length} > max_position_embeddings "
+                        f"{model_config.max_position_embeddings} of the model ({scaling}): positions past "
+                        f"{model_config.max_position_embeddings} were never trained; lower data.max_seq_length unless "
+                        f"this run is meant to extend the context")
     if cfg.loss_normalization not in LOSS_NORMALIZATIONS:
         problems.append(f"loss_normalization {cfg.loss_normalization!r} unknown: choose one of {list(LOSS_NORMALIZATIONS)}")
     if cfg.precision not in PRECISIONS:
@@ -459,7 +580,7 @@ def resolve(cfg: TrainConfig, world_size: int) -> Resolved:
             problems += ds_json_conflicts(cfg, ds_json, dp)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-    return Resolved(cfg, world_size, dp, ds_json, model_config, warnings, resume_tag)
+    return Resolved(cfg, world_size, dp, ds_json, model_config, warnings, resume_tag, resume_changes_)
 
 
 def default_packing(data: DataConfig) -> bool:

@@ -93,11 +93,35 @@ def cpu_zero1_settings(ds: dict, accelerator: str) -> None:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices (projections, embeddings), none on 1-D tensors (RMSNorm weights)."""
+    """AdamW groups: decay on matrices (projections, embeddings), none on 1-D tensors (RMSNorm weights).
+
+    ``decay`` marks the group (ZeRO flattens the parameters, so their shapes cannot tell it later): it is
+    saved with the optimizer state, and a resume that changes optim.weight_decay sets only those groups.
+    """
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay, "decay": True},
+              {"params": no_decay, "weight_decay": 0.0, "decay": False}]
     return [g for g in groups if g["params"]]
+
+
+def apply_optim_settings(engine, cfg: TrainConfig, total_steps: int) -> None:
+    """After ``load_checkpoint``: AdamW's hyper-parameters and the learning rate from ``cfg`` instead of
+    the checkpoint's, from the next step on.
+
+    DeepSpeed restores the optimizer's param groups (lr, betas, eps, weight decay) and LambdaLR's
+    ``base_lrs`` from the checkpoint, while the schedule's shape (the lambda: warm-up, decay, min_lr,
+    total steps) is the one built from ``cfg``: without this a changed optim.lr was silently ignored
+    while a changed scheduler applied. The step counter stays the checkpoint's.
+    """
+    scheduler = engine.lr_scheduler
+    scheduler.base_lrs = [cfg.optim.lr] * len(scheduler.base_lrs)
+    factor = lr_lambda(cfg, total_steps)(scheduler.last_epoch)
+    for group in scheduler.optimizer.param_groups:
+        # A checkpoint saved before groups were marked: a group decays where it had a weight decay.
+        decays = group.get("decay", group["weight_decay"] != 0.0)
+        group.update(initial_lr=cfg.optim.lr, lr=cfg.optim.lr * factor, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                     weight_decay=cfg.optim.weight_decay if decays else 0.0)
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):

@@ -1,0 +1,81 @@
+"""Known-harmless output of our dependencies, named in one place and filtered at start, and DeepSpeed's
+log level (``log_level``).
+
+Every rank of a job prints these lines, so a 16-rank job buried its own progress line under dozens of
+them. Only lines whose cause is understood and harmless are listed; ``log_level=info`` (or debug)
+shows them all again.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import warnings
+
+# (category, message pattern) for warnings.filterwarnings.
+HARMLESS_WARNINGS = [
+    # DeepSpeed's ZeRO and pipeline collectives call the old name; same operation, same result.
+    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
+]
+# Messages of DeepSpeed's logger.
+HARMLESS_LOG_RECORDS = [
+    r"Setting accelerator to CPU",  # said at every import on a machine without a GPU (the CPU tests, the demo)
+]
+# Lines DeepSpeed prints with print() on every rank.
+HARMLESS_PRINTS = [
+    r"^SEED_LAYERS=",  # PipelineModule's seeding settings: this project seeds per spec itself
+    r"^DeepSpeed deepspeed\.ops\..* built successfully$",  # an op loaded from the extensions cache
+]
+
+
+class _DropKnown(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(re.search(p, record.getMessage()) for p in HARMLESS_LOG_RECORDS)
+
+
+class _LineFilter:
+    """sys.stdout, less the lines matching HARMLESS_PRINTS (whole lines only; everything else passes)."""
+
+    def __init__(self, stream):
+        self._stream, self._partial = stream, ""
+
+    def write(self, text: str) -> int:
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        kept = [line for line in lines if not any(re.search(p, line) for p in HARMLESS_PRINTS)]
+        if kept:
+            self._stream.write("\n".join(kept) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial:  # a prompt or progress text without its newline yet
+            self._stream.write(self._partial)
+            self._partial = ""
+        self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def quiet_dependencies(level: str) -> None:
+    """Filter the known-harmless lines unless ``level`` is info or debug. Call before importing deepspeed."""
+    if level in ("info", "debug"):
+        return
+    for category, pattern in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
+    logging.getLogger("DeepSpeed").addFilter(_DropKnown())  # the logger DeepSpeed creates at import
+    if not isinstance(sys.stdout, _LineFilter):
+        sys.stdout = _LineFilter(sys.stdout)
+
+
+def argv_log_level(argv: list[str], default: str = "warning") -> str:
+    """``log_level=...`` from the command line, needed before Hydra parses it (imports print first)."""
+    return next((a.split("=", 1)[1] for a in argv if a.startswith("log_level=")), default)
+
+
+def set_log_level(level: str) -> None:
+    """DeepSpeed's logger level from the ``log_level`` knob."""
+    from deepspeed.utils import logger
+
+    logger.setLevel(getattr(logging, level.upper()))
