@@ -37,17 +37,24 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E4
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from data.guard import OrderMismatchError  # noqa: E402
-from models.checkpoint import current_rss_mb, load_stage_weights, local_modules, peak_rss_mb  # noqa: E402
-from models.llama_pipe import LlamaStack, build_pipeline_model, init_weights_, spec_layout  # noqa: E402
+from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
+from models.layer_files import load_stage_weights, local_modules  # noqa: E402
+from models.llama_pipe import LlamaStack, build_pipeline_model, flops_per_token, init_weights_, spec_layout  # noqa: E402
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
-from training import checkpointing  # noqa: E402
-from training.config import (ConfigError, Resolved, TrainConfig, default_packing, register_configs, resolve,  # noqa: E402
-                             unknown_key_problems)
+from training import run_checkpoints  # noqa: E402
+from training.config import (  # noqa: E402
+    ConfigError,
+    Resolved,
+    TrainConfig,
+    default_packing,
+    register_configs,
+    resolve,
+    unknown_key_problems,
+)
 from training.data_setup import RankData, prepare_rank_data  # noqa: E402
-from training.distributed import (StartupError, TrainingStopped, free_port, on_all_ranks,  # noqa: E402
-                                  release_cpu_comm_buffer)
+from training.distributed import StartupError, TrainingStopped, free_port, on_all_ranks, release_cpu_comm_buffer  # noqa: E402
 from training.memory_census import CensusAtStep  # noqa: E402
-from training.metrics import StepLogger  # noqa: E402
+from training.metrics import StepLogger, device_peak_tflops  # noqa: E402
 from training.optim import apply_optim_settings, build_lr_scheduler, fill_ds_config, param_groups  # noqa: E402
 from training.run_lock import RunLock  # noqa: E402
 
@@ -79,11 +86,15 @@ def init_topology(resolved: Resolved) -> PipeDataParallelTopology:
     collective timeout applies, so a watchdog bounds the wait (``startup_timeout_s``) and says where it was.
     """
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     release_cpu_comm_buffer()  # a killed job's segment of this name would be attached to (no peer has started yet)
     with StartupWatchdog(resolved.cfg.startup_timeout_s, int(os.environ["RANK"]), EXTENSIONS_DIR) as watchdog:
-        watchdog.phase(f"joining the process group (rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
-                       f"with {resolved.world_size} ranks, DeepSpeed loading its communication op)")
+        watchdog.phase(
+            f"joining the process group (rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
+            f"with {resolved.world_size} ranks, DeepSpeed loading its communication op)"
+        )
         # Every collective fails after dist_timeout_s instead of waiting forever for a hung or vanished rank.
         deepspeed.init_distributed(timeout=timedelta(seconds=resolved.cfg.dist_timeout_s))
     return PipeDataParallelTopology(num_pp=resolved.cfg.num_stages, num_dp=resolved.dp)
@@ -109,8 +120,9 @@ def build_model(resolved: Resolved, topology: PipeDataParallelTopology, loss_fn:
     cfg = resolved.cfg
     if not resolved.uses_pipeline:
         return LlamaStack(resolved.model_config, activation_checkpointing=cfg.activation_checkpoint_interval > 0)
-    return build_pipeline_model(resolved.model_config, topology, cfg.partition_method, cfg.activation_checkpoint_interval,
-                                loss_fn)
+    return build_pipeline_model(
+        resolved.model_config, topology, cfg.partition_method, cfg.activation_checkpoint_interval, loss_fn
+    )
 
 
 def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list[dict]:
@@ -185,51 +197,80 @@ def resume_or_start(resolved: Resolved, engine, data: RankData, total_steps: int
     if not resolved.resume_tag:
         return 0
     local: dict = {}
-    on_all_ranks("reading trainer state", lambda: local.update(state=checkpointing.read_trainer_state(resolved, engine.module)))
-    step = checkpointing.restore(resolved, engine, data.iterator, local["state"])
+    on_all_ranks(
+        "reading trainer state", lambda: local.update(state=run_checkpoints.read_trainer_state(resolved, engine.module))
+    )
+    step = run_checkpoints.restore(resolved, engine, data.iterator, local["state"])
     changes = resolved.resume_changes
     if changes.changed.get("optim"):
         apply_optim_settings(engine, resolved.cfg, total_steps)
-    for cls, effect in (("free", "as given"), ("optim", f"applied from step {step + 1}, the schedule recomputed"),
-                        ("data", "the new sample stream continues at the saved position"),
-                        ("model", "the checkpoint's weights are used")):
+    for cls, effect in (
+        ("free", "as given"),
+        ("optim", f"applied from step {step + 1}, the schedule recomputed"),
+        ("data", "the new sample stream continues at the saved position"),
+        ("model", "the checkpoint's weights are used"),
+    ):
         if changes.changed.get(cls):
             log0(f"resume: changed since {resolved.resume_tag}: {', '.join(changes.lines(cls))} ({effect})")
     return step
 
 
-def announce(resolved: Resolved, engine, init_reports: list[dict], data_reports: list[dict], data: RankData,
-             start_step: int, total_steps: int, steps_per_epoch: float) -> None:
+def announce(
+    resolved: Resolved,
+    engine,
+    init_reports: list[dict],
+    data_reports: list[dict],
+    data: RankData,
+    start_step: int,
+    total_steps: int,
+    steps_per_epoch: float,
+) -> None:
     """Print, from rank 0, what was built: engine, per rank its stage, specs, parameters, weights and data."""
     cfg = resolved.cfg
     offload = resolved.ds_json.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
     stage = engine.zero_optimization_stage()
     # DeepSpeed's ZeRO-1/2 gradient path (training/optim.py sets both off on CPU): say which one runs.
-    grads = (f", reduce-scatter {engine.zero_reduce_scatter()}, contiguous gradients {engine.zero_contiguous_gradients()}"
-             if stage in (1, 2) else "")
-    log0(f"engine: {type(engine).__name__}, ZeRO stage {stage}{grads}, optimizer "
-         f"{type(engine.basic_optimizer).__name__} (offload: {offload}), precision {cfg.precision}")
-    global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * resolved.dp
-    row_tokens = global_batch * cfg.data.max_seq_length
-    log0(f"world {resolved.world_size} = pipe {cfg.num_stages} x data {resolved.dp} | global batch {global_batch} samples "
-         f"= micro {cfg.micro_batch_size} x grad_acc {cfg.gradient_accumulation_steps} x dp {resolved.dp} | "
-         f"{row_tokens} tokens/step (rows of {cfg.data.max_seq_length}, padding included) | loss normalised per "
-         f"{'label token of the global batch' if cfg.loss_normalization == 'tokens' else 'micro-batch'} "
-         f"(loss_normalization={cfg.loss_normalization})")
+    grads = (
+        f", reduce-scatter {engine.zero_reduce_scatter()}, contiguous gradients {engine.zero_contiguous_gradients()}"
+        if stage in (1, 2)
+        else ""
+    )
+    log0(
+        f"engine: {type(engine).__name__}, ZeRO stage {stage}{grads}, optimizer "
+        f"{type(engine.basic_optimizer).__name__} (offload: {offload}), precision {cfg.precision}"
+    )
+    layout = resolved.layout
+    log0(
+        f"world {layout.world_size} = pipe {layout.stages} x data {layout.dp} | {layout.batch_line()} (rows of "
+        f"{layout.seq_len}, padding included) | loss normalised per "
+        f"{'label token of the global batch' if cfg.loss_normalization == 'tokens' else 'micro-batch'} "
+        f"(loss_normalization={cfg.loss_normalization})"
+    )
     if data.iterator is not None:  # rank 0 is a first stage: it reads the data
         padding = 1 - data.train.total_tokens() / (len(data.train) * cfg.data.max_seq_length)
         hint = ": consider data.packing=true" if not default_packing(cfg.data) and padding >= PADDING_HINT else ""
         log0(f"data: rows of {cfg.data.max_seq_length} tokens, {100 * padding:.1f}% padding{hint}")
     if start_step >= total_steps:
-        plan = f"{resolved.resume_tag} is at step {start_step} >= {total_steps} steps to train: nothing to train (raise max_steps)"
+        plan = (
+            f"{resolved.resume_tag} is at step {start_step} >= {total_steps} steps to train: nothing to train "
+            "(raise max_steps)"
+        )
     else:
-        plan = f"steps {start_step + 1}..{total_steps}" + (f" (resumed from {resolved.resume_tag})" if start_step else "")
-    log0(f"data: {len(data.train)} training samples ({steps_per_epoch:.1f} steps/epoch), {data.eval_samples} eval samples | {plan}")
+        plan = f"steps {start_step + 1}..{total_steps}" + (
+            f" (resumed from {resolved.resume_tag})" if start_step else ""
+        )
+    log0(
+        f"data: {len(data.train)} training samples ({steps_per_epoch:.1f} steps/epoch), {data.eval_samples} eval "
+        f"samples | {plan}"
+    )
     for rank, (info, d) in enumerate(zip(init_reports, data_reports)):
-        log0(f"rank {rank}: stage {info['stage']} specs {info['specs'][0]}..{info['specs'][-1]} "
-             f"({len(info['specs'])} specs, {info['params'] / 1e6:.2f} M params) | {info['source']} in {info['seconds']:.2f} s "
-             f"| peak RSS at load {info['peak_rss_mib']:.0f} MiB (before building the stage "
-             f"{info['rss_before_model_mib']:.0f} MiB, stage parameters {info['param_mib']:.0f} MiB)")
+        log0(
+            f"rank {rank}: stage {info['stage']} specs {info['specs'][0]}..{info['specs'][-1]} "
+            f"({len(info['specs'])} specs, {info['params'] / 1e6:.2f} M params) | {info['source']} in "
+            f"{info['seconds']:.2f} s "
+            f"| peak RSS at load {info['peak_rss_mib']:.0f} MiB (before building the stage "
+            f"{info['rss_before_model_mib']:.0f} MiB, stage parameters {info['param_mib']:.0f} MiB)"
+        )
         log0(f"rank {rank}: data {d['role']} | peak RSS after data {d['peak_rss_mib']:.0f} MiB")
 
 
@@ -271,7 +312,10 @@ def train_step(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss
     if counts_tokens(resolved, engine):
         before = data.iterator.tokens_read
         batches = [next(data.iterator) for _ in range(gas)]
-        label_count, real_tokens = sum(label_tokens(labels) for _, labels in batches), data.iterator.tokens_read - before
+        label_count, real_tokens = (
+            sum(label_tokens(labels) for _, labels in batches),
+            data.iterator.tokens_read - before,
+        )
     label_count, real_tokens = global_sum(label_count, real_tokens)
     normalise_loss(resolved, loss_fn, gas, label_count)
     if resolved.uses_pipeline:
@@ -294,8 +338,9 @@ def eval_label_count(resolved: Resolved, engine, data: RankData) -> int:
     return global_sum(local)[0]
 
 
-def evaluate(resolved: Resolved, engine, data: RankData, step: int, logger: StepLogger, loss_fn: CausalLMLoss,
-             label_count: int) -> None:
+def evaluate(
+    resolved: Resolved, engine, data: RankData, step: int, logger: StepLogger, loss_fn: CausalLMLoss, label_count: int
+) -> None:
     """One pass over the eval data (every rank's shard), without gradients; with loss_normalization=tokens
     the loss is the mean over every label token of the eval set."""
     start = time.time()
@@ -322,7 +367,17 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, start_step: int, total_steps: int) -> None:
     """Steps ``start_step + 1 .. total_steps``: train, check the data order, log, evaluate, save."""
     cfg = resolved.cfg
-    logger = StepLogger(cfg.output_dir, total_steps, cfg.log_steps, dist.get_rank() == 0, start_step)
+    peak = device_peak_tflops(cfg.precision, cfg.mfu_peak_tflops)
+    six_n, attention = flops_per_token(resolved.model_config, resolved.layout.seq_len)
+    logger = StepLogger(
+        cfg.output_dir,
+        total_steps,
+        cfg.log_steps,
+        dist.get_rank() == 0,
+        start_step,
+        flops_per_token=six_n + attention,
+        peak_flops=peak * 1e12 * resolved.world_size if peak else None,
+    )
     eval_labels = eval_label_count(resolved, engine, data) if data.eval_batches else 0
     last_saved = start_step if resolved.resume_tag else None
     census = CensusAtStep(engine)  # model-state bytes per rank, measured before the second optimizer step
@@ -333,19 +388,23 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
         loss, tokens, label_count = train_step(resolved, engine, data, loss_fn)
         data.guard.after_step(step)
         if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
-            log0(f"data order check passed: first and last stage of every pipeline loaded the same "
-                 f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}")
+            log0(
+                f"data order check passed: first and last stage of every pipeline loaded the same "
+                f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}"
+            )
         grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
         logger.log(step, loss, lr, None if grad_norm is None else float(grad_norm), tokens, label_count)
         check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
         if data.eval_batches and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
             evaluate(resolved, engine, data, step, logger, loss_fn, eval_labels)
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps:
-            tag = checkpointing.save(resolved, engine, step, data.iterator)
+            tag = run_checkpoints.save(resolved, engine, step, data.iterator)
             last_saved = step
             rss = on_all_ranks("reporting memory", current_rss_mb)
-            log0(f"saved checkpoint {tag} in {cfg.output_dir} (RSS per rank now: "
-                 f"{', '.join(f'{r:.0f}' for r in rss)} MiB; peak RSS {peak_rss_mb():.0f} MiB)")
+            log0(
+                f"saved checkpoint {tag} in {cfg.output_dir} (RSS per rank now: "
+                f"{', '.join(f'{r:.0f}' for r in rss)} MiB; peak RSS {peak_rss_mb():.0f} MiB)"
+            )
     logger.close()
     if last_saved is None:
         log0("no step to train (max_steps=0): nothing trained, no checkpoint written")
@@ -353,13 +412,19 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
     log0("peak memory per rank (MiB): " + ", ".join(f"rank {r} {p}" for r, p in enumerate(peaks)))
     states = on_all_ranks("measuring model states", lambda: census.result)
     if all(states):
-        log0("model states per rank (MiB, tensors held: weights + grads + optimizer = total): " + ", ".join(
-            f"rank {r} {s['weights'] / 2**20:.2f} + {s['grads'] / 2**20:.2f} + {s['optimizer'] / 2**20:.2f} = "
-            f"{s['total'] / 2**20:.2f}" for r, s in enumerate(states)))
+        log0(
+            "model states per rank (MiB, tensors held: weights + grads + optimizer = total): "
+            + ", ".join(
+                f"rank {r} {s['weights'] / 2**20:.2f} + {s['grads'] / 2**20:.2f} + {s['optimizer'] / 2**20:.2f} = "
+                f"{s['total'] / 2**20:.2f}"
+                for r, s in enumerate(states)
+            )
+        )
 
 
-def check_finite(resolved: Resolved, step: int, loss: float, update_skipped: bool, last_saved: int | None,
-                 skipped: list[int]) -> None:
+def check_finite(
+    resolved: Resolved, step: int, loss: float, update_skipped: bool, last_saved: int | None, skipped: list[int]
+) -> None:
     """A non-finite loss (or gradient: the optimizer skipped the update) never passes silently.
 
     ``nonfinite_loss=stop`` raises on every rank (the loss and the optimizer's skip are the same on
@@ -372,24 +437,37 @@ def check_finite(resolved: Resolved, step: int, loss: float, update_skipped: boo
     bad_loss = not math.isfinite(loss)
     if not bad_loss and (not update_skipped or cfg.precision == "fp16"):
         return
-    what = f"loss is {loss}" if bad_loss else f"loss {loss:.4f} but non-finite gradients (the optimizer skipped the update)"
+    what = (
+        f"loss is {loss}"
+        if bad_loss
+        else f"loss {loss:.4f} but non-finite gradients (the optimizer skipped the update)"
+    )
     if cfg.nonfinite_loss == "skip" and update_skipped:
         skipped.append(step)
-        log0(f"warning: step {step}: {what}: update skipped (nonfinite_loss=skip; {len(skipped)} skipped: steps {skipped})")
+        log0(
+            f"warning: step {step}: {what}: update skipped (nonfinite_loss=skip; {len(skipped)} skipped: steps "
+            f"{skipped})"
+        )
         return
     if last_saved is not None:
-        last = f"{os.path.join(cfg.output_dir, checkpointing.tag_for(last_saved))} (resume=auto continues from it)"
+        last = f"{os.path.join(cfg.output_dir, run_checkpoints.tag_for(last_saved))} (resume=auto continues from it)"
     else:
         last = f"none in {cfg.output_dir} (start again from {cfg.model_name_or_path or 'scratch'})"
     if update_skipped:
-        advice = ("The optimizer skipped this update; nothing after the last good checkpoint is saved. Lower optim.lr, "
-                  "raise optim.warmup_steps, check this step's data, or set nonfinite_loss=skip to skip such steps.")
+        advice = (
+            "The optimizer skipped this update; nothing after the last good checkpoint is saved. Lower optim.lr, "
+            "raise optim.warmup_steps, check this step's data, or set nonfinite_loss=skip to skip such steps."
+        )
     else:
-        advice = (f"The optimizer applied this update (ZeRO stage {resolved.zero_stage} with {cfg.precision} checks no "
-                  f"overflow): the weights are no longer finite and are not saved. Lower optim.lr or raise "
-                  f"optim.warmup_steps (nonfinite_loss=skip needs an optimizer that skips such updates, e.g. ds=zero1).")
-    raise TrainingStopped(f"step {step}: {what}: training stopped (nonfinite_loss={cfg.nonfinite_loss}). "
-                          f"Last good checkpoint: {last}. {advice}")
+        advice = (
+            f"The optimizer applied this update (ZeRO stage {resolved.zero_stage} with {cfg.precision} checks no "
+            f"overflow): the weights are no longer finite and are not saved. Lower optim.lr or raise "
+            f"optim.warmup_steps (nonfinite_loss=skip needs an optimizer that skips such updates, e.g. ds=zero1)."
+        )
+    raise TrainingStopped(
+        f"step {step}: {what}: training stopped (nonfinite_loss={cfg.nonfinite_loss}). "
+        f"Last good checkpoint: {last}. {advice}"
+    )
 
 
 def peak_memory_mib() -> str:
@@ -401,7 +479,11 @@ def peak_memory_mib() -> str:
 
 
 # An absolute path: Hydra resolves a relative one against the calling module, which breaks imports of train.
-@hydra.main(version_base="1.3", config_path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"), config_name="config")
+@hydra.main(
+    version_base="1.3",
+    config_path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"),
+    config_name="config",
+)
 def main(dict_cfg: DictConfig) -> None:
     try:
         resolved = resolve_config(dict_cfg)
@@ -413,8 +495,11 @@ def main(dict_cfg: DictConfig) -> None:
     except RuntimeError as e:  # torch's DistNetworkError is one
         if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
             raise
-        fail(f"the master port {os.environ['MASTER_PORT']} is in use (another job on this machine?): launch with another "
-             f"port, `deepspeed --master_port PORT ...` (or MASTER_PORT=PORT for torchrun/SLURM)")
+        fail(
+            f"the master port {os.environ['MASTER_PORT']} is in use (another job on this machine?): launch with "
+            "another "
+            f"port, `deepspeed --master_port PORT ...` (or MASTER_PORT=PORT for torchrun/SLURM)"
+        )
     lock = None
     try:
         lock = lock_output_dir(resolved)

@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 
 from data.packing import Row, pack_rows, pad_rows
 from data.sources import DataError, SourceStats, read_examples
-from models.checkpoint import TOKENIZER_FILES
+from models.layer_files import TOKENIZER_FILES
 from models.loss import IGNORE_INDEX
 
 CACHE_VERSION = 2  # bump when the on-disk layout or the tokenization rules change
@@ -78,14 +78,19 @@ def cache_key(path: str, settings: DataSettings, tokenizer_dir: str | None) -> s
     return h.hexdigest()[:24]
 
 
-def build_or_reuse(path: str, settings: DataSettings, tokenizer_dir: str | None, cache_dir: str, log) -> tuple[str, dict]:
+def build_or_reuse(
+    path: str, settings: DataSettings, tokenizer_dir: str | None, cache_dir: str, log
+) -> tuple[str, dict]:
     """(entry directory, meta) for ``path``; tokenizes only if no entry with this key exists."""
     start = time.time()
     entry = os.path.join(cache_dir, cache_key(path, settings, tokenizer_dir))
     if os.path.isfile(os.path.join(entry, "meta.json")):
         with open(os.path.join(entry, "meta.json")) as f:
             meta = json.load(f)
-        log(f"reusing tokenized cache {entry} for {path} ({meta['num_samples']} samples; key took {time.time() - start:.1f} s)")
+        log(
+            f"reusing tokenized cache {entry} for {path} ({meta['num_samples']} samples; key took "
+            f"{time.time() - start:.1f} s)"
+        )
         return entry, meta
 
     tokenizer = None
@@ -94,13 +99,18 @@ def build_or_reuse(path: str, settings: DataSettings, tokenizer_dir: str | None,
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         if len(tokenizer) > settings.vocab_size:
-            raise DataError(f"the tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens but the model's embedding has "
-                            f"{settings.vocab_size} rows: use the model's own tokenizer, or resize the model")
+            raise DataError(
+                f"the tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens but the model's embedding has "
+                f"{settings.vocab_size} rows: use the model's own tokenizer, or resize the model"
+            )
     stats = SourceStats()
-    examples = read_examples(path, settings.format, tokenizer, settings.max_seq_length, settings.vocab_size,
-                             settings.skip_bad_lines, stats)
+    examples = read_examples(
+        path, settings.format, tokenizer, settings.max_seq_length, settings.vocab_size, settings.skip_bad_lines, stats
+    )
     if settings.packing:
-        rows = pack_rows(examples, settings.max_seq_length, settings.pad_id, split=settings.format == "text", stats=stats)
+        rows = pack_rows(
+            examples, settings.max_seq_length, settings.pad_id, split=settings.format == "text", stats=stats
+        )
     else:
         rows = pad_rows(examples, settings.max_seq_length, settings.pad_id, stats)
 
@@ -131,19 +141,23 @@ def build_or_reuse(path: str, settings: DataSettings, tokenizer_dir: str | None,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"tokenized {path}: {stats.lines} records -> {stats.examples} examples, {stats.tokens} tokens -> "
+    log(
+        f"tokenized {path}: {stats.lines} records -> {stats.examples} examples, {stats.tokens} tokens -> "
         f"{num} samples of {settings.max_seq_length} in {meta['build_s']:.1f} s ({meta['tokens_per_s']} tokens/s); "
         f"skipped bad lines {stats.skipped_bad_lines}, dropped without trainable tokens {stats.dropped_no_trainable}, "
-        f"truncated {stats.truncated}, rows without a label token dropped {stats.rows_without_labels}")
+        f"truncated {stats.truncated}, rows without a label token dropped {stats.rows_without_labels}"
+    )
     for message in stats.bad_line_examples:
         log(f"  skipped: {message}")
     return entry, meta
 
 
 def _nothing_left(path: str, stats: SourceStats) -> str:
-    return (f"{path}: no usable example ({stats.lines} records read, {stats.skipped_bad_lines} bad lines skipped, "
-            f"{stats.dropped_no_trainable} dropped for having no trainable token, {stats.rows_without_labels} rows "
-            f"without a label token dropped)")
+    return (
+        f"{path}: no usable example ({stats.lines} records read, {stats.skipped_bad_lines} bad lines skipped, "
+        f"{stats.dropped_no_trainable} dropped for having no trainable token, {stats.rows_without_labels} rows "
+        f"without a label token dropped)"
+    )
 
 
 def _progress(path: str, stats: SourceStats, log):
@@ -155,8 +169,10 @@ def _progress(path: str, stats: SourceStats, log):
         if now - state["last"] >= PROGRESS_EVERY_S:
             state["last"] = now
             rate = stats.tokens / (now - state["start"])
-            log(f"tokenizing {os.path.basename(path)}: {100 * stats.bytes_read / total:.1f}% | {stats.lines} records | "
-                f"{stats.tokens} tokens | {rows} samples | {rate:,.0f} tokens/s")
+            log(
+                f"tokenizing {os.path.basename(path)}: {100 * stats.bytes_read / total:.1f}% | {stats.lines} records | "
+                f"{stats.tokens} tokens | {rows} samples | {rate:,.0f} tokens/s"
+            )
 
     return report
 
@@ -200,7 +216,9 @@ class TokenBlocks(Dataset):
         with open(os.path.join(entry, "meta.json")) as f:
             self.meta = json.load(f)
         shape = (self.meta["num_samples"], self.meta["seq_len"])
-        self.arrays = {n: np.memmap(os.path.join(entry, f"{n}.bin"), dtype=np.int32, mode="r", shape=shape) for n in ARRAYS}
+        self.arrays = {
+            n: np.memmap(os.path.join(entry, f"{n}.bin"), dtype=np.int32, mode="r", shape=shape) for n in ARRAYS
+        }
         self.num_tokens = np.memmap(os.path.join(entry, f"{NUM_TOKENS}.bin"), dtype=np.int32, mode="r", shape=shape[:1])
         self.indices = indices
 

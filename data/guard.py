@@ -62,7 +62,9 @@ class OrderGuard:
     rank's data-parallel coordinate (which pipeline), ``stage`` its pipeline stage.
     """
 
-    def __init__(self, iterator: FingerprintingIterator | None, check_steps: int, num_stages: int, pipeline: int, stage: int):
+    def __init__(
+        self, iterator: FingerprintingIterator | None, check_steps: int, num_stages: int, pipeline: int, stage: int
+    ):
         self.iterator, self.check_steps, self.num_stages = iterator, check_steps, num_stages
         self.pipeline, self.stage = pipeline, stage
         self.enabled = check_steps > 0 and num_stages > 1  # one stage reads inputs and labels together
@@ -93,7 +95,9 @@ class OrderGuard:
                     )
                     break
             if len(first[3]) != len(last[3]):
-                problems.append(f"step {step}: first stage (rank {first[2]}) loaded {len(first[3])} micro-batches, "
-                                f"last stage (rank {last[2]}) {len(last[3])}")
+                problems.append(
+                    f"step {step}: first stage (rank {first[2]}) loaded {len(first[3])} micro-batches, "
+                    f"last stage (rank {last[2]}) {len(last[3])}"
+                )
         if problems:
             raise OrderMismatchError("first and last stage disagree on the data order:\n  " + "\n  ".join(problems))

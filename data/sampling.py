@@ -49,7 +49,9 @@ class MicroBatchIterator:
 
     def __init__(self, dataset: Dataset, micro_batch_size: int, dp_rank: int, dp_size: int, shuffle: bool, seed: int):
         self.dataset, self.micro = dataset, micro_batch_size
-        self.sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.sampler = DistributedSampler(
+            dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
         self.per_epoch = len(self.sampler) // micro_batch_size  # micro-batches per epoch on this rank
         if self.per_epoch == 0:
             raise DataError(

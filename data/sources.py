@@ -66,7 +66,11 @@ def read_records(path: str, fmt: str, skip_bad_lines: bool, stats: SourceStats) 
             try:
                 yield lineno, json.loads(_decode(path, lineno, raw))
             except (DataError, json.JSONDecodeError) as e:
-                message = str(e) if isinstance(e, DataError) else f"{path}:{lineno}: malformed JSON ({e.msg}, column {e.colno})"
+                message = (
+                    str(e)
+                    if isinstance(e, DataError)
+                    else f"{path}:{lineno}: malformed JSON ({e.msg}, column {e.colno})"
+                )
                 _bad_line(message, skip_bad_lines, stats)
 
 
@@ -74,7 +78,9 @@ def _decode(path: str, lineno: int, raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+        raise DataError(
+            f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+        ) from None
 
 
 def _txt_documents(path: str, f, skip_bad_lines: bool, stats: SourceStats) -> Iterator[tuple[int, str]]:
@@ -222,7 +228,10 @@ class SFTRenderer:
             text += piece
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = enc["input_ids"]
-        labels = [t if any(a <= start < b for a, b in spans) else IGNORE_INDEX for t, (start, _) in zip(ids, enc["offset_mapping"])]
+        labels = [
+            t if any(a <= start < b for a, b in spans) else IGNORE_INDEX
+            for t, (start, _) in zip(ids, enc["offset_mapping"])
+        ]
         return Example(ids, labels)
 
     def _truncate(self, ex: Example) -> Example | None:
@@ -265,13 +274,17 @@ class SFTRenderer:
                 header = render(messages[:i], generation_prompt=True)
                 full = render(messages[: i + 1])
                 if not header.startswith(done) or not full.startswith(header):
-                    raise DataError(f"{self.path}:{lineno}: the chat template does not render conversations incrementally")
-                segments += [(header[len(done):], False), (full[len(header):], True)]
+                    raise DataError(
+                        f"{self.path}:{lineno}: the chat template does not render conversations incrementally"
+                    )
+                segments += [(header[len(done) :], False), (full[len(header) :], True)]
             else:
                 full = render(messages[: i + 1])
                 if not full.startswith(done):
-                    raise DataError(f"{self.path}:{lineno}: the chat template does not render conversations incrementally")
-                segments.append((full[len(done):], False))
+                    raise DataError(
+                        f"{self.path}:{lineno}: the chat template does not render conversations incrementally"
+                    )
+                segments.append((full[len(done) :], False))
             done = full
         return segments
 

@@ -17,8 +17,10 @@ def missing_dir_problem(path: str) -> str | None:
     if os.path.isdir(path):
         return None
     what = "is not a directory" if os.path.exists(path) else "does not exist"
-    return (f"--model {path} {what}: pass a Hugging Face model directory, e.g. one written by "
-            f"`python convert2ckpt.py --to-hf --input CKPT_DIR --output HF_DIR`")
+    return (
+        f"--model {path} {what}: pass a Hugging Face model directory, e.g. one written by "
+        f"`python convert2ckpt.py --to-hf --input CKPT_DIR --output HF_DIR`"
+    )
 
 
 def load_failure(path: str, error: BaseException) -> str:
@@ -26,14 +28,23 @@ def load_failure(path: str, error: BaseException) -> str:
     raised), with the command that fixes it where there is one: transformers' own errors name no
     fix, and for a damaged safetensors file no file. Weight files are checked from headers and sizes."""
     # Imported only on failure: it imports DeepSpeed (seconds, and a warning line) that a run never needs.
-    from models.checkpoint import (HF_WEIGHT_NAMES, CheckpointError, first_line, hf_weight_files, is_pipeline_checkpoint,
-                                   open_safetensors, torch_file_damage)
+    from models.layer_files import (
+        HF_WEIGHT_NAMES,
+        CheckpointError,
+        first_line,
+        hf_weight_files,
+        is_pipeline_checkpoint,
+        open_safetensors,
+        torch_file_damage,
+    )
 
     files = hf_weight_files(path)
     if not files and is_pipeline_checkpoint(path):
         export = path.rstrip(os.sep) + "-hf"
-        return (f"{path} is a pipeline checkpoint, not a Hugging Face model: export it with "
-                f"`python convert2ckpt.py --to-hf --input {path} --output {export}`, then pass --model {export}")
+        return (
+            f"{path} is a pipeline checkpoint, not a Hugging Face model: export it with "
+            f"`python convert2ckpt.py --to-hf --input {path} --output {export}`, then pass --model {export}"
+        )
     if not os.path.isfile(os.path.join(path, "config.json")):
         return f"{path} has no config.json: not a Hugging Face model directory"
     if not files:
@@ -50,6 +61,8 @@ def load_failure(path: str, error: BaseException) -> str:
         except CheckpointError as e:
             return str(e)
     if not any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer.model")):
-        return (f"{path} has no tokenizer (tokenizer.json or tokenizer.model): copy the tokenizer files of the model "
-                f"it came from into it")
+        return (
+            f"{path} has no tokenizer (tokenizer.json or tokenizer.model): copy the tokenizer files of the model "
+            f"it came from into it"
+        )
     return f"cannot load {path}: {first_line(error)}"

@@ -206,6 +206,18 @@ def model_parameters(config: LlamaConfig) -> int:
     return sum(counts[info.index] for info in spec_layout(config) if info.owns_file)
 
 
+def flops_per_token(config: LlamaConfig, seq: int) -> tuple[float, float]:
+    """Training FLOPs per token, forward + backward: (6 N, causal attention).
+
+    N counts the matmul parameters (every spec but the input embedding, a lookup; a tied LM head counts),
+    and causal attention's QK^T and AV add 2 x 2 S D per layer forward, halved for causality, x3 for
+    forward + backward (the PaLM appendix B count).
+    """
+    n = sum(spec_weights(config, "compute"))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 6.0 * n, 6.0 * config.num_hidden_layers * seq * config.num_attention_heads * head_dim
+
+
 # How train.py splits specs into stages by default (see LlamaPipelineModule and stage_boundaries).
 DEFAULT_PARTITION_METHOD = "compute"
 
@@ -277,8 +289,11 @@ class LlamaPipelineModule(PipelineModule):
 
 
 def build_pipeline_model(
-    config: LlamaConfig, topology: ProcessTopology, partition_method: str = DEFAULT_PARTITION_METHOD,
-    activation_checkpoint_interval: int = 0, loss_fn: CausalLMLoss | None = None,
+    config: LlamaConfig,
+    topology: ProcessTopology,
+    partition_method: str = DEFAULT_PARTITION_METHOD,
+    activation_checkpoint_interval: int = 0,
+    loss_fn: CausalLMLoss | None = None,
 ) -> LlamaPipelineModule:
     """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
 
@@ -326,7 +341,7 @@ class LlamaStack(nn.Module):
 
     The same modules in the same order as the pipeline (so the same layer files, weights and
     numbers); ``forward`` chains them like ``PipelineModule.forward``. It carries the attributes of a
-    one-stage ``PipelineModule`` that ``models.checkpoint.local_modules`` reads, so loading, seeded
+    one-stage ``PipelineModule`` that ``models.layer_files.local_modules`` reads, so loading, seeded
     initialisation and layer-file export are the pipeline's code paths.
     """
 

@@ -27,7 +27,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = 
     shift_logits = logits[:, :-1, :].float()  # [B,S-1,V]
     shift_labels = labels[:, 1:]  # [B,S-1]
     return F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX,
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
         reduction=reduction,
     )
 

@@ -23,7 +23,8 @@ MB/s, the fastest raw copy of the model's bytes in the run (either file set: wri
 10x from one moment to the next, the same 1.4 GB of layer files copied in 0.3 s or 4 s, so the best
 copy is the conservative baseline); peak RSS < 2 x the largest tensor + 1 GiB at every size. The
 "with sync" columns add the os.sync() that follows each step (writing its output back to the disk):
-what a model too big for the page cache costs, where the disk's own speed decides. The files live in --work (under work/, git-ignored) and are deleted at the end.
+what a model too big for the page cache costs, where the disk's own speed decides. The files live in
+--work (under work/, git-ignored) and are deleted at the end.
 """
 
 from __future__ import annotations
@@ -40,22 +41,25 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# Run with the working directory --converter: its convert2ckpt.py, loaded as a module so that main() is timed
+# apart from the imports, and (`python -c` puts that directory first on the module path) the modules it imports.
 CONVERT = """
-import json, sys, time
+import importlib.util, json, time
 t0 = time.time()
-sys.path[:0] = [{converter!r}, {root!r}]
 
 def hwm():  # peak RSS of this process (VmHWM, MiB); ru_maxrss would include the parent's RSS at fork
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
-import convert2ckpt
+spec = importlib.util.spec_from_file_location("convert2ckpt", "convert2ckpt.py")
+converter = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(converter)
 t1 = time.time()
 base = hwm()
-rc = convert2ckpt.main({argv!r})
+rc = converter.main({argv!r})
 t2 = time.time()
 print("BENCH " + json.dumps({{"import_s": t1 - t0, "convert_s": t2 - t1, "rc": rc, "base_rss_mib": base,
-                             "peak_rss_mib": hwm(), "module": convert2ckpt.__file__}}))
+                             "peak_rss_mib": hwm(), "module": converter.__file__}}))
 """
 
 
@@ -88,8 +92,12 @@ def run_copy(files: list[str], dst_dir: str) -> tuple[float, int]:
     times 10x slower here); (seconds, bytes), timed inside that process."""
     os.sync()
     warm(files)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--copy-worker", dst_dir, *files],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--copy-worker", dst_dir, *files],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         sys.exit(f"copy failed:\n{proc.stderr[-3000:]}")
     seconds, nbytes, write_s = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -122,13 +130,14 @@ def run_converter(argv: list[str], converter: str) -> dict:
     os.sync()  # no dirty pages left over from the previous step to be written back during this one
     warm(weight_files(argv[argv.index("--input") + 1]))
     start = time.time()
-    proc = subprocess.run([sys.executable, "-c", CONVERT.format(root=ROOT, converter=converter, argv=argv)], cwd=ROOT,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", CONVERT.format(argv=argv)], cwd=converter, capture_output=True, text=True
+    )
     wall = time.time() - start
     line = next((x for x in proc.stdout.splitlines() if x.startswith("BENCH ")), None)
     if proc.returncode != 0 or line is None:
         sys.exit(f"convert2ckpt.py {' '.join(argv)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    res = json.loads(line[len("BENCH "):])
+    res = json.loads(line[len("BENCH ") :])
     res["wall_s"] = wall
     res["sync_s"] = timed_sync()
     return res
@@ -145,13 +154,12 @@ sync_s: list[float] = []  # timed_sync() after each run_copy
 
 
 MAKE_MODEL = """
-import json, sys
-sys.path.insert(0, {root!r})
+import json
 import torch
 from transformers import LlamaForCausalLM
 from models.tiny import tiny_config
-config = tiny_config(hidden_size={hidden}, intermediate_size={intermediate}, num_hidden_layers={layers}, vocab_size={vocab},
-                     num_attention_heads={heads}, num_key_value_heads={heads})
+config = tiny_config(hidden_size={hidden}, intermediate_size={intermediate}, num_hidden_layers={layers},
+                     vocab_size={vocab}, num_attention_heads={heads}, num_key_value_heads={heads})
 torch.manual_seed(0)
 model = LlamaForCausalLM(config)  # Hugging Face's own init; weights differ per tensor
 model.save_pretrained({path!r}, max_shard_size={shard!r})
@@ -163,25 +171,32 @@ print("BENCH " + json.dumps([sum(p.numel() for p in model.parameters()), max(siz
 def make_model(path: str, layers: int, hidden: int, vocab: int, shard: str) -> tuple[int, int]:
     """A random fp32 Llama saved with save_pretrained (in a child process, so this one stays small);
     (parameters, bytes of the largest tensor)."""
-    code = MAKE_MODEL.format(root=ROOT, hidden=hidden, intermediate=int(hidden * 2.75), layers=layers, vocab=vocab,
-                             heads=hidden // 64, path=path, shard=shard)
+    code = MAKE_MODEL.format(
+        hidden=hidden,
+        intermediate=int(hidden * 2.75),
+        layers=layers,
+        vocab=vocab,
+        heads=hidden // 64,
+        path=path,
+        shard=shard,
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("BENCH ")), None)
     if proc.returncode != 0 or line is None:
         sys.exit(f"making the model failed:\n{proc.stderr[-3000:]}")
-    params, largest = json.loads(line[len("BENCH "):])
+    params, largest = json.loads(line[len("BENCH ") :])
     return params, largest
 
 
 def read_paths(tag_dir: str, out: str, rounds: int) -> None:
     """The export's three ways to move layer-file bytes into an output file, interleaved in this process
     (same bytes, same page cache, minutes apart at most): a raw 1 MiB read/write loop; each tensor
-    through ``convert2ckpt.write_tensor`` (``pread`` from its file, what the export does); each tensor
+    through ``models.hf_io.write_tensor`` (``pread`` from its file, what the export does); each tensor
     written from its memory mapping in 256 KiB pieces (the export before)."""
     import torch
 
-    import convert2ckpt
-    from models.checkpoint import load_layer_file
+    from models.hf_io import ChunkedWriter, write_tensor
+    from models.layer_files import load_layer_file
 
     files = sorted(os.path.join(tag_dir, f) for f in os.listdir(tag_dir) if f.startswith("layer_"))
 
@@ -193,9 +208,11 @@ def read_paths(tag_dir: str, out: str, rounds: int) -> None:
     def through_mapping(f, t):
         f.write(t.reshape(-1).view(torch.uint8).numpy())  # ChunkedWriter: 256 KiB writes out of the mapping
 
-    ways = {"raw copy (1 MiB read/write)": lambda f: raw_copy_into(files, f),
-            "export: pread (write_tensor)": lambda f: tensors(f, convert2ckpt.write_tensor),
-            "export: through the mapping": lambda f: tensors(f, through_mapping)}
+    ways = {
+        "raw copy (1 MiB read/write)": lambda f: raw_copy_into(files, f),
+        "export: pread (write_tensor)": lambda f: tensors(f, write_tensor),
+        "export: through the mapping": lambda f: tensors(f, through_mapping),
+    }
     nbytes = sum(os.path.getsize(p) for p in files)
     seconds: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
@@ -204,15 +221,17 @@ def read_paths(tag_dir: str, out: str, rounds: int) -> None:
             os.sync()
             start = time.perf_counter()
             with open(out, "wb", buffering=0) as raw:
-                way(convert2ckpt.ChunkedWriter(raw))
+                way(ChunkedWriter(raw))
             seconds[name].append(time.perf_counter() - start)
             os.remove(out)
     print(f"{len(files)} layer files, {nbytes / 2**20:.0f} MiB, {rounds} rounds interleaved, page cache, no fsync")
     print("| way | seconds per round | median (s) | MB/s |")
     print("|---|---|---|---|")
     for name, s in seconds.items():
-        print(f"| {name} | {', '.join(f'{x:.2f}' for x in s)} | {statistics.median(s):.2f} | "
-              f"{nbytes / statistics.median(s) / 1e6:.0f} |")
+        print(
+            f"| {name} | {', '.join(f'{x:.2f}' for x in s)} | {statistics.median(s):.2f} | "
+            f"{nbytes / statistics.median(s) / 1e6:.0f} |"
+        )
 
 
 def raw_copy_into(files: list[str], out) -> None:
@@ -239,9 +258,14 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the files")
     p.add_argument("--export-shard", default="", help="--max-shard-size of the export (default: the converter's, 2GB)")
     p.add_argument("--converter", default=ROOT, help="directory whose convert2ckpt.py to run (e.g. an older copy)")
-    p.add_argument("--read-paths", default="", metavar="TAG_DIR",
-                   help="instead: compare the export's ways of reading layer files (TAG_DIR: a checkpoint's global_stepN)")
+    p.add_argument(
+        "--read-paths",
+        default="",
+        metavar="TAG_DIR",
+        help="instead: compare the export's ways of reading layer files (TAG_DIR: a checkpoint's global_stepN)",
+    )
     args = p.parse_args()
+    args.work = os.path.abspath(args.work)  # the conversions run in --converter's directory
     if args.read_paths:
         os.makedirs(args.work, exist_ok=True)
         read_paths(args.read_paths, os.path.join(args.work, "read_paths.out"), args.repeats)
@@ -275,15 +299,24 @@ def main() -> None:
                 shutil.rmtree(os.path.join(args.work, f"copy_ckpt_{tag}"))
                 back = os.path.join(args.work, f"back_{tag}")
                 export_shard = ["--max-shard-size", args.export_shard] if args.export_shard else []
-                times["to_hf"].append(run_converter(["--to-hf", "--input", ckpt, "--output", back, *export_shard], args.converter))
+                times["to_hf"].append(
+                    run_converter(["--to-hf", "--input", ckpt, "--output", back, *export_shard], args.converter)
+                )
                 for d in (f"back_{tag}", f"ckpt_{tag}"):
                     shutil.rmtree(os.path.join(args.work, d))
-                print(f"{layers} layers, repeat {r + 1}: copy HF {times['copy_hf'][-1][0]:.2f} s (writes {copy_write_s[-2]:.2f} s), "
-                      f"HF->stages {times['to_stages'][-1]['convert_s']:.2f} s (process {times['to_stages'][-1]['wall_s']:.1f} s, "
-                      f"peak RSS {times['to_stages'][-1]['peak_rss_mib']:.0f} MiB), copy stages {times['copy_stages'][-1][0]:.2f} s "
-                      f"(writes {copy_write_s[-1]:.2f} s), "
-                      f"stages->HF {times['to_hf'][-1]['convert_s']:.2f} s (process {times['to_hf'][-1]['wall_s']:.1f} s, "
-                      f"peak RSS {times['to_hf'][-1]['peak_rss_mib']:.0f} MiB)", flush=True)
+                print(
+                    f"{layers} layers, repeat {r + 1}: copy HF {times['copy_hf'][-1][0]:.2f} s (writes "
+                    f"{copy_write_s[-2]:.2f} s), "
+                    f"HF->stages {times['to_stages'][-1]['convert_s']:.2f} s (process "
+                    f"{times['to_stages'][-1]['wall_s']:.1f} s, "
+                    f"peak RSS {times['to_stages'][-1]['peak_rss_mib']:.0f} MiB), copy stages "
+                    f"{times['copy_stages'][-1][0]:.2f} s "
+                    f"(writes {copy_write_s[-1]:.2f} s), "
+                    f"stages->HF {times['to_hf'][-1]['convert_s']:.2f} s (process {times['to_hf'][-1]['wall_s']:.1f} "
+                    "s, "
+                    f"peak RSS {times['to_hf'][-1]['peak_rss_mib']:.0f} MiB)",
+                    flush=True,
+                )
             shutil.rmtree(hf)
             rows.append((layers, params, size, largest, times))
     finally:
@@ -291,15 +324,23 @@ def main() -> None:
             shutil.rmtree(args.work, ignore_errors=True)
 
     print()
-    print("| layers | params (M) | weights (MiB) | largest tensor (MiB) | direction | its copy, median (s) | best copy (MB/s) "
-          "| convert, median (s) | convert (MB/s) | convert / best copy | with sync: copy / convert (s) | with sync: ratio "
-          "| process wall (s) | import (s) | RSS after imports (MiB) | peak RSS (MiB) | RSS limit (MiB) | speed target | memory target |")
+    print(
+        "| layers | params (M) | weights (MiB) | largest tensor (MiB) | direction | its copy, median (s) | best copy "
+        "(MB/s) "
+        "| convert, median (s) | convert (MB/s) | convert / best copy | with sync: copy / convert (s) | with sync: "
+        "ratio "
+        "| process wall (s) | import (s) | RSS after imports (MiB) | peak RSS (MiB) | RSS limit (MiB) | speed target "
+        "| memory target |"
+    )
     print("|---" * 19 + "|")
     for layers, params, size, largest, times in rows:
         limit = (2 * largest + 2**30) / 2**20
         # The baseline: the fastest raw copy of this model's bytes in this run, either file set (see the docstring).
         best_copy = max(n / t for key in ("copy_hf", "copy_stages") for t, n, _ in times[key])
-        for name, copy_key, conv_key in (("HF -> stages", "copy_hf", "to_stages"), ("stages -> HF", "copy_stages", "to_hf")):
+        for name, copy_key, conv_key in (
+            ("HF -> stages", "copy_hf", "to_stages"),
+            ("stages -> HF", "copy_stages", "to_hf"),
+        ):
             copy_median = statistics.median(t for t, _, _ in times[copy_key])
             nbytes = times[copy_key][0][1]
             conv = times[conv_key]
@@ -308,12 +349,17 @@ def main() -> None:
             ratio = nbytes / conv_s / best_copy
             copy_durable = statistics.median(t + w for t, _, w in times[copy_key])
             conv_durable = statistics.median(c["convert_s"] + c["sync_s"] for c in conv)
-            print(f"| {layers} | {params / 1e6:.0f} | {size / 2**20:.0f} | {largest / 2**20:.0f} | {name} | {copy_median:.2f} | "
-                  f"{best_copy / 1e6:.0f} | {conv_s:.2f} | {nbytes / conv_s / 1e6:.0f} | {ratio:.2f} | "
-                  f"{copy_durable:.2f} / {conv_durable:.2f} | {copy_durable / conv_durable:.2f} | "
-                  f"{statistics.median(c['wall_s'] for c in conv):.1f} | {statistics.median(c['import_s'] for c in conv):.1f} | "
-                  f"{statistics.median(c['base_rss_mib'] for c in conv):.0f} | {rss:.0f} | {limit:.0f} | "
-                  f"{'met' if ratio >= 0.5 else 'MISSED'} | {'met' if rss < limit else 'MISSED'} |")
+            print(
+                f"| {layers} | {params / 1e6:.0f} | {size / 2**20:.0f} | {largest / 2**20:.0f} | {name} | "
+                f"{copy_median:.2f} | "
+                f"{best_copy / 1e6:.0f} | {conv_s:.2f} | {nbytes / conv_s / 1e6:.0f} | {ratio:.2f} | "
+                f"{copy_durable:.2f} / {conv_durable:.2f} | {copy_durable / conv_durable:.2f} | "
+                f"{statistics.median(c['wall_s'] for c in conv):.1f} | "
+                f"{statistics.median(c['import_s'] for c in conv):.1f} | "
+                f"{statistics.median(c['base_rss_mib'] for c in conv):.0f} | {rss:.0f} | {limit:.0f} | "
+                f"{'met' if ratio >= 0.5 else 'MISSED'} | {'met' if rss < limit else 'MISSED'} |"
+            )
+
 
 if __name__ == "__main__":
     main()

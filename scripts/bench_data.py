@@ -23,7 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 RSS = re.compile(r"rank (\d+): data (.+?) \| peak RSS after data (\d+) MiB")
-BUILD = re.compile(r"tokenized .*?: (\d+) records -> \d+ examples, (\d+) tokens -> (\d+) samples .* in ([\d.]+) s \((\d+) tokens/s\)")
+BUILD = re.compile(
+    r"tokenized .*?: (\d+) records -> \d+ examples, (\d+) tokens -> (\d+) samples .* in ([\d.]+) s \((\d+) tokens/s\)"
+)
 
 
 def write_corpus(path: str, num_docs: int) -> int:
@@ -44,7 +46,7 @@ def main() -> None:
     p.add_argument("--work", default=os.path.join(ROOT, "work", "bench_data"))
     args = p.parse_args()
 
-    from convert2ckpt import hf_to_stages
+    from models.hf_io import hf_to_stages
     from models.tiny import save_random_model, tiny_config, train_tokenizer
 
     os.makedirs(args.work, exist_ok=True)
@@ -59,10 +61,22 @@ def main() -> None:
         corpus, cache = os.path.join(args.work, f"corpus_{n}.jsonl"), os.path.join(args.work, f"cache_{n}")
         size = write_corpus(corpus, n)
         shutil.rmtree(cache, ignore_errors=True)
-        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "4", "train.py",
-               f"model_name_or_path={ckpt}", "num_stages=4", "max_steps=0", f"data.train_file={corpus}",
-               "data.format=text", "data.max_seq_length=256", f"data.cache_dir={cache}", "gradient_accumulation_steps=4",
-               "precision=fp32", f"output_dir={os.path.join(args.work, 'out')}"]
+        cmd = [
+            os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+            "--num_gpus",
+            "4",
+            "train.py",
+            f"model_name_or_path={ckpt}",
+            "num_stages=4",
+            "max_steps=0",
+            f"data.train_file={corpus}",
+            "data.format=text",
+            "data.max_seq_length=256",
+            f"data.cache_dir={cache}",
+            "gradient_accumulation_steps=4",
+            "precision=fp32",
+            f"output_dir={os.path.join(args.work, 'out')}",
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode != 0:
             sys.exit(f"{n} documents failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
@@ -70,12 +84,17 @@ def main() -> None:
         rss = {int(r): (role, int(mib)) for r, role, mib in RSS.findall(proc.stdout)}
         rows.append((n, size, int(tokens), int(samples), float(seconds), int(rate), rss))
 
-    print("| documents | corpus (MiB) | tokens | samples | cache build (s) | tokens/s | "
-          "rank 0 first (MiB) | rank 1 middle (MiB) | rank 2 middle (MiB) | rank 3 last (MiB) |")
+    print(
+        "| documents | corpus (MiB) | tokens | samples | cache build (s) | tokens/s | "
+        "rank 0 first (MiB) | rank 1 middle (MiB) | rank 2 middle (MiB) | rank 3 last (MiB) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for n, size, tokens, samples, seconds, rate, rss in rows:
-        print(f"| {n} | {size / 2**20:.1f} | {tokens} | {samples} | {seconds:.1f} | {rate} | "
-              + " | ".join(f"{rss[r][1]}" for r in range(4)) + " |")
+        print(
+            f"| {n} | {size / 2**20:.1f} | {tokens} | {samples} | {seconds:.1f} | {rate} | "
+            + " | ".join(f"{rss[r][1]}" for r in range(4))
+            + " |"
+        )
 
 
 if __name__ == "__main__":

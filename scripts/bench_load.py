@@ -36,13 +36,15 @@ TARGET = 1.3  # peak RSS at load <= TARGET x stage bytes + empty-rank peak
 
 def make_checkpoint(work: str, config) -> str:
     """A random fp32 Llama of ``config``, converted to layer files in ``work/ckpt`` (reused if there)."""
-    from convert2ckpt import hf_to_stages
+    from models.hf_io import hf_to_stages
     from models.tiny import save_random_model
 
     hf_dir, ckpt = os.path.join(work, "hf"), os.path.join(work, "ckpt")
     shape_file = os.path.join(work, "shape.json")
     shape = json.dumps(config.to_dict(), sort_keys=True)
-    if not (os.path.isfile(os.path.join(ckpt, "latest")) and os.path.isfile(shape_file) and open(shape_file).read() == shape):
+    if not (
+        os.path.isfile(os.path.join(ckpt, "latest")) and os.path.isfile(shape_file) and open(shape_file).read() == shape
+    ):
         os.makedirs(work, exist_ok=True)
         save_random_model(config, hf_dir)
         hf_to_stages(hf_dir, ckpt, overwrite=True)
@@ -53,9 +55,22 @@ def make_checkpoint(work: str, config) -> str:
 
 def load_reports(ckpt: str, k: int, data: str, out: str) -> dict[int, tuple]:
     """rank -> (stage, M params, stage MiB, RSS before stage MiB, peak RSS at load MiB) for K stages."""
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(k), "--master_port", str(free_port()),
-           "train.py", f"model_name_or_path={ckpt}", f"num_stages={k}", "max_steps=0", f"data.train_file={data}",
-           "data.max_seq_length=64", f"gradient_accumulation_steps={k}", "precision=fp32", f"output_dir={out}"]
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        str(k),
+        "--master_port",
+        str(free_port()),
+        "train.py",
+        f"model_name_or_path={ckpt}",
+        f"num_stages={k}",
+        "max_steps=0",
+        f"data.train_file={data}",
+        "data.max_seq_length=64",
+        f"gradient_accumulation_steps={k}",
+        "precision=fp32",
+        f"output_dir={out}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         sys.exit(f"{ckpt}, num_stages={k} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
@@ -81,8 +96,14 @@ def main() -> None:
     from models.tiny import tiny_config
 
     stage_counts = [int(s) for s in args.stages.split(",")]
-    config = tiny_config(hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75), num_hidden_layers=args.layers,
-                         vocab_size=args.vocab, num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64)
+    config = tiny_config(
+        hidden_size=args.hidden,
+        intermediate_size=int(args.hidden * 2.75),
+        num_hidden_layers=args.layers,
+        vocab_size=args.vocab,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
+    )
     empty_config = tiny_config(num_hidden_layers=max(4, *stage_counts))  # hidden 64, vocabulary 512
     ckpt = make_checkpoint(args.work, config)
     empty_ckpt = make_checkpoint(os.path.join(args.work, "empty"), empty_config)
@@ -100,16 +121,23 @@ def main() -> None:
             rows.append((k, rank, stage, mparams, param_mib, before, empty[rank][4], empty[rank][2], peak))
 
     total = model_parameters(config)
-    print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {total / 1e6:.0f} M params, "
-          f"{total * 4 / 2**20:.0f} MiB fp32; empty rank: the same launch with a {empty_config.num_hidden_layers}-layer "
-          f"hidden-{empty_config.hidden_size} model")
-    print(f"| stages | rank | stage | params (M) | stage params (MiB) | RSS before stage (MiB) | empty-rank peak (MiB) "
-          f"| peak RSS at load (MiB) | limit {TARGET} x stage + empty (MiB) | (peak - empty) / stage bytes | target |")
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {total / 1e6:.0f} M params, "
+        f"{total * 4 / 2**20:.0f} MiB fp32; empty rank: the same launch with a {empty_config.num_hidden_layers}-layer "
+        f"hidden-{empty_config.hidden_size} model"
+    )
+    print(
+        f"| stages | rank | stage | params (M) | stage params (MiB) | RSS before stage (MiB) | empty-rank peak (MiB) "
+        f"| peak RSS at load (MiB) | limit {TARGET} x stage + empty (MiB) | (peak - empty) / stage bytes | target |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for k, rank, stage, mparams, param_mib, before, empty_peak, empty_mib, peak in rows:
         limit = TARGET * param_mib + empty_peak
-        print(f"| {k} | {rank} | {stage} | {mparams:.1f} | {param_mib} | {before} | {empty_peak} | {peak} | {limit:.0f} | "
-              f"{(peak - empty_peak) / param_mib:.2f} | {'met' if peak <= limit else 'MISSED'} |")
+        print(
+            f"| {k} | {rank} | {stage} | {mparams:.1f} | {param_mib} | {before} | {empty_peak} | {peak} | "
+            f"{limit:.0f} | "
+            f"{(peak - empty_peak) / param_mib:.2f} | {'met' if peak <= limit else 'MISSED'} |"
+        )
 
 
 if __name__ == "__main__":

@@ -68,38 +68,76 @@ CASES = {
     "x": ("two plain HF loops at once, 1 thread each (no communication: the machine's 2-rank ceiling)", 2, None, 1, []),
     "b": ("train.py, num_stages=1, 1 rank", 1, 1, None, []),
     "b0": ("train.py, num_stages=1, 1 rank, ds=zero0", 1, 1, None, ["ds=zero0"]),
-    "b1": ("train.py, num_stages=1, 1 rank, ZeRO-1 with DeepSpeed's GPU defaults (reduce_scatter, contiguous_gradients)",
-           1, 1, None, [f"ds_config={{work}}/{GPU_DEFAULTS_JSON}"]),
+    "b1": (
+        "train.py, num_stages=1, 1 rank, ZeRO-1 with DeepSpeed's GPU defaults (reduce_scatter, contiguous_gradients)",
+        1,
+        1,
+        None,
+        [f"ds_config={{work}}/{GPU_DEFAULTS_JSON}"],
+    ),
     "c": ("train.py, num_stages=2 (pipe 2 x data 1)", 2, 2, 1, []),
     "c2": ("train.py, num_stages=2, partition_method=parameters", 2, 2, 1, ["partition_method=parameters"]),
     "c3": ("train.py, num_stages=2, ds=zero0", 2, 2, 1, ["ds=zero0"]),
     "d": ("train.py, num_stages=1, data-parallel 2", 2, 1, 1, []),
     "d0": ("train.py, num_stages=1, data-parallel 2, ds=zero0", 2, 1, 1, ["ds=zero0"]),
-    "d1": ("train.py, num_stages=1, data-parallel 2, ZeRO-1 with DeepSpeed's GPU defaults", 2, 1, 1,
-           [f"ds_config={{work}}/{GPU_DEFAULTS_JSON}"]),
+    "d1": (
+        "train.py, num_stages=1, data-parallel 2, ZeRO-1 with DeepSpeed's GPU defaults",
+        2,
+        1,
+        1,
+        [f"ds_config={{work}}/{GPU_DEFAULTS_JSON}"],
+    ),
     "e": ("train.py, num_stages=1, 1 rank, 1 thread", 1, 1, 1, []),
     "e0": ("train.py, num_stages=1, 1 rank, 1 thread, ds=zero0", 1, 1, 1, ["ds=zero0"]),
-    "e1": ("train.py, num_stages=1, 1 rank, 1 thread, ZeRO-1 with DeepSpeed's GPU defaults", 1, 1, 1,
-           [f"ds_config={{work}}/{GPU_DEFAULTS_JSON}"]),
+    "e1": (
+        "train.py, num_stages=1, 1 rank, 1 thread, ZeRO-1 with DeepSpeed's GPU defaults",
+        1,
+        1,
+        1,
+        [f"ds_config={{work}}/{GPU_DEFAULTS_JSON}"],
+    ),
 }
 # Ratios: case -> (reference, ideal (None: the pipeline's 2M/(M+K-1)), target as a fraction of the ideal)
-RATIOS = {"x": ("a", 2.0, None), "b": ("a", 1.0, 0.95), "b0": ("a", 1.0, 0.95), "b1": ("a", 1.0, 0.95),
-          "c": ("e", None, 0.9), "c2": ("e", None, 0.9), "c3": ("e0", None, 0.9),
-          "d": ("e", 2.0, 0.9), "d0": ("e0", 2.0, 0.9), "d1": ("e1", 2.0, 0.9)}
+RATIOS = {
+    "x": ("a", 2.0, None),
+    "b": ("a", 1.0, 0.95),
+    "b0": ("a", 1.0, 0.95),
+    "b1": ("a", 1.0, 0.95),
+    "c": ("e", None, 0.9),
+    "c2": ("e", None, 0.9),
+    "c3": ("e0", None, 0.9),
+    "d": ("e", 2.0, 0.9),
+    "d0": ("e0", 2.0, 0.9),
+    "d1": ("e1", 2.0, 0.9),
+}
 # With --threads 1, e and e0 are the same commands as b and b0: their runs serve for both.
 ALIASES = {"e": "b", "e0": "b0", "e1": "b1"}
-CPU_SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                 num_attention_heads=8, num_key_value_heads=8)
+CPU_SHAPE = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+)
 
 
 # ---------------------------------------------------------------- model, data, FLOPs
+
 
 def model_spec(args) -> tuple[str, dict]:
     """(conf/model group entry, architecture overrides) for both the plain loop and train.py."""
     if args.model:
         return args.model, {}
     shape = dict(CPU_SHAPE)
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+    ):
         value = getattr(args, key)
         if value is not None:
             shape[key] = value
@@ -113,18 +151,8 @@ def llama_config(group: str, overrides: dict):
     return model_group_config(group, **overrides)
 
 
-def flops_per_token(config, seq: int) -> tuple[float, float, int]:
-    """(6 N, causal attention FLOPs per token, parameters): see the module docstring."""
-    from models.llama_pipe import model_parameters, spec_weights
-
-    n = sum(spec_weights(config, "compute"))  # matmul parameters: all but the input embedding; a tied head counts
-    total = model_parameters(config)  # a tied embedding counted once
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attn = 6 * config.num_hidden_layers * seq * config.num_attention_heads * head_dim
-    return 6 * n, attn, total
-
-
 # ---------------------------------------------------------------- CPU accounting
+
 
 def system_busy_s() -> float:
     """CPU seconds all processes have used since boot (/proc/stat; 0 where there is none)."""
@@ -185,7 +213,8 @@ class Monitor(threading.Thread):
 
 
 def per_step_cpu(stamps: list[tuple[float, float, float]], ranks: int) -> list[tuple[float, float]]:
-    """Per train line after the first: (share of a core per rank, cores used by other processes) since the line before."""
+    """Per train line after the first: (share of a core per rank, cores used by other processes) since the
+    line before."""
     out = []
     for (t0, b0, c0), (t1, b1, c1) in zip(stamps, stamps[1:]):
         wall = t1 - t0
@@ -215,6 +244,7 @@ def wait_for_quiet(threshold: float, max_wait: float) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------- workers (run in a subprocess)
+
 
 def matmul_worker(spec: dict) -> dict:
     """Best square-matmul rate (FLOP/s) at ``threads`` threads, in ``dtype`` on ``device``."""
@@ -282,17 +312,33 @@ def plain_worker(spec: dict) -> dict:
         sync()
         wall = time.perf_counter() - t0
         cpu = time.process_time() - c0
-        steps.append({"step_s": wall, "cpu_s": cpu, "other_cores": max(0.0, system_busy_s() - b0 - cpu) / wall,
-                      "forward_cpu_s": fwd, "backward_cpu_s": bwd, "optimizer_cpu_s": time.process_time() - c})
+        steps.append(
+            {
+                "step_s": wall,
+                "cpu_s": cpu,
+                "other_cores": max(0.0, system_busy_s() - b0 - cpu) / wall,
+                "forward_cpu_s": fwd,
+                "backward_cpu_s": bwd,
+                "optimizer_cpu_s": time.process_time() - c,
+            }
+        )
     return {"steps": steps}
 
 
 def run_worker(kind: str, spec: dict, threads: int, copies: int = 1) -> list[dict] | dict:
     """``copies`` worker processes started together; the result of each (one dict when copies is 1)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", kind, "--spec", json.dumps(spec)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(copies)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", kind, "--spec", json.dumps(spec)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(copies)
+    ]
     results = []
     for proc in procs:
         out, err = proc.communicate()
@@ -305,9 +351,18 @@ def run_worker(kind: str, spec: dict, threads: int, copies: int = 1) -> list[dic
 # ---------------------------------------------------------------- profiling wrapper (inside each rank)
 
 # PipelineEngine instructions timed by --profile (wall and this thread's CPU time, per call).
-PROFILED = ("_exec_load_micro_batch", "_exec_forward_pass", "_exec_backward_pass", "_exec_send_activations",
-            "_exec_recv_activations", "_exec_send_grads", "_exec_recv_grads", "_exec_reduce_tied_grads",
-            "_exec_reduce_grads", "_exec_optimizer_step")
+PROFILED = (
+    "_exec_load_micro_batch",
+    "_exec_forward_pass",
+    "_exec_backward_pass",
+    "_exec_send_activations",
+    "_exec_recv_activations",
+    "_exec_send_grads",
+    "_exec_recv_grads",
+    "_exec_reduce_tied_grads",
+    "_exec_reduce_grads",
+    "_exec_optimizer_step",
+)
 
 
 def profile_rank(out_dir: str, train_argv: list[str]) -> None:
@@ -331,6 +386,7 @@ def profile_rank(out_dir: str, train_argv: list[str]) -> None:
                 rec[0] += 1
                 rec[1] += time.perf_counter() - t
                 rec[2] += time.thread_time() - c
+
         return wrapper
 
     wrapped = {name: timed(name, getattr(PipelineEngine, name)) for name in PROFILED}
@@ -362,9 +418,19 @@ def profile_rank(out_dir: str, train_argv: list[str]) -> None:
 def profile_table(case: str, prof_dir: str, warmup: int) -> list[str]:
     """Markdown rows: per rank, the median per-step seconds of each instruction (wall / CPU)."""
     rows = []
-    names = ("train_batch", "_exec_forward_pass", "_exec_backward_pass", "_exec_send_activations", "_exec_recv_activations",
-             "_exec_send_grads", "_exec_recv_grads", "_exec_reduce_grads", "_exec_reduce_tied_grads", "_exec_optimizer_step",
-             "_exec_load_micro_batch")
+    names = (
+        "train_batch",
+        "_exec_forward_pass",
+        "_exec_backward_pass",
+        "_exec_send_activations",
+        "_exec_recv_activations",
+        "_exec_send_grads",
+        "_exec_recv_grads",
+        "_exec_reduce_grads",
+        "_exec_reduce_tied_grads",
+        "_exec_optimizer_step",
+        "_exec_load_micro_batch",
+    )
     for fname in sorted(os.listdir(prof_dir)):
         rank = fname[4:-5]
         with open(os.path.join(prof_dir, fname)) as f:
@@ -381,11 +447,14 @@ def profile_table(case: str, prof_dir: str, warmup: int) -> list[str]:
     return rows
 
 
-PROFILE_HEADER = ("| case | rank | train_batch | forward | backward | send act. | recv act. | send grad | recv grad | "
-                  "reduce grads | reduce tied | optimizer step | load batch | rest (wall) |")
+PROFILE_HEADER = (
+    "| case | rank | train_batch | forward | backward | send act. | recv act. | send grad | recv grad | "
+    "reduce grads | reduce tied | optimizer step | load batch | rest (wall) |"
+)
 
 
 # ---------------------------------------------------------------- train.py runs
+
 
 def case_args(train_args: list[str], case: str) -> list[str]:
     """--train-arg values for ``case``: plain ones for every case, 'c:KEY=VALUE' for case c only."""
@@ -409,15 +478,36 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
     out = os.path.join(run_dir, "out")
     shutil.rmtree(out, ignore_errors=True)
     port = free_port()
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(port),
-           *(["scripts/bench_train.py", "--profile-rank", os.path.join(run_dir, "profile")] if args.profile else ["train.py"]),
-           f"model={group}", f"model.tokenizer={tokenizer}",
-           *[f"model.architecture.{k}={v}" for k, v in overrides.items()],
-           f"num_stages={stages}", f"ds={args.ds}", f"precision={args.precision}", "micro_batch_size=1",
-           f"gradient_accumulation_steps={args.micro_batches // dp}", f"max_steps={args.warmup + args.steps}",
-           "data=tokens", f"data.train_file={data}", f"data.max_seq_length={args.seq}",
-           f"data.cache_dir={os.path.join(args.work, 'cache')}", f"output_dir={out}", "resume=never",
-           "min_free_disk_gb=0", *[a.format(work=args.work) for a in extra], *case_args(args.train_arg, case)]
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(port),
+        *(
+            ["scripts/bench_train.py", "--profile-rank", os.path.join(run_dir, "profile")]
+            if args.profile
+            else ["train.py"]
+        ),
+        f"model={group}",
+        f"model.tokenizer={tokenizer}",
+        *[f"model.architecture.{k}={v}" for k, v in overrides.items()],
+        f"num_stages={stages}",
+        f"ds={args.ds}",
+        f"precision={args.precision}",
+        "micro_batch_size=1",
+        f"gradient_accumulation_steps={args.micro_batches // dp}",
+        f"max_steps={args.warmup + args.steps}",
+        "data=tokens",
+        f"data.train_file={data}",
+        f"data.max_seq_length={args.seq}",
+        f"data.cache_dir={os.path.join(args.work, 'cache')}",
+        f"output_dir={out}",
+        "resume=never",
+        "min_free_disk_gb=0",
+        *[a.format(work=args.work) for a in extra],
+        *case_args(args.train_arg, case),
+    ]
     if any(GPU_DEFAULTS_JSON in a for a in extra):
         with open(os.path.join(args.work, GPU_DEFAULTS_JSON), "w") as f:
             json.dump(GPU_DEFAULTS, f)
@@ -434,7 +524,9 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
         monitor.stop.set()
         monitor.join()
     for leftover in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
-        if leftover.startswith(f"deepspeed_allreduce_buffer_{os.getuid()}_") and f"_{port}_" in leftover:  # a crashed rank's
+        if (
+            leftover.startswith(f"deepspeed_allreduce_buffer_{os.getuid()}_") and f"_{port}_" in leftover
+        ):  # a crashed rank's
             os.remove(os.path.join("/dev/shm", leftover))
     if rc != 0:
         with open(log_path) as f:
@@ -445,10 +537,14 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
     shutil.rmtree(out, ignore_errors=True)  # the final checkpoint is not needed
     measured = range(args.warmup, len(records))
     profile = profile_table(case, os.path.join(run_dir, "profile"), args.warmup) if args.profile else []
-    return {"profile": profile, "step_s": [records[i]["step_s"] for i in measured], "tokens": records[-1]["tokens"],
-            "warmup_s": [r["step_s"] for r in records[: args.warmup]],
-            "cpu_share": [cpu[i][0] if i < len(cpu) else float("nan") for i in measured],
-            "other_cores": [cpu[i][1] if i < len(cpu) else float("nan") for i in measured]}
+    return {
+        "profile": profile,
+        "step_s": [records[i]["step_s"] for i in measured],
+        "tokens": records[-1]["tokens"],
+        "warmup_s": [r["step_s"] for r in records[: args.warmup]],
+        "cpu_share": [cpu[i][0] if i < len(cpu) else float("nan") for i in measured],
+        "other_cores": [cpu[i][1] if i < len(cpu) else float("nan") for i in measured],
+    }
 
 
 def split_bound_line(config, micro: int, stages: int = 2) -> str:
@@ -462,22 +558,33 @@ def split_bound_line(config, micro: int, stages: int = 2) -> str:
     parts = []
     for method in ("compute", "parameters"):
         bounds = stage_boundaries(config, stages, method)
-        shares = [sum(work[bounds[s]:bounds[s + 1]]) / sum(work) for s in range(stages)]
+        shares = [sum(work[bounds[s] : bounds[s + 1]]) / sum(work) for s in range(stages)]
         best = 1 / (max(shares) * (micro + stages - 1) / micro)
         specs = " | ".join(f"specs {bounds[s]}-{bounds[s + 1] - 1}" for s in range(stages))
-        parts.append(f"{method}: {specs}, work {' / '.join(f'{100 * x:.1f}%' for x in shares)}, best speed-up {best:.3f}")
+        parts.append(
+            f"{method}: {specs}, work {' / '.join(f'{100 * x:.1f}%' for x in shares)}, best speed-up {best:.3f}"
+        )
     return f"{stages}-stage splits (share of the matmul work per stage): " + "; ".join(parts)
 
 
 def run_plain(args, group: str, overrides: dict, data: str, device: str, copies: int = 1) -> dict:
     """Case a; with ``copies`` 2, case x: two independent plain loops at once (the machine's ceiling
     for two ranks that never communicate; their step times are pooled, tokens counted for both)."""
-    spec = dict(group=group, overrides=overrides, data=data, micro_batches=args.micro_batches, seq=args.seq,
-                steps=args.warmup + args.steps, threads=args.threads, device=device, precision=args.precision,
-                fused=not args.plain_default_adamw)
+    spec = dict(
+        group=group,
+        overrides=overrides,
+        data=data,
+        micro_batches=args.micro_batches,
+        seq=args.seq,
+        steps=args.warmup + args.steps,
+        threads=args.threads,
+        device=device,
+        precision=args.precision,
+        fused=not args.plain_default_adamw,
+    )
     if copies == 1:
         steps = run_worker("plain", spec, args.threads)["steps"]
-        measured = steps[args.warmup:]
+        measured = steps[args.warmup :]
     else:
         runs = [r["steps"] for r in run_worker("plain", spec, args.threads, copies)]
         for i, run in enumerate(runs):  # the sibling loops are this case's own work, not other processes
@@ -485,24 +592,31 @@ def run_plain(args, group: str, overrides: dict, data: str, device: str, copies:
             for s in run:
                 s["other_cores"] = max(0.0, s["other_cores"] - siblings)
         steps = [s for run in runs for s in run[: args.warmup]]
-        measured = [s for run in runs for s in run[args.warmup:]]
+        measured = [s for run in runs for s in run[args.warmup :]]
     profile = []
     if args.profile:
         cells = [f"{median(s['step_s'] for s in measured):.2f} / {median(s['cpu_s'] for s in measured):.2f}"]
         cells += [f"- / {median(s[k] for s in measured):.2f}" for k in ("forward_cpu_s", "backward_cpu_s")]
         cells += ["-"] * 6 + [f"- / {median(s['optimizer_cpu_s'] for s in measured):.2f} (clip + AdamW)", "-"]
         profile = [f"| {'x' if copies > 1 else 'a'} | 0 | " + " | ".join(cells) + " | - |"]
-    return {"profile": profile, "step_s": [s["step_s"] for s in measured], "tokens": copies * args.micro_batches * args.seq,
-            "warmup_s": [s["step_s"] for s in steps[: args.warmup]],
-            "cpu_share": [s["cpu_s"] / s["step_s"] / args.threads for s in measured],
-            "other_cores": [s["other_cores"] for s in measured]}
+    return {
+        "profile": profile,
+        "step_s": [s["step_s"] for s in measured],
+        "tokens": copies * args.micro_batches * args.seq,
+        "warmup_s": [s["step_s"] for s in steps[: args.warmup]],
+        "cpu_share": [s["cpu_s"] / s["step_s"] / args.threads for s in measured],
+        "other_cores": [s["other_cores"] for s in measured],
+    }
 
 
 # ---------------------------------------------------------------- main
 
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="", help="a conf/model entry (e.g. llama3.2-1b); default: the CPU shape below on model=tiny")
+    p.add_argument(
+        "--model", default="", help="a conf/model entry (e.g. llama3.2-1b); default: the CPU shape below on model=tiny"
+    )
     for key, value in CPU_SHAPE.items():
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, default=None, help=f"default {value}")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
@@ -512,18 +626,34 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="steps measured per run")
     p.add_argument("--rounds", type=int, default=2, help="times every case runs, interleaved")
     p.add_argument("--threads", type=int, default=1, help="threads of the single-process cases a and b")
-    p.add_argument("--cases", default="a,x,b,b0,b1,c,c2,c3,d,d0,d1,e,e0,e1", help=f"comma-separated, from {list(CASES)}")
+    p.add_argument(
+        "--cases", default="a,x,b,b0,b1,c,c2,c3,d,d0,d1,e,e0,e1", help=f"comma-separated, from {list(CASES)}"
+    )
     p.add_argument("--ds", default="zero1", help="train.py's ds= group entry")
-    p.add_argument("--train-arg", action="append", default=[],
-                   help="extra train.py override, repeatable; 'c:KEY=VALUE' applies it to case c only")
-    p.add_argument("--quiet", type=float, default=0.3,
-                   help="a step counts as quiet when other processes used fewer cores than this; runs start after "
-                        "waiting (at most --max-wait s) for such a moment")
+    p.add_argument(
+        "--train-arg",
+        action="append",
+        default=[],
+        help="extra train.py override, repeatable; 'c:KEY=VALUE' applies it to case c only",
+    )
+    p.add_argument(
+        "--quiet",
+        type=float,
+        default=0.3,
+        help="a step counts as quiet when other processes used fewer cores than this; runs start after "
+        "waiting (at most --max-wait s) for such a moment",
+    )
     p.add_argument("--max-wait", type=float, default=60.0)
-    p.add_argument("--plain-default-adamw", action="store_true",
-                   help="case a with torch.optim.AdamW's default implementation instead of fused=True (train.py's)")
-    p.add_argument("--profile", action="store_true",
-                   help="time DeepSpeed's pipeline instructions per rank (wall / CPU s per step) and print them")
+    p.add_argument(
+        "--plain-default-adamw",
+        action="store_true",
+        help="case a with torch.optim.AdamW's default implementation instead of fused=True (train.py's)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="time DeepSpeed's pipeline instructions per rank (wall / CPU s per step) and print them",
+    )
     p.add_argument("--work", default=os.path.join(ROOT, "work", "bench_train"))
     p.add_argument("--json", default="", help="write the raw results here")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -536,22 +666,38 @@ def median(values) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def summarize(case: str, runs: list[dict], args, peak: dict[int, float], flops: float, device: str, quiet: float) -> dict:
+def summarize(
+    case: str, runs: list[dict], args, peak: dict[int, float], flops: float, device: str, quiet: float
+) -> dict:
     """Medians over every measured step of every round, and over the quiet steps only."""
     _, ranks, _, threads, _ = CASES[case]
     threads = threads or args.threads
-    steps = [(s, share, other) for res in runs for s, share, other in zip(res["step_s"], res["cpu_share"], res["other_cores"])]
+    steps = [
+        (s, share, other)
+        for res in runs
+        for s, share, other in zip(res["step_s"], res["cpu_share"], res["other_cores"])
+    ]
     quiet_steps = [s for s, _, other in steps if other == other and other < quiet]
     tokens = runs[0]["tokens"]
     step_s = median(s for s, _, _ in steps)
     quiet_s = median(quiet_steps)
     peak_flops = peak[threads if device == "cpu" else 1] * ranks
-    return dict(ranks=ranks, threads=threads, tokens=tokens, step_s=step_s, tokens_per_s=tokens / step_s,
-                mfu=tokens / step_s * flops / peak_flops, quiet_n=len(quiet_steps), n=len(steps), quiet_step_s=quiet_s,
-                quiet_tokens_per_s=tokens / quiet_s if quiet_steps else float("nan"),
-                quiet_mfu=tokens / quiet_s * flops / peak_flops if quiet_steps else float("nan"),
-                cpu_share=median(x for _, x, _ in steps), other_cores=median(o for _, _, o in steps),
-                per_round=[median(res["step_s"]) for res in runs])
+    return dict(
+        ranks=ranks,
+        threads=threads,
+        tokens=tokens,
+        step_s=step_s,
+        tokens_per_s=tokens / step_s,
+        mfu=tokens / step_s * flops / peak_flops,
+        quiet_n=len(quiet_steps),
+        n=len(steps),
+        quiet_step_s=quiet_s,
+        quiet_tokens_per_s=tokens / quiet_s if quiet_steps else float("nan"),
+        quiet_mfu=tokens / quiet_s * flops / peak_flops if quiet_steps else float("nan"),
+        cpu_share=median(x for _, x, _ in steps),
+        other_cores=median(o for _, _, o in steps),
+        per_round=[median(res["step_s"]) for res in runs],
+    )
 
 
 def ratio_rows(results: dict[str, list[dict]], micro: int, stages: int = 2) -> list[tuple]:
@@ -580,7 +726,6 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         spec = json.loads(args.spec)
-        sys.path.insert(0, ROOT)
         print(json.dumps(matmul_worker(spec) if args.worker == "matmul" else plain_worker(spec)))
         return
 
@@ -593,12 +738,21 @@ def main(argv=None) -> None:
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         sys.exit(f"unknown cases {unknown}: choose from {list(CASES)}")
-    aliased = {e: b for e, b in ALIASES.items() if args.threads == 1 and e in cases and b in cases
-               and case_args(args.train_arg, e) == case_args(args.train_arg, b)}
+    aliased = {
+        e: b
+        for e, b in ALIASES.items()
+        if args.threads == 1
+        and e in cases
+        and b in cases
+        and case_args(args.train_arg, e) == case_args(args.train_arg, b)
+    }
     run_cases = [c for c in cases if c not in aliased]
     group, overrides = model_spec(args)
     config = llama_config(group, overrides)
-    six_n, attn, total = flops_per_token(config, args.seq)
+    from models.llama_pipe import flops_per_token, model_parameters
+
+    six_n, attn = flops_per_token(config, args.seq)  # the same count train.py's MFU uses
+    total = model_parameters(config)
     flops = six_n + attn
     os.makedirs(args.work, exist_ok=True)
     tokenizer = os.path.join(args.work, "tokenizer")
@@ -606,24 +760,42 @@ def main(argv=None) -> None:
         train_tokenizer(tokenizer, 512)  # train.py trains from scratch with a tokenizer; the plain loop needs none
     data = os.path.join(args.work, f"tokens_{args.seq}_{config.vocab_size}.jsonl")
     if not os.path.isfile(data):
-        write_random_tokens(data, max(64, args.micro_batches * (args.warmup + args.steps + 1)), args.seq, min(config.vocab_size, 32000))
+        write_random_tokens(
+            data, max(64, args.micro_batches * (args.warmup + args.steps + 1)), args.seq, min(config.vocab_size, 32000)
+        )
 
     started = time.strftime("%Y-%m-%d %H:%M")
-    print(f"model: {group} {overrides or ''}: {total / 1e6:.1f} M params, {six_n / 6 / 1e6:.1f} M matmul params; "
-          f"{flops / 1e6:.1f} MFLOP/token (6N {six_n / 1e6:.1f} + causal attention {attn / 1e6:.1f}); "
-          f"{args.micro_batches} x 1 x {args.seq} tokens/step, {args.precision}, {device}", flush=True)
+    print(
+        f"model: {group} {overrides or ''}: {total / 1e6:.1f} M params, {six_n / 6 / 1e6:.1f} M matmul params; "
+        f"{flops / 1e6:.1f} MFLOP/token (6N {six_n / 1e6:.1f} + causal attention {attn / 1e6:.1f}); "
+        f"{args.micro_batches} x 1 x {args.seq} tokens/step, {args.precision}, {device}",
+        flush=True,
+    )
 
     mm_dtype = "float32" if args.precision == "fp32" or device == "cpu" else "bfloat16"
     mm_sizes = [1024, 2048] if device == "cpu" else [8192]
     results: dict[str, list[dict]] = {c: [] for c in run_cases}
     peaks: dict[int, list[float]] = {}
     for r in range(args.rounds):
-        for threads in (sorted({1, args.threads}) if device == "cpu" else [1]):
+        for threads in sorted({1, args.threads}) if device == "cpu" else [1]:
             wait_for_quiet(args.quiet, args.max_wait)
-            peak = run_worker("matmul", dict(threads=threads, device=device, dtype=mm_dtype, sizes=mm_sizes, repeats=5,
-                                             flop_per_rep=2e10 if device == "cpu" else 2e13), threads)
+            peak = run_worker(
+                "matmul",
+                dict(
+                    threads=threads,
+                    device=device,
+                    dtype=mm_dtype,
+                    sizes=mm_sizes,
+                    repeats=5,
+                    flop_per_rep=2e10 if device == "cpu" else 2e13,
+                ),
+                threads,
+            )
             peaks.setdefault(threads, []).append(peak["flops"])
-            print(f"round {r + 1}: matmul {mm_dtype} at {threads} thread(s): {peak['flops'] / 1e9:.1f} GFLOP/s", flush=True)
+            print(
+                f"round {r + 1}: matmul {mm_dtype} at {threads} thread(s): {peak['flops'] / 1e9:.1f} GFLOP/s",
+                flush=True,
+            )
         for case in run_cases:
             waited, busy = wait_for_quiet(args.quiet, args.max_wait) if device == "cpu" else (0.0, 0.0)
             start = time.time()
@@ -635,11 +807,14 @@ def main(argv=None) -> None:
                 res = run_train(case, args, group, overrides, tokenizer, data, run_dir)
             res["round"] = r + 1
             results[case].append(res)
-            print(f"round {r + 1} case {case}: s/step {' '.join(f'{s:.2f}' for s in res['step_s'])} "
-                  f"(warm-up {' '.join(f'{s:.2f}' for s in res['warmup_s'])}) | core share per rank "
-                  f"{' '.join(f'{x:.2f}' for x in res['cpu_share'])} | other processes (cores) "
-                  f"{' '.join(f'{x:.2f}' for x in res['other_cores'])} | waited {waited:.0f} s for < {args.quiet} busy "
-                  f"cores (then {busy:.2f}) | {time.time() - start:.0f} s", flush=True)
+            print(
+                f"round {r + 1} case {case}: s/step {' '.join(f'{s:.2f}' for s in res['step_s'])} "
+                f"(warm-up {' '.join(f'{s:.2f}' for s in res['warmup_s'])}) | core share per rank "
+                f"{' '.join(f'{x:.2f}' for x in res['cpu_share'])} | other processes (cores) "
+                f"{' '.join(f'{x:.2f}' for x in res['other_cores'])} | waited {waited:.0f} s for < {args.quiet} busy "
+                f"cores (then {busy:.2f}) | {time.time() - start:.0f} s",
+                flush=True,
+            )
     for e, b in aliased.items():
         results[e] = results[b]
 
@@ -647,11 +822,15 @@ def main(argv=None) -> None:
     summary = {case: summarize(case, results[case], args, peak, flops, device, args.quiet) for case in cases}
 
     print()
-    print(f"{started}, {os.cpu_count()} CPUs, {device}; matmul peak ({mm_dtype}, best of {args.rounds} rounds): "
-          + ", ".join(f"{t} thread(s) {v / 1e9:.1f} GFLOP/s" for t, v in sorted(peak.items())))
+    print(
+        f"{started}, {os.cpu_count()} CPUs, {device}; matmul peak ({mm_dtype}, best of {args.rounds} rounds): "
+        + ", ".join(f"{t} thread(s) {v / 1e9:.1f} GFLOP/s" for t, v in sorted(peak.items()))
+    )
     print()
-    print("| case | what | ranks x threads | s/step (median) | per-round medians | tokens/s | MFU | "
-          f"steps with other processes < {args.quiet} cores | core share per rank | other processes (cores) |")
+    print(
+        "| case | what | ranks x threads | s/step (median) | per-round medians | tokens/s | MFU | "
+        f"steps with other processes < {args.quiet} cores | core share per rank | other processes (cores) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for case in cases:
         s = summary[case]
@@ -659,9 +838,11 @@ def main(argv=None) -> None:
         extra = case_args(args.train_arg, case)
         if extra:
             what += " " + " ".join(extra)
-        print(f"| {case} | {what} | {s['ranks']} x {s['threads']} | {s['step_s']:.2f} | "
-              f"{', '.join(f'{x:.2f}' for x in s['per_round'])} | {s['tokens_per_s']:.0f} | {100 * s['mfu']:.1f}% | "
-              f"{s['quiet_n']}/{s['n']} | {s['cpu_share']:.2f} | {s['other_cores']:.2f} |")
+        print(
+            f"| {case} | {what} | {s['ranks']} x {s['threads']} | {s['step_s']:.2f} | "
+            f"{', '.join(f'{x:.2f}' for x in s['per_round'])} | {s['tokens_per_s']:.0f} | {100 * s['mfu']:.1f}% | "
+            f"{s['quiet_n']}/{s['n']} | {s['cpu_share']:.2f} | {s['other_cores']:.2f} |"
+        )
     print()
     rows = ratio_rows(results, args.micro_batches)
     if rows:
@@ -670,8 +851,10 @@ def main(argv=None) -> None:
         for case, ref, per_round, ideal, target in rows:
             value = median(per_round)
             verdict = "" if target is None else ("met" if value >= target else "MISSED")
-            print(f"| ({case})/({ref}) | {value:.3f} | {', '.join(f'{x:.3f}' for x in per_round)} | {ideal:.3f} | "
-                  f"{'-' if target is None else f'>= {target:.3f}'} | {value / ideal:.3f} | {verdict} |")
+            print(
+                f"| ({case})/({ref}) | {value:.3f} | {', '.join(f'{x:.3f}' for x in per_round)} | {ideal:.3f} | "
+                f"{'-' if target is None else f'>= {target:.3f}'} | {value / ideal:.3f} | {verdict} |"
+            )
         print()
     if any(CASES[c][2] == 2 for c in cases):
         print(split_bound_line(config, args.micro_batches))
@@ -687,8 +870,22 @@ def main(argv=None) -> None:
         print()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), started=started, peaks=peaks, results=results, summary=summary, ratios=rows,
-                           flops_per_token=flops, six_n=six_n, attn=attn, params=total), f, indent=1)
+            json.dump(
+                dict(
+                    args=vars(args),
+                    started=started,
+                    peaks=peaks,
+                    results=results,
+                    summary=summary,
+                    ratios=rows,
+                    flops_per_token=flops,
+                    six_n=six_n,
+                    attn=attn,
+                    params=total,
+                ),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

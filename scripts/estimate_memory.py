@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from models.llama_pipe import DEFAULT_PARTITION_METHOD  # noqa: E402
-from training.memory_plan import GB, Layout, Shape, estimate, fitting  # noqa: E402
+from training.layout import Layout  # noqa: E402
+from training.memory_plan import GB, estimate, fitting, shape_of, splitter  # noqa: E402
 
 SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 
@@ -35,7 +36,9 @@ def load_model(spec: str):
     if spec in model_group_names():
         config = model_group_config(spec)
         if config is None:
-            raise SystemExit(f"conf/model/{spec}.yaml takes its architecture from a checkpoint: pass that checkpoint's config.json")
+            raise SystemExit(
+                f"conf/model/{spec}.yaml takes its architecture from a checkpoint: pass that checkpoint's config.json"
+            )
     elif os.path.exists(spec):
         from transformers import LlamaConfig
 
@@ -45,38 +48,20 @@ def load_model(spec: str):
     return config, None
 
 
-def splitter(config, total: float | None, method: str = DEFAULT_PARTITION_METHOD):
-    """stages -> (parameters per stage, decoder layers per stage), split as train.py's
-    ``partition_method`` splits (models.llama_pipe.stage_boundaries); a bare count splits evenly."""
-    if config is None:
-        return lambda stages: ([total / stages] * stages, None)
-    from models.llama_pipe import spec_layout, spec_parameter_counts, stage_boundaries
-
-    counts, kinds = spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
-
-    def split(stages: int):
-        parts = stage_boundaries(config, stages, method)
-        params = [float(sum(counts[parts[p]:parts[p + 1]])) for p in range(stages)]
-        layers = [kinds[parts[p]:parts[p + 1]].count("decoder") for p in range(stages)]
-        return params, layers
-
-    return split
-
-
-def shape_of(config) -> Shape | None:
-    if config is None:
-        return None
-    return Shape(config.hidden_size, config.intermediate_size, config.num_hidden_layers,
-                 config.num_attention_heads, config.num_key_value_heads, config.vocab_size)
-
-
 def report(config, total, layout: Layout, method: str) -> None:
     params, layers = splitter(config, total, method)(layout.stages)
     e = estimate(params, layout, shape_of(config), layers)
     print(f"layout: {layout.describe()}")
-    print(f"parameters: {sum(params) / 1e9:.3f} B in {layout.stages} stage(s), most loaded: stage {e.stage} "
-          f"({params[e.stage] / 1e9:.3f} B)")
-    rows = [("weights", e.params), ("gradients", e.grads), ("optimizer states", e.optimizer), ("model states", e.model_states)]
+    print(
+        f"parameters: {sum(params) / 1e9:.3f} B in {layout.stages} stage(s), most loaded: stage {e.stage} "
+        f"({params[e.stage] / 1e9:.3f} B)"
+    )
+    rows = [
+        ("weights", e.params),
+        ("gradients", e.grads),
+        ("optimizer states", e.optimizer),
+        ("model states", e.model_states),
+    ]
     if e.buffers:
         rows.append(("reduce bucket", e.buffers))
     if e.activations is not None:
@@ -91,8 +76,17 @@ def report(config, total, layout: Layout, method: str) -> None:
 
 def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
     num_layers = config.num_hidden_layers if config is not None else None
-    found = fitting(splitter(config, total, args.partition_method), shape_of(config), gpus, gpu_mem, num_layers, args.micro_batch,
-                    args.seq_len, args.grad_accum, args.dtype)
+    found = fitting(
+        splitter(config, total, args.partition_method),
+        shape_of(config),
+        gpus,
+        gpu_mem,
+        num_layers,
+        args.micro_batch,
+        args.seq_len,
+        args.grad_accum,
+        args.dtype,
+    )
     print(f"layouts that fit {gpus} x {gpu_mem:g} GB, cheapest first (estimate incl. activations, GB per GPU):")
     for layout, e in found[: args.top]:
         print(f"  {e.total / GB:7.1f}  {layout.describe()}")
@@ -106,15 +100,22 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=1, help="pipeline stages")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     p.add_argument("--zero", type=int, default=0, choices=range(4))
-    p.add_argument("--offload", choices=("none", "optimizer", "params"), default="none",
-                   help="optimizer: optimizer states on the host; params: weights too (ZeRO-3)")
+    p.add_argument(
+        "--offload",
+        choices=("none", "optimizer", "params"),
+        default="none",
+        help="optimizer: optimizer states on the host; params: weights too (ZeRO-3)",
+    )
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--grad-accum", type=int, default=8, help="micro-batches per step (pipeline in-flight bound)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    p.add_argument("--partition-method", default=DEFAULT_PARTITION_METHOD,
-                   help="train.py's partition_method: compute | parameters | uniform | type:DecoderLayerPipe")
+    p.add_argument(
+        "--partition-method",
+        default=DEFAULT_PARTITION_METHOD,
+        help="train.py's partition_method: compute | parameters | uniform | type:DecoderLayerPipe",
+    )
     p.add_argument("--gpus", type=int, help="with --gpu-mem: list the layouts that fit")
     p.add_argument("--gpu-mem", type=float, help="GB per GPU")
     p.add_argument("--top", type=int, default=10, help="how many fitting layouts to list")
@@ -124,8 +125,18 @@ def main() -> None:
     if args.gpus and args.gpu_mem:
         fits(config, total, args.gpus, args.gpu_mem, args)
         return
-    layout = Layout(args.stages, args.dp, args.zero, args.offload != "none", args.offload == "params",
-                    args.micro_batch, args.seq_len, args.grad_accum, args.checkpointing, args.dtype)
+    layout = Layout(
+        args.stages,
+        args.dp,
+        args.zero,
+        args.offload != "none",
+        args.offload == "params",
+        args.micro_batch,
+        args.seq_len,
+        args.grad_accum,
+        args.checkpointing,
+        args.dtype,
+    )
     report(config, total, layout, args.partition_method)
 
 

@@ -50,11 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     losses = []
     with torch.no_grad():
         for text in texts:
-            ids = [tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id][: args.seq_len]
+            ids = [tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id][
+                : args.seq_len
+            ]
             x = torch.tensor([ids])
             losses.append(model(input_ids=x, labels=x).loss.item())
-    print(f"{args.model}: mean loss {sum(losses) / len(losses):.4f} over {len(losses)} documents "
-          f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, tokenizer vocab {len(tok)})")
+    print(
+        f"{args.model}: mean loss {sum(losses) / len(losses):.4f} over {len(losses)} documents "
+        f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, tokenizer vocab {len(tok)})"
+    )
     return 0
 
 

@@ -53,8 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(args.seed)
         # <s> + prompt, as training saw every document start (the tokenizer may not add <s> itself)
         ids = torch.tensor([[tok.bos_token_id, *tok(prompt, add_special_tokens=False)["input_ids"]]])  # [1, prompt]
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                             repetition_penalty=args.repetition_penalty, pad_token_id=tok.eos_token_id, **sampling)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.max_new_tokens,
+            repetition_penalty=args.repetition_penalty,
+            pad_token_id=tok.eos_token_id,
+            **sampling,
+        )
         text = tok.decode(out[0], skip_special_tokens=True)  # out: [1, prompt + new tokens]
         print(f"[generate] prompt {prompt!r}:\n" + "\n".join("    | " + line for line in text.splitlines()), flush=True)
     return 0

@@ -1,6 +1,6 @@
 """Build the tiny debug Llama (Hugging Face format) and a raw-text training corpus, offline.
 
-    python scripts/make_tiny_model.py --output work/tiny-hf --data work/corpus.jsonl
+python scripts/make_tiny_model.py --output work/tiny-hf --data work/corpus.jsonl
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from models.tiny import save_random_model, tiny_config, train_tokenizer, write_t
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", required=True, help="Hugging Face model directory to write")
-    p.add_argument("--data", required=True, help="JSONL text corpus to write ({\"text\": ...} per document)")
+    p.add_argument("--data", required=True, help='JSONL text corpus to write ({"text": ...} per document)')
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--seed", type=int, default=0, help="weight init seed")
     args = p.parse_args()
@@ -26,8 +26,10 @@ def main() -> None:
     train_tokenizer(args.output, config.vocab_size)
     save_random_model(config, args.output, seed=args.seed)
     n = write_text_corpus(args.data)
-    print(f"[tiny] wrote {args.output} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"vocab {config.vocab_size}) and {args.data} ({n} documents)")
+    print(
+        f"[tiny] wrote {args.output} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+        f"vocab {config.vocab_size}) and {args.data} ({n} documents)"
+    )
 
 
 if __name__ == "__main__":

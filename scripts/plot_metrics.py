@@ -61,20 +61,29 @@ def main(argv: list[str] | None = None) -> int:
 
     path = os.path.join(args.run_dir, "metrics.jsonl")
     if not os.path.isdir(args.run_dir):
-        return error(f"{args.run_dir} {'is not a directory' if os.path.exists(args.run_dir) else 'does not exist'}: "
-                     f"pass a train.py output_dir")
+        return error(
+            f"{args.run_dir} {'is not a directory' if os.path.exists(args.run_dir) else 'does not exist'}: "
+            f"pass a train.py output_dir"
+        )
     if not os.path.isfile(path):
-        return error(f"{path} not found: {args.run_dir} is not a train.py output_dir, or its run has not finished a step")
+        return error(
+            f"{path} not found: {args.run_dir} is not a train.py output_dir, or its run has not finished a step"
+        )
     records, damaged = read_records(path)
     if damaged:
         shown = ", ".join(map(str, damaged[:SHOWN_LINES])) + (", ..." if len(damaged) > SHOWN_LINES else "")
         where = "line" if len(damaged) == 1 else "lines"
-        print(f"plot_metrics.py: warning: skipped {len(damaged)} damaged line(s) of {path} ({where} {shown}): "
-              f"not a complete metrics record", file=sys.stderr)
+        print(
+            f"plot_metrics.py: warning: skipped {len(damaged)} damaged line(s) of {path} ({where} {shown}): "
+            f"not a complete metrics record",
+            file=sys.stderr,
+        )
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     if not train:
-        return error(f"{path} has no training steps" + (f" ({len(damaged)} damaged line(s) skipped)" if damaged else ""))
+        return error(
+            f"{path} has no training steps" + (f" ({len(damaged)} damaged line(s) skipped)" if damaged else "")
+        )
 
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", linewidth=1)

@@ -12,13 +12,21 @@ TORCH_VERSION=2.13.0  # the local CPU wheel; any other request pulls GBs of CUDA
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 ops() { (cd "$ROOT" && "$VENV/bin/python" -m training.startup "$1"); }
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - <<'PY' 2>/dev/null
-import importlib.metadata as md, sys
-want = {"torch": "2.13.0", "deepspeed": "0.19.8", "transformers": "5.23.0", "hydra-core": "1.3.8"}
-for pkg in ["safetensors", "sentencepiece", "protobuf", "pytest", "ninja", "tensorboard", "matplotlib"]:
-    md.version(pkg)
-sys.exit(any(not md.version(p).startswith(v) for p, v in want.items()))
+# The pinned requirements, one per line, from pyproject.toml (dependencies + the dev extra).
+pins() {
+  "$1" - "$ROOT/pyproject.toml" <<'PY'
+import sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    project = tomllib.load(f)["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["dev"]))
 PY
+}
+
+if [ -x "$VENV/bin/python" ] && pins "$VENV/bin/python" | "$VENV/bin/python" -c "
+import importlib.metadata as md, sys
+want = dict(line.strip().split('==') for line in sys.stdin if line.strip())
+want['torch'] = '$TORCH_VERSION'
+sys.exit(any(not md.version(p).startswith(v) for p, v in want.items()))" 2>/dev/null
 then
   if ops ops-ready; then
     echo "[setup] $VENV is up to date (DeepSpeed ops built in $TORCH_EXTENSIONS_DIR)"
@@ -30,7 +38,8 @@ else
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch first, so the dependencies below find it satisfied and pull no CUDA build.
   "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
-  "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements.txt"
+  pins "$VENV/bin/python" > "$VENV/pins.txt"
+  "$VENV/bin/python" -m pip install -q -r "$VENV/pins.txt"
   "$VENV/bin/python" -c "import torch, deepspeed, transformers, hydra; print('[setup] torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__, '| hydra', hydra.__version__)"
 fi
 ops build-ops

@@ -21,7 +21,6 @@ import argparse
 import glob
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -31,8 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from training.distributed import free_port  # noqa: E402
-
-SAVED = re.compile(r"saved checkpoint global_step(\d+) in .* \(RSS per rank now: ([\d, ]+) MiB; peak RSS (\d+) MiB\)")
+from training.run_checkpoints import SAVED_LINE  # noqa: E402
 
 
 def prepare(work: str) -> tuple[str, str]:
@@ -41,7 +39,7 @@ def prepare(work: str) -> tuple[str, str]:
 
     ckpt, data = os.path.join(work, "ckpt"), os.path.join(work, "train.jsonl")
     if not os.path.isdir(ckpt):
-        from convert2ckpt import hf_to_stages
+        from models.hf_io import hf_to_stages
         from models.tiny import save_random_model, tiny_config, train_tokenizer
 
         hf = os.path.join(work, "hf")
@@ -61,26 +59,60 @@ def run(work: str, name: str, ckpt: str, data: str, steps: int, save_steps: int,
     out = os.path.join(work, name)
     shutil.rmtree(out, ignore_errors=True)
     port = free_port()
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "4", "--master_port", str(port),
-           "train.py", f"model_name_or_path={ckpt}", f"data.train_file={data}", "data.max_seq_length=16",
-           f"data.cache_dir={os.path.join(work, 'cache')}", "num_stages=2", "micro_batch_size=1",
-           "gradient_accumulation_steps=2", "precision=fp32", "ds=zero1", f"max_steps={steps}", f"save_steps={save_steps}",
-           f"save_total_limit={save_total_limit}", "log_steps=50", f"output_dir={out}"]
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        "4",
+        "--master_port",
+        str(port),
+        "train.py",
+        f"model_name_or_path={ckpt}",
+        f"data.train_file={data}",
+        "data.max_seq_length=16",
+        f"data.cache_dir={os.path.join(work, 'cache')}",
+        "num_stages=2",
+        "micro_batch_size=1",
+        "gradient_accumulation_steps=2",
+        "precision=fp32",
+        "ds=zero1",
+        f"max_steps={steps}",
+        f"save_steps={save_steps}",
+        f"save_total_limit={save_total_limit}",
+        "log_steps=50",
+        f"output_dir={out}",
+    ]
     start = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+    )
     seconds = time.time() - start
     with open(os.path.join(work, f"{name}.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     leftovers = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")
     for path in leftovers:
         os.remove(path)
-    saves = {int(m.group(1)): {"rss_mib": [int(x) for x in m.group(2).split(", ")], "peak_rank0_mib": int(m.group(3))}
-             for m in SAVED.finditer(proc.stdout)}
-    tags = sorted((t for t in os.listdir(out) if t.startswith("global_step")), key=lambda t: int(t[11:])) \
-        if os.path.isdir(out) else []
-    return {"name": name, "returncode": proc.returncode, "seconds": round(seconds, 1), "shm_left": len(leftovers),
-            "saves": saves, "checkpoints": tags, "aborted_at_exit": "terminate called" in proc.stderr}
+    saves = {
+        int(m.group(1)): {"rss_mib": [int(x) for x in m.group(2).split(", ")], "peak_rank0_mib": int(m.group(3))}
+        for m in SAVED_LINE.finditer(proc.stdout)
+    }
+    tags = (
+        sorted((t for t in os.listdir(out) if t.startswith("global_step")), key=lambda t: int(t[11:]))
+        if os.path.isdir(out)
+        else []
+    )
+    return {
+        "name": name,
+        "returncode": proc.returncode,
+        "seconds": round(seconds, 1),
+        "shm_left": len(leftovers),
+        "saves": saves,
+        "checkpoints": tags,
+        "aborted_at_exit": "terminate called" in proc.stderr,
+    }
 
 
 def main() -> int:
@@ -90,8 +122,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=500, help="steps of the long run (0: no long run)")
     p.add_argument("--save-steps", type=int, default=50)
     p.add_argument("--save-total-limit", type=int, default=3)
-    p.add_argument("--max-rss-growth-mib", type=float, default=20.0,
-                   help="allowed growth of any rank's RSS between the first and the last save of the long run")
+    p.add_argument(
+        "--max-rss-growth-mib",
+        type=float,
+        default=20.0,
+        help="allowed growth of any rank's RSS between the first and the last save of the long run",
+    )
     p.add_argument("--work", default=os.path.join(REPO, "work", "stress"))
     args = p.parse_args()
     os.makedirs(args.work, exist_ok=True)
@@ -103,29 +139,51 @@ def main() -> int:
         for i in range(args.repeats):
             r = run(args.work, "repeat", ckpt, data, args.repeat_steps, 0, 0)
             runs.append({k: r[k] for k in ("returncode", "seconds", "shm_left", "aborted_at_exit")})
-            print(f"repeat {i + 1}/{args.repeats}: exit {r['returncode']}, {r['seconds']} s, "
-                  f"{r['shm_left']} shm segments left", flush=True)
+            print(
+                f"repeat {i + 1}/{args.repeats}: exit {r['returncode']}, {r['seconds']} s, "
+                f"{r['shm_left']} shm segments left",
+                flush=True,
+            )
         failed = [i + 1 for i, r in enumerate(runs) if r["returncode"] != 0]
-        results["repeats"] = {"runs": runs, "nonzero_exits": len(failed), "failed_runs": failed,
-                              "shm_segments_left": sum(r["shm_left"] for r in runs)}
-        print(f"repeats: {len(failed)} of {args.repeats} runs exited non-zero {failed or ''}; exit codes "
-              f"{sorted({r['returncode'] for r in runs})}; {results['repeats']['shm_segments_left']} shm segments left; "
-              f"{sum(r['seconds'] for r in runs) / len(runs):.1f} s per run", flush=True)
+        results["repeats"] = {
+            "runs": runs,
+            "nonzero_exits": len(failed),
+            "failed_runs": failed,
+            "shm_segments_left": sum(r["shm_left"] for r in runs),
+        }
+        print(
+            f"repeats: {len(failed)} of {args.repeats} runs exited non-zero {failed or ''}; exit codes "
+            f"{sorted({r['returncode'] for r in runs})}; {results['repeats']['shm_segments_left']} shm segments left; "
+            f"{sum(r['seconds'] for r in runs) / len(runs):.1f} s per run",
+            flush=True,
+        )
         ok &= not failed and not results["repeats"]["shm_segments_left"]
 
     if args.steps:
         r = run(args.work, "long", ckpt, data, args.steps, args.save_steps, args.save_total_limit)
         first, last = min(r["saves"], default=None), max(r["saves"], default=None)
-        growth = [b - a for a, b in zip(r["saves"][first]["rss_mib"], r["saves"][last]["rss_mib"])] if r["saves"] else []
+        growth = (
+            [b - a for a, b in zip(r["saves"][first]["rss_mib"], r["saves"][last]["rss_mib"])] if r["saves"] else []
+        )
         expected = min(args.save_total_limit, len(r["saves"])) if args.save_total_limit else len(r["saves"])
         results["long"] = {**r, "rss_growth_mib": growth, "expected_checkpoints": expected}
-        print(f"long run: exit {r['returncode']}, {args.steps} steps in {r['seconds']} s, {len(r['saves'])} saves", flush=True)
+        print(
+            f"long run: exit {r['returncode']}, {args.steps} steps in {r['seconds']} s, {len(r['saves'])} saves",
+            flush=True,
+        )
         for step, s in sorted(r["saves"].items()):
             print(f"  step {step}: RSS per rank {s['rss_mib']} MiB (rank 0 peak {s['peak_rank0_mib']} MiB)")
-        print(f"  RSS growth step {first} -> {last}: {growth} MiB; checkpoints left: {r['checkpoints']} "
-              f"(expected {expected})", flush=True)
-        ok &= (r["returncode"] == 0 and len(r["checkpoints"]) == expected and last == args.steps
-               and max(growth, default=0) <= args.max_rss_growth_mib)
+        print(
+            f"  RSS growth step {first} -> {last}: {growth} MiB; checkpoints left: {r['checkpoints']} "
+            f"(expected {expected})",
+            flush=True,
+        )
+        ok &= (
+            r["returncode"] == 0
+            and len(r["checkpoints"]) == expected
+            and last == args.steps
+            and max(growth, default=0) <= args.max_rss_growth_mib
+        )
 
     with open(os.path.join(args.work, "results.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -47,41 +47,76 @@ def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
     name = f"{case['ds']}{'_ckpt' if case['ckpt'] else ''}_ga{case['ga']}"
     out = os.path.join(work, "runs", name)
     port = free_port()
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(args.ranks), "--master_port", str(port), "train.py",
-           "model=tiny", f"model.tokenizer={tokenizer}", f"model.architecture.hidden_size={args.hidden}",
-           f"model.architecture.intermediate_size={int(args.hidden * 2.75)}", f"model.architecture.num_hidden_layers={args.layers}",
-           f"ds={case['ds']}", f"num_stages={stages}", "micro_batch_size=2", f"gradient_accumulation_steps={case['ga']}",
-           f"activation_checkpoint_interval={1 if case['ckpt'] else 0}", f"max_steps={args.steps}", "data=text",
-           f"data.train_file={corpus}", "data.max_seq_length=128", f"data.cache_dir={os.path.join(work, 'cache')}",
-           f"output_dir={out}", "resume=never", "save_steps=0"]
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        str(args.ranks),
+        "--master_port",
+        str(port),
+        "train.py",
+        "model=tiny",
+        f"model.tokenizer={tokenizer}",
+        f"model.architecture.hidden_size={args.hidden}",
+        f"model.architecture.intermediate_size={int(args.hidden * 2.75)}",
+        f"model.architecture.num_hidden_layers={args.layers}",
+        f"ds={case['ds']}",
+        f"num_stages={stages}",
+        "micro_batch_size=2",
+        f"gradient_accumulation_steps={case['ga']}",
+        f"activation_checkpoint_interval={1 if case['ckpt'] else 0}",
+        f"max_steps={args.steps}",
+        "data=text",
+        f"data.train_file={corpus}",
+        "data.max_seq_length=128",
+        f"data.cache_dir={os.path.join(work, 'cache')}",
+        f"output_dir={out}",
+        "resume=never",
+        "save_steps=0",
+    ]
     if os.path.isdir(out):
         subprocess.run(["rm", "-rf", out], check=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     offload = "+".join(name for name, on in zip(("optimizer", "param"), offloads(zero)) if on)
-    row = dict(name=name, ds=case["ds"], stage=zero.get("stage", 0), offload=offload or "none", ckpt=case["ckpt"], ga=case["ga"],
-               stages=stages, batch=2 * case["ga"] * (args.ranks // stages))
+    row = dict(
+        name=name,
+        ds=case["ds"],
+        stage=zero.get("stage", 0),
+        offload=offload or "none",
+        ckpt=case["ckpt"],
+        ga=case["ga"],
+        stages=stages,
+        batch=2 * case["ga"] * (args.ranks // stages),
+    )
     if proc.returncode != 0:
         row["reason"] = failure_reason(proc.stderr + proc.stdout)
         return row
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = [r for r in map(json.loads, f) if r["kind"] == "train"]
-    peaks = {int(r): (int(h), int(g) if g else None) for r, h, g in RANK_PEAK.findall(PEAKS.search(proc.stdout).group(1))}
+    peaks = {
+        int(r): (int(h), int(g) if g else None) for r, h, g in RANK_PEAK.findall(PEAKS.search(proc.stdout).group(1))
+    }
     s_per_step = statistics.median(r["step_s"] for r in steps[1:])
     states = {int(r): float(t) for r, t in RANK_STATES.findall(STATES.search(proc.stdout).group(1))}
     row.update(states_mib=max(states.values()), estimate_mib=estimate_states_mib(args, row, zero))
-    row.update(memory=max(h for h, _ in peaks.values()), gpu=max((g or 0) for _, g in peaks.values()) or None,
-               s_per_step=s_per_step, tokens_per_s=steps[-1]["tokens"] / s_per_step, loss=steps[-1]["loss"])
+    row.update(
+        memory=max(h for h, _ in peaks.values()),
+        gpu=max((g or 0) for _, g in peaks.values()) or None,
+        s_per_step=s_per_step,
+        tokens_per_s=steps[-1]["tokens"] / s_per_step,
+        loss=steps[-1]["loss"],
+    )
     return row
 
 
 def estimate_states_mib(args, row: dict, zero: dict) -> float:
     """The planner's model-state bytes for the most loaded rank of this run, with the offloaded states
     (on CPU the host is the device, and the census counts them) and ZeRO-3's reduce bucket."""
-    from scripts.estimate_memory import splitter
-    from training.memory_plan import Layout, estimate
+    from training.layout import Layout
+    from training.memory_plan import estimate, splitter
 
-    config = model_group_config("tiny", hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
-                                num_hidden_layers=args.layers)
+    config = model_group_config(
+        "tiny", hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75), num_hidden_layers=args.layers
+    )
     params, _ = splitter(config, None)(row["stages"])
     layout = Layout(row["stages"], args.ranks // row["stages"], zero.get("stage", 0), *offloads(zero), dtype="bf16")
     e = estimate(params, layout)
@@ -106,25 +141,33 @@ def write_results(rows: list[dict], args, command: str) -> None:
     lines = [
         "# ZeRO sweep",
         "",
-        f"Command: `{command.strip()}`. {args.ranks} CPU ranks (gloo), bf16, tiny Llama (hidden {args.hidden}, {args.layers} layers) "
+        f"Command: `{command.strip()}`. {args.ranks} CPU ranks (gloo), bf16, tiny Llama (hidden {args.hidden}, "
+        f"{args.layers} layers) "
         f"from scratch, 128-token rows, micro-batch 2, {args.steps} steps. Memory: peak host RSS of the largest rank "
         "(on CPU, mostly the framework's ~380 MiB per rank). Model states: the bytes of the tensors holding weights, "
         "gradients and optimizer states on the most loaded rank, measured before the second optimizer step "
         "(training/memory_census.py), next to the planner's estimate for the same layout "
         "(scripts/estimate_memory.py; offloaded states counted, since the host is the device here).",
         "",
-        "| config | ZeRO stage | offload | activation checkpointing | gradient accumulation | batch size | pipeline stages | "
+        "| config | ZeRO stage | offload | activation checkpointing | gradient accumulation | batch size | pipeline "
+        "stages | "
         "memory (MiB, max rank) | model states measured (MiB) | planner estimate (MiB) | estimate / measured | "
         "time per step (s) | tokens/s | loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        head = f"| `{r['ds']}` | {r['stage']} | {r['offload']} | {'on' if r['ckpt'] else 'off'} | {r['ga']} | {r['batch']} | {r['stages']} |"
+        head = (
+            f"| `{r['ds']}` | {r['stage']} | {r['offload']} | {'on' if r['ckpt'] else 'off'} | {r['ga']} | "
+            f"{r['batch']} | {r['stages']} |"
+        )
         if "reason" in r:
             lines.append(f"{head} cannot run here: {r['reason']} | | | | | | |")
         else:
-            lines.append(f"{head} {r['memory']} | {r['states_mib']:.2f} | {r['estimate_mib']:.2f} | "
-                         f"{r['estimate_mib'] / r['states_mib']:.2f} | {r['s_per_step']:.3f} | {r['tokens_per_s']:.0f} | {r['loss']:.4f} |")
+            lines.append(
+                f"{head} {r['memory']} | {r['states_mib']:.2f} | {r['estimate_mib']:.2f} | "
+                f"{r['estimate_mib'] / r['states_mib']:.2f} | {r['s_per_step']:.3f} | {r['tokens_per_s']:.0f} | "
+                f"{r['loss']:.4f} |"
+            )
     with open(os.path.join(ROOT, "results", "zero_sweep.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -154,8 +197,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--ranks", type=int, default=4, help="ranks (CPU processes or GPUs)")
     p.add_argument("--work", default=os.path.join(ROOT, "work", "zero_sweep"))
-    p.add_argument("--replan", action="store_true",
-                   help="no training: recompute the planner column of results/zero_sweep.json's rows and rewrite the table")
+    p.add_argument(
+        "--replan",
+        action="store_true",
+        help="no training: recompute the planner column of results/zero_sweep.json's rows and rewrite the table",
+    )
     args = p.parse_args()
     if args.replan:
         with open(os.path.join(ROOT, "results", "zero_sweep.json")) as f:
@@ -166,7 +212,9 @@ def main() -> None:
                     row["estimate_mib"] = estimate_states_mib(args, row, json.load(f).get("zero_optimization", {}))
         with open(os.path.join(ROOT, "results", "zero_sweep.json"), "w") as f:
             json.dump(rows, f, indent=1)
-        write_results(rows, args, "python scripts/zero_sweep.py " + " ".join(a for a in sys.argv[1:] if a != "--replan"))
+        write_results(
+            rows, args, "python scripts/zero_sweep.py " + " ".join(a for a in sys.argv[1:] if a != "--replan")
+        )
         print("[sweep] rewrote results/zero_sweep.md and .png with the current planner")
         return
 
@@ -182,8 +230,15 @@ def main() -> None:
     rows = []
     for case in cases(available_ds_configs()):
         row = run(case, args, args.work, tokenizer, corpus)
-        print(f"[sweep] {row['name']}: " + (f"cannot run: {row['reason']}" if "reason" in row else
-              f"{row['memory']} MiB, {row['s_per_step']:.3f} s/step, loss {row['loss']:.4f}"), flush=True)
+        print(
+            f"[sweep] {row['name']}: "
+            + (
+                f"cannot run: {row['reason']}"
+                if "reason" in row
+                else f"{row['memory']} MiB, {row['s_per_step']:.3f} s/step, loss {row['loss']:.4f}"
+            ),
+            flush=True,
+        )
         rows.append(row)
     with open(os.path.join(ROOT, "results", "zero_sweep.json"), "w") as f:
         json.dump(rows, f, indent=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -38,6 +39,34 @@ def run_deepspeed(num_ranks: int, script: str, args: list[str], log_path: str) -
     with open(log_path, "w") as f:
         f.write(proc.stdout + proc.stderr)
     return proc
+
+
+def load_entry_point(path: str):
+    """An entry-point script (``convert2ckpt.py``, ``scripts/<name>.py``: a path from the repo root) as a module,
+    to call its ``main(argv)`` or its own functions in-process. Entry points are scripts, not modules to import:
+    nothing else in the repo imports them."""
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], os.path.join(REPO, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parity_args(ckpt: str, data: str, out, seq: int, micro: int, steps: int, optim: dict, **overrides) -> list[str]:
+    """train.py overrides of an fp32 parity run: fixed data order, the tokenized cache beside ``out``."""
+    args = {
+        "model_name_or_path": ckpt,
+        "output_dir": out,
+        "data.train_file": data,
+        "data.max_seq_length": seq,
+        "data.shuffle": "false",
+        "data.cache_dir": os.path.join(os.path.dirname(out), "cache"),
+        "micro_batch_size": micro,
+        "max_steps": steps,
+        "precision": "fp32",
+        **{f"optim.{k}": v for k, v in optim.items()},
+        **overrides,
+    }
+    return [f"{k}={v}" for k, v in args.items()]
 
 
 def read_metrics(output_dir: str, kind: str = "train") -> list[dict]:

@@ -6,43 +6,69 @@ are in BENCHMARKS.md. About 20 s on the 2-core CPU machine (start-up of the subp
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, load_entry_point
 
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+bench_load = load_entry_point("scripts/bench_load.py")
+bench_train = load_entry_point("scripts/bench_train.py")
 
-import bench_load  # noqa: E402
-import bench_train  # noqa: E402
-
-TINY = ["--vocab-size", "256", "--hidden-size", "64", "--intermediate-size", "176", "--num-hidden-layers", "2",
-        "--num-attention-heads", "4", "--num-key-value-heads", "2", "--seq", "32"]
+TINY = [
+    "--vocab-size",
+    "256",
+    "--hidden-size",
+    "64",
+    "--intermediate-size",
+    "176",
+    "--num-hidden-layers",
+    "2",
+    "--num-attention-heads",
+    "4",
+    "--num-key-value-heads",
+    "2",
+    "--seq",
+    "32",
+]
 
 
 def test_flops_per_token_counts_matmul_parameters_and_causal_attention():
+    from models.llama_pipe import flops_per_token, model_parameters
     from models.tiny import tiny_config
 
     for tied in (False, True):
         config = tiny_config(tie_word_embeddings=tied)
-        six_n, attn, total = bench_train.flops_per_token(config, seq=128)
+        (six_n, attn), total = flops_per_token(config, seq=128), model_parameters(config)
         embed = config.vocab_size * config.hidden_size
-        # Every parameter but the input embedding, plus the LM head's matmul (a tied head shares the embedding's weights).
+        # Every parameter but the input embedding, plus the LM head's matmul (a tied head shares the
+        # embedding's weights).
         assert six_n == 6 * (total - embed + (embed if tied else 0))
         assert attn == 6 * config.num_hidden_layers * 128 * config.hidden_size
 
 
 def test_ratios_pair_the_runs_of_each_round():
     run = lambda *steps: {"tokens": 100, "step_s": list(steps)}  # noqa: E731
-    results = {"a": [run(1.0, 1.0), run(2.0, 2.0)], "b": [run(1.0), run(4.0)],
-               "e": [run(2.0), run(2.0)], "c": [run(1.0), run(1.25)], "d": [run(1.0), run(1.0)]}
-    rows = {case: (ref, per_round, ideal, target) for case, ref, per_round, ideal, target in bench_train.ratio_rows(results, micro=8)}
+    results = {
+        "a": [run(1.0, 1.0), run(2.0, 2.0)],
+        "b": [run(1.0), run(4.0)],
+        "e": [run(2.0), run(2.0)],
+        "c": [run(1.0), run(1.25)],
+        "d": [run(1.0), run(1.0)],
+    }
+    rows = {
+        case: (ref, per_round, ideal, target)
+        for case, ref, per_round, ideal, target in bench_train.ratio_rows(results, micro=8)
+    }
     assert rows["b"] == ("a", [1.0, 0.5], 1.0, 0.95)
     ref, per_round, ideal, target = rows["c"]
-    assert ref == "e" and per_round == [2.0, 1.6] and ideal == pytest.approx(16 / 9) and target == pytest.approx(0.9 * 16 / 9)
+    assert (
+        ref == "e"
+        and per_round == [2.0, 1.6]
+        and ideal == pytest.approx(16 / 9)
+        and target == pytest.approx(0.9 * 16 / 9)
+    )
     assert rows["d"] == ("e", [2.0, 2.0], 2.0, 1.8)
 
 
@@ -53,23 +79,63 @@ def test_case_args_apply_to_their_case_only():
     assert bench_train.case_args(args, "d") == ["optim.lr=1e-4"]
 
 
+@pytest.mark.e2e
 def test_bench_train_plain_case_end_to_end(tmp_path):
     """The matmul peak and the plain loop (a) through the script's own loop and table (the train.py cases
     launch DeepSpeed, tens of seconds each: run the script itself for those)."""
-    proc = subprocess.run([sys.executable, "scripts/bench_train.py", *TINY, "--cases", "a", "--rounds", "1", "--steps", "1",
-                           "--micro-batches", "2", "--max-wait", "0", "--work", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_train.py",
+            *TINY,
+            "--cases",
+            "a",
+            "--rounds",
+            "1",
+            "--steps",
+            "1",
+            "--micro-batches",
+            "2",
+            "--max-wait",
+            "0",
+            "--work",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| a | plain HF loop"))
     assert float(row.split("|")[6]) > 0  # tokens/s
     assert "matmul peak (float32" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_bench_convert_end_to_end(tmp_path):
     """Both directions at a tiny size: every table row is there and the memory target is met."""
     work = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "scripts/bench_convert.py", "--layers", "1", "--hidden", "64", "--vocab", "256",
-                           "--repeats", "1", "--work", str(work)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_convert.py",
+            "--layers",
+            "1",
+            "--hidden",
+            "64",
+            "--vocab",
+            "256",
+            "--repeats",
+            "1",
+            "--work",
+            str(work),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 2 and "HF -> stages" in rows[0] and "stages -> HF" in rows[1]
@@ -78,18 +144,35 @@ def test_bench_convert_end_to_end(tmp_path):
 
 
 def test_bench_load_reads_train_py_load_report():
-    line = ("[train] rank 1: stage 1 specs 5..10 (6 specs, 17.04 M params) | loaded 65.0 MiB from 6 layer files in 0.10 s "
-            "| peak RSS at load 441 MiB (before building the stage 372 MiB, stage parameters 65 MiB)")
+    line = (
+        "[train] rank 1: stage 1 specs 5..10 (6 specs, 17.04 M params) | loaded 65.0 MiB from 6 layer files in 0.10 s "
+        "| peak RSS at load 441 MiB (before building the stage 372 MiB, stage parameters 65 MiB)"
+    )
     assert bench_load.REPORT.search(line).groups() == ("1", "1", "17.04", "441", "372", "65")
 
 
+@pytest.mark.e2e
 def test_bench_convert_read_paths(tmp_path, tiny_hf):
     """--read-paths: the export's pread path, the mapping and a raw copy, each timed, on a real checkpoint."""
-    from convert2ckpt import hf_to_stages
+    from models.hf_io import hf_to_stages
 
     hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
-    proc = subprocess.run([sys.executable, "scripts/bench_convert.py", "--read-paths", str(tmp_path / "ckpt" / "global_step0"),
-                           "--repeats", "1", "--work", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_convert.py",
+            "--read-paths",
+            str(tmp_path / "ckpt" / "global_step0"),
+            "--repeats",
+            "1",
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| raw copy", "| export"))]
     assert len(rows) == 3 and all(float(r.split("|")[4]) > 0 for r in rows), proc.stdout

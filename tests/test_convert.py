@@ -10,12 +10,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-import convert2ckpt
-from convert2ckpt import ConversionError, hf_to_stages, stages_to_hf
-from models import checkpoint
-from models.checkpoint import CheckpointError, current_rss_mb, load_layer_file, load_stage_weights, mapped_file_span
+from models import layer_files
+from models.hf_io import ConversionError, hf_to_stages, save_layer_file, stages_to_hf
+from models.host_memory import current_rss_mb, mapped_file_span
+from models.layer_files import CheckpointError, load_layer_file, load_stage_weights
 from models.llama_pipe import layer_file_name, spec_layout
-from tests.conftest import make_hf_dir
+from tests.conftest import load_entry_point, make_hf_dir
+
+convert2ckpt = load_entry_point("convert2ckpt.py")
 
 
 def hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
@@ -56,7 +58,9 @@ def test_round_trip_is_bit_identical(tmp_path, tokenizer_dir, dtype, tied):
     ids = torch.randint(0, original.config.vocab_size, (1, 16))
     assert torch.equal(original(ids).logits, exported(ids).logits)
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "back"))
-    assert tok("def f(x): return x")["input_ids"] == AutoTokenizer.from_pretrained(src)("def f(x): return x")["input_ids"]
+    assert (
+        tok("def f(x): return x")["input_ids"] == AutoTokenizer.from_pretrained(src)("def f(x): return x")["input_ids"]
+    )
 
 
 def test_sharded_safetensors_and_bin_inputs(tmp_path, tokenizer_dir):
@@ -102,8 +106,14 @@ def corrupt(src: str, dst, edit) -> str:
 @pytest.mark.parametrize(
     "edit, expected",
     [
-        (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), ["missing tensor 'model.layers.1.mlp.up_proj.weight'", "(176, 64)"]),
-        (lambda t: t.update({"model.layers.9.extra": torch.zeros(3)}), ["unexpected tensor 'model.layers.9.extra'", "(3,)"]),
+        (
+            lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+            ["missing tensor 'model.layers.1.mlp.up_proj.weight'", "(176, 64)"],
+        ),
+        (
+            lambda t: t.update({"model.layers.9.extra": torch.zeros(3)}),
+            ["unexpected tensor 'model.layers.9.extra'", "(3,)"],
+        ),
         (
             lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}),
             ["'model.layers.0.self_attn.k_proj.weight' has shape (64, 64)", "implies (32, 64)"],
@@ -152,7 +162,9 @@ def test_export_refuses_a_checkpoint_of_another_shape(tmp_path, tiny_hf, tokeniz
     hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
     other = make_hf_dir(tmp_path, tokenizer_dir, "wide", intermediate_size=128)
     (tmp_path / "ckpt" / "config.json").write_text(open(os.path.join(other, "config.json")).read())
-    with pytest.raises(ConversionError, match=r"'mlp.gate_proj.weight' has shape \(176, 64\), the model config expects \(128, 64\)"):
+    with pytest.raises(
+        ConversionError, match=r"'mlp.gate_proj.weight' has shape \(176, 64\), the model config expects \(128, 64\)"
+    ):
         stages_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"))
 
 
@@ -189,7 +201,7 @@ def test_mapped_tensor_file_span_points_at_its_bytes(tmp_path):
     """The export reads a tensor's bytes from its layer file with pread (where mapped_file_span finds
     them) instead of through the mapping: the span must point at exactly those bytes."""
     path = str(tmp_path / "layer.pt")
-    convert2ckpt.save_layer_file({"a": torch.arange(1000, dtype=torch.float32), "b": torch.randn(7, 5).bfloat16()}, path)
+    save_layer_file({"a": torch.arange(1000, dtype=torch.float32), "b": torch.randn(7, 5).bfloat16()}, path)
     state = load_layer_file(path)
     for t in state.values():
         file, offset = mapped_file_span(t)
@@ -206,12 +218,12 @@ def test_stage_copy_releases_the_mapped_file_as_it_goes(tmp_path, monkeypatch):
     """Loading a stage holds the stage plus one chunk, not plus one layer file: after copying a 64 MiB
     tensor out of its mapped file, the file's pages are no longer resident in this process."""
     path = str(tmp_path / "big.pt")
-    convert2ckpt.save_layer_file({"w": torch.randn(16, 2**20)}, path)  # 64 MiB fp32
+    save_layer_file({"w": torch.randn(16, 2**20)}, path)  # 64 MiB fp32
     src = load_layer_file(path)["w"]
     dst = torch.zeros(16, 2**20)  # touched: resident before the copy starts
-    monkeypatch.setattr(checkpoint, "LOAD_CHUNK", 4 * 2**20)
+    monkeypatch.setattr(layer_files, "LOAD_CHUNK", 4 * 2**20)
     before = current_rss_mb()
-    checkpoint.copy_from_mapped(dst, src)
+    layer_files.copy_from_mapped(dst, src)
     grown = current_rss_mb() - before
     assert torch.equal(dst, src)
     assert grown < 16, f"RSS grew {grown:.0f} MiB: the mapped file stayed resident (64 MiB)"

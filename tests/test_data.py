@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from data.cache import DataSettings, TokenBlocks, build_or_reuse
 from data.guard import fingerprint
 from data.packing import pack_rows, pad_rows
 from data.sampling import MicroBatchIterator, PlaceholderDataset, collate
-from data.sources import DataError, Example, SFTRenderer, SourceStats, read_examples
+from data.sources import DataError, Example, SourceStats, read_examples
 from models.loss import IGNORE_INDEX
 from training.data_setup import split_eval
 
@@ -29,7 +28,9 @@ def write_jsonl(path, rows) -> str:
 
 
 def settings(fmt="text", seq=16, packing=True, skip=False, vocab=512) -> DataSettings:
-    return DataSettings(format=fmt, max_seq_length=seq, packing=packing, skip_bad_lines=skip, pad_id=0, vocab_size=vocab)
+    return DataSettings(
+        format=fmt, max_seq_length=seq, packing=packing, skip_bad_lines=skip, pad_id=0, vocab_size=vocab
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,14 @@ def chat_tokenizer_dir(tmp_path_factory, tokenizer_dir) -> str:
 
 # ---------- packing and padding ----------
 
+
 def test_packing_restarts_positions_and_masks_document_starts():
     stats = SourceStats()
-    examples = [Example([1, 5, 6, 2], [1, 5, 6, 2]), Example([1, 7, 2], [1, 7, 2]), Example([1, 8, 9, 10, 11, 2], [1, 8, 9, 10, 11, 2])]
+    examples = [
+        Example([1, 5, 6, 2], [1, 5, 6, 2]),
+        Example([1, 7, 2], [1, 7, 2]),
+        Example([1, 8, 9, 10, 11, 2], [1, 8, 9, 10, 11, 2]),
+    ]
     rows = list(pack_rows(examples, seq_len=6, pad_id=0, split=True, stats=stats))
     assert rows[0] == ([1, 5, 6, 2, 1, 7], [I, 5, 6, 2, I, 7], [0, 1, 2, 3, 0, 1], 6)
     assert rows[1] == ([2, 1, 8, 9, 10, 11], [I, I, 8, 9, 10, 11], [0, 0, 1, 2, 3, 4], 6)  # continuation restarts
@@ -65,7 +71,10 @@ def test_packing_restarts_positions_and_masks_document_starts():
 def test_sft_packing_never_splits_an_example():
     examples = [Example([1, 5, 6], [I, 5, 6]), Example([1, 7, 8, 9], [I, I, 8, 9])]
     rows = list(pack_rows(examples, seq_len=5, pad_id=0, split=False, stats=SourceStats()))
-    assert rows == [([1, 5, 6, 0, 0], [I, 5, 6, I, I], [0, 1, 2, 3, 4], 3), ([1, 7, 8, 9, 0], [I, I, 8, 9, I], [0, 1, 2, 3, 4], 4)]
+    assert rows == [
+        ([1, 5, 6, 0, 0], [I, 5, 6, I, I], [0, 1, 2, 3, 4], 3),
+        ([1, 7, 8, 9, 0], [I, I, 8, 9, I], [0, 1, 2, 3, 4], 4),
+    ]
 
 
 def test_no_packing_truncates_and_pads_with_ignored_labels():
@@ -80,7 +89,7 @@ def test_packed_block_loss_equals_documents_run_separately():
     per-token losses of each document run alone (stage chain, fp32)."""
     from transformers import LlamaForCausalLM
 
-    from models.llama_pipe import build_sequential, spec_layout
+    from models.llama_pipe import build_sequential
     from models.tiny import tiny_config
     from tests.test_stage_parity import copy_hf_weights, run_chain
 
@@ -107,6 +116,7 @@ def test_packed_block_loss_equals_documents_run_separately():
 
 # ---------- SFT ----------
 
+
 def test_sft_labels_only_on_the_response(tmp_path, tok):
     path = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "What is a list?", "response": "A mutable sequence."}])
     (ex,) = read_examples(path, "sft", tok, 64, 512, False, SourceStats())
@@ -118,10 +128,13 @@ def test_sft_labels_only_on_the_response(tmp_path, tok):
 
 def test_sft_truncates_the_prompt_side_and_drops_examples_without_response(tmp_path, tok):
     long_prompt = "def f(x): return x + 1. " * 20
-    path = write_jsonl(tmp_path / "sft.jsonl", [
-        {"prompt": long_prompt, "response": "ok then"},
-        {"prompt": "hello", "response": ""},
-    ])
+    path = write_jsonl(
+        tmp_path / "sft.jsonl",
+        [
+            {"prompt": long_prompt, "response": "ok then"},
+            {"prompt": "hello", "response": ""},
+        ],
+    )
     stats = SourceStats()
     examples = list(read_examples(path, "sft", tok, 16, 512, False, stats))
     assert len(examples) == 1 and stats.dropped_no_trainable == 1 and stats.truncated == 1
@@ -129,14 +142,18 @@ def test_sft_truncates_the_prompt_side_and_drops_examples_without_response(tmp_p
     response = tok("ok then", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert len(ex.input_ids) == 16
     assert ex.input_ids[0] == tok.bos_token_id  # BOS kept
-    assert ex.input_ids[-len(response):] == response and ex.labels[-len(response):] == response  # response whole
+    assert ex.input_ids[-len(response) :] == response and ex.labels[-len(response) :] == response  # response whole
     assert all(label == I for label in ex.labels[: -len(response)])
 
 
 def test_sft_chat_messages_train_only_assistant_turns(tmp_path, chat_tokenizer_dir):
     tok = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                {"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "see you"},
+    ]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
     (ex,) = read_examples(path, "sft", tok, 256, 512, False, SourceStats())
     full = tok.apply_chat_template(messages, tokenize=False)
@@ -153,24 +170,35 @@ def test_chat_messages_without_a_template_fail_clearly(tmp_path, tok):
 
 # ---------- text ----------
 
+
 def test_text_documents_get_bos_and_eos_and_txt_splits_on_blank_lines(tmp_path, tok):
     (tmp_path / "c.txt").write_text("first doc\nline two\n\n\nsecond doc\n")
     docs = list(read_examples(str(tmp_path / "c.txt"), "text", tok, 64, 512, False, SourceStats()))
     assert len(docs) == 2
-    assert docs[0].input_ids == [tok.bos_token_id] + tok("first doc\nline two", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert docs[0].input_ids == [tok.bos_token_id] + tok("first doc\nline two", add_special_tokens=False)[
+        "input_ids"
+    ] + [tok.eos_token_id]
 
 
 # ---------- bad input ----------
 
-@pytest.mark.parametrize("fmt, content, message", [
-    ("text", b'{"text": "a"}\n{"text": "b"\n', "bad.jsonl:2: malformed JSON"),
-    ("text", b'{"text": "a"}\n{"body": "b"}\n', "bad.jsonl:2: missing field 'text'"),
-    ("sft", b'{"prompt": "a"}\n', "bad.jsonl:1: missing field 'response'"),
-    ("text", b'{"text": 3}\n', "bad.jsonl:1: field 'text' must be a str, got int"),
-    ("text", b'{"text": "a"}\n{"text": "caf\xe9"}\n', "bad.jsonl:2: not valid UTF-8 (byte 0xe9 at column 14)"),
-    ("tokens", b'{"input_ids": [1, 9999]}\n', "bad.jsonl:1: input_ids must be a non-empty list of ints in [0, 512)"),
-    ("text", b"", "bad.jsonl: file is empty"),
-])
+
+@pytest.mark.parametrize(
+    "fmt, content, message",
+    [
+        ("text", b'{"text": "a"}\n{"text": "b"\n', "bad.jsonl:2: malformed JSON"),
+        ("text", b'{"text": "a"}\n{"body": "b"}\n', "bad.jsonl:2: missing field 'text'"),
+        ("sft", b'{"prompt": "a"}\n', "bad.jsonl:1: missing field 'response'"),
+        ("text", b'{"text": 3}\n', "bad.jsonl:1: field 'text' must be a str, got int"),
+        ("text", b'{"text": "a"}\n{"text": "caf\xe9"}\n', "bad.jsonl:2: not valid UTF-8 (byte 0xe9 at column 14)"),
+        (
+            "tokens",
+            b'{"input_ids": [1, 9999]}\n',
+            "bad.jsonl:1: input_ids must be a non-empty list of ints in [0, 512)",
+        ),
+        ("text", b"", "bad.jsonl: file is empty"),
+    ],
+)
 def test_bad_input_names_file_and_line(tmp_path, tokenizer_dir, fmt, content, message):
     (tmp_path / "bad.jsonl").write_bytes(content)
     with pytest.raises(DataError) as err:
@@ -187,15 +215,24 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, tokenizer_di
 
 def test_skip_bad_lines_counts_and_every_example_filtered_is_an_error(tmp_path, tokenizer_dir):
     (tmp_path / "d.jsonl").write_bytes(b'{"text": "a b c"}\nnot json\n{"x": 1}\n{"text": "d e f"}\n')
-    entry, meta = build_or_reuse(str(tmp_path / "d.jsonl"), settings(skip=True), tokenizer_dir, str(tmp_path / "cache"), print)
+    entry, meta = build_or_reuse(
+        str(tmp_path / "d.jsonl"), settings(skip=True), tokenizer_dir, str(tmp_path / "cache"), print
+    )
     assert meta["stats"]["skipped_bad_lines"] == 2 and meta["stats"]["examples"] == 2
 
     write_jsonl(tmp_path / "empty_responses.jsonl", [{"prompt": "a", "response": ""}] * 3)
     with pytest.raises(DataError, match=r"no usable example \(3 records read, 0 bad lines skipped, 3 dropped"):
-        build_or_reuse(str(tmp_path / "empty_responses.jsonl"), settings("sft", packing=False), tokenizer_dir, str(tmp_path / "cache"), print)
+        build_or_reuse(
+            str(tmp_path / "empty_responses.jsonl"),
+            settings("sft", packing=False),
+            tokenizer_dir,
+            str(tmp_path / "cache"),
+            print,
+        )
 
 
 # ---------- cache ----------
+
 
 def test_cache_is_reused_and_rebuilt_when_the_file_or_a_setting_changes(tmp_path, tokenizer_dir, capsys):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"document number {i}"} for i in range(20)])
@@ -208,12 +245,17 @@ def test_cache_is_reused_and_rebuilt_when_the_file_or_a_setting_changes(tmp_path
     write_jsonl(tmp_path / "d.jsonl", [{"text": f"document number {i}"} for i in range(21)])
     changed, _ = build_or_reuse(path, settings(), tokenizer_dir, cache, print)
     assert len({first, other_setting, changed}) == 3
-    assert sorted(os.listdir(cache)) == sorted(os.path.basename(p) for p in (first, other_setting, changed))  # no temp dirs
+    assert sorted(os.listdir(cache)) == sorted(
+        os.path.basename(p) for p in (first, other_setting, changed)
+    )  # no temp dirs
 
     ds = TokenBlocks(first)
     assert len(ds) == meta["num_samples"] and isinstance(ds.arrays["input_ids"], np.memmap)
     sample = ds[0]
-    assert set(sample) == {"input_ids", "labels", "position_ids", "num_tokens"} and sample["input_ids"].dtype == torch.int64
+    assert (
+        set(sample) == {"input_ids", "labels", "position_ids", "num_tokens"}
+        and sample["input_ids"].dtype == torch.int64
+    )
     assert ds.total_tokens() == meta["stats"]["tokens"]  # packed text: every token read is a real token of some row
 
 
@@ -221,7 +263,9 @@ def test_rows_without_a_label_token_are_dropped_and_counted(tmp_path, tokenizer_
     """A one-token document has no next token to predict: its row would put a zero label count into the
     token-normalised loss. Such rows are dropped when the cache is built, so no step divides by zero."""
     path = write_jsonl(tmp_path / "t.jsonl", [{"input_ids": [5, 6, 7]}, {"input_ids": [9]}, {"input_ids": [5, 6]}])
-    entry, meta = build_or_reuse(path, settings("tokens", seq=4, packing=False), tokenizer_dir, str(tmp_path / "c"), print)
+    entry, meta = build_or_reuse(
+        path, settings("tokens", seq=4, packing=False), tokenizer_dir, str(tmp_path / "c"), print
+    )
     ds = TokenBlocks(entry)
     assert len(ds) == 2 and meta["stats"]["rows_without_labels"] == 1
     assert [ds[i]["num_tokens"] for i in range(2)] == [3, 2] and ds.total_tokens() == 5
@@ -243,9 +287,12 @@ def test_iterator_counts_the_real_tokens_it_hands_out(tmp_path, tokenizer_dir):
 
 # ---------- sampling ----------
 
+
 def make_blocks(tmp_path, tokenizer_dir, n: int) -> TokenBlocks:
     path = write_jsonl(tmp_path / f"tok{n}.jsonl", [{"input_ids": [i % 500 + 3] * 4} for i in range(n)])
-    entry, _ = build_or_reuse(path, settings("tokens", seq=4, packing=False), tokenizer_dir, str(tmp_path / "cache"), print)
+    entry, _ = build_or_reuse(
+        path, settings("tokens", seq=4, packing=False), tokenizer_dir, str(tmp_path / "cache"), print
+    )
     return TokenBlocks(entry)
 
 

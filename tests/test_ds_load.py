@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from transformers import LlamaConfig
 
-from convert2ckpt import hf_to_stages
+from models.hf_io import hf_to_stages
 from models.llama_pipe import stage_boundaries
 from tests.conftest import run_deepspeed
+
+pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
 
 def test_converted_checkpoint_loads_for_1_2_4_stages(tmp_path, tiny_hf, tiny_tied_hf):

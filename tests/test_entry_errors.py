@@ -10,7 +10,6 @@ where running the script itself is the point.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -20,19 +19,12 @@ import sys
 import pytest
 import torch
 
-import convert2ckpt
-from convert2ckpt import OUTPUT_MARKER, hf_to_stages
+from models.hf_io import OUTPUT_MARKER, hf_to_stages
 from models.llama_pipe import layer_file_name
-from tests.conftest import REPO
+from tests.conftest import REPO, load_entry_point
 from tests.test_convert import hf_tensors, leftovers
 
-
-def load_script(name: str):
-    """scripts/<name>.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+convert2ckpt = load_entry_point("convert2ckpt.py")
 
 
 def tree_digest(root) -> dict[str, str]:
@@ -68,15 +60,21 @@ def tiny_ckpt(tmp_path_factory, tiny_hf) -> str:
 
 # ---------- 1: the converter never destroys its input ----------
 
-@pytest.mark.parametrize("relation, fragment", [
-    ("equal", "is the --input directory"),
-    ("parent", "contains the --input"),
-    ("inside", "is inside the --input"),
-    ("symlink", "is the --input directory"),
-], ids=["equal", "parent", "inside", "symlink"])
+
+@pytest.mark.parametrize(
+    "relation, fragment",
+    [
+        ("equal", "is the --input directory"),
+        ("parent", "contains the --input"),
+        ("inside", "is inside the --input"),
+        ("symlink", "is the --input directory"),
+    ],
+    ids=["equal", "parent", "inside", "symlink"],
+)
 @pytest.mark.parametrize("to_hf", [False, True], ids=["hf-to-stages", "to-hf"])
-def test_output_overlapping_the_input_is_refused_and_the_input_is_intact(tmp_path, tiny_hf, tiny_ckpt, capsys,
-                                                                         to_hf, relation, fragment):
+def test_output_overlapping_the_input_is_refused_and_the_input_is_intact(
+    tmp_path, tiny_hf, tiny_ckpt, capsys, to_hf, relation, fragment
+):
     box = tmp_path / "box"  # the input and an unrelated file beside it: a parent --output would delete both
     box.mkdir()
     src = box / "input"
@@ -86,7 +84,9 @@ def test_output_overlapping_the_input_is_refused_and_the_input_is_intact(tmp_pat
         os.symlink(src, tmp_path / "link")
     output = {"equal": src, "parent": box, "inside": src / "export", "symlink": tmp_path / "link"}[relation]
     before = tree_digest(box)
-    code, err = convert(capsys, *(["--to-hf"] if to_hf else []), "--input", str(src), "--output", str(output), "--overwrite")
+    code, err = convert(
+        capsys, *(["--to-hf"] if to_hf else []), "--input", str(src), "--output", str(output), "--overwrite"
+    )
     assert code == 1
     assert err.startswith(f"convert2ckpt.py: error: --output {output}") and fragment in err, err
     assert "refused even with --overwrite" in err
@@ -103,9 +103,11 @@ def test_overwrite_replaces_only_a_directory_the_converter_wrote(tmp_path, tiny_
     (foreign / "model.safetensors").write_bytes(b"someone else's weights")
     code, err = convert(capsys, *way, "--input", src, "--output", str(foreign), "--overwrite")
     assert code == 1
-    assert err == (f"convert2ckpt.py: error: refusing to replace {foreign}: it was not written by convert2ckpt.py "
-                   f"(it has no {OUTPUT_MARKER} marker); --overwrite replaces only a directory that convert2ckpt.py "
-                   f"wrote, as it wrote it. Remove {foreign} yourself or choose another --output\n")
+    assert err == (
+        f"convert2ckpt.py: error: refusing to replace {foreign}: it was not written by convert2ckpt.py "
+        f"(it has no {OUTPUT_MARKER} marker); --overwrite replaces only a directory that convert2ckpt.py "
+        f"wrote, as it wrote it. Remove {foreign} yourself or choose another --output\n"
+    )
     assert (foreign / "model.safetensors").read_bytes() == b"someone else's weights"
 
     ours = tmp_path / "ours"
@@ -141,6 +143,7 @@ def test_overwrite_of_an_empty_directory_is_allowed_and_of_a_link_or_file_refuse
 
 # ---------- 6: damaged, missing or unconverted inputs end in a message ----------
 
+
 def test_truncated_safetensors_is_named_with_its_sizes(tmp_path, tiny_hf, capsys):
     src = tmp_path / "hf"
     shutil.copytree(tiny_hf, src)
@@ -149,16 +152,21 @@ def test_truncated_safetensors_is_named_with_its_sizes(tmp_path, tiny_hf, capsys
     truncate(weights)
     code, err = convert(capsys, "--input", str(src), "--output", str(tmp_path / "out"))
     assert code == 1
-    assert err == (f"convert2ckpt.py: error: {weights} is truncated: {whole // 2} of the {whole} bytes its header "
-                   f"describes (50%)\n")
+    assert err == (
+        f"convert2ckpt.py: error: {weights} is truncated: {whole // 2} of the {whole} bytes its header "
+        f"describes (50%)\n"
+    )
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("damage, expected", [
-    ("zip-half", "is truncated ({size} bytes): the end of its zip archive (the central directory) is missing"),
-    ("legacy-half", "is truncated ({size} bytes): unexpected EOF"),
-    ("empty", "is empty (0 bytes)"),
-])
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        ("zip-half", "is truncated ({size} bytes): the end of its zip archive (the central directory) is missing"),
+        ("legacy-half", "is truncated ({size} bytes): unexpected EOF"),
+        ("empty", "is empty (0 bytes)"),
+    ],
+)
 def test_damaged_bin_is_named_with_what_is_wrong(tmp_path, tiny_hf, capsys, damage, expected):
     src = tmp_path / "hf"
     src.mkdir()
@@ -192,12 +200,14 @@ def test_converter_on_missing_or_unconverted_input(tmp_path, tiny_ckpt, capsys):
 
 
 def test_generate_names_the_fix(tmp_path, tiny_hf, capsys):
-    generate = load_script("generate")
+    generate = load_entry_point("scripts/generate.py")
     missing = tmp_path / "nowhere"
     assert generate.main(["--model", str(missing)]) == 1
-    assert capsys.readouterr().err == (f"generate.py: error: --model {missing} does not exist: pass a Hugging Face model "
-                                       f"directory, e.g. one written by `python convert2ckpt.py --to-hf --input "
-                                       f"CKPT_DIR --output HF_DIR`\n")
+    assert capsys.readouterr().err == (
+        f"generate.py: error: --model {missing} does not exist: pass a Hugging Face model "
+        f"directory, e.g. one written by `python convert2ckpt.py --to-hf --input "
+        f"CKPT_DIR --output HF_DIR`\n"
+    )
     damaged = tmp_path / "hf"
     shutil.copytree(tiny_hf, damaged)
     truncate(damaged / "model.safetensors")
@@ -205,14 +215,22 @@ def test_generate_names_the_fix(tmp_path, tiny_hf, capsys):
     assert capsys.readouterr().err.startswith(f"generate.py: error: {damaged / 'model.safetensors'} is truncated: ")
 
 
+@pytest.mark.e2e
 def test_generate_on_a_pipeline_checkpoint_names_the_export_command(tiny_ckpt):
-    """As a script: the diagnosis imports the repo's modules itself (scripts/ is what sys.path holds)."""
-    proc = subprocess.run([sys.executable, "scripts/generate.py", "--model", tiny_ckpt], cwd=REPO,
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """As a script: the diagnosis imports the repo's modules itself (only scripts/ is on its module path)."""
+    proc = subprocess.run(
+        [sys.executable, "scripts/generate.py", "--model", tiny_ckpt],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines()[-1] == (
         f"generate.py: error: {tiny_ckpt} is a pipeline checkpoint, not a Hugging Face model: export it with "
-        f"`python convert2ckpt.py --to-hf --input {tiny_ckpt} --output {tiny_ckpt}-hf`, then pass --model {tiny_ckpt}-hf")
+        f"`python convert2ckpt.py --to-hf --input {tiny_ckpt} --output {tiny_ckpt}-hf`, then pass --model "
+        f"{tiny_ckpt}-hf"
+    )
 
 
 def plot(*argv: str) -> subprocess.CompletedProcess:
@@ -222,11 +240,14 @@ def plot(*argv: str) -> subprocess.CompletedProcess:
 def test_plot_metrics_on_a_missing_run(tmp_path):
     proc = plot(str(tmp_path / "nowhere"))
     assert (proc.returncode, proc.stderr) == (
-        1, f"plot_metrics.py: error: {tmp_path / 'nowhere'} does not exist: pass a train.py output_dir\n")
+        1,
+        f"plot_metrics.py: error: {tmp_path / 'nowhere'} does not exist: pass a train.py output_dir\n",
+    )
     proc = plot(str(tmp_path))
     assert proc.returncode == 1 and proc.stderr == (
         f"plot_metrics.py: error: {tmp_path / 'metrics.jsonl'} not found: {tmp_path} is not a train.py output_dir, "
-        f"or its run has not finished a step\n")
+        f"or its run has not finished a step\n"
+    )
 
 
 def test_plot_metrics_skips_and_counts_damaged_lines(tmp_path):
@@ -239,21 +260,36 @@ def test_plot_metrics_skips_and_counts_damaged_lines(tmp_path):
     proc = plot(str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     path = tmp_path / "metrics.jsonl"
-    assert proc.stderr == (f"plot_metrics.py: warning: skipped 3 damaged line(s) of {path} (lines 4, 6, 11): "
-                           f"not a complete metrics record\n")
+    assert proc.stderr == (
+        f"plot_metrics.py: warning: skipped 3 damaged line(s) of {path} (lines 4, 6, 11): "
+        f"not a complete metrics record\n"
+    )
     assert proc.stdout == f"[plot] wrote {tmp_path / 'metrics.png'} (6 steps, 1 evals, 3 damaged line(s) skipped)\n"
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     path.write_text('{"kind": "train", "st\n')
     proc = plot(str(tmp_path))
     assert proc.returncode == 1
-    assert proc.stderr.splitlines()[-1] == f"plot_metrics.py: error: {path} has no training steps (1 damaged line(s) skipped)"
+    assert (
+        proc.stderr.splitlines()[-1]
+        == f"plot_metrics.py: error: {path} has no training steps (1 damaged line(s) skipped)"
+    )
 
 
 def test_eval_hf_names_a_missing_or_unconverted_directory(tmp_path, tiny_ckpt, capsys):
-    eval_hf = load_script("eval_hf")
+    eval_hf = load_entry_point("scripts/eval_hf.py")
     assert eval_hf.main(["--model", str(tmp_path / "nowhere"), "--data", "x.jsonl"]) == 1
     assert "eval_hf.py: error: --model " in capsys.readouterr().err
     assert eval_hf.main(["--model", tiny_ckpt, "--data", "x.jsonl"]) == 1
-    assert f"eval_hf.py: error: {tiny_ckpt} is a pipeline checkpoint, not a Hugging Face model: export it with " \
-           f"`python convert2ckpt.py --to-hf --input {tiny_ckpt}" in capsys.readouterr().err
+    assert (
+        f"eval_hf.py: error: {tiny_ckpt} is a pipeline checkpoint, not a Hugging Face model: export it with "
+        f"`python convert2ckpt.py --to-hf --input {tiny_ckpt}" in capsys.readouterr().err
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_gpu_check_stops_at_once_without_a_gpu():
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("gpu_check.sh: error: no CUDA GPU on this machine")
+    assert not os.path.exists(os.path.join(REPO, ".venv-gpu"))  # nothing set up

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 
-from convert2ckpt import hf_to_stages
+import pytest
+
+from models.hf_io import hf_to_stages
 from models.llama_pipe import layer_file_name
 from tests.conftest import run_deepspeed, write_random_tokens
+
+pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
 
 def test_missing_layer_file_on_one_stage_stops_all_ranks(tmp_path, tiny_hf):
@@ -15,10 +19,18 @@ def test_missing_layer_file_on_one_stage_stops_all_ranks(tmp_path, tiny_hf):
     write_random_tokens(data, 16, 16, vocab_size=512)
     os.remove(os.path.join(ckpt, "global_step0", layer_file_name(4)))  # owned by stage 1 (ranks 2, 3)
     proc = run_deepspeed(
-        4, "train.py",
-        [f"model_name_or_path={ckpt}", f"data.train_file={data}", "data.max_seq_length=16", "num_stages=2",
-         "gradient_accumulation_steps=2", "precision=fp32", f"output_dir={tmp_path / 'out'}",
-         f"data.cache_dir={tmp_path / 'cache'}"],
+        4,
+        "train.py",
+        [
+            f"model_name_or_path={ckpt}",
+            f"data.train_file={data}",
+            "data.max_seq_length=16",
+            "num_stages=2",
+            "gradient_accumulation_steps=2",
+            "precision=fp32",
+            f"output_dir={tmp_path / 'out'}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
         str(tmp_path / "log.txt"),
     )
     assert proc.returncode != 0

@@ -44,8 +44,11 @@ def test_scaled_loss_through_deepspeeds_divisions_is_the_global_token_mean():
 
     # Reference: Trainer's loss for one optimizer step, summed over the micro-batches of all ranks.
     model.zero_grad()
-    reference = sum(model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(n)).loss
-                    for batches in ranks for ids, labels in batches)
+    reference = sum(
+        model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(n)).loss
+        for batches in ranks
+        for ids, labels in batches
+    )
     reference.backward()
     ref_grad = gradients(model)
 
@@ -71,6 +74,7 @@ def test_scaled_loss_through_deepspeeds_divisions_is_the_global_token_mean():
     micro, micro_grad = engine_step(CausalLMLoss())
     assert abs(micro - reference.item()) / reference.item() > 100 * 1e-6  # untrained: every token loss near log(V)
     assert (micro_grad - ref_grad).norm() / ref_grad.norm() > 1e-2
-    mean_of_means = sum(causal_lm_loss(model(input_ids=ids).logits, labels).item()
-                        for batches in ranks for ids, labels in batches) / (dp * gas)
+    mean_of_means = sum(
+        causal_lm_loss(model(input_ids=ids).logits, labels).item() for batches in ranks for ids, labels in batches
+    ) / (dp * gas)
     assert abs(micro - mean_of_means) / mean_of_means < 1e-6

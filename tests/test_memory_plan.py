@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from training.memory_plan import GB, Layout, estimate, fitting
+from training.layout import Layout
+from training.memory_plan import GB, estimate, fitting
 
 
 def states_gb(psi: float, **layout) -> float:
@@ -50,13 +51,33 @@ def test_fit_list_worked_by_hand():
     ZeRO-3+offload 5, ZeRO-3+offload(params) 2.5 fit; ZeRO-0 60+15 and ZeRO-1 40+15 do not.
     pipe 2 x dp 4 (psi 5): ZeRO-1 20+15=35 and ZeRO-1+offload 20 fit, ZeRO-0 30+15 does not.
     pipe 4 x dp 2 (psi 2.5): ZeRO-0 15+15, ZeRO-1 25, +offload 10. pipe 8 x dp 1 (psi 1.25): all three."""
-    found = fitting(lambda s: ([10e9 / s] * s, None), None, gpus=8, gpu_mem_gb=40, num_layers=None,
-                    micro_batch=1, seq_len=2048, grad_accum=8, dtype="bf16")
+    found = fitting(
+        lambda s: ([10e9 / s] * s, None),
+        None,
+        gpus=8,
+        gpu_mem_gb=40,
+        num_layers=None,
+        micro_batch=1,
+        seq_len=2048,
+        grad_accum=8,
+        dtype="bf16",
+    )
     got = {(l.stages, l.zero, l.offload_optimizer, l.offload_params) for l, _ in found if not l.checkpointing}
     assert got == {
-        (1, 2, False, False), (1, 3, False, False), (1, 1, True, False), (1, 2, True, False), (1, 3, True, False),
-        (1, 3, True, True), (2, 1, False, False), (2, 1, True, False), (4, 0, False, False), (4, 1, False, False),
-        (4, 1, True, False), (8, 0, False, False), (8, 1, False, False), (8, 1, True, False),
+        (1, 2, False, False),
+        (1, 3, False, False),
+        (1, 1, True, False),
+        (1, 2, True, False),
+        (1, 3, True, False),
+        (1, 3, True, True),
+        (2, 1, False, False),
+        (2, 1, True, False),
+        (4, 0, False, False),
+        (4, 1, False, False),
+        (4, 1, True, False),
+        (8, 0, False, False),
+        (8, 1, False, False),
+        (8, 1, True, False),
     }
     first = found[0][0]
     assert (first.stages, first.zero, first.offload_optimizer) == (4, 0, False)  # no offload, ZeRO-0: cheapest
@@ -70,10 +91,33 @@ def test_activations_grow_with_sequence_and_shrink_with_checkpointing():
     assert acts(seq_len=4096) > acts(seq_len=2048) > acts(seq_len=2048, checkpointing=True)
 
 
+@pytest.mark.e2e
 def test_cli_on_a_reference_model():
-    proc = subprocess.run([sys.executable, "scripts/estimate_memory.py", "--model", "llama2-70b", "--stages", "8", "--dp", "2",
-                           "--zero", "1", "--offload", "optimizer", "--seq-len", "4096", "--grad-accum", "16",
-                           "--checkpointing"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/estimate_memory.py",
+            "--model",
+            "llama2-70b",
+            "--stages",
+            "8",
+            "--dp",
+            "2",
+            "--zero",
+            "1",
+            "--offload",
+            "optimizer",
+            "--seq-len",
+            "4096",
+            "--grad-accum",
+            "16",
+            "--checkpointing",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "parameters: 68.977 B in 8 stage(s)" in proc.stdout and "optimizer states        0.00 GB" in proc.stdout
 

@@ -29,9 +29,9 @@ import time
 
 import pytest
 
-from convert2ckpt import hf_to_stages
-from models.checkpoint import load_layer_file, read_tag
-from tests.conftest import REPO, RANK_ENV, free_port, read_metrics, run_deepspeed, write_random_tokens
+from models.hf_io import hf_to_stages
+from models.layer_files import load_layer_file, read_tag
+from tests.conftest import RANK_ENV, REPO, free_port, read_metrics, run_deepspeed, write_random_tokens
 from tests.test_train_parity import OPTIM as PARITY_OPTIM
 from tests.test_train_parity import train_args as parity_train_args
 
@@ -50,7 +50,9 @@ KILL_GRACE_S = 10  # after SIGTERM, before SIGKILL
 
 def train_args(ckpt: str, data: str, out: str) -> list[str]:
     """The parity tests' fp32 fixed-data run as pipe 2 x data 2: global batch 8 = micro 2 x grad_acc 2 x dp 2."""
-    return parity_train_args(ckpt, data, out, gradient_accumulation_steps=2, num_stages=2, ds_config="zero1", max_steps=STEPS)
+    return parity_train_args(
+        ckpt, data, out, gradient_accumulation_steps=2, num_stages=2, ds_config="zero1", max_steps=STEPS
+    )
 
 
 def remove_shm_segments(port: int) -> list[str]:
@@ -86,13 +88,28 @@ def launch_two_nodes(args: list[str], root: str) -> dict:
     start = time.time()
     try:
         for node in range(NODES):
-            env = {**os.environ, **RANK_ENV, "HOSTFILE": hostfile, "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "NODE_RANK": str(node), "DEEPSPEED": DEEPSPEED}
+            env = {
+                **os.environ,
+                **RANK_ENV,
+                "HOSTFILE": hostfile,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "NODE_RANK": str(node),
+                "DEEPSPEED": DEEPSPEED,
+            }
             log_path = os.path.join(root, f"node{node}.log")
             logs.append(log_path)
             with open(log_path, "w") as log:
-                procs.append(subprocess.Popen(["bash", LAUNCH, *args], cwd=REPO, env=env, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        ["bash", LAUNCH, *args],
+                        cwd=REPO,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         timed_out = False
         while any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for p in procs):
@@ -109,8 +126,13 @@ def launch_two_nodes(args: list[str], root: str) -> dict:
     for path in logs:
         with open(path) as f:
             outputs.append(f.read())
-    return dict(returncodes=[p.returncode for p in procs], timed_out=timed_out, outputs=outputs,
-                seconds=time.time() - start, shm_segments=segments)
+    return dict(
+        returncodes=[p.returncode for p in procs],
+        timed_out=timed_out,
+        outputs=outputs,
+        seconds=time.time() - start,
+        shm_segments=segments,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -121,14 +143,20 @@ def runs(tmp_path_factory, tiny_hf):
     hf_to_stages(tiny_hf, str(root / "ckpt"))
 
     start = time.time()
-    one = run_deepspeed(NODES * RANKS_PER_NODE, "train.py", train_args(str(root / "ckpt"), data, str(root / "one")),
-                        str(root / "one.log"))
+    one = run_deepspeed(
+        NODES * RANKS_PER_NODE,
+        "train.py",
+        train_args(str(root / "ckpt"), data, str(root / "one")),
+        str(root / "one.log"),
+    )
     one_node_s = time.time() - start
     assert one.returncode == 0, (one.stdout + one.stderr)[-4000:]
 
     two = launch_two_nodes(train_args(str(root / "ckpt"), data, str(root / "two")), str(root))
-    tails = "\n".join(f"--- node {n} (rc {rc}) ---\n{out[-3000:]}"
-                      for n, (rc, out) in enumerate(zip(two["returncodes"], two["outputs"])))
+    tails = "\n".join(
+        f"--- node {n} (rc {rc}) ---\n{out[-3000:]}"
+        for n, (rc, out) in enumerate(zip(two["returncodes"], two["outputs"]))
+    )
     assert not two["timed_out"], f"two-node run still running after {TWO_NODE_TIMEOUT_S} s\n{tails}"
     assert two["returncodes"] == [0] * NODES, tails
     print(f"one node: {one_node_s:.1f} s, two simulated nodes: {two['seconds']:.1f} s")
@@ -139,6 +167,7 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+@pytest.mark.multirank
 def test_two_nodes_train_the_same_losses_as_one_node(runs):
     one = read_metrics(str(runs["root"] / "one"))
     two = read_metrics(str(runs["root"] / "two"))
@@ -150,6 +179,7 @@ def test_two_nodes_train_the_same_losses_as_one_node(runs):
     assert len({round(m["loss"], 6) for m in one}) > 1  # the model trained: the loss moved
 
 
+@pytest.mark.multirank
 def test_two_nodes_save_the_same_weights_as_one_node(runs):
     one, two = str(runs["root"] / "one"), str(runs["root"] / "two")
     tag = read_tag(two)
@@ -167,6 +197,7 @@ def test_two_nodes_save_the_same_weights_as_one_node(runs):
     assert worst < 0.05 * PARITY_OPTIM["lr"], worst
 
 
+@pytest.mark.multirank
 def test_each_node_launched_its_own_ranks(runs):
     node0, node1 = runs["two"]["outputs"]
     for node, out in enumerate((node0, node1)):
@@ -240,15 +271,25 @@ def test_slurm_script_runs_one_launcher_per_node(tmp_path):
     write_executable(str(bin_dir / "scontrol"), FAKE_SCONTROL)
     write_executable(str(bin_dir / "deepspeed"), STUB_LAUNCHER)
     hostfile = str(tmp_path / "hostfile")
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_OUT": str(out),
-           "DEEPSPEED": str(bin_dir / "deepspeed"), "HOSTFILE": hostfile, "GPUS_PER_NODE": "2",
-           "SLURM_SUBMIT_DIR": REPO, "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-a[01-02]",
-           "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "16"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "STUB_OUT": str(out),
+        "DEEPSPEED": str(bin_dir / "deepspeed"),
+        "HOSTFILE": hostfile,
+        "GPUS_PER_NODE": "2",
+        "SLURM_SUBMIT_DIR": REPO,
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "gpu-a[01-02]",
+        "SLURM_NNODES": "2",
+        "SLURM_CPUS_PER_TASK": "16",
+    }
     for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "OMP_NUM_THREADS"):
         env.pop(key, None)
     overrides = ["num_stages=4", "data.train_file=my data.jsonl"]  # one with a space: passed through intact
-    proc = subprocess.run(["bash", SBATCH, *overrides], cwd=str(tmp_path), env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", SBATCH, *overrides], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(hostfile) as f:
         assert f.read() == "gpu-a01 slots=2\ngpu-a02 slots=2\n"
@@ -257,12 +298,30 @@ def test_slurm_script_runs_one_launcher_per_node(tmp_path):
     port = str(20000 + 4242 % 20000)
     for node in range(2):
         record = json.loads((out / f"node{node}.json").read_text())
-        assert record["argv"] == ["--hostfile", hostfile, "--master_addr", "gpu-a01", "--master_port", port,
-                                  "--no_ssh", "--node_rank", str(node), "train.py", *overrides]
+        assert record["argv"] == [
+            "--hostfile",
+            hostfile,
+            "--master_addr",
+            "gpu-a01",
+            "--master_port",
+            port,
+            "--no_ssh",
+            "--node_rank",
+            str(node),
+            "train.py",
+            *overrides,
+        ]
         assert record["cwd"] == REPO
-        assert record["env"] == {"OMP_NUM_THREADS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-                                 "DEEPSPEED_TIMEOUT": "30", "NCCL_DEBUG": "WARN", "PYTHONUNBUFFERED": "1",
-                                 "MASTER_ADDR": "gpu-a01", "MASTER_PORT": port, "HOSTFILE": hostfile}
+        assert record["env"] == {
+            "OMP_NUM_THREADS": "1",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            "DEEPSPEED_TIMEOUT": "30",
+            "NCCL_DEBUG": "WARN",
+            "PYTHONUNBUFFERED": "1",
+            "MASTER_ADDR": "gpu-a01",
+            "MASTER_PORT": port,
+            "HOSTFILE": hostfile,
+        }
 
 
 # Stand-ins for pdsh (records its arguments) and ssh (DeepSpeed's reachability check passes).
@@ -285,18 +344,32 @@ def test_pdsh_launch_forwards_the_environment(tmp_path):
     (home / ".deepspeed_env").write_text("# cache of the shared filesystem\n\nHF_HOME=/shared/hf\n")
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=8\nnode1 slots=8\n")
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_OUT": str(out), "HOME": str(home),
-           "HOSTFILE": str(hostfile), "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29555", "DEEPSPEED": DEEPSPEED}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "STUB_OUT": str(out),
+        "HOME": str(home),
+        "HOSTFILE": str(hostfile),
+        "MASTER_ADDR": "10.1.2.3",
+        "MASTER_PORT": "29555",
+        "DEEPSPEED": DEEPSPEED,
+    }
     for key in ("NODE_RANK", "OMP_NUM_THREADS", "DEEPSPEED_TIMEOUT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         env.pop(key, None)
-    proc = subprocess.run(["bash", LAUNCH, "num_stages=4"], cwd=str(tmp_path), env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        ["bash", LAUNCH, "num_stages=4"], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     argv = json.loads((out / "pdsh.json").read_text())
     assert argv[argv.index("-w") + 1] == "node0,node1"
     exports = next(a for a in argv if a.startswith("export "))
-    for assignment in ("OMP_NUM_THREADS=1", "TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "DEEPSPEED_TIMEOUT=30",
-                       "HF_HOME=/shared/hf", "PYTHONUNBUFFERED=1"):
+    for assignment in (
+        "OMP_NUM_THREADS=1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        "DEEPSPEED_TIMEOUT=30",
+        "HF_HOME=/shared/hf",
+        "PYTHONUNBUFFERED=1",
+    ):
         assert f"export {assignment};" in exports, exports
     assert f"cd {REPO};" in argv
     assert {"--node_rank=%n", "--master_addr=10.1.2.3", "--master_port=29555"} <= set(argv)

@@ -1,18 +1,21 @@
-"""Every command in README.md is run: here, by the demo, or by a named test.
+"""Every command in README.md and docs/*.md is run: here, by the demo, or by a named test.
 
 Commands are the lines of ```bash blocks (backslash continuations joined, comments dropped) and the
-``$ `` lines of output blocks. Here:
+``$ `` lines of output blocks; a command shown in several files (with the same output) is checked once.
+Here:
 - ``convert2ckpt.py`` commands run on the tiny model (paths replaced, flags kept);
 - training commands (``deepspeed ... train.py``, ``sbatch .../train_slurm.sbatch``,
-  ``.../launch_hostfile.sh``) have their overrides checked by ``scripts/preflight.py`` for their world
-  size: every key, value and cross-field rule, as train.py checks them before starting;
+  ``.../launch_hostfile.sh``) have their overrides checked by the preflight (``training/preflight.py``,
+  what ``scripts/preflight.py`` runs) for their world size: every key, value and cross-field rule, as
+  train.py checks them before starting;
 - ``preflight.py``, ``estimate_memory.py`` and ``train.py --cfg job`` run as written, and where the
-  README shows their output, the output must match it line for line (the README's figures).
+  docs show their output, the output must match it line for line (the docs' figures).
 Scripts the demo runs are covered by the demo; benchmark scripts by their smoke tests.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shlex
@@ -25,14 +28,15 @@ from tests.conftest import REPO
 from training.config import model_group_config
 
 README = os.path.join(REPO, "README.md")
+DOC_FILES = [README, *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]  # every file whose commands are checked
 SELF_COVERED = {"scripts/demo.sh", "scripts/test.sh"}  # the demo itself; the suite itself (.ci/run)
 PLACEHOLDER_VALUES = {"N": "4", "K": "2"}  # ranks and stages in the generic commands
 CLUSTER_WORLD_SIZE = 16  # the SLURM and hostfile recipes: 2 nodes x 8 GPUs
 
 
-def readme_commands() -> list[tuple[str, list[str] | None]]:
-    """(command, expected output lines or None) in README order."""
-    with open(README) as f:
+def file_commands(path: str) -> list[tuple[str, list[str] | None]]:
+    """(command, expected output lines or None) in one markdown file, in order."""
+    with open(path) as f:
         text = f.read()
     out = []
     for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
@@ -45,6 +49,19 @@ def readme_commands() -> list[tuple[str, list[str] | None]]:
                     out.append((line, None))
         elif lines and lines[0].startswith("$ "):
             out.append((lines[0][2:].strip(), [line for line in lines[1:] if line.strip()]))
+    return out
+
+
+def readme_commands() -> list[tuple[str, list[str] | None, str]]:
+    """(command, expected output lines or None, file) over README.md then docs/*.md, each distinct
+    command (with its expected output) once, where it first appears."""
+    out, seen = [], set()
+    for path in DOC_FILES:
+        for command, expected in file_commands(path):
+            key = (command, tuple(expected) if expected is not None else None)
+            if key not in seen:
+                seen.add(key)
+                out.append((command, expected, os.path.relpath(path, REPO)))
     return out
 
 
@@ -64,7 +81,7 @@ def script_of(argv: list[str]) -> str:
     for word in argv:
         if word.endswith((".py", ".sh", ".sbatch")):
             return word
-    raise AssertionError(f"README command runs no repo script: {' '.join(argv)}")
+    raise AssertionError(f"documented command runs no repo script: {' '.join(argv)}")
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +90,12 @@ def stage(tmp_path_factory, tiny_hf, tokenizer_dir):
     real models (preflight reads config.json and the tokenizer files, never weights), a data file."""
     root = tmp_path_factory.mktemp("readme")
     ckpt = str(root / "ckpt")
-    subprocess.run([sys.executable, "convert2ckpt.py", "--input", tiny_hf, "--output", ckpt], cwd=REPO, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "convert2ckpt.py", "--input", tiny_hf, "--output", ckpt],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     configs = {}
     for name in ("llama2-70b", "llama3-8b"):
         path = str(root / name)
@@ -116,12 +137,15 @@ def substitute_overrides(words: list[str], stage: dict) -> list[str]:
 
 
 def run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
+    return subprocess.run(
+        argv, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300
+    )
 
 
 def preflight(world_size: int, overrides: list[str], stage: dict) -> subprocess.CompletedProcess:
-    """scripts/preflight.py in this process (its check(); the CLI is run once in test_preflight_cli)."""
-    from scripts.preflight import check
+    """The preflight in this process (training/preflight.py's check(), which scripts/preflight.py runs; the
+    CLI is run once in test_preflight_cli)."""
+    from training.preflight import check
 
     argv = ["scripts/preflight.py", "--world-size", str(world_size), *substitute_overrides(overrides, stage)]
     try:
@@ -139,7 +163,7 @@ def check_command(command: str, expected: list[str] | None, stage: dict) -> str:
     """Run or check one README command; returns how it was covered."""
     env, argv = split_command(command)
     script = script_of(argv)
-    args = argv[argv.index(script) + 1:]
+    args = argv[argv.index(script) + 1 :]
     if script in SELF_COVERED:
         return "self"
     if script == "train.py" and argv[0] == "deepspeed":
@@ -172,32 +196,46 @@ def check_command(command: str, expected: list[str] | None, stage: dict) -> str:
             with open(os.path.join(REPO, "tests", t)) as f:
                 if os.path.basename(script) in f.read():
                     return f"tests/{t}"
-        raise AssertionError(f"README command not run by this test, the demo or any test: {command}")
+        raise AssertionError(f"documented command not run by this test, the demo or any test: {command}")
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     if expected is not None:
-        assert program_output(proc) == expected, f"README output differs for: {command}"
+        assert program_output(proc) == expected, f"documented output differs for: {command}"
     return "here"
 
 
 def test_readme_has_the_two_commands_first():
-    commands = readme_commands()
+    commands = file_commands(README)
     assert [c for c, _ in commands[:2]] == ["bash scripts/demo.sh", "bash scripts/test.sh"]
     with open(os.path.join(REPO, ".ci", "run")) as f:
         assert "bash scripts/test.sh" in f.read()
 
 
-@pytest.mark.parametrize("index", range(len(readme_commands())))
+COMMANDS = readme_commands()
+
+
+@pytest.mark.multirank  # some commands start DeepSpeed ranks (train.py, the demo's steps)
+@pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[f"{file}-{i}" for i, (_, _, file) in enumerate(COMMANDS)])
 def test_readme_command(index, stage):
-    command, expected = readme_commands()[index]
-    assert check_command(command, expected, stage)
+    command, expected, where = COMMANDS[index]
+    assert check_command(command, expected, stage), where
 
 
+@pytest.mark.e2e
 def test_preflight_cli_reports_every_problem(stage):
     """The CLI: exit 1 with train.py's message listing all problems (here two), exit 0 on a good config."""
     args = [sys.executable, "scripts/preflight.py", "--world-size", "16"]
-    bad = run([*args, *substitute_overrides(["model_name_or_path=llama3-8b", "num_stages=2", "ds=zero3", "micro_batch_size=0",
-                                             "data.train_file=x"], stage)])
+    bad = run(
+        [
+            *args,
+            *substitute_overrides(
+                ["model_name_or_path=llama3-8b", "num_stages=2", "ds=zero3", "micro_batch_size=0", "data.train_file=x"],
+                stage,
+            ),
+        ]
+    )
     assert bad.returncode == 1 and bad.stderr.startswith("train.py: error: invalid configuration:")
     assert "micro_batch_size 0" in bad.stderr and "ZeRO stage 3 with num_stages=2" in bad.stderr
-    good = run([*args, *substitute_overrides(["model_name_or_path=llama3-8b", "num_stages=2", "data.train_file=x"], stage)])
+    good = run(
+        [*args, *substitute_overrides(["model_name_or_path=llama3-8b", "num_stages=2", "data.train_file=x"], stage)]
+    )
     assert good.returncode == 0 and "config OK for 16 ranks: pipe 2 x data 8" in good.stdout

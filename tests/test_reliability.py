@@ -28,19 +28,29 @@ import psutil
 import pytest
 import torch
 
-import convert2ckpt
-from convert2ckpt import ConversionError, hf_to_stages, stages_to_hf
-from models.checkpoint import CheckpointError, load_layer_file, load_stage_weights, stage_file_problems
+from models.hf_io import ConversionError, hf_to_stages, load_bin, stages_to_hf
+from models.layer_files import CheckpointError, load_layer_file, load_stage_weights, stage_file_problems
 from models.llama_pipe import layer_file_name
-from tests.conftest import LAUNCH_TIMEOUT_S, REPO, RANK_ENV, free_port, make_hf_dir, read_metrics, write_random_tokens
+from tests.conftest import (
+    LAUNCH_TIMEOUT_S,
+    RANK_ENV,
+    REPO,
+    free_port,
+    load_entry_point,
+    make_hf_dir,
+    read_metrics,
+    write_random_tokens,
+)
 from training.config import ConfigError, DataConfig, TrainConfig, checkpoint_size_bytes, resolve
 
+convert2ckpt = load_entry_point("convert2ckpt.py")
 KILL_EXIT_BOUND_S = 60  # the whole job must be gone this long after a rank is killed
 STEPS = 10
 FAULTS = "tests/ds_scripts/train_faults.py"
 
 
 # ---------- launching with a kill switch ----------
+
 
 @dataclass
 class Launch:
@@ -55,16 +65,36 @@ class Launch:
         return next(line for line in self.output.splitlines() if fragment in line)
 
 
-def launch(num_ranks: int, script: str, args: list[str], log_path: str, env: dict | None = None,
-           kill_rank_after: tuple[str, int] | None = None, mark: tuple[str, ...] = ()) -> Launch:
+def launch(
+    num_ranks: int,
+    script: str,
+    args: list[str],
+    log_path: str,
+    env: dict | None = None,
+    kill_rank_after: tuple[str, int] | None = None,
+    mark: tuple[str, ...] = (),
+) -> Launch:
     """``deepspeed --num_gpus N script args``, output streamed; with ``kill_rank_after=(text, rank)``,
     that rank gets SIGKILL as soon as a line containing ``text`` appears. Afterwards every process
     left of the job is killed and its /dev/shm segments removed (a killed rank cannot remove its own)."""
     port = free_port()
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(num_ranks),
-           "--master_port", str(port), script, *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **RANK_ENV, **(env or {})}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        str(num_ranks),
+        "--master_port",
+        str(port),
+        script,
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, **RANK_ENV, **(env or {})},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     lines, marks, killed_at = [], {}, None
     deadline = time.time() + LAUNCH_TIMEOUT_S
     try:
@@ -74,8 +104,11 @@ def launch(num_ranks: int, script: str, args: list[str], log_path: str, env: dic
                 if m in line and m not in marks:
                     marks[m] = time.time()
             if kill_rank_after and killed_at is None and kill_rank_after[0] in line:
-                victim = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                          if f"--local_rank={kill_rank_after[1]}" in p.cmdline()]
+                victim = [
+                    p
+                    for p in psutil.Process(proc.pid).children(recursive=True)
+                    if f"--local_rank={kill_rank_after[1]}" in p.cmdline()
+                ]
                 assert len(victim) == 1, victim
                 victim[0].send_signal(signal.SIGKILL)
                 killed_at = time.time()
@@ -98,10 +131,23 @@ def launch(num_ranks: int, script: str, args: list[str], log_path: str, env: dic
 
 
 def train_args(ckpt: str, data: str, out, cache, **overrides) -> list[str]:
-    args = {"model_name_or_path": ckpt, "output_dir": out, "data.train_file": data, "data.max_seq_length": 16,
-            "data.cache_dir": cache, "num_stages": 2, "micro_batch_size": 1, "gradient_accumulation_steps": 2,
-            "max_steps": STEPS, "precision": "fp32", "ds": "zero1", "optim.lr": 1e-3, "save_steps": 2,
-            "save_total_limit": 0, **overrides}
+    args = {
+        "model_name_or_path": ckpt,
+        "output_dir": out,
+        "data.train_file": data,
+        "data.max_seq_length": 16,
+        "data.cache_dir": cache,
+        "num_stages": 2,
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 2,
+        "max_steps": STEPS,
+        "precision": "fp32",
+        "ds": "zero1",
+        "optim.lr": 1e-3,
+        "save_steps": 2,
+        "save_total_limit": 0,
+        **overrides,
+    }
     return [f"{k}={v}" for k, v in args.items()]
 
 
@@ -130,6 +176,7 @@ def setup(tmp_path_factory, tiny_hf):
 
 # ---------- 1 + 2: a killed rank, a crash while saving, resume ----------
 
+
 @pytest.fixture(scope="module")
 def chain(setup):
     root, ckpt, data = setup
@@ -139,19 +186,33 @@ def chain(setup):
     assert runs["U"].returncode == 0, runs["U"].output[-4000:]
     # C: rank 2 dies right after writing its first file of global_step4 (the others wait in the save).
     kill_time = root / "crash.time"
-    runs["crash"] = launch(4, FAULTS, train_args(ckpt, data, root / "C", cache), str(root / "C-crash.log"),
-                           env={"FAULT_CRASH_IN_SAVE": "4:2", "FAULT_KILL_TIME_FILE": str(kill_time)})
+    runs["crash"] = launch(
+        4,
+        FAULTS,
+        train_args(ckpt, data, root / "C", cache),
+        str(root / "C-crash.log"),
+        env={"FAULT_CRASH_IN_SAVE": "4:2", "FAULT_KILL_TIME_FILE": str(kill_time)},
+    )
     runs["crash"].killed_at = float(kill_time.read_text().split()[0])
-    runs["after_crash"] = {"latest": (root / "C" / "latest").read_text(), "step4": sorted(os.listdir(root / "C" / "global_step4"))}
+    runs["after_crash"] = {
+        "latest": (root / "C" / "latest").read_text(),
+        "step4": sorted(os.listdir(root / "C" / "global_step4")),
+    }
     # C resumed, then rank 1 killed from outside while step 8 trains (latest = global_step6 by then).
-    runs["kill"] = launch(4, "train.py", train_args(ckpt, data, root / "C", cache), str(root / "C-kill.log"),
-                          kill_rank_after=("step 7/", 1))
+    runs["kill"] = launch(
+        4,
+        "train.py",
+        train_args(ckpt, data, root / "C", cache),
+        str(root / "C-kill.log"),
+        kill_rank_after=("step 7/", 1),
+    )
     runs["after_kill"] = {"latest": (root / "C" / "latest").read_text()}
     runs["final"] = launch(4, "train.py", train_args(ckpt, data, root / "C", cache), str(root / "C-final.log"))
     assert runs["final"].returncode == 0, runs["final"].output[-4000:]
     return root, runs
 
 
+@pytest.mark.multirank
 def test_a_rank_killed_mid_training_ends_the_job_and_resume_matches_an_uninterrupted_run(chain):
     root, runs = chain
     kill = runs["kill"]
@@ -173,6 +234,7 @@ def test_a_rank_killed_mid_training_ends_the_job_and_resume_matches_an_uninterru
     assert (root / "C" / "latest").read_text() == f"global_step{STEPS}"
 
 
+@pytest.mark.multirank
 def test_a_crash_while_saving_keeps_latest_and_the_incomplete_checkpoint_is_never_used(chain):
     root, runs = chain
     crash = runs["crash"]
@@ -185,12 +247,16 @@ def test_a_crash_while_saving_keeps_latest_and_the_incomplete_checkpoint_is_neve
     resumed = runs["kill"]
     assert "(resumed from global_step2)" in resumed.output
     assert "global_step4 is not a complete checkpoint" in resumed.line("warning:")
-    assert f"removing {root / 'C' / 'global_step4'}: an incomplete checkpoint left by an interrupted save" in resumed.output
+    assert (
+        f"removing {root / 'C' / 'global_step4'}: an incomplete checkpoint left by an interrupted save"
+        in resumed.output
+    )
     # replaced cleanly: the same files as the uninterrupted run's global_step4 (checked in the test above too)
     assert trainer_states(root / "C" / "global_step4") == [f"trainer_state_rank{r:05d}.json" for r in range(4)]
     assert sorted(os.listdir(root / "C" / "global_step4")) == sorted(os.listdir(root / "U" / "global_step4"))
 
 
+@pytest.mark.multirank
 def test_saved_checkpoint_lines_report_rss_per_rank_and_the_size_estimate_holds(chain, setup):
     root, runs = chain
     line = runs["U"].line("saved checkpoint global_step10")
@@ -204,14 +270,17 @@ def test_saved_checkpoint_lines_report_rss_per_rank_and_the_size_estimate_holds(
     assert 1.0 <= estimate / actual < 1.15  # measured 1.02 (4,269,056 vs 4,194,905 bytes)
 
 
+@pytest.mark.multirank
 def test_the_stress_script_reads_the_saved_checkpoint_lines(chain):
     """scripts/stress.py (by hand: 20 short runs and a 500-step run) measures RSS from these lines."""
-    from scripts.stress import SAVED
+    from training.run_checkpoints import SAVED_LINE
 
-    saves = {int(m.group(1)): [int(x) for x in m.group(2).split(", ")] for m in SAVED.finditer(chain[1]["U"].output)}
+    lines = SAVED_LINE.finditer(chain[1]["U"].output)
+    saves = {int(m.group(1)): [int(x) for x in m.group(2).split(", ")] for m in lines}
     assert sorted(saves) == list(range(2, STEPS + 1, 2)) and all(len(r) == 4 and min(r) > 0 for r in saves.values())
 
 
+@pytest.mark.multirank
 def test_no_shared_memory_segment_is_left_behind(chain):
     """Killed ranks cannot remove their /dev/shm segments; the launch helper does (by the job's port)."""
     for run in chain[1].values():
@@ -221,41 +290,63 @@ def test_no_shared_memory_segment_is_left_behind(chain):
 
 # ---------- 4 (NaN) and 1 (hung rank): non-finite loss, dist_timeout_s ----------
 
+
+@pytest.mark.multirank
 def test_a_nan_loss_stops_every_rank_naming_the_step_and_the_last_good_checkpoint(setup):
     root, ckpt, data = setup
     out = root / "nan-stop"
-    run = launch(2, FAULTS, train_args(ckpt, data, out, root / "cache", max_steps=6), str(root / "nan-stop.log"),
-                 env={"FAULT_NAN_AT_STEPS": "3"})
+    run = launch(
+        2,
+        FAULTS,
+        train_args(ckpt, data, out, root / "cache", max_steps=6),
+        str(root / "nan-stop.log"),
+        env={"FAULT_NAN_AT_STEPS": "3"},
+    )
     assert run.returncode != 0
-    assert (f"train.py: error: step 3: loss is nan: training stopped (nonfinite_loss=stop). "
-            f"Last good checkpoint: {out / 'global_step2'} (resume=auto continues from it).") in run.output
+    assert (
+        f"train.py: error: step 3: loss is nan: training stopped (nonfinite_loss=stop). "
+        f"Last good checkpoint: {out / 'global_step2'} (resume=auto continues from it)."
+    ) in run.output
     assert "set nonfinite_loss=skip to skip such steps" in run.output
     assert "Traceback" not in run.output
     assert (out / "latest").read_text() == "global_step2"
     assert sorted(t for t in os.listdir(out) if t.startswith("global_step")) == ["global_step2"]
 
 
+@pytest.mark.multirank
 def test_nan_skip_leaves_the_weights_and_a_hung_rank_times_out(setup):
     """nonfinite_loss=skip: step 3's NaN update is skipped (its checkpoint equals step 2's), step 4
     trains. Then rank 3 hangs at step 5: the others fail after dist_timeout_s and the job exits."""
     root, ckpt, data = setup
     out, timeout_s = root / "nan-skip", 30  # above any wait between ranks at start-up, even on a busy machine
-    run = launch(4, FAULTS, train_args(ckpt, data, out, root / "cache", max_steps=8, save_steps=1,
-                                       nonfinite_loss="skip", dist_timeout_s=timeout_s),
-                 str(root / "nan-skip.log"), env={"FAULT_NAN_AT_STEPS": "3", "FAULT_HANG_AT_STEP": "5:3"},
-                 mark=("FAULT rank 3 hangs",))
+    run = launch(
+        4,
+        FAULTS,
+        train_args(
+            ckpt, data, out, root / "cache", max_steps=8, save_steps=1, nonfinite_loss="skip", dist_timeout_s=timeout_s
+        ),
+        str(root / "nan-skip.log"),
+        env={"FAULT_NAN_AT_STEPS": "3", "FAULT_HANG_AT_STEP": "5:3"},
+        mark=("FAULT rank 3 hangs",),
+    )
     assert "warning: step 3: loss is nan: update skipped (nonfinite_loss=skip; 1 skipped: steps [3])" in run.output
     losses = {m["step"]: m["loss"] for m in read_metrics(str(out))}
     assert math.isnan(losses[3]) and all(math.isfinite(losses[s]) for s in (1, 2, 4))
     assert layers_equal(out / "global_step2", out / "global_step3")  # the NaN step changed nothing
     assert not layers_equal(out / "global_step3", out / "global_step4")  # the next one trained
     for tag in ("global_step3", "global_step4"):
-        weights = [t for f in os.listdir(out / tag) if f.startswith("layer_")
-                   for t in load_layer_file(str(out / tag / f)).values()]
+        weights = [
+            t
+            for f in os.listdir(out / tag)
+            if f.startswith("layer_")
+            for t in load_layer_file(str(out / tag / f)).values()
+        ]
         assert all(torch.isfinite(t).all() for t in weights)
     hung_at = run.marks["FAULT rank 3 hangs"]
     exit_s = run.ended_at - hung_at
-    print(f"rank 3 hung at step 5 with dist_timeout_s={timeout_s}: job exited {exit_s:.1f} s later, code {run.returncode}")
+    print(
+        f"rank 3 hung at step 5 with dist_timeout_s={timeout_s}: job exited {exit_s:.1f} s later, code {run.returncode}"
+    )
     assert run.returncode != 0
     assert f"Timed out waiting {timeout_s * 1000}ms" in run.output
     assert exit_s < timeout_s + 40
@@ -264,12 +355,19 @@ def test_nan_skip_leaves_the_weights_and_a_hung_rank_times_out(setup):
 
 # ---------- 3: output problems before training starts ----------
 
+
 @pytest.fixture()
 def good(tmp_path, tiny_hf) -> TrainConfig:
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
-    return TrainConfig(model_name_or_path=tiny_hf, num_stages=2, micro_batch_size=1, gradient_accumulation_steps=2,
-                       output_dir=str(tmp_path / "out"), data=DataConfig(train_file=str(data)))
+    return TrainConfig(
+        model_name_or_path=tiny_hf,
+        num_stages=2,
+        micro_batch_size=1,
+        gradient_accumulation_steps=2,
+        output_dir=str(tmp_path / "out"),
+        data=DataConfig(train_file=str(data)),
+    )
 
 
 def problems_of(cfg: TrainConfig, world_size: int = 4) -> str:
@@ -313,14 +411,28 @@ def test_too_little_free_disk_for_one_checkpoint_is_refused(good, monkeypatch):
     assert "4 checkpoints of about" in warning and "a later save will fail" in warning
 
 
+@pytest.mark.e2e
 def test_cli_refuses_output_problems_before_any_process_group(tmp_path, tiny_hf):
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
     env = {**os.environ, "WORLD_SIZE": "4"}
     env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "train.py", f"model_name_or_path={tiny_hf}", f"data.train_file={data}",
-                           "num_stages=2", f"output_dir={tmp_path / 'out'}", "min_free_disk_gb=1e9"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            f"model_name_or_path={tiny_hf}",
+            f"data.train_file={data}",
+            "num_stages=2",
+            f"output_dir={tmp_path / 'out'}",
+            "min_free_disk_gb=1e9",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr
     assert "train.py: error: invalid configuration:" in proc.stderr
     assert "GB free on its file system" in proc.stderr and "but min_free_disk_gb=1e+09 asks for 1e+09 GB" in proc.stderr
@@ -335,8 +447,10 @@ def test_an_output_dir_holding_another_shape_names_the_layer_and_both_shapes(goo
     (out / "config.json").write_text(open(os.path.join(wide, "config.json")).read())
     message = problems_of(good)
     assert "holds a checkpoint with intermediate_size=128, this model has 176: choose another output_dir" in message
-    assert (f"output_dir {out}/global_step4: layer_01-model_states.pt tensor 'mlp.gate_proj.weight' has shape "
-            f"(128, 64) in the checkpoint, (176, 64) in this model") in message
+    assert (
+        f"output_dir {out}/global_step4: layer_01-model_states.pt tensor 'mlp.gate_proj.weight' has shape "
+        f"(128, 64) in the checkpoint, (176, 64) in this model"
+    ) in message
     assert "... and 9 more tensors of other shapes" in message  # 3 MLP matrices x 4 layers, 3 named
 
 
@@ -352,7 +466,7 @@ def test_latest_naming_a_missing_tag_and_leftover_newer_directories(good, tmp_pa
 
 
 def test_prune_keeps_the_newest_and_removes_directories_newer_than_the_saved_one(tmp_path):
-    from training.checkpointing import prune
+    from training.run_checkpoints import prune
 
     for step in (2, 4, 6, 8, 10):
         (tmp_path / f"global_step{step}").mkdir()
@@ -361,6 +475,7 @@ def test_prune_keeps_the_newest_and_removes_directories_newer_than_the_saved_one
 
 
 # ---------- 4: bad input, named with what and where ----------
+
 
 class _Stage:
     """Just enough of a PipelineModule: one stage owning ``specs``."""
@@ -382,11 +497,15 @@ def test_a_checkpoint_of_another_shape_names_the_layer_file_and_both_shapes(tmp_
     path = tmp_path / "ckpt" / "global_step0" / layer_file_name(2)
     with pytest.raises(CheckpointError) as err:
         load_stage_weights(_Stage(wide, [2, 3]), wide, str(tmp_path / "ckpt"))
-    assert f"{path}: tensor 'mlp.gate_proj.weight' has shape (176, 64), the model config expects (128, 64)" in str(err.value)
+    assert f"{path}: tensor 'mlp.gate_proj.weight' has shape (176, 64), the model config expects (128, 64)" in str(
+        err.value
+    )
     # the same check before a resume, from the specs (whatever ZeRO did to the module's parameters)
     problems = stage_file_problems(_Stage(wide, [2, 3]), wide, str(tmp_path / "ckpt"), "global_step0")
     assert f"{path}: tensor 'mlp.up_proj.weight' has shape (176, 64), the model config expects (128, 64)" in problems
-    with pytest.raises(CheckpointError, match="checkpoint tag 'global_step5' not found in .*tags there: \\['global_step0'\\]"):
+    with pytest.raises(
+        CheckpointError, match="checkpoint tag 'global_step5' not found in .*tags there: \\['global_step0'\\]"
+    ):
         load_stage_weights(_Stage(wide, [2, 3]), wide, str(tmp_path / "ckpt"), tag="global_step5")
 
 
@@ -399,6 +518,7 @@ def test_invalid_ds_config_json_names_the_file_line_and_column(good, tmp_path):
 
 
 # ---------- 5: untrusted files ----------
+
 
 class _Payload:
     """Unpickling this runs a shell command (what a malicious checkpoint would do)."""
@@ -424,7 +544,7 @@ def test_a_malicious_pickle_bin_is_refused_by_the_converter(tmp_path, tiny_hf, z
     assert "unsupported GLOBAL posix.system" in err or "unsupported GLOBAL os.system" in err
     assert not marker.exists() and not (tmp_path / "out").exists()
     with pytest.raises(ConversionError):
-        convert2ckpt.load_bin(str(model / "pytorch_model.bin"))
+        load_bin(str(model / "pytorch_model.bin"))
     assert not marker.exists()
 
 

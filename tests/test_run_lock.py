@@ -19,10 +19,10 @@ from training.run_lock import LOCK_NAME, RunLock, RunLockedError
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = socket.gethostname()
 
-# Holds the lock in another process until a line arrives on stdin, then says whether it lost it.
-HOLDER = f"""
+# Holds the lock in another process (started in REPO: `python -c` imports from there) until a line arrives
+# on stdin, then says whether it lost it.
+HOLDER = """
 import sys
-sys.path.insert(0, {REPO!r})
 from training.run_lock import RunLock
 lock = RunLock(sys.argv[1], heartbeat_s=0.05, stale_after_s=5.0)
 lock.acquire()
@@ -49,8 +49,14 @@ def write_lock(output_dir, host: str, pid: int, age_s: float = 0.0, text: str | 
     os.makedirs(output_dir, exist_ok=True)
     now = time.time()
     run_id = uuid.uuid4().hex
-    record = {"host": host, "pid": pid, "run_id": run_id, "started": now - age_s - 60,
-              "heartbeat": now - age_s, "command": "train.py other"}
+    record = {
+        "host": host,
+        "pid": pid,
+        "run_id": run_id,
+        "started": now - age_s - 60,
+        "heartbeat": now - age_s,
+        "command": "train.py other",
+    }
     with open(lock_path(output_dir), "w") as f:
         f.write(json.dumps(record) if text is None else text)
     os.utime(lock_path(output_dir), (now - age_s, now - age_s))
@@ -94,8 +100,9 @@ def test_heartbeat_must_be_shorter_than_stale_time(tmp_path):
 
 def test_second_run_refused_first_unaffected(tmp_path):
     out = str(tmp_path / "out")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, out], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, out], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         holder_run_id = holder.stdout.readline().strip()
         assert read_lock(out)["run_id"] == holder_run_id
@@ -123,7 +130,8 @@ def test_dead_pid_on_this_host_taken_over(tmp_path):
     lock = RunLock(str(tmp_path), heartbeat_s=0.05, stale_after_s=60.0)
     warning = lock.acquire()
     assert warning.startswith(
-        f"warning: taking over a stale lock on {tmp_path}: its run (host {HOST}, pid {pid}, started ")
+        f"warning: taking over a stale lock on {tmp_path}: its run (host {HOST}, pid {pid}, started "
+    )
     assert warning.endswith("is gone (pid not running)")
     assert read_lock(tmp_path)["run_id"] == lock.run_id
     lock.release()
@@ -146,7 +154,8 @@ def test_stale_heartbeat_from_another_host_taken_over(tmp_path):
         assert read_lock(tmp_path)["run_id"] == lock.run_id
     assert len(messages) == 1
     assert messages[0].startswith(
-        f"warning: taking over a stale lock on {tmp_path}: its run (host other-node-7, pid 4242")
+        f"warning: taking over a stale lock on {tmp_path}: its run (host other-node-7, pid 4242"
+    )
     assert messages[0].endswith("is gone (no heartbeat for 10 s)")
 
 
@@ -179,8 +188,10 @@ def test_damaged_lock(tmp_path, text):
     os.utime(lock_path(tmp_path), (old, old))
     lock = RunLock(str(tmp_path), heartbeat_s=0.05, stale_after_s=60.0)
     warning = lock.acquire()
-    assert warning.startswith(f"warning: taking over a stale lock on {tmp_path}: its lock file {lock_path(tmp_path)} "
-                              f"is damaged or empty ({len(text)} bytes, last written ")
+    assert warning.startswith(
+        f"warning: taking over a stale lock on {tmp_path}: its lock file {lock_path(tmp_path)} "
+        f"is damaged or empty ({len(text)} bytes, last written "
+    )
     assert read_lock(tmp_path)["run_id"] == lock.run_id
     lock.release()
 
@@ -279,5 +290,7 @@ def test_holder_reports_a_live_lock_read_only(tmp_path):
     assert RunLock(out).holder() is None and not os.path.exists(out)
     with RunLock(out):
         message = RunLock(out).holder()
-        assert message.startswith(f"output_dir {out} is in use by another run: host {socket.gethostname()}, pid {os.getpid()}")
+        assert message.startswith(
+            f"output_dir {out} is in use by another run: host {socket.gethostname()}, pid {os.getpid()}"
+        )
     assert RunLock(out).holder() is None

@@ -18,16 +18,18 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from convert2ckpt import hf_to_stages
 from data.cache import TokenBlocks
 from data.sampling import MicroBatchIterator
-from models.checkpoint import load_layer_file, read_tag
+from models.hf_io import hf_to_stages
+from models.layer_files import load_layer_file, read_tag
 from models.llama_pipe import layer_file_name, spec_layout
 from models.loss import label_tokens
 from models.tiny import write_uneven_sft
-from tests.conftest import read_metrics, run_deepspeed
+from tests.conftest import parity_args, read_metrics, run_deepspeed
 from training.config import OptimConfig, TrainConfig
 from training.optim import lr_lambda, param_groups
+
+pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
 REL_TOL = 1e-6  # fp32; the two normalisations differ by > 1e-3 on this data (asserted below)
 STEPS, SEQ, MICRO = 5, 128, 2
@@ -36,13 +38,9 @@ OPTIM = dict(lr=1e-3, weight_decay=0.1, max_grad_norm=0.0)  # no clipping: every
 
 
 def train_args(ckpt: str, data: str, eval_data: str, out: str, **overrides) -> list[str]:
-    args = {
-        "model_name_or_path": ckpt, "output_dir": out, "data.train_file": data, "data.eval_file": eval_data,
-        "data.format": "sft", "data.max_seq_length": SEQ, "data.shuffle": "false",
-        "data.cache_dir": os.path.join(os.path.dirname(out), "cache"), "micro_batch_size": MICRO,
-        "max_steps": STEPS, "precision": "fp32", **{f"optim.{k}": v for k, v in OPTIM.items()}, **overrides,
-    }
-    return [f"{k}={v}" for k, v in args.items()]
+    return parity_args(
+        ckpt, data, out, SEQ, MICRO, STEPS, OPTIM, **{"data.eval_file": eval_data, "data.format": "sft"}, **overrides
+    )
 
 
 def cached_rows(cache_dir: str, source: str) -> TokenBlocks:
@@ -68,8 +66,13 @@ def global_batches(rows: TokenBlocks, dp: int, gas: int, steps: int) -> tuple[li
 
 def hf_loss(model, batch, num_items_in_batch=None) -> torch.Tensor:
     (input_ids, position_ids), labels = batch
-    return model(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False,
-                 num_items_in_batch=num_items_in_batch).loss
+    return model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        labels=labels,
+        use_cache=False,
+        num_items_in_batch=num_items_in_batch,
+    ).loss
 
 
 def reference_run(hf_dir: str, steps: list[list], normalization: str):
@@ -77,7 +80,9 @@ def reference_run(hf_dir: str, steps: list[list], normalization: str):
     sum over the global batch / its label tokens, via ``num_items_in_batch``) or per micro-batch."""
     model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     cfg = TrainConfig(optim=OptimConfig(**OPTIM))
-    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps)
+    opt = torch.optim.AdamW(
+        param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, STEPS))
     losses = []
     for micro_batches in steps:
@@ -106,8 +111,12 @@ def eval_losses(model, rows: TokenBlocks, dp: int = 2) -> tuple[float, float]:
 def trained_weights(out: str, config) -> dict[str, torch.Tensor]:
     """Hugging Face name -> tensor, from the final checkpoint's layer files."""
     tag = read_tag(out)
-    return {info.hf_prefix + k: v for info in spec_layout(config) if info.owns_file
-            for k, v in load_layer_file(os.path.join(out, tag, layer_file_name(info.index))).items()}
+    return {
+        info.hf_prefix + k: v
+        for info in spec_layout(config)
+        if info.owns_file
+        for k, v in load_layer_file(os.path.join(out, tag, layer_file_name(info.index))).items()
+    }
 
 
 def max_rel_weight_diff(weights: dict[str, torch.Tensor], model) -> float:
@@ -133,12 +142,23 @@ def runs(tmp_path_factory, tiny_hf):
     hf_to_stages(tiny_hf, str(root / "ckpt"))
 
     def launch(name: str, ranks: int, **overrides) -> None:
-        proc = run_deepspeed(ranks, "train.py", train_args(str(root / "ckpt"), data, eval_data, str(root / name), **overrides),
-                             str(root / f"{name}.log"))
+        proc = run_deepspeed(
+            ranks,
+            "train.py",
+            train_args(str(root / "ckpt"), data, eval_data, str(root / name), **overrides),
+            str(root / f"{name}.log"),
+        )
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
     launch("tokens", 4, num_stages=2, gradient_accumulation_steps=4, ds_config="zero1")
-    launch("micro_batch", 4, num_stages=2, gradient_accumulation_steps=4, ds_config="zero1", loss_normalization="micro_batch")
+    launch(
+        "micro_batch",
+        4,
+        num_stages=2,
+        gradient_accumulation_steps=4,
+        ds_config="zero1",
+        loss_normalization="micro_batch",
+    )
     # DeepSpeed's data-parallel engine, dp 4 x grad_acc 2: other micro-batch groups, the same global batches.
     launch("zero2", 4, num_stages=1, gradient_accumulation_steps=2, ds="zero2")
 
@@ -147,10 +167,19 @@ def runs(tmp_path_factory, tiny_hf):
     token_losses, token_model = reference_run(tiny_hf, steps, "tokens")
     micro_losses, micro_model = reference_run(tiny_hf, steps, "micro_batch")
     eval_rows = cached_rows(str(root / "cache"), eval_data)
-    return dict(root=root, config=token_model.config, steps=steps, step_tokens=step_tokens, token_losses=token_losses,
-                token_model=token_model,
-                micro_losses=micro_losses, micro_model=micro_model, token_eval=eval_losses(token_model, eval_rows),
-                micro_eval=eval_losses(micro_model, eval_rows), eval_rows=eval_rows)
+    return dict(
+        root=root,
+        config=token_model.config,
+        steps=steps,
+        step_tokens=step_tokens,
+        token_losses=token_losses,
+        token_model=token_model,
+        micro_losses=micro_losses,
+        micro_model=micro_model,
+        token_eval=eval_losses(token_model, eval_rows),
+        micro_eval=eval_losses(micro_model, eval_rows),
+        eval_rows=eval_rows,
+    )
 
 
 def test_the_data_makes_the_two_normalisations_differ(runs):
@@ -171,8 +200,10 @@ def test_token_normalised_loss_and_weights_equal_trainer_semantics(runs, name):
     loss_diff = max(rel(m["loss"], r) for m, r in zip(metrics, runs["token_losses"]))
     weight_diff = max_rel_weight_diff(trained_weights(str(runs["root"] / name), runs["config"]), runs["token_model"])
     before = max(rel(m, r) for m, r in zip(runs["micro_losses"], runs["token_losses"]))
-    print(f"{name}: vs Trainer-semantics reference: loss {loss_diff:.2e} relative, weights {weight_diff:.2e} relative L2 "
-          f"(per-micro-batch normalisation: loss {before:.2e})")
+    print(
+        f"{name}: vs Trainer-semantics reference: loss {loss_diff:.2e} relative, weights {weight_diff:.2e} relative L2 "
+        f"(per-micro-batch normalisation: loss {before:.2e})"
+    )
     assert loss_diff < REL_TOL and weight_diff < REL_TOL
     # Honest throughput: real tokens and label tokens of the global batch, counted on the ranks that read it.
     for m, step, tokens in zip(metrics, runs["steps"], runs["step_tokens"]):
@@ -185,17 +216,24 @@ def test_padding_share_and_normalisation_are_announced(runs):
     log = (runs["root"] / "tokens.log").read_text()
     assert "loss normalised per label token of the global batch (loss_normalization=tokens)" in log
     assert f"data: rows of {SEQ} tokens, " in log and "% padding: consider data.packing=true" in log
-    assert "loss normalised per micro-batch (loss_normalization=micro_batch)" in (runs["root"] / "micro_batch.log").read_text()
+    assert (
+        "loss normalised per micro-batch (loss_normalization=micro_batch)"
+        in (runs["root"] / "micro_batch.log").read_text()
+    )
 
 
 def test_micro_batch_normalisation_keeps_the_old_behaviour(runs):
     metrics = read_metrics(str(runs["root"] / "micro_batch"))
     loss_diff = max(rel(m["loss"], r) for m, r in zip(metrics, runs["micro_losses"]))
-    weight_diff = max_rel_weight_diff(trained_weights(str(runs["root"] / "micro_batch"), runs["config"]), runs["micro_model"])
+    weight_diff = max_rel_weight_diff(
+        trained_weights(str(runs["root"] / "micro_batch"), runs["config"]), runs["micro_model"]
+    )
     assert loss_diff < REL_TOL and weight_diff < REL_TOL, (loss_diff, weight_diff)
 
 
-@pytest.mark.parametrize("name, normalization, which", [("tokens", "token", 0), ("zero2", "token", 0), ("micro_batch", "micro", 1)])
+@pytest.mark.parametrize(
+    "name, normalization, which", [("tokens", "token", 0), ("zero2", "token", 0), ("micro_batch", "micro", 1)]
+)
 def test_eval_loss_is_weighted_by_tokens_over_the_whole_eval_set(runs, name, normalization, which):
     (evaluation,) = read_metrics(str(runs["root"] / name), "eval")
     expected = runs[f"{normalization}_eval"][which]

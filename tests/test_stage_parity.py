@@ -10,8 +10,14 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from models.llama_pipe import (DEFAULT_PARTITION_METHOD, build_sequential, model_parameters,
-                               spec_layout, spec_parameter_counts, stage_boundaries)
+from models.llama_pipe import (
+    DEFAULT_PARTITION_METHOD,
+    build_sequential,
+    model_parameters,
+    spec_layout,
+    spec_parameter_counts,
+    stage_boundaries,
+)
 from models.loss import IGNORE_INDEX, causal_lm_loss
 from models.tiny import tiny_config
 
@@ -106,7 +112,12 @@ def test_spec_layout_prefixes_and_files():
     untied = spec_layout(tiny_config(num_hidden_layers=3))
     assert [i.kind for i in untied] == ["embed", "decoder", "decoder", "decoder", "norm", "head"]
     assert [i.hf_prefix for i in untied] == [
-        "model.embed_tokens.", "model.layers.0.", "model.layers.1.", "model.layers.2.", "model.norm.", "lm_head."
+        "model.embed_tokens.",
+        "model.layers.0.",
+        "model.layers.1.",
+        "model.layers.2.",
+        "model.norm.",
+        "lm_head.",
     ]
     assert all(i.owns_file for i in untied)
     tied = spec_layout(tiny_config(num_hidden_layers=3, tie_word_embeddings=True))
@@ -117,8 +128,14 @@ def test_stage_boundaries_by_compute_and_by_parameters():
     # The benchmark's shape (scripts/bench_train.py): 8 layers, vocabulary 8192, hidden 512. By
     # parameters the 4.2 M-parameter embedding counts as much as a layer's matmuls; by compute it
     # weighs nothing, so the first stage takes one more layer.
-    config = tiny_config(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=8)
+    config = tiny_config(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
     assert stage_boundaries(config, 2, "parameters") == [0, 5, 11]  # embed + 4 layers | 4 layers + norm + head
     assert stage_boundaries(config, 2, "compute") == [0, 6, 11]  # embed + 5 layers | 3 layers + norm + head
     assert stage_boundaries(config, 2) == stage_boundaries(config, 2, DEFAULT_PARTITION_METHOD)

@@ -88,17 +88,26 @@ def test_process_working_in_the_build_directory_keeps_the_lock_live(tmp_path):
 def run_watchdog(script: str, ext_dir: str, timeout_s: float = 30) -> tuple[subprocess.CompletedProcess, float]:
     code = "import os, sys, time\nfrom training.startup import StartupWatchdog\nEXT = os.environ['EXT']\n"
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code + textwrap.dedent(script)], cwd=REPO,
-                          env={**os.environ, "EXT": ext_dir}, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(
+        [sys.executable, "-c", code + textwrap.dedent(script)],
+        cwd=REPO,
+        env={**os.environ, "EXT": ext_dir},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     return proc, time.monotonic() - start
 
 
 def test_watchdog_ends_a_stuck_start_up_naming_the_phase_and_the_stale_lock(tmp_path):
     lock = make_lock(tmp_path, "deepspeed_shm_comm")
-    proc, elapsed = run_watchdog("""
+    proc, elapsed = run_watchdog(
+        """
         StartupWatchdog(1.0, rank=3, ext_dir=EXT).phase("building or loading DeepSpeed op")
         time.sleep(30)
-        """, str(tmp_path))
+        """,
+        str(tmp_path),
+    )
     assert proc.returncode == 1, proc.stderr
     assert elapsed < 1.0 + 2.0
     lines = proc.stderr.strip().splitlines()
@@ -109,42 +118,54 @@ def test_watchdog_ends_a_stuck_start_up_naming_the_phase_and_the_stale_lock(tmp_
 
 
 def test_watchdog_without_stale_lock_names_the_phase_only(tmp_path):
-    proc, _ = run_watchdog("""
+    proc, _ = run_watchdog(
+        """
         w = StartupWatchdog(0.5, rank=0, ext_dir=EXT)
         w.phase("joining the process group (rendezvous at 127.0.0.1:29500)")
         time.sleep(30)
-        """, str(tmp_path))
+        """,
+        str(tmp_path),
+    )
     assert proc.returncode == 1
-    assert proc.stderr == ("train.py: error: rank 0 has not finished start-up after 0.5 s: "
-                           "still joining the process group (rendezvous at 127.0.0.1:29500)\n")
+    assert proc.stderr == (
+        "train.py: error: rank 0 has not finished start-up after 0.5 s: "
+        "still joining the process group (rendezvous at 127.0.0.1:29500)\n"
+    )
 
 
 def test_watchdog_stopped_in_time_does_not_fire(tmp_path):
     make_lock(tmp_path, "deepspeed_shm_comm")
-    proc, _ = run_watchdog("""
+    proc, _ = run_watchdog(
+        """
         with StartupWatchdog(0.5, rank=0, ext_dir=EXT) as w:
             w.phase("tokenizing data / waiting for the data cache")
         w2 = StartupWatchdog(0.5, rank=0, ext_dir=EXT)
         w2.stop()
         time.sleep(1.5)
         print("finished")
-        """, str(tmp_path))
+        """,
+        str(tmp_path),
+    )
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "finished\n", "")
 
 
 def test_watchdog_warns_early_of_a_stale_lock_once(tmp_path):
     lock = make_lock(tmp_path, "deepspeed_shm_comm")
-    proc, _ = run_watchdog("""
+    proc, _ = run_watchdog(
+        """
         w = StartupWatchdog(30, rank=1, ext_dir=EXT, early_s=0.2, poll_s=0.1)
         w.phase("building or loading DeepSpeed op")
         time.sleep(1.0)
         w.stop()
-        """, str(tmp_path))
+        """,
+        str(tmp_path),
+    )
     assert proc.returncode == 0
     [line] = proc.stderr.splitlines()
     assert line.startswith("train.py: warning: rank 1 is still building or loading DeepSpeed op after ")
-    assert line.endswith(f" s: a DeepSpeed op build lock is held with no live builder: {lock}; "
-                         f"remove it (rm {lock}) and start again")
+    assert line.endswith(
+        f" s: a DeepSpeed op build lock is held with no live builder: {lock}; remove it (rm {lock}) and start again"
+    )
 
 
 def test_watchdog_with_no_timeout_starts_no_thread(tmp_path):

@@ -12,10 +12,12 @@ import sys
 import pytest
 import torch
 
-from convert2ckpt import hf_to_stages
-from models.checkpoint import load_layer_file
+from models.hf_io import hf_to_stages
+from models.layer_files import load_layer_file
 from models.tiny import corpus_documents
 from tests.conftest import REPO, read_metrics, run_deepspeed
+
+pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
 STEPS = 8
 
@@ -31,11 +33,28 @@ def corpus(tmp_path_factory) -> str:
 
 def run_args(ckpt: str, corpus: str, out, cache, **overrides) -> list[str]:
     args = {
-        "model_name_or_path": ckpt, "output_dir": out, "data": "text", "data.train_file": corpus,
-        "data.max_seq_length": 64, "data.cache_dir": cache, "data.eval_fraction": 0.1, "data.shuffle": "true",
-        "num_stages": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": STEPS,
-        "precision": "fp32", "ds": "zero1", "optim.scheduler": "cosine", "optim.warmup_steps": 2, "optim.lr": 2e-3,
-        "optim.min_lr": 2e-4, "eval_steps": 4, "save_steps": 2, "save_total_limit": 3, "monitor.csv": "true",
+        "model_name_or_path": ckpt,
+        "output_dir": out,
+        "data": "text",
+        "data.train_file": corpus,
+        "data.max_seq_length": 64,
+        "data.cache_dir": cache,
+        "data.eval_fraction": 0.1,
+        "data.shuffle": "true",
+        "num_stages": 2,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "max_steps": STEPS,
+        "precision": "fp32",
+        "ds": "zero1",
+        "optim.scheduler": "cosine",
+        "optim.warmup_steps": 2,
+        "optim.lr": 2e-3,
+        "optim.min_lr": 2e-4,
+        "eval_steps": 4,
+        "save_steps": 2,
+        "save_total_limit": 3,
+        "monitor.csv": "true",
         **overrides,
     }
     return [f"{k}={v}" for k, v in args.items()]
@@ -66,7 +85,9 @@ def test_resume_continues_exactly(full_and_resumed):
     assert [m["step"] for m in b] == list(range(1, STEPS + 1))  # lines after step 4 were replaced, not duplicated
     assert [m["loss"] for m in b] == [m["loss"] for m in a]  # bit-identical, steps 5-8 included
     assert [m["lr"] for m in b] == [m["lr"] for m in a]
-    assert read_metrics(str(root / "B"), "eval")[-1]["eval_loss"] == read_metrics(str(root / "A"), "eval")[-1]["eval_loss"]
+    assert (
+        read_metrics(str(root / "B"), "eval")[-1]["eval_loss"] == read_metrics(str(root / "A"), "eval")[-1]["eval_loss"]
+    )
     for name in sorted(os.listdir(root / "A" / "global_step8")):
         if name.startswith("layer_"):
             a_state, b_state = (load_layer_file(str(root / r / "global_step8" / name)) for r in "AB")
@@ -76,11 +97,16 @@ def test_resume_continues_exactly(full_and_resumed):
 def test_checkpoints_are_pruned_complete_and_self_contained(full_and_resumed):
     root, full, _ = full_and_resumed
     out = root / "A"
-    assert sorted(t for t in os.listdir(out) if t.startswith("global_step")) == ["global_step4", "global_step6", "global_step8"]
+    assert sorted(t for t in os.listdir(out) if t.startswith("global_step")) == [
+        "global_step4",
+        "global_step6",
+        "global_step8",
+    ]
     assert (out / "latest").read_text() == "global_step8"
     for tag in ("global_step4", "global_step6", "global_step8"):
         assert sorted(f for f in os.listdir(out / tag) if f.startswith("trainer_state")) == [
-            f"trainer_state_rank{r:05d}.json" for r in range(4)]
+            f"trainer_state_rank{r:05d}.json" for r in range(4)
+        ]
         assert (out / tag / "train_config.yaml").is_file()
     for name in ("config.json", "tokenizer.json", "train_config.yaml"):
         assert (out / name).is_file()
@@ -94,7 +120,9 @@ def test_eval_records_monitors_and_plot(full_and_resumed):
     assert "eval @ step 8 | eval loss" in full.stdout
     csv_dir = root / "A" / "monitor" / "csv"
     assert {"Train_Samples_train_loss.csv", "Train_Samples_lr.csv"} <= set(os.listdir(csv_dir))
-    proc = subprocess.run([sys.executable, "scripts/plot_metrics.py", str(root / "A")], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "scripts/plot_metrics.py", str(root / "A")], cwd=REPO, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert (root / "A" / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -104,10 +132,23 @@ def test_bf16_from_scratch_learns_a_small_repeated_set(tmp_path, tokenizer_dir):
     with open(data, "w") as f:
         for doc in corpus_documents()[:2]:
             f.write(json.dumps({"text": doc[:600]}) + "\n")
-    args = [f"model=tiny", f"model.tokenizer={tokenizer_dir}", f"output_dir={tmp_path / 'out'}", "data=text",
-            f"data.train_file={data}", "data.max_seq_length=64", f"data.cache_dir={tmp_path / 'cache'}",
-            "num_stages=2", "micro_batch_size=2", "gradient_accumulation_steps=2", "max_steps=20",
-            "precision=bf16", "ds=zero1", "optim.lr=1e-2", "optim.warmup_steps=2"]
+    args = [
+        "model=tiny",
+        f"model.tokenizer={tokenizer_dir}",
+        f"output_dir={tmp_path / 'out'}",
+        "data=text",
+        f"data.train_file={data}",
+        "data.max_seq_length=64",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "num_stages=2",
+        "micro_batch_size=2",
+        "gradient_accumulation_steps=2",
+        "max_steps=20",
+        "precision=bf16",
+        "ds=zero1",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=2",
+    ]
     proc = run_deepspeed(2, "train.py", args, str(tmp_path / "log.txt"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "initialised from scratch (model=tiny, seed 42)" in proc.stdout
@@ -124,10 +165,22 @@ def test_activation_checkpointing_recomputes_decoder_layers(tmp_path, tiny_hf):
 
     hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
     write_random_tokens(str(tmp_path / "d.jsonl"), 8, 16, vocab_size=512)
-    proc = run_deepspeed(1, "tests/ds_scripts/train_counting_forwards.py", [
-        f"model_name_or_path={tmp_path / 'ckpt'}", f"data.train_file={tmp_path / 'd.jsonl'}", "data.max_seq_length=16",
-        f"data.cache_dir={tmp_path / 'cache'}", "max_steps=1", "gradient_accumulation_steps=2", "precision=fp32",
-        f"output_dir={tmp_path / 'out'}", "activation_checkpoint_interval=1"], str(tmp_path / "log.txt"))
+    proc = run_deepspeed(
+        1,
+        "tests/ds_scripts/train_counting_forwards.py",
+        [
+            f"model_name_or_path={tmp_path / 'ckpt'}",
+            f"data.train_file={tmp_path / 'd.jsonl'}",
+            "data.max_seq_length=16",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "max_steps=1",
+            "gradient_accumulation_steps=2",
+            "precision=fp32",
+            f"output_dir={tmp_path / 'out'}",
+            "activation_checkpoint_interval=1",
+        ],
+        str(tmp_path / "log.txt"),
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "DECODER_FORWARDS rank 0: 16" in proc.stdout
 
@@ -136,9 +189,19 @@ def test_zero3_data_parallel_run_resumes_exactly_and_exports(tmp_path, tiny_hf, 
     """num_stages=1 with ZeRO-3 (DeepSpeed's data-parallel engine): the same checkpoints, resume and export."""
     ckpt = str(tmp_path / "ckpt")
     hf_to_stages(tiny_hf, ckpt)
+
     def args(out) -> list[str]:
-        return run_args(ckpt, corpus, out, tmp_path / "cache", num_stages=1, ds="zero3", max_steps=4, save_steps=2,
-                        save_total_limit=0)
+        return run_args(
+            ckpt,
+            corpus,
+            out,
+            tmp_path / "cache",
+            num_stages=1,
+            ds="zero3",
+            max_steps=4,
+            save_steps=2,
+            save_total_limit=0,
+        )
 
     full = run_deepspeed(2, "train.py", args(tmp_path / "A"), str(tmp_path / "A.log"))
     assert full.returncode == 0, (full.stdout + full.stderr)[-4000:]
@@ -148,13 +211,27 @@ def test_zero3_data_parallel_run_resumes_exactly_and_exports(tmp_path, tiny_hf, 
     (tmp_path / "B" / "latest").write_text("global_step2")
     resumed = run_deepspeed(2, "train.py", args(tmp_path / "B"), str(tmp_path / "B.log"))
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
-    assert [m["loss"] for m in read_metrics(str(tmp_path / "B"))] == [m["loss"] for m in read_metrics(str(tmp_path / "A"))]
+    assert [m["loss"] for m in read_metrics(str(tmp_path / "B"))] == [
+        m["loss"] for m in read_metrics(str(tmp_path / "A"))
+    ]
     for name in sorted(os.listdir(tmp_path / "A" / "global_step4")):
         if name.startswith("layer_"):
             a_state, b_state = (load_layer_file(str(tmp_path / r / "global_step4" / name)) for r in "AB")
             assert all(torch.equal(a_state[k], b_state[k]) for k in a_state), name
-    proc = subprocess.run([sys.executable, "convert2ckpt.py", "--to-hf", "--input", str(tmp_path / "A"), "--output",
-                           str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "convert2ckpt.py",
+            "--to-hf",
+            "--input",
+            str(tmp_path / "A"),
+            "--output",
+            str(tmp_path / "hf"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     from transformers import LlamaForCausalLM
 

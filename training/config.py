@@ -16,28 +16,67 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from enum import Enum, StrEnum
 from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
+
+from training.layout import Layout
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DS_CONFIG_DIR = os.path.join(REPO_ROOT, "ds_configs")
 MODEL_CONF_DIR = os.path.join(REPO_ROOT, "conf", "model")  # the Hydra model group
 
-SCHEDULERS = ("constant", "linear", "cosine")
-RESUME_MODES = ("auto", "never")
-DATA_FORMATS = ("tokens", "text", "sft")
 LOADABLE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either lets AutoTokenizer load a tokenizer
-PRECISIONS = ("fp32", "bf16", "fp16")
 PARTITION_METHODS = ("parameters", "compute", "uniform", "type:DecoderLayerPipe")
-NONFINITE_POLICIES = ("stop", "skip")
-LOSS_NORMALIZATIONS = ("tokens", "micro_batch")
-LOG_LEVELS = ("debug", "info", "warning", "error")
+# partition_method stays a string: DeepSpeed also takes "type:<regex>" patterns, checked against this list.
 # Checkpoint bytes per parameter besides the weights: AdamW's two moments and the fp32 master copy
 # (ZeRO keeps one even in fp32), 4 bytes each, in DeepSpeed's optimizer-state files. Measured: a
 # tiny fp32 ZeRO-1 pipe 2 x data 2 checkpoint is 16.8 bytes per parameter (4 weights + 12 + JSON).
 OPTIMIZER_BYTES_PER_PARAM = 12
 CHECKPOINT_OVERHEAD_BYTES_PER_RANK = 64 << 10  # trainer state JSON (RNG states, ~34 KB), engine file, YAML
+
+
+# Typed choices: Hydra/OmegaConf refuse any other value with the list of valid ones, before this module
+# sees the config. StrEnum members compare and format as their strings ("bf16").
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Scheduler(StrEnum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class ResumeMode(StrEnum):
+    auto = "auto"
+    never = "never"
+
+
+class DataFormat(StrEnum):
+    tokens = "tokens"
+    text = "text"
+    sft = "sft"
+
+
+class NonfinitePolicy(StrEnum):
+    stop = "stop"
+    skip = "skip"
+
+
+class LossNormalization(StrEnum):
+    tokens = "tokens"
+    micro_batch = "micro_batch"
+
+
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
 
 
 @dataclass
@@ -49,7 +88,9 @@ class OptimConfig:
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.0  # decoupled weight decay; never applied to norm weights (1-D tensors)
     max_grad_norm: float = 1.0  # clip the global gradient L2 norm to this; 0 = no clipping
-    scheduler: str = "constant"  # after warm-up: constant | linear | cosine (decay to min_lr at the last step)
+    scheduler: Scheduler = (
+        Scheduler.constant
+    )  # after warm-up: constant | linear | cosine (decay to min_lr at the last step)
     warmup_steps: int = 0  # optimizer steps of linear warm-up to lr
     min_lr: float = 0.0  # learning rate reached at the last step by linear and cosine
 
@@ -58,7 +99,9 @@ class OptimConfig:
 class ModelConfig:
     """Architecture for training from scratch (conf/model/*.yaml); unused when loading a checkpoint."""
 
-    name: str = "checkpoint"  # the conf/model entry: checkpoint (take config.json from model_name_or_path) or an architecture
+    name: str = (
+        "checkpoint"  # the conf/model entry: checkpoint (take config.json from model_name_or_path) or an architecture
+    )
     architecture: Optional[Dict[str, Any]] = None  # transformers.LlamaConfig fields; None: from model_name_or_path
     tokenizer: str = ""  # directory with the tokenizer files, for training from scratch
 
@@ -76,7 +119,9 @@ class DataConfig:
     """Training data: formats and rules in ``data/sources.py`` and ``data/packing.py``."""
 
     train_file: str = ""  # path of the training data file (.jsonl, or .txt for format=text)
-    format: str = "tokens"  # tokens: {"input_ids"} | text: {"text"} or .txt | sft: {"prompt","response"} or {"messages"}
+    format: DataFormat = (
+        DataFormat.tokens
+    )  # tokens: {"input_ids"} | text: {"text"} or .txt | sft: {"prompt","response"} or {"messages"}
     max_seq_length: int = 512  # tokens per sample row
     packing: Optional[bool] = None  # pack examples into rows with per-document attention; None: true for text only
     shuffle: bool = True  # reshuffle the samples each epoch (seeded with `seed`)
@@ -99,36 +144,46 @@ class TrainConfig:
     # The default equals models.llama_pipe.DEFAULT_PARTITION_METHOD (the planner's; a test checks).
     partition_method: str = "compute"
     ds_config: str = "zero1"  # DeepSpeed JSON: a name in ds_configs/ (without .json) or a path
-    precision: str = "bf16"  # fp32 | bf16 | fp16 (fp16 needs a device that supports it)
+    precision: Precision = Precision.bf16  # fp32 | bf16 | fp16 (fp16 needs a device that supports it)
     micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step per data-parallel rank
     # tokens: an optimizer step's loss is its summed token losses / label tokens of the whole global
     # batch (every micro-batch, every data-parallel rank), as Hugging Face Trainer computes it; eval
     # weighs every token alike too | micro_batch: the mean of per-micro-batch means (DeepSpeed's
     # convention and this project's before; a micro-batch of 3 label tokens weighs as much as one of 300).
-    loss_normalization: str = "tokens"
+    loss_normalization: LossNormalization = LossNormalization.tokens
     max_steps: int = 100  # optimizer steps to train; 0 with num_epochs 0: load everything, train nothing
-    num_epochs: float = 0.0  # stop after this many passes over the training data (fractions allowed); 0 = max_steps alone decides
+    num_epochs: float = (
+        0.0  # stop after this many passes over the training data (fractions allowed); 0 = max_steps alone decides
+    )
     seed: int = 42  # seeds the data order and a from-scratch initialisation
     activation_checkpoint_interval: int = 0  # recompute activations in chunks of this many decoder layers; 0 = off
     log_steps: int = 1  # print a progress line every this many steps (metrics.jsonl gets every step)
     eval_steps: int = 0  # evaluate every this many steps and at the end, when there is eval data; 0 = only at the end
     save_steps: int = 0  # save a checkpoint every this many steps (and always at the end); 0 = only at the end
     save_total_limit: int = 0  # keep only the newest this many checkpoints; 0 = keep all
-    resume: str = "auto"  # auto: continue from output_dir's latest checkpoint if there is one | never: refuse to reuse it
+    resume: ResumeMode = (
+        ResumeMode.auto
+    )  # auto: continue from output_dir's latest checkpoint if there is one | never: refuse to reuse it
     # Seconds a collective (all-reduce, barrier, pipeline send/recv, the start-up rendezvous) waits for
     # the other ranks before it fails and the job exits. It bounds how long a hung or unreachable rank
     # (another node gone, a stopped process) can stall the others; a rank that dies on the same node is
     # noticed by the DeepSpeed launcher within seconds anyway. It must exceed the longest legitimate
     # wait: the tokenized-cache build on the first start (other ranks wait for it) and a checkpoint save.
     dist_timeout_s: int = 1800
-    nonfinite_loss: str = "stop"  # a non-finite loss or gradient: stop (name the last good checkpoint) | skip (the optimizer skips the step; logged)
-    min_free_disk_gb: float = -1.0  # refuse to start with less free space under output_dir; -1 = the estimated size of one checkpoint, 0 = no check
+    # A non-finite loss or gradient: stop (name the last good checkpoint) | skip (the optimizer skips the step; logged).
+    nonfinite_loss: NonfinitePolicy = NonfinitePolicy.stop
+    min_free_disk_gb: float = (
+        -1.0
+    )  # refuse to start with less free space under output_dir; -1 = the estimated size of one checkpoint, 0 = no check
     # Seconds a rank may take from start to joining the process group (loading or building DeepSpeed's
     # ops, the rendezvous) before it says where it waits and exits; 0 = no limit. A stale op-build lock
     # would otherwise hang every job silently, before dist_timeout_s applies.
     startup_timeout_s: int = 900
-    log_level: str = "warning"  # DeepSpeed's own log lines shown: debug | info | warning | error
+    log_level: LogLevel = LogLevel.warning  # DeepSpeed's own log lines shown: debug | info | warning | error
+    # Peak TFLOP/s of one device for MFU in the progress line and metrics.jsonl; 0 = from the table of known
+    # GPUs (training/metrics.py: H200, H100, A100, L40S, ...), none on CPU (MFU omitted there unless set).
+    mfu_peak_tflops: float = 0.0
     # Classes of settings that may differ from the checkpoint being resumed (see RESUME_KEY_CLASSES):
     # optim (optimizer, schedule, loss normalisation: applied exactly from the next step) | data (the new
     # sample stream continues at the saved epoch and position) | model (the checkpoint's weights are used).
@@ -164,35 +219,47 @@ class Resolved:
     """A validated config with what was read to validate it (read once, used by train.py)."""
 
     cfg: TrainConfig
-    world_size: int
-    dp: int  # data-parallel degree = world_size / num_stages
+    layout: Layout  # world, stages, dp, batch arithmetic, engine
     ds_json: dict  # the DeepSpeed JSON as written by the user (batch keys not yet filled)
     model_config: object  # transformers.LlamaConfig: model_name_or_path's config.json, or model.architecture
     warnings: list[str]
     resume_tag: Optional[str] = None  # checkpoint in output_dir to continue from (resume=auto)
-    resume_changes: ResumeChanges = field(default_factory=lambda: ResumeChanges())  # settings changed since it was saved
+    resume_changes: ResumeChanges = field(
+        default_factory=lambda: ResumeChanges()
+    )  # settings changed since it was saved
 
     @property
     def from_scratch(self) -> bool:
         return not self.cfg.model_name_or_path
 
     @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree = world size / num_stages."""
+        return self.layout.dp
+
+    @property
     def zero_stage(self) -> int:
-        return self.ds_json.get("zero_optimization", {}).get("stage", 0)
+        return self.layout.zero
 
     @property
     def uses_pipeline(self) -> bool:
-        return uses_pipeline_engine(self.cfg.num_stages, self.zero_stage)
-
-
-def uses_pipeline_engine(num_stages: int, zero_stage: int) -> bool:
-    """DeepSpeed's pipeline engine (ZeRO 0/1), or its data-parallel engine (num_stages=1, ZeRO 2/3)."""
-    return num_stages > 1 or zero_stage < 2
+        return self.layout.uses_pipeline
 
 
 # Fields that define the tensor shapes: a checkpoint and a chosen architecture must agree on them.
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "tie_word_embeddings")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
 
 
 def offloads(zero: dict) -> tuple[bool, bool]:
@@ -244,12 +311,18 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
             if getattr(chosen, f) != getattr(config, f)
         ]
     if arch is None:
-        return None, ["no model: set model_name_or_path=CKPT_DIR (made by convert2ckpt.py) or, to train from "
-                      "scratch, model=<architecture in conf/model/> and model.tokenizer=DIR"]
+        return None, [
+            "no model: set model_name_or_path=CKPT_DIR (made by convert2ckpt.py) or, to train from "
+            "scratch, model=<architecture in conf/model/> and model.tokenizer=DIR"
+        ]
     problems = []
-    if not cfg.model.tokenizer or not any(os.path.isfile(os.path.join(cfg.model.tokenizer, f)) for f in LOADABLE_TOKENIZER_FILES):
-        problems.append(f"model.tokenizer {cfg.model.tokenizer!r} holds no tokenizer ({' or '.join(LOADABLE_TOKENIZER_FILES)}): "
-                        f"training from scratch needs one (it is saved with every checkpoint)")
+    if not cfg.model.tokenizer or not any(
+        os.path.isfile(os.path.join(cfg.model.tokenizer, f)) for f in LOADABLE_TOKENIZER_FILES
+    ):
+        problems.append(
+            f"model.tokenizer {cfg.model.tokenizer!r} holds no tokenizer ({' or '.join(LOADABLE_TOKENIZER_FILES)}): "
+            f"training from scratch needs one (it is saved with every checkpoint)"
+        )
     try:
         return LlamaConfig(**arch), problems
     except (TypeError, ValueError) as e:
@@ -259,16 +332,20 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
 def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], ResumeChanges, list[str]]:
     """(tag to resume from, settings changed since it was saved, problems) for output_dir's ``latest``
     checkpoint, if any."""
-    if cfg.resume not in RESUME_MODES:
-        return None, ResumeChanges(), [f"resume {cfg.resume!r} unknown: choose one of {list(RESUME_MODES)}"]
-    from models.checkpoint import LATEST_FILE, latest_tag  # heavy import (torch, deepspeed), only once parsed
+    from models.layer_files import LATEST_FILE, latest_tag  # heavy import (torch, deepspeed), only once parsed
 
     tag = latest_tag(cfg.output_dir)
     if tag is None:
         return None, ResumeChanges(), []
     if cfg.resume == "never":
-        return None, ResumeChanges(), [f"output_dir {cfg.output_dir} already holds a checkpoint ({tag}): set resume=auto to continue "
-                      f"it, or choose another output_dir"]
+        return (
+            None,
+            ResumeChanges(),
+            [
+                f"output_dir {cfg.output_dir} already holds a checkpoint ({tag}): set resume=auto to continue "
+                f"it, or choose another output_dir"
+            ],
+        )
     problems = []
     if not os.path.isdir(os.path.join(cfg.output_dir, tag)):
         problems.append(f"{os.path.join(cfg.output_dir, LATEST_FILE)} names {tag}, which is not in {cfg.output_dir}")
@@ -277,10 +354,15 @@ def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], ResumeCh
         from transformers import LlamaConfig
 
         old = LlamaConfig.from_pretrained(cfg.output_dir)
-        problems += [f"output_dir {cfg.output_dir} holds a checkpoint with {f}={getattr(old, f)}, this model has "
-                     f"{getattr(model_config, f)}: choose another output_dir" for f in SHAPE_FIELDS
-                     if getattr(old, f) != getattr(model_config, f)]
-        problems += [f"output_dir {cfg.output_dir}/{tag}: {line}" for line in tensor_shape_differences(old, model_config)]
+        problems += [
+            f"output_dir {cfg.output_dir} holds a checkpoint with {f}={getattr(old, f)}, this model has "
+            f"{getattr(model_config, f)}: choose another output_dir"
+            for f in SHAPE_FIELDS
+            if getattr(old, f) != getattr(model_config, f)
+        ]
+        problems += [
+            f"output_dir {cfg.output_dir}/{tag}: {line}" for line in tensor_shape_differences(old, model_config)
+        ]
     changes, change_problems = resume_changes(cfg, tag)
     return tag, changes, problems + change_problems
 
@@ -296,12 +378,35 @@ def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], ResumeCh
 #   model:  refused unless resume_allow_changes has "model"; the checkpoint's weights are used either way
 #           (shapes that differ are refused separately).
 RESUME_KEY_CLASSES = {
-    "layout": ("num_stages", "partition_method", "ds_config", "precision", "micro_batch_size",
-               "gradient_accumulation_steps"),
-    "optim": ("optim.lr", "optim.betas", "optim.eps", "optim.weight_decay", "optim.max_grad_norm", "optim.scheduler",
-              "optim.warmup_steps", "optim.min_lr", "loss_normalization"),
-    "data": ("data.train_file", "data.format", "data.max_seq_length", "data.packing", "data.shuffle",
-             "data.eval_fraction", "data.skip_bad_lines", "seed"),
+    "layout": (
+        "num_stages",
+        "partition_method",
+        "ds_config",
+        "precision",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+    ),
+    "optim": (
+        "optim.lr",
+        "optim.betas",
+        "optim.eps",
+        "optim.weight_decay",
+        "optim.max_grad_norm",
+        "optim.scheduler",
+        "optim.warmup_steps",
+        "optim.min_lr",
+        "loss_normalization",
+    ),
+    "data": (
+        "data.train_file",
+        "data.format",
+        "data.max_seq_length",
+        "data.packing",
+        "data.shuffle",
+        "data.eval_fraction",
+        "data.skip_bad_lines",
+        "seed",
+    ),
     "model": ("model_name_or_path", "model.name", "model.architecture", "model.tokenizer"),
 }
 ACCEPTABLE_CHANGES = ("optim", "data", "model")
@@ -315,6 +420,11 @@ class ResumeChanges:
 
     def lines(self, cls: str) -> list[str]:
         return [f"{key} {old!r} -> {new!r}" for key, (old, new) in self.changed.get(cls, {}).items()]
+
+
+def _plain(value):
+    """A config value as it reads in train_config.yaml (an enum by its string)."""
+    return value.value if isinstance(value, Enum) else value
 
 
 def _dotted(cfg, key: str):
@@ -341,20 +451,24 @@ def resume_changes(cfg: TrainConfig, tag: str) -> tuple[ResumeChanges, list[str]
                 old = _dotted(saved, key)
             except (KeyError, AttributeError):
                 continue  # a checkpoint from a version without this key
-            new = _dotted(now, key)
+            new = _plain(_dotted(now, key))
             if old != new and not (isinstance(new, (list, tuple)) and list(old or []) == list(new)):
                 changes.changed.setdefault(cls, {})[key] = (old, new)
     problems = []
     where = f"{cfg.output_dir}/{tag}"
     if changes.changed.get("layout"):
-        problems.append(f"{where} was saved with another layout: {', '.join(changes.lines('layout'))} (optimizer "
-                        f"states are saved per stage and rank, the data position in micro-batches): set the saved values "
-                        f"to resume it, or start a new output_dir with model_name_or_path={cfg.output_dir} (weights only)")
+        problems.append(
+            f"{where} was saved with another layout: {', '.join(changes.lines('layout'))} (optimizer "
+            f"states are saved per stage and rank, the data position in micro-batches): set the saved values "
+            f"to resume it, or start a new output_dir with model_name_or_path={cfg.output_dir} (weights only)"
+        )
     for cls in ACCEPTABLE_CHANGES:
         if changes.changed.get(cls) and cls not in cfg.resume_allow_changes:
-            problems.append(f"{where} was saved with other {cls} settings: {', '.join(changes.lines(cls))}: set the saved "
-                            f"values, or add {cls} to resume_allow_changes (resume_allow_changes=[{cls}]) to "
-                            f"{RESUME_EFFECT[cls]}")
+            problems.append(
+                f"{where} was saved with other {cls} settings: {', '.join(changes.lines(cls))}: set the saved "
+                f"values, or add {cls} to resume_allow_changes (resume_allow_changes=[{cls}]) to "
+                f"{RESUME_EFFECT[cls]}"
+            )
     return changes, problems
 
 
@@ -383,7 +497,9 @@ def unknown_key_problems(given: dict, schema: type | None = None, prefix: str = 
     problems = []
     for key, value in given.items():
         if not hasattr(defaults, key):
-            near = difflib.get_close_matches(f"{prefix}{key}", _leaf_keys(dataclasses.asdict(TrainConfig())), n=1, cutoff=0.6)
+            near = difflib.get_close_matches(
+                f"{prefix}{key}", _leaf_keys(dataclasses.asdict(TrainConfig())), n=1, cutoff=0.6
+            )
             hint = f": did you mean {near[0]}?" if near else ": `python train.py --cfg job` lists the keys"
             problems.append(f"unknown key {prefix}{key}{hint}")
         elif dataclasses.is_dataclass(getattr(defaults, key)) and isinstance(value, dict):
@@ -405,8 +521,12 @@ def tensor_shape_differences(old, new, limit: int = 3) -> list[str]:
     for info in spec_layout(new):
         if info.owns_file:
             a, b = expected_state_shapes(old_specs[info.index]), expected_state_shapes(new_specs[info.index])
-            lines += [f"{layer_file_name(info.index)} tensor {k!r} has shape {tuple(a[k])} in the checkpoint, "
-                      f"{tuple(b[k])} in this model" for k in b if k in a and tuple(a[k]) != tuple(b[k])]
+            lines += [
+                f"{layer_file_name(info.index)} tensor {k!r} has shape {tuple(a[k])} in the checkpoint, "
+                f"{tuple(b[k])} in this model"
+                for k in b
+                if k in a and tuple(a[k]) != tuple(b[k])
+            ]
     if len(lines) > limit:
         lines = lines[:limit] + [f"... and {len(lines) - limit} more tensors of other shapes"]
     return lines
@@ -435,7 +555,9 @@ def output_dir_problems(cfg: TrainConfig) -> list[str]:
         else:
             os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=where))
     except OSError as e:
-        return [f"output_dir {out} is not writable ({e.strerror} in {where}): choose another output_dir or make it writable"]
+        return [
+            f"output_dir {out} is not writable ({e.strerror} in {where}): choose another output_dir or make it writable"
+        ]
     return []
 
 
@@ -451,8 +573,10 @@ def checkpoint_size_bytes(model_config, precision: str, uses_pipeline: bool, wor
     params = model_parameters(model_config)
     weight_bytes = 4 if precision == "fp32" else 2
     per_param = weight_bytes * (1 if uses_pipeline else 2) + OPTIMIZER_BYTES_PER_PARAM
-    how = (f"{params / 1e6:.1f} M parameters x {per_param} bytes: {precision} weights"
-           f"{'' if uses_pipeline else ' twice (layer files + engine file)'} + AdamW moments and fp32 master weights")
+    how = (
+        f"{params / 1e6:.1f} M parameters x {per_param} bytes: {precision} weights"
+        f"{'' if uses_pipeline else ' twice (layer files + engine file)'} + AdamW moments and fp32 master weights"
+    )
     return params * per_param + world_size * CHECKPOINT_OVERHEAD_BYTES_PER_RANK, how
 
 
@@ -467,24 +591,34 @@ def disk_problems(cfg: TrainConfig, model_config, uses_pipeline: bool, world_siz
     one, how = checkpoint_size_bytes(model_config, cfg.precision, uses_pipeline, world_size)
     need = one if cfg.min_free_disk_gb < 0 else cfg.min_free_disk_gb * 1e9
     if free < need:
-        why = f"one checkpoint needs about {need / 1e9:.3g} GB ({how})" if cfg.min_free_disk_gb < 0 else \
-              f"min_free_disk_gb={cfg.min_free_disk_gb:g} asks for {need / 1e9:.3g} GB"
-        return [f"output_dir {cfg.output_dir}: {free / 1e9:.3g} GB free on its file system ({where}), but {why}: "
-                f"free space or choose another output_dir (min_free_disk_gb=0 skips this check)"], []
-    kept = cfg.save_total_limit + 1 if cfg.save_total_limit else (
-        cfg.max_steps // cfg.save_steps + 1 if cfg.save_steps and cfg.max_steps and not cfg.num_epochs else 1)
+        why = (
+            f"one checkpoint needs about {need / 1e9:.3g} GB ({how})"
+            if cfg.min_free_disk_gb < 0
+            else f"min_free_disk_gb={cfg.min_free_disk_gb:g} asks for {need / 1e9:.3g} GB"
+        )
+        return [
+            f"output_dir {cfg.output_dir}: {free / 1e9:.3g} GB free on its file system ({where}), but {why}: "
+            f"free space or choose another output_dir (min_free_disk_gb=0 skips this check)"
+        ], []
+    kept = (
+        cfg.save_total_limit + 1
+        if cfg.save_total_limit
+        else (cfg.max_steps // cfg.save_steps + 1 if cfg.save_steps and cfg.max_steps and not cfg.num_epochs else 1)
+    )
     if kept > 1 and free < kept * one:
-        return [], [f"output_dir {cfg.output_dir}: {free / 1e9:.3g} GB free, but {kept} checkpoints of about {one / 1e9:.3g} GB "
-                    f"each will be on disk at once (save_total_limit={cfg.save_total_limit}, the new one is written before "
-                    f"the oldest is deleted): a later save will fail; lower save_total_limit or free space"]
+        return [], [
+            f"output_dir {cfg.output_dir}: {free / 1e9:.3g} GB free, but {kept} checkpoints of about {one / 1e9:.3g} "
+            "GB "
+            f"each will be on disk at once (save_total_limit={cfg.save_total_limit}, the new one is written before "
+            f"the oldest is deleted): a later save will fail; lower save_total_limit or free space"
+        ]
     return [], []
 
 
 def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None) -> Resolved:
     """Check every cross-field rule; raise :class:`ConfigError` listing all problems together (with
     ``problems`` found before, such as unknown keys)."""
-    from models.checkpoint import tags_newer_than_latest  # heavy import (torch, deepspeed), only once parsed
-
+    from models.layer_files import tags_newer_than_latest  # heavy import (torch, deepspeed), only once parsed
     from training.run_lock import RunLock
 
     in_use = RunLock(cfg.output_dir).holder()  # acquired after the process group starts; said here first
@@ -512,36 +646,48 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         )
     if cfg.partition_method not in PARTITION_METHODS:
         problems.append(f"partition_method {cfg.partition_method!r} unknown: choose one of {list(PARTITION_METHODS)}")
-    for name, minimum in (("micro_batch_size", 1), ("gradient_accumulation_steps", 1), ("max_steps", 0), ("num_epochs", 0),
-                          ("activation_checkpoint_interval", 0), ("log_steps", 1), ("eval_steps", 0), ("save_steps", 0),
-                          ("save_total_limit", 0), ("dist_timeout_s", 1)):
+    for name, minimum in (
+        ("micro_batch_size", 1),
+        ("gradient_accumulation_steps", 1),
+        ("max_steps", 0),
+        ("num_epochs", 0),
+        ("activation_checkpoint_interval", 0),
+        ("log_steps", 1),
+        ("eval_steps", 0),
+        ("save_steps", 0),
+        ("save_total_limit", 0),
+        ("dist_timeout_s", 1),
+    ):
         if getattr(cfg, name) < minimum:
             problems.append(f"{name} {getattr(cfg, name)} is out of range: set {name} >= {minimum}")
-    if cfg.log_level not in LOG_LEVELS:
-        problems.append(f"log_level {cfg.log_level!r} unknown: choose one of {list(LOG_LEVELS)}")
+    if cfg.mfu_peak_tflops < 0:
+        problems.append(
+            f"mfu_peak_tflops {cfg.mfu_peak_tflops} < 0: set the device's peak TFLOP/s, or 0 for the known-GPU table"
+        )
     if cfg.startup_timeout_s < 0:
         problems.append(f"startup_timeout_s {cfg.startup_timeout_s} < 0: set it >= 0 (0 = no limit)")
     unknown_classes = sorted(set(cfg.resume_allow_changes) - set(ACCEPTABLE_CHANGES))
     if unknown_classes:
-        problems.append(f"resume_allow_changes {unknown_classes} unknown: choose from {list(ACCEPTABLE_CHANGES)} "
-                        f"({', '.join(RESUME_KEY_CLASSES['layout'])} cannot change on resume)")
+        problems.append(
+            f"resume_allow_changes {unknown_classes} unknown: choose from {list(ACCEPTABLE_CHANGES)} "
+            f"({', '.join(RESUME_KEY_CLASSES['layout'])} cannot change on resume)"
+        )
     if model_config is not None and cfg.data.max_seq_length > model_config.max_position_embeddings:
         rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
         kind = rope.get("rope_type", "default")
-        scaling = "no rope scaling" if kind == "default" else f"rope scaling {kind}: " + ", ".join(
-            f"{k}={v}" for k, v in rope.items() if k != "rope_type")
-        warnings.append(f"data.max_seq_length {cfg.data.max_seq_length} > max_position_embeddings "
-                        f"{model_config.max_position_embeddings} of the model ({scaling}): positions past "
-                        f"{model_config.max_position_embeddings} were never trained; lower data.max_seq_length unless "
-                        f"this run is meant to extend the context")
-    if cfg.loss_normalization not in LOSS_NORMALIZATIONS:
-        problems.append(f"loss_normalization {cfg.loss_normalization!r} unknown: choose one of {list(LOSS_NORMALIZATIONS)}")
-    if cfg.precision not in PRECISIONS:
-        problems.append(f"precision {cfg.precision!r} unknown: choose one of {list(PRECISIONS)}")
-    elif cfg.precision == "fp16" and not _fp16_supported():
+        scaling = (
+            "no rope scaling"
+            if kind == "default"
+            else f"rope scaling {kind}: " + ", ".join(f"{k}={v}" for k, v in rope.items() if k != "rope_type")
+        )
+        warnings.append(
+            f"data.max_seq_length {cfg.data.max_seq_length} > max_position_embeddings "
+            f"{model_config.max_position_embeddings} of the model ({scaling}): positions past "
+            f"{model_config.max_position_embeddings} were never trained; lower data.max_seq_length unless "
+            f"this run is meant to extend the context"
+        )
+    if cfg.precision == "fp16" and not _fp16_supported():
         problems.append("precision fp16 is not supported on this device: set precision=bf16 or precision=fp32")
-    if cfg.optim.scheduler not in SCHEDULERS:
-        problems.append(f"optim.scheduler {cfg.optim.scheduler!r} unknown: choose one of {list(SCHEDULERS)}")
     if len(cfg.optim.betas) != 2:
         problems.append(f"optim.betas {list(cfg.optim.betas)} must hold two numbers, e.g. optim.betas=[0.9,0.95]")
     if cfg.optim.max_grad_norm < 0:
@@ -551,25 +697,31 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
     if cfg.monitor.tensorboard and importlib.util.find_spec("tensorboard") is None:
         problems.append("monitor.tensorboard=true needs the tensorboard package: pip install tensorboard")
     problems += data_problems(cfg)
-    if cfg.nonfinite_loss not in NONFINITE_POLICIES:
-        problems.append(f"nonfinite_loss {cfg.nonfinite_loss!r} unknown: choose one of {list(NONFINITE_POLICIES)}")
     if cfg.min_free_disk_gb < 0 and cfg.min_free_disk_gb != -1:
-        problems.append(f"min_free_disk_gb {cfg.min_free_disk_gb} < 0: set it to -1 (one checkpoint's estimated size), 0 (no check) or a size in GB")
+        problems.append(
+            f"min_free_disk_gb {cfg.min_free_disk_gb} < 0: set it to -1 (one checkpoint's estimated size), 0 (no "
+            "check) or a size in GB"
+        )
     output_problems = output_dir_problems(cfg)
     problems += output_problems
+    layout = Layout.of(cfg, world_size, ds_json or {})
     if not output_problems and ds_json is not None:
-        zero_stage = ds_json.get("zero_optimization", {}).get("stage", 0)
-        disk, disk_warnings = disk_problems(cfg, model_config, uses_pipeline_engine(k, zero_stage), world_size)
+        disk, disk_warnings = disk_problems(cfg, model_config, layout.uses_pipeline, world_size)
         problems += disk
         warnings += disk_warnings
-    warnings += [f"{cfg.output_dir}/{tag} is not a complete checkpoint (newer than the one `latest` names: a save "
-                 f"was interrupted): not resumed from; it is replaced or removed when this run saves"
-                 for tag in tags_newer_than_latest(cfg.output_dir)] if not resume_problems else []
+    warnings += (
+        [
+            f"{cfg.output_dir}/{tag} is not a complete checkpoint (newer than the one `latest` names: a save "
+            f"was interrupted): not resumed from; it is replaced or removed when this run saves"
+            for tag in tags_newer_than_latest(cfg.output_dir)
+        ]
+        if not resume_problems
+        else []
+    )
     if cfg.eval_steps and not (cfg.data.eval_file or cfg.data.eval_fraction):
         warnings.append(f"eval_steps={cfg.eval_steps} but no eval data: set data.eval_file or data.eval_fraction")
 
-    dp = world_size // k if k >= 1 and world_size % k == 0 else 0
-    if dp:
+    if layout.dp:
         micro_batches = cfg.gradient_accumulation_steps
         if k > 1 and micro_batches < k:
             warnings.append(
@@ -577,10 +729,10 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
                 f"(ideal efficiency {micro_batches}/{micro_batches + k - 1}); raise gradient_accumulation_steps"
             )
         if ds_json is not None:
-            problems += ds_json_conflicts(cfg, ds_json, dp)
+            problems += ds_json_conflicts(cfg, ds_json, layout)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-    return Resolved(cfg, world_size, dp, ds_json, model_config, warnings, resume_tag, resume_changes_)
+    return Resolved(cfg, layout, ds_json, model_config, warnings, resume_tag, resume_changes_)
 
 
 def default_packing(data: DataConfig) -> bool:
@@ -590,8 +742,6 @@ def default_packing(data: DataConfig) -> bool:
 
 def data_problems(cfg: TrainConfig) -> list[str]:
     d, problems = cfg.data, []
-    if d.format not in DATA_FORMATS:
-        problems.append(f"data.format {d.format!r} unknown: choose one of {list(DATA_FORMATS)}")
     for key in ("train_file", "eval_file"):
         path = getattr(d, key)
         if key == "train_file" and not path:
@@ -607,8 +757,10 @@ def data_problems(cfg: TrainConfig) -> list[str]:
     if d.order_check_steps < 0:
         problems.append(f"data.order_check_steps {d.order_check_steps} < 0: set it >= 0 (0 = off)")
     model_dir = tokenizer_dir(cfg)
-    if d.format in ("text", "sft") and cfg.model_name_or_path and not any(
-        os.path.isfile(os.path.join(model_dir, f)) for f in LOADABLE_TOKENIZER_FILES
+    if (
+        d.format in ("text", "sft")
+        and cfg.model_name_or_path
+        and not any(os.path.isfile(os.path.join(model_dir, f)) for f in LOADABLE_TOKENIZER_FILES)
     ):
         problems.append(
             f"data.format={d.format} tokenizes with the model's tokenizer, but {model_dir} has none "
@@ -636,7 +788,7 @@ AUTO = "auto"
 MONITOR_SECTIONS = {"tensorboard": "monitor.tensorboard", "csv_monitor": "monitor.csv"}
 
 
-def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, dp: int) -> list[str]:
+def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, layout: Layout) -> list[str]:
     """Values in the DeepSpeed JSON that contradict the Hydra config, in either direction.
 
     The Hydra config is the source of truth for every key ``training.optim.fill_ds_config`` writes;
@@ -644,7 +796,7 @@ def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, dp: int) -> list[str]:
     side silently overrides is a setting the user believes in and does not get.
     """
     problems = []
-    train_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp
+    train_batch = layout.global_batch
     owned = {
         "train_micro_batch_size_per_gpu": (cfg.micro_batch_size, "micro_batch_size"),
         "gradient_accumulation_steps": (cfg.gradient_accumulation_steps, "gradient_accumulation_steps"),
@@ -652,15 +804,17 @@ def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, dp: int) -> list[str]:
     }
     for key, (value, knob) in owned.items():
         if ds_json.get(key, AUTO) not in (AUTO, value):
-            problems.append(f"ds_config sets {key}={ds_json[key]} but {knob}={value}: remove {key} from the JSON or set {knob}")
+            problems.append(
+                f"ds_config sets {key}={ds_json[key]} but {knob}={value}: remove {key} from the JSON or set {knob}"
+            )
     if ds_json.get("train_batch_size", AUTO) not in (AUTO, train_batch):
         b = ds_json["train_batch_size"]
         fix = ""
-        per_step = cfg.micro_batch_size * dp
+        per_step = layout.micro_batch * layout.dp
         if isinstance(b, int) and b % per_step == 0:
             fix = f": set gradient_accumulation_steps={b // per_step}"
         problems.append(
-            f"train_batch {b} != micro {cfg.micro_batch_size} x grad_acc {cfg.gradient_accumulation_steps} x dp {dp} "
+            f"train_batch {b} != micro {layout.micro_batch} x grad_acc {layout.grad_accum} x dp {layout.dp} "
             f"(={train_batch}){fix}, or remove train_batch_size from the JSON"
         )
     for section in ("optimizer", "scheduler"):
@@ -670,28 +824,37 @@ def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, dp: int) -> list[str]:
         enabled = ds_json.get(key, {}).get("enabled", AUTO)
         if enabled != AUTO and bool(enabled) != (cfg.precision == key):
             fix = f"set precision={key}" if enabled else "set precision to the one you mean (fp32, bf16 or fp16)"
-            problems.append(f"ds_config sets {key}.enabled={str(enabled).lower()} but precision={cfg.precision}: "
-                            f"remove {key}.enabled from the JSON (precision decides it) or {fix}")
+            problems.append(
+                f"ds_config sets {key}.enabled={str(enabled).lower()} but precision={cfg.precision}: "
+                f"remove {key}.enabled from the JSON (precision decides it) or {fix}"
+            )
     if ds_json.get("amp", {}).get("enabled", False):
-        problems.append(f"ds_config enables amp but precision={cfg.precision} decides the precision: remove the 'amp' section")
+        problems.append(
+            f"ds_config enables amp but precision={cfg.precision} decides the precision: remove the 'amp' section"
+        )
     for section, knob in MONITOR_SECTIONS.items():
         if section not in ds_json:
             continue
         value = getattr(cfg.monitor, knob.split(".")[1])
         extra = sorted(set(ds_json[section]) - {"enabled"})
         if ds_json[section].get("enabled", False) != value or extra:
-            problems.append(f"ds_config has a '{section}' section ({json.dumps(ds_json[section])}) but {knob}={str(value).lower()}: "
-                            f"remove the section and set {knob}=true (it writes to output_dir/monitor)")
+            problems.append(
+                f"ds_config has a '{section}' section ({json.dumps(ds_json[section])}) but "
+                f"{knob}={str(value).lower()}: "
+                f"remove the section and set {knob}=true (it writes to output_dir/monitor)"
+            )
     zero = ds_json.get("zero_optimization", {})
     stage = zero.get("stage", 0)
     if zero.get("zero_quantized_weights") and accelerator_name() == "cpu":
         problems.append(
-            "ds_config uses ZeRO++ quantized weights (zero_quantized_weights), whose quantizer kernel the CPU accelerator "
+            "ds_config uses ZeRO++ quantized weights (zero_quantized_weights), whose quantizer kernel the CPU "
+            "accelerator "
             "lacks ('This op had not been implemented on CPU backend'): run on GPUs, or use ds=zero3 here"
         )
     if stage >= 2 and cfg.num_stages > 1:
         problems.append(
-            f"ZeRO stage {stage} with num_stages={cfg.num_stages}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only "
+            f"ZeRO stage {stage} with num_stages={cfg.num_stages}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 "
+            "only "
             f"('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'); set num_stages=1 or ds_config=zero1"
         )
     return problems
@@ -701,7 +864,10 @@ def load_ds_json(name: str) -> tuple[dict | None, str | None]:
     """(parsed JSON, None) or (None, problem line) for the ``ds_config`` setting."""
     path = resolve_ds_config_path(name)
     if path is None:
-        return None, f"ds_config {name!r} not found: choose one of {available_ds_configs()} or give a path to a JSON file"
+        return (
+            None,
+            f"ds_config {name!r} not found: choose one of {available_ds_configs()} or give a path to a JSON file",
+        )
     try:
         with open(path) as f:
             return json.load(f), None

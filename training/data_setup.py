@@ -92,7 +92,9 @@ def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> Ra
         train_entry, meta = build_or_reuse(cfg.data.train_file, settings, tokenizer_dir(cfg), cache_dir(cfg), log)
         eval_entry, n_eval = None, 0
         if cfg.data.eval_file:
-            eval_entry, eval_meta = build_or_reuse(cfg.data.eval_file, settings, tokenizer_dir(cfg), cache_dir(cfg), log)
+            eval_entry, eval_meta = build_or_reuse(
+                cfg.data.eval_file, settings, tokenizer_dir(cfg), cache_dir(cfg), log
+            )
             n_eval = eval_meta["num_samples"]
         n = meta["num_samples"]
         n_train = len(split_eval(n, cfg.data.eval_fraction)[0]) if cfg.data.eval_fraction > 0 else n
@@ -111,17 +113,32 @@ def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> Ra
     return local["data"]
 
 
-def _open_rank_data(cfg: TrainConfig, coord, dp_size: int, reads: bool, is_builder: bool, host: str, built: list) -> RankData:
+def _open_rank_data(
+    cfg: TrainConfig, coord, dp_size: int, reads: bool, is_builder: bool, host: str, built: list
+) -> RankData:
     k = cfg.num_stages
     n_eval = built[0]["num_eval"]
     if n_eval and n_eval < dp_size * cfg.micro_batch_size:
-        raise DataError(f"the eval set has {n_eval} samples, fewer than one micro-batch per data-parallel rank "
-                        f"(micro_batch_size {cfg.micro_batch_size} x dp {dp_size}): add eval data or raise data.eval_fraction")
-    shape = dict(eval_samples=n_eval, eval_batches=n_eval // dp_size // cfg.micro_batch_size,
-                 micro_batch_size=cfg.micro_batch_size, dp_rank=coord.data, dp_size=dp_size)
+        raise DataError(
+            f"the eval set has {n_eval} samples, fewer than one micro-batch per data-parallel rank "
+            f"(micro_batch_size {cfg.micro_batch_size} x dp {dp_size}): add eval data or raise data.eval_fraction"
+        )
+    shape = dict(
+        eval_samples=n_eval,
+        eval_batches=n_eval // dp_size // cfg.micro_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        dp_rank=coord.data,
+        dp_size=dp_size,
+    )
     if not reads:
-        return RankData(PlaceholderDataset(built[0]["num_train"]), None, None,
-                        OrderGuard(None, cfg.data.order_check_steps, k, coord.data, coord.pipe), "placeholder", **shape)
+        return RankData(
+            PlaceholderDataset(built[0]["num_train"]),
+            None,
+            None,
+            OrderGuard(None, cfg.data.order_check_steps, k, coord.data, coord.pipe),
+            "placeholder",
+            **shape,
+        )
     mine = next(r for r in built if r["host"] == host)
     train = TokenBlocks(mine["train"])
     evaluation = TokenBlocks(mine["eval"]) if mine["eval"] else None

@@ -71,7 +71,10 @@ def release_cpu_comm_buffer() -> None:
     stale segment. Call after the final barrier; the mappings of other ranks stay valid.
     """
     name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
-        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), os.environ.get("LOCAL_RANK", "0")
+        os.getuid(),
+        os.environ.get("MASTER_ADDR", ""),
+        os.environ.get("MASTER_PORT", ""),
+        os.environ.get("LOCAL_RANK", "0"),
     )
     try:
         os.unlink(os.path.join("/dev/shm", name))

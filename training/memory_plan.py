@@ -33,6 +33,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from training.layout import Layout
+
 GB = 1e9  # the ZeRO paper and GPU vendors count decimal gigabytes
 DS_REDUCE_BUCKET_DEFAULT = 500_000_000  # elements: DeepSpeed's reduce_bucket_size when the JSON has none
 
@@ -41,27 +43,6 @@ def reduce_bucket_elements(total_params: float) -> int:
     """ZeRO-2/3's gradient reduce bucket as train.py sets it: DeepSpeed's default, capped at the model's
     size (the bucket is allocated whole; a larger one holds nothing more)."""
     return int(min(DS_REDUCE_BUCKET_DEFAULT, total_params))
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to run the job."""
-
-    stages: int = 1
-    dp: int = 1
-    zero: int = 0  # 0..3
-    offload_optimizer: bool = False
-    offload_params: bool = False  # ZeRO-3 only
-    micro_batch: int = 1
-    seq_len: int = 2048
-    grad_accum: int = 8  # micro-batches per step: how many are in flight in the pipeline
-    checkpointing: bool = False
-    dtype: str = "bf16"  # bf16 | fp16 (mixed precision, K=12) | fp32 (K=8)
-
-    def describe(self) -> str:
-        off = "+offload(opt" + ("+params" if self.offload_params else "") + ")" if self.offload_optimizer else ""
-        return (f"pipe {self.stages} x data {self.dp}, ZeRO-{self.zero}{off}, micro {self.micro_batch} x seq {self.seq_len}"
-                f"{', act. ckpt' if self.checkpointing else ''}, {self.dtype}")
 
 
 @dataclass(frozen=True)
@@ -130,8 +111,9 @@ def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: 
     return in_flight * per_micro + logits
 
 
-def estimate(stage_params: list[float], layout: Layout, shape: Shape | None = None,
-             stage_layers: list[int] | None = None) -> Estimate:
+def estimate(
+    stage_params: list[float], layout: Layout, shape: Shape | None = None, stage_layers: list[int] | None = None
+) -> Estimate:
     """Per-GPU memory of the most loaded stage. ``stage_params[p]``: parameters of stage p."""
     best = None
     for p, psi in enumerate(stage_params):
@@ -161,13 +143,24 @@ def layouts_for(gpus: int, num_layers: int | None, micro_batch: int, seq_len: in
                 continue  # DeepSpeed's pipeline engine: ZeRO 0 and 1 only
             if (opt_off and zero == 0) or (par_off and (zero != 3 or not opt_off)):
                 continue  # offload needs ZeRO; parameter offload needs ZeRO-3 with optimizer offload
-            layout = Layout(stages, gpus // stages, zero, opt_off, par_off, micro_batch, seq_len, grad_accum, ckpt, dtype)
+            layout = Layout(
+                stages, gpus // stages, zero, opt_off, par_off, micro_batch, seq_len, grad_accum, ckpt, dtype
+            )
             candidates.append(((par_off + opt_off, ckpt, zero, stages), layout))
     return [layout for _, layout in sorted(candidates, key=lambda c: c[0])]
 
 
-def fitting(split, shape: Shape | None, gpus: int, gpu_mem_gb: float, num_layers: int | None, micro_batch: int,
-            seq_len: int, grad_accum: int, dtype: str) -> list[tuple[Layout, Estimate]]:
+def fitting(
+    split,
+    shape: Shape | None,
+    gpus: int,
+    gpu_mem_gb: float,
+    num_layers: int | None,
+    micro_batch: int,
+    seq_len: int,
+    grad_accum: int,
+    dtype: str,
+) -> list[tuple[Layout, Estimate]]:
     """Layouts whose most loaded GPU fits ``gpu_mem_gb``, cheapest first (see layouts_for).
 
     ``split(stages)`` gives (parameters per stage, decoder layers per stage or None).
@@ -179,3 +172,39 @@ def fitting(split, shape: Shape | None, gpus: int, gpu_mem_gb: float, num_layers
         if e.total <= gpu_mem_gb * GB:
             out.append((layout, e))
     return out
+
+
+def shape_of(config) -> Shape | None:
+    """What the activation estimate needs from a LlamaConfig; None without one (a bare parameter count)."""
+    if config is None:
+        return None
+    return Shape(
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.vocab_size,
+    )
+
+
+def splitter(config, total: float | None, method: str | None = None):
+    """stages -> (parameters per stage, decoder layers per stage), split as train.py's
+    ``partition_method`` splits (models.llama_pipe.stage_boundaries; ``method`` None: its default);
+    a bare count (``config`` None, ``total`` parameters) splits evenly. The ``split`` of ``fitting``."""
+    if config is None:
+        return lambda stages: ([total / stages] * stages, None)
+    # Imported here: models.llama_pipe brings torch and DeepSpeed, which the planner's formulas do not need.
+    from models.llama_pipe import DEFAULT_PARTITION_METHOD, spec_layout, spec_parameter_counts, stage_boundaries
+
+    if method is None:
+        method = DEFAULT_PARTITION_METHOD
+    counts, kinds = spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
+
+    def split(stages: int):
+        parts = stage_boundaries(config, stages, method)
+        params = [float(sum(counts[parts[p] : parts[p + 1]])) for p in range(stages)]
+        layers = [kinds[parts[p] : parts[p + 1]].count("decoder") for p in range(stages)]
+        return params, layers
+
+    return split

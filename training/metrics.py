@@ -7,7 +7,40 @@ import math
 import os
 import time
 
-from models.checkpoint import peak_rss_mb
+from models.host_memory import peak_rss_mb
+
+# Dense peak TFLOP/s per GPU by device name (vendor datasheets, no sparsity): (bf16/fp16 tensor cores, fp32).
+# The first entry whose every word is in torch.cuda.get_device_name() is used; mfu_peak_tflops overrides.
+PEAK_TFLOPS = [
+    ("H200", 989.4, 66.9),
+    ("H100 PCIe", 756.0, 51.2),
+    ("H100", 989.4, 66.9),  # SXM; the name is "NVIDIA H100 80GB HBM3"
+    ("A100", 312.0, 19.5),
+    ("L40S", 362.1, 91.6),
+    ("A10G", 125.0, 31.2),
+    ("L4", 121.0, 30.3),
+]
+
+
+def device_peak_tflops(precision: str, override: float = 0.0) -> float | None:
+    """Peak TFLOP/s of one device for ``precision``: ``override`` when set, else the table's entry for this
+    GPU; None on a device the table does not know (a CPU: MFU is then omitted)."""
+    if override > 0:
+        return override
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for words, half, single in PEAK_TFLOPS:
+        if all(w in name for w in words.split()):
+            return single if precision == "fp32" else half
+    return None
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: the model's training FLOPs per second over the peak of every device used."""
+    return tokens_per_s * flops_per_token / peak_flops
 
 
 class StepLogger:
@@ -16,14 +49,24 @@ class StepLogger:
 
     ``tokens`` and ``tokens/s`` count the real (non-padding) tokens of the global batch, and
     ``label_tokens`` the tokens the loss was taken over (its denominator with loss_normalization=tokens).
+    ``mfu`` is written and printed where the job's peak FLOP/s is known (``peak_flops``, all devices).
 
     Only the rank created with ``active=True`` (global rank 0) writes anything. When resuming from
     ``start_step``, records of later steps (written after that checkpoint) are dropped first.
     """
 
-    def __init__(self, output_dir: str, max_steps: int, log_steps: int, active: bool, start_step: int = 0):
+    def __init__(
+        self,
+        output_dir: str,
+        max_steps: int,
+        log_steps: int,
+        active: bool,
+        start_step: int = 0,
+        flops_per_token: float = 0.0,
+        peak_flops: float | None = None,
+    ):
         self.active, self.max_steps, self.log_steps = active, max_steps, log_steps
-        self.start_step = start_step
+        self.start_step, self.flops_per_token, self.peak_flops = start_step, flops_per_token, peak_flops
         self.start = self.last = time.time()
         self.file = None
         if active:
@@ -56,14 +99,17 @@ class StepLogger:
             "tokens_per_s": round(tokens / step_s, 1),
             "peak_rss_mb": round(peak_rss_mb(), 1),
         }
+        if self.peak_flops:
+            record["mfu"] = round(mfu(tokens / step_s, self.flops_per_token, self.peak_flops), 4)
         self._write(record)
         if step % self.log_steps and step not in (self.start_step + 1, self.max_steps):
             return
         eta = (now - self.start) / (step - self.start_step) * (self.max_steps - step)
         gn = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
+        util = f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
         print(
             f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {gn} | "
-            f"{record['tokens_per_s']:.0f} tokens/s | {step_s:.2f} s/step | ETA {eta:.0f} s | "
+            f"{record['tokens_per_s']:.0f} tokens/s{util} | {step_s:.2f} s/step | ETA {eta:.0f} s | "
             f"peak RSS {record['peak_rss_mb']:.0f} MiB",
             flush=True,
         )

@@ -27,7 +27,7 @@ def fill_ds_config(resolved: Resolved) -> dict:
     ds = copy.deepcopy(resolved.ds_json)
     ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
     ds["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
-    ds["train_batch_size"] = cfg.micro_batch_size * cfg.gradient_accumulation_steps * resolved.dp
+    ds["train_batch_size"] = resolved.layout.global_batch
     # Written even when 0: DeepSpeed 0.19.8 clips at 1.0 when the key is absent.
     ds["gradient_clipping"] = cfg.optim.max_grad_norm
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": cfg.precision == "bf16"}
@@ -100,8 +100,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay, "decay": True},
-              {"params": no_decay, "weight_decay": 0.0, "decay": False}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "decay": True},
+        {"params": no_decay, "weight_decay": 0.0, "decay": False},
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -120,8 +122,13 @@ def apply_optim_settings(engine, cfg: TrainConfig, total_steps: int) -> None:
     for group in scheduler.optimizer.param_groups:
         # A checkpoint saved before groups were marked: a group decays where it had a weight decay.
         decays = group.get("decay", group["weight_decay"] != 0.0)
-        group.update(initial_lr=cfg.optim.lr, lr=cfg.optim.lr * factor, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                     weight_decay=cfg.optim.weight_decay if decays else 0.0)
+        group.update(
+            initial_lr=cfg.optim.lr,
+            lr=cfg.optim.lr * factor,
+            betas=tuple(cfg.optim.betas),
+            eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay if decays else 0.0,
+        )
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):

@@ -71,7 +71,7 @@ def _read(path: str) -> tuple[dict | None, os.stat_result] | None:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             data = f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no lock (output_dir's own problems are reported elsewhere)
         return None
     try:
         record = json.loads(data)

@@ -147,9 +147,17 @@ class StartupWatchdog:
     ``timeout_s <= 0`` disables it. Use as a context manager or call ``stop()`` when start-up is done;
     ``phase(name)`` says what start-up is doing now, as "still <name>" reads."""
 
-    def __init__(self, timeout_s: float, rank: int, ext_dir: str, *, prog: str = "train.py",
-                 early_s: float = EARLY_WARNING_S, poll_s: float = POLL_S,
-                 min_lock_age_s: float = STALE_LOCK_MIN_AGE_S) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        rank: int,
+        ext_dir: str,
+        *,
+        prog: str = "train.py",
+        early_s: float = EARLY_WARNING_S,
+        poll_s: float = POLL_S,
+        min_lock_age_s: float = STALE_LOCK_MIN_AGE_S,
+    ) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
         self.ext_dir = ext_dir
@@ -201,12 +209,16 @@ class StartupWatchdog:
                 for lock in self._stale():
                     if lock not in self._warned:
                         self._warned.add(lock)
-                        self._say(f"{self.prog}: warning: rank {self.rank} is still {self._phase} after "
-                                  f"{now - self._started:.0f} s: {stale_lock_advice(lock)}")
+                        self._say(
+                            f"{self.prog}: warning: rank {self.rank} is still {self._phase} after "
+                            f"{now - self._started:.0f} s: {stale_lock_advice(lock)}"
+                        )
 
     def _fire(self) -> None:
-        lines = [f"{self.prog}: error: rank {self.rank} has not finished start-up after {self.timeout_s:g} s: "
-                 f"still {self._phase}"]
+        lines = [
+            f"{self.prog}: error: rank {self.rank} has not finished start-up after {self.timeout_s:g} s: "
+            f"still {self._phase}"
+        ]
         lines += [stale_lock_advice(lock) for lock in self._stale()]
         with self._firing:
             if self._stopped.is_set():
@@ -229,8 +241,10 @@ def ops_ready(ext_dir: str) -> bool:
         return False
     if stamp.get("ext_dir") != ext_dir:
         return False
-    return all(os.path.isfile(os.path.join(ext_dir, op, f"{op}.so"))
-               and not os.path.exists(os.path.join(ext_dir, op, "lock")) for op in stamp.get("ops", []))
+    return all(
+        os.path.isfile(os.path.join(ext_dir, op, f"{op}.so")) and not os.path.exists(os.path.join(ext_dir, op, "lock"))
+        for op in stamp.get("ops", [])
+    )
 
 
 def build_ops(ext_dir: str) -> list[str]:

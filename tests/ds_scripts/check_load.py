@@ -20,7 +20,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E4
 from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
-from models.checkpoint import load_stage_weights, local_modules  # noqa: E402
+from models.layer_files import load_stage_weights, local_modules  # noqa: E402
 from models.llama_pipe import build_pipeline_model, spec_layout  # noqa: E402
 
 out_path, pairs = sys.argv[1], sys.argv[2:]
@@ -46,9 +46,7 @@ def zeroed_model(config, topology):
 def compare(model, layout, reference) -> dict:
     """{spec index: all tensors bit-equal to the HF reference} for this rank's stage."""
     return {
-        index: all(
-            torch.equal(t, reference[layout[index].hf_prefix + k]) for k, t in module.state_dict().items()
-        )
+        index: all(torch.equal(t, reference[layout[index].hf_prefix + k]) for k, t in module.state_dict().items())
         for index, module in local_modules(model)
     }
 
@@ -62,7 +60,9 @@ for ckpt_dir, hf_dir in zip(pairs[::2], pairs[1::2]):
     for num_stages in (1, 2, 4):
         topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
         engine, *_ = deepspeed.initialize(model=zeroed_model(config, topology), config=ds_config)
-        engine.load_checkpoint(ckpt_dir, load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False)
+        engine.load_checkpoint(
+            ckpt_dir, load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False
+        )
         ours = zeroed_model(config, topology)
         load_stage_weights(ours, config, ckpt_dir)
         results[ckpt_dir][num_stages] = {

@@ -15,14 +15,11 @@ run resumes: a checkpoint directory to resume from must be trusted like code.
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import json
-import mmap
 import os
 import pickle
 import re
-import resource
 import shutil
 import struct
 import zipfile
@@ -33,12 +30,20 @@ from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from models.host_memory import peak_rss_mb, release_mapped_pages
 from models.llama_pipe import SpecInfo, expected_state_shapes, layer_file_name, spec_layout
 
 LATEST_FILE = "latest"  # DeepSpeed's name for the file holding the newest tag
 # Every tokenizer file transformers may write (copied with checkpoints, hashed into data cache keys).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # Files copied alongside the weights so a directory is self-contained: generation defaults and tokenizer.
 SIDE_FILES = ("generation_config.json", *TOKENIZER_FILES)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -47,9 +52,10 @@ TAG_PATTERN = re.compile(r"^global_step(\d+)$")  # DeepSpeed's default tag namin
 # bounds what a load holds beyond the stage's own parameters, and is large enough that the one
 # madvise call per chunk costs nothing measurable.
 LOAD_CHUNK = 16 * 2**20
-PAGE_SIZE = mmap.PAGESIZE
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since PyTorch 1.6 is a zip archive
-HF_WEIGHT_NAMES = "model.safetensors, model-*.safetensors or pytorch_model*.bin"  # what hf_weight_files finds, for messages
+HF_WEIGHT_NAMES = (
+    "model.safetensors, model-*.safetensors or pytorch_model*.bin"  # what hf_weight_files finds, for messages
+)
 
 
 class CheckpointError(RuntimeError):
@@ -76,7 +82,9 @@ def read_tag(ckpt_dir: str, tag: str | None = None) -> str:
                 f" It looks like a Hugging Face model directory: convert it first with "
                 f"`python convert2ckpt.py --input {ckpt_dir} --output <CKPT_DIR>`."
             )
-        raise CheckpointError(f"{os.path.join(ckpt_dir, LATEST_FILE)} not found: {ckpt_dir} is not a pipeline checkpoint.{hint}")
+        raise CheckpointError(
+            f"{os.path.join(ckpt_dir, LATEST_FILE)} not found: {ckpt_dir} is not a pipeline checkpoint.{hint}"
+        )
     tag_dir = os.path.join(ckpt_dir, tag)
     if not os.path.isdir(tag_dir):
         available = sorted(d for d in os.listdir(ckpt_dir) if os.path.isdir(os.path.join(ckpt_dir, d)))
@@ -94,8 +102,10 @@ def load_layer_file(path: str) -> dict[str, torch.Tensor]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path} holds objects other than tensors (a pickle that could run code when "
-                              f"loaded): refused ({unpickling_refusal(e)})") from None
+        raise CheckpointError(
+            f"{path} holds objects other than tensors (a pickle that could run code when "
+            f"loaded): refused ({unpickling_refusal(e)})"
+        ) from None
     except (RuntimeError, EOFError) as e:  # truncated, or not written by torch.save
         raise CheckpointError(unreadable_torch_file(path, e)) from None
 
@@ -147,8 +157,10 @@ def safetensors_damage(path: str, error: BaseException) -> str:
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         if 8 + header_len > size:
-            return (f"{path} is truncated or not a safetensors file: its first 8 bytes announce a "
-                    f"{header_len}-byte header, the file has {size} bytes")
+            return (
+                f"{path} is truncated or not a safetensors file: its first 8 bytes announce a "
+                f"{header_len}-byte header, the file has {size} bytes"
+            )
         try:
             header = json.loads(f.read(header_len))
             data_len = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
@@ -156,8 +168,9 @@ def safetensors_damage(path: str, error: BaseException) -> str:
             return f"{path} is damaged: its header is not valid safetensors JSON ({first_line(error)})"
     expected = 8 + header_len + data_len
     if size < expected:
-        return (f"{path} is truncated: {size} of the {expected} bytes its header describes "
-                f"({100 * size / expected:.0f}%)")
+        return (
+            f"{path} is truncated: {size} of the {expected} bytes its header describes ({100 * size / expected:.0f}%)"
+        )
     if size > expected:
         return f"{path} is damaged: {size - expected} bytes beyond the {expected} its header describes"
     return f"{path} is not a readable safetensors file: {first_line(error)}"
@@ -174,68 +187,14 @@ def open_safetensors(path: str):
 def hf_weight_files(model_dir: str) -> list[str]:
     """The weight files of a Hugging Face model directory: its safetensors files (one, or shards) if it
     has any, else its ``pytorch_model*.bin`` files; [] when it has neither."""
-    return (sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-            or sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin"))))
+    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))) or sorted(
+        glob.glob(os.path.join(model_dir, "pytorch_model*.bin"))
+    )
 
 
 def is_pipeline_checkpoint(path: str) -> bool:
     """Whether ``path`` is in DeepSpeed's pipeline layout (convert2ckpt.py's output or train.py's output_dir)."""
     return latest_tag(path) is not None or bool(checkpoint_tags(path))
-
-
-def _libc_madvise():
-    """libc's ``madvise`` (Linux), or None where there is none: releasing pages is then skipped."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return fn
-
-
-_MADVISE = _libc_madvise() if hasattr(mmap, "MADV_DONTNEED") else None
-
-
-def release_mapped_pages(t: torch.Tensor) -> None:
-    """Drop the pages under ``t`` (a view of a read-only, memory-mapped layer file) from this process.
-
-    A mapped file's touched pages count in the process's resident set until it is unmapped; without
-    this, copying a 125 MiB embedding out of its file held both copies at once (measured: 1.34 x the
-    stage's bytes at load, first stage of 4). ``MADV_DONTNEED`` on a private file mapping that was
-    only read is safe: the pages stay in the page cache and fault in again from the file if touched.
-    The range is widened to whole pages, which may release a neighbour's page early: it is re-read.
-    """
-    if _MADVISE is None or t.device.type != "cpu" or t.numel() == 0:
-        return
-    start = t.data_ptr() // PAGE_SIZE * PAGE_SIZE
-    end = t.data_ptr() + t.numel() * t.element_size()
-    _MADVISE(start, end - start, mmap.MADV_DONTNEED)
-
-
-def mapped_file_span(t: torch.Tensor) -> tuple[str, int] | None:
-    """(file, byte offset) that the CPU tensor ``t`` is a view of, when it comes from a memory-mapped
-    file (a layer file loaded with ``mmap=True``); None otherwise, or where ``/proc/self/maps`` does not exist.
-
-    Lets a caller read the bytes with ``pread`` instead of through the mapping: exporting 1.4 GB of
-    layer files ran at the raw copy's speed that way (0.44 s, as a 1 MiB read/write loop), against
-    0.55-0.76 s writing out of the mapping, whose pages fault in one by one.
-    """
-    if t.device.type != "cpu" or t.numel() == 0:
-        return None
-    ptr = t.data_ptr()
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.split(maxsplit=5)  # start-end perms offset dev inode [path]
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                if start <= ptr < end:
-                    path = fields[5].strip() if len(fields) == 6 else ""
-                    if not os.path.isfile(path):
-                        return None  # anonymous memory, or a file deleted since
-                    return path, ptr - start + int(fields[2], 16)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 @torch.no_grad()
@@ -265,8 +224,11 @@ def checkpoint_tags(ckpt_dir: str) -> list[tuple[int, str]]:
     """(step, tag) of every ``global_step<N>`` directory in ``ckpt_dir``, oldest first."""
     if not os.path.isdir(ckpt_dir):
         return []
-    return sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir)
-                  if (m := TAG_PATTERN.match(name)) and os.path.isdir(os.path.join(ckpt_dir, name)))
+    return sorted(
+        (int(m.group(1)), name)
+        for name in os.listdir(ckpt_dir)
+        if (m := TAG_PATTERN.match(name)) and os.path.isdir(os.path.join(ckpt_dir, name))
+    )
 
 
 def tags_newer_than_latest(ckpt_dir: str) -> list[str]:
@@ -282,12 +244,14 @@ def tags_newer_than_latest(ckpt_dir: str) -> list[str]:
     return [tag for step, tag in checkpoint_tags(ckpt_dir) if step > latest_step]
 
 
-def check_state_dict(
-    where: str, loaded: dict[str, torch.Tensor], expected: dict[str, torch.Size]
-) -> list[str]:
+def check_state_dict(where: str, loaded: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> list[str]:
     """Problems between a loaded state dict and the expected keys and shapes, one line each."""
-    problems = [f"{where}: missing tensor {k!r} (expected shape {tuple(s)})" for k, s in expected.items() if k not in loaded]
-    problems += [f"{where}: unexpected tensor {k!r} (shape {tuple(v.shape)})" for k, v in loaded.items() if k not in expected]
+    problems = [
+        f"{where}: missing tensor {k!r} (expected shape {tuple(s)})" for k, s in expected.items() if k not in loaded
+    ]
+    problems += [
+        f"{where}: unexpected tensor {k!r} (shape {tuple(v.shape)})" for k, v in loaded.items() if k not in expected
+    ]
     problems += [
         f"{where}: tensor {k!r} has shape {tuple(loaded[k].shape)}, the model config expects {tuple(s)}"
         for k, s in expected.items()
@@ -304,20 +268,6 @@ class StageLoadReport:
     num_tensors: int
     bytes_read: int
     peak_rss_mb: float
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def current_rss_mb() -> float:
-    """Resident set size of this process now, in MiB (``/proc/self/statm``; the peak where there is none)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return peak_rss_mb()
 
 
 def local_modules(model: PipelineModule) -> list[tuple[int, nn.Module]]:

@@ -13,7 +13,7 @@ of writing is what makes it safe:
 
 A crash before step 3 (a rank killed mid-save) leaves ``latest`` naming the previous complete
 checkpoint, and a directory newer than it that is never resumed from
-(``models.checkpoint.tags_newer_than_latest``); the next save of that tag replaces it.
+(``models.layer_files.tags_newer_than_latest``); the next save of that tag replaces it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -28,10 +29,25 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from models.checkpoint import (LATEST_FILE, CheckpointError, checkpoint_tags, latest_tag, copy_side_files, copy_tokenizer_files,
-                               local_modules, stage_file_problems, write_config)
+from models.layer_files import (
+    LATEST_FILE,
+    CheckpointError,
+    checkpoint_tags,
+    copy_side_files,
+    copy_tokenizer_files,
+    latest_tag,
+    local_modules,
+    stage_file_problems,
+    write_config,
+)
 from models.llama_pipe import layer_file_name
 from training.config import Resolved, tokenizer_dir
+
+# train.py's line after each save, as scripts/stress.py and the tests read it back: (step, RSS per rank in MiB
+# as "a, b, ...", rank 0's peak RSS in MiB).
+SAVED_LINE = re.compile(
+    r"saved checkpoint global_step(\d+) in .* \(RSS per rank now: ([\d, ]+) MiB; peak RSS (\d+) MiB\)"
+)
 
 
 def tag_for(step: int) -> str:
@@ -73,8 +89,12 @@ def save(resolved: Resolved, engine, step: int, iterator) -> str:
     engine.save_checkpoint(cfg.output_dir, tag=tag, save_latest=False)
     if not resolved.uses_pipeline:
         write_layer_files(engine.module, resolved.model_config, os.path.join(cfg.output_dir, tag))
-    state = {"step": step, "world_size": dist.get_world_size(), "rng": rng_state(),
-             "iterator": iterator.state_dict() if iterator is not None else None}
+    state = {
+        "step": step,
+        "world_size": dist.get_world_size(),
+        "rng": rng_state(),
+        "iterator": iterator.state_dict() if iterator is not None else None,
+    }
     with open(trainer_state_file(cfg.output_dir, tag, rank), "w") as f:
         json.dump(state, f)
     if rank == 0:
@@ -152,14 +172,17 @@ def read_trainer_state(resolved: Resolved, module) -> dict:
         raise CheckpointError(f"cannot resume from {cfg.output_dir}/{tag}:\n  " + "\n  ".join(problems))
     path = trainer_state_file(cfg.output_dir, tag, dist.get_rank())
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: {cfg.output_dir}/{tag} was not written by train.py with "
-                                f"{dist.get_world_size()} ranks")
+        raise FileNotFoundError(
+            f"{path} not found: {cfg.output_dir}/{tag} was not written by train.py with {dist.get_world_size()} ranks"
+        )
     with open(path) as f:
         state = json.load(f)
     if state["world_size"] != dist.get_world_size():
-        raise ValueError(f"{cfg.output_dir}/{tag} was written by {state['world_size']} ranks, this job has "
-                         f"{dist.get_world_size()}: resume with the same layout, or start a new output_dir with "
-                         f"model_name_or_path={cfg.output_dir} (weights only)")
+        raise ValueError(
+            f"{cfg.output_dir}/{tag} was written by {state['world_size']} ranks, this job has "
+            f"{dist.get_world_size()}: resume with the same layout, or start a new output_dir with "
+            f"model_name_or_path={cfg.output_dir} (weights only)"
+        )
     return state
 
 

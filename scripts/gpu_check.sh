@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The one command to run on a GPU machine:
+#   bash scripts/gpu_check.sh
+# 1. set-up: .venv-gpu on top of a python3 whose torch sees CUDA (a CUDA torch is installed where it does
+#    not; wheels in .whl/ are used first, for machines without a package index);
+# 2. stage parity on the GPU, fp32 and bf16 (tests/test_gpu_parity.py), and the multi-rank tests when
+#    there are 4 GPUs or more (they launch 4 ranks);
+# 3. the GPU benchmark: llama3.2-1b, bf16, seq 2048 (scripts/bench_train.py: a plain Hugging Face loop and
+#    train.py with num_stages=1; num_stages=2 with 2 GPUs or more), whose table gives tokens/s and MFU,
+#    then train.py's peak GPU memory per rank.
+# Without a CUDA GPU it stops at once with exit code 2.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${GPUS:-0}" -eq 0 ]; then
+  echo "gpu_check.sh: error: no CUDA GPU on this machine (nvidia-smi lists none): run it where there is one" >&2
+  exit 2
+fi
+VENV="${VENV:-$ROOT/.venv-gpu}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv --system-site-packages "$VENV"
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install -q)
+[ -d "$ROOT/.whl" ] && PIP+=(--no-index --find-links "$ROOT/.whl")
+if ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  "${PIP[@]}" torch
+fi
+if ! "$PY" -c "import deepspeed, transformers, hydra, sentencepiece" 2>/dev/null; then
+  "$PY" -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['dev']))" > "$VENV/pins.txt"
+  "${PIP[@]}" -r "$VENV/pins.txt"
+fi
+"$PY" -c "import torch; print('[gpu_check]', torch.cuda.device_count(), 'x', torch.cuda.get_device_name(), '| torch', torch.__version__)"
+
+mkdir -p work/gpu_check
+status=0
+echo "[gpu_check] stage parity on the GPU (fp32, bf16)"
+"$PY" -m pytest tests/test_gpu_parity.py -q -m gpu || status=1
+if [ "$GPUS" -ge 4 ]; then
+  echo "[gpu_check] multi-rank tests on $GPUS GPUs"
+  "$PY" -m pytest tests -q -m multirank || status=1
+fi
+cases="a,b"
+[ "$GPUS" -ge 2 ] && cases="a,b,c"
+echo "[gpu_check] benchmark: llama3.2-1b, bf16, seq 2048, cases $cases"
+"$PY" scripts/bench_train.py --model llama3.2-1b --precision bf16 --seq 2048 --micro-batches 8 --cases "$cases" \
+  --rounds 1 --json work/gpu_check/bench.json --work work/gpu_check | tee work/gpu_check.log || status=1
+grep -h "peak memory per rank" work/gpu_check/*/*.log 2>/dev/null | sed 's/^/[gpu_check] /' || true
+exit $status

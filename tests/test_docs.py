@@ -1,0 +1,160 @@
+"""docs/: the configuration reference is the generated one, and every link into docs/ resolves.
+
+docs/configuration.md is written by ``python scripts/gen_config_docs.py`` from training/config.py's
+dataclasses (defaults and per-field comments) and the conf/ groups; editing either without
+regenerating fails here. Links are checked from README.md and from every docs/*.md file: the target
+file exists and, for ``file.md#anchor``, a heading of that file has that GitHub anchor.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from training import config_docs
+
+DOCS = os.path.join(REPO, "docs")
+CONFIGURATION = os.path.join(DOCS, "configuration.md")
+LINKED_FROM = [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(DOCS, "*.md")))]
+
+
+def test_configuration_reference_is_not_stale():
+    with open(CONFIGURATION, encoding="utf-8") as f:
+        current = f.read()
+    assert current == config_docs.render(), "docs/configuration.md is stale: run python scripts/gen_config_docs.py"
+
+
+def test_every_train_config_field_is_documented():
+    """Every key of TrainConfig and its nested dataclasses appears in the reference with a doc comment."""
+    sections = config_docs._Renderer(REPO).sections()
+    keys = [f.key for s in sections for f in s.fields]
+    assert {"num_stages", "optim.lr", "data.train_file", "monitor.csv", "model.tokenizer"} <= set(keys)
+    assert len(keys) == len(set(keys))
+    undocumented = [f.key for s in sections for f in s.fields if not f.doc]
+    assert not undocumented, f"fields without a comment in training/config.py: {undocumented}"
+
+
+def test_the_generator_reads_source_without_importing_torch_or_deepspeed():
+    code = (
+        "import sys; from training.config_docs import render; render(); "
+        "bad = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_render_follows_field_comments_defaults_enums_and_groups(tmp_path):
+    """A stand-in repo: comments above and beside a field, numbers as written, an Enum, a nested
+    dataclass, a default_factory, and a group entry with @package _global_."""
+    (tmp_path / "training").mkdir()
+    (tmp_path / "training" / "config.py").write_text('''
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+DEFAULT_LR = 3e-4
+
+class Precision(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+@dataclass
+class Inner:
+    """Inner ``docs``."""
+    lr: float = DEFAULT_LR  # peak rate | the one
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+
+@dataclass
+class TrainConfig:
+    """Top."""
+    # Above, line one;
+    # line two.
+    steps: int = -1  # beside
+    precision: Precision = Precision.bf16  # the dtype
+    packing: Optional[bool] = None
+    tags: list[str] = field(default_factory=list)
+    inner: Inner = field(default_factory=Inner)
+''')
+    for group, name, text in (
+        ("ds", "zero1", "# @package _global_\n# Selects zero1.\nds_config: zero1\n"),
+        ("data", "text", "# Raw text.\nformat: text\npacking: true\n"),
+    ):
+        (tmp_path / "conf" / group).mkdir(parents=True)
+        (tmp_path / "conf" / group / f"{name}.yaml").write_text(text)
+    (tmp_path / "conf" / "config.yaml").write_text("defaults:\n  - _self_\n  - ds: zero1\n")
+    text = config_docs.render(str(tmp_path))
+    assert "| `steps` | int | `-1` | Above, line one; line two. beside |" in text
+    assert "| `precision` | Precision: fp32 \\| bf16 | `bf16` | the dtype |" in text
+    assert "| `packing` | Optional[bool] | `null` |  |" in text
+    assert "| `tags` | list[str] | `[]` |  |" in text
+    assert "| `inner.lr` | float | `3e-4` | peak rate \\| the one |" in text
+    assert "| `inner.betas` | list[float] | `[0.9, 0.95]` |  |" in text
+    assert "Inner `docs`." in text
+    assert "| `zero1` (default) | Selects zero1. | `ds_config=zero1` |" in text
+    assert "| `text` | Raw text. | `data.format=text`<br>`data.packing=true` |" in text
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: str) -> set[str]:
+    with open(path, encoding="utf-8") as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.S)  # no headings inside code blocks
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", text, flags=re.M):
+        anchor = github_anchor(heading)
+        n = seen.get(anchor, 0)
+        seen[anchor] = n + 1
+        out.add(anchor if n == 0 else f"{anchor}-{n}")
+    return out
+
+
+def markdown_links(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)  # inline code is not a link
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def local_links() -> list[tuple[str, str]]:
+    out = []
+    for source in LINKED_FROM:
+        for target in markdown_links(source):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            out.append((os.path.relpath(source, REPO), target))
+    return out
+
+
+def test_readme_links_into_docs():
+    targets = [t for s, t in local_links() if s == "README.md"]
+    for name in ("configuration", "training", "data", "checkpoints", "zero", "multinode", "troubleshooting", "testing"):
+        assert f"docs/{name}.md" in [t.split("#")[0] for t in targets], f"README.md does not link docs/{name}.md"
+
+
+@pytest.mark.parametrize("source,target", local_links())
+def test_link_resolves(source, target):
+    path, _, anchor = target.partition("#")
+    base = os.path.join(REPO, os.path.dirname(source))
+    resolved = os.path.normpath(os.path.join(base, path)) if path else os.path.join(REPO, source)
+    assert os.path.exists(resolved), f"{source}: link {target} points at a missing file"
+    if anchor:
+        assert resolved.endswith(".md"), f"{source}: anchor on a non-markdown file: {target}"
+        assert anchor in anchors(resolved), f"{source}: link {target}: no heading with anchor #{anchor}"
+
+
+def test_generator_script_is_thin():
+    with open(os.path.join(REPO, "scripts", "gen_config_docs.py")) as f:
+        tree = ast.parse(f.read())
+    assert not [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]

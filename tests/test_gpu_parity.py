@@ -1,0 +1,55 @@
+"""Stage parity on a CUDA GPU (scripts/gpu_check.sh runs these; skipped where there is none): the stage
+modules chained in one process compute LlamaForCausalLM's logits, loss and gradients on the GPU, in fp32
+(TF32 off) and in bf16 (compared with the same model in bf16, so only the kernels' summation order differs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from models.llama_pipe import build_sequential, spec_layout
+from models.loss import IGNORE_INDEX, causal_lm_loss
+from models.tiny import tiny_config
+from tests.test_stage_parity import copy_hf_weights, module_of, run_chain
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# (max abs logits difference, loss difference, max gradient difference relative to the gradient's scale)
+TOLERANCES = {torch.float32: (1e-4, 1e-5, 1e-4), torch.bfloat16: (0.1, 2e-2, 5e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_chained_stages_match_hf_on_the_gpu(dtype, tied):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=300, hidden_size=64, intermediate_size=96, tie_word_embeddings=tied)
+    hf = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    funcs = build_sequential(config)
+    copy_hf_weights(funcs, config, hf.state_dict())
+    hf = hf.to("cuda", dtype)
+    for f in funcs:
+        module_of(f).to("cuda", dtype)
+
+    batch, seq = 3, 40
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
+    labels = input_ids.clone()
+    labels[0, 30:] = IGNORE_INDEX
+    position_ids = torch.arange(seq, device="cuda").repeat(batch, 1)
+    position_ids[1, 25:] = torch.arange(seq - 25, device="cuda")  # a packed second document
+
+    ref = hf(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False)
+    logits = run_chain(funcs, input_ids, position_ids)
+    loss = causal_lm_loss(logits, labels)
+    logit_tol, loss_tol, grad_tol = TOLERANCES[dtype]
+    assert (logits.float() - ref.logits.float()).abs().max().item() < logit_tol
+    assert abs(loss.item() - ref.loss.item()) < loss_tol
+    ref.loss.backward()
+    loss.backward()
+    for info in spec_layout(config):
+        if info.owns_file:
+            for key, param in module_of(funcs[info.index]).named_parameters():
+                ref_grad = hf.get_parameter(info.hf_prefix + key).grad.float()
+                scale = ref_grad.abs().max().item() or 1.0
+                assert (param.grad.float() - ref_grad).abs().max().item() / scale < grad_tol, info.hf_prefix + key

@@ -1,0 +1,38 @@
+"""The progress line and metrics.jsonl: real tokens, label tokens, and MFU where the peak is known."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from models.llama_pipe import flops_per_token
+from models.tiny import tiny_config
+from training.metrics import PEAK_TFLOPS, StepLogger, device_peak_tflops, mfu
+
+
+def test_mfu_is_model_flops_per_second_over_the_peak():
+    six_n, attention = flops_per_token(tiny_config(), seq=64)
+    assert mfu(1000.0, six_n + attention, 1e12) == pytest.approx(1000.0 * (six_n + attention) / 1e12)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_peak_is_the_knob_or_a_known_gpu_and_none_on_cpu():
+    assert device_peak_tflops("bf16") is None  # no GPU here: MFU omitted
+    assert device_peak_tflops("bf16", override=123.0) == 123.0
+    names = [entry[0] for entry in PEAK_TFLOPS]
+    assert names.index("H100 PCIe") < names.index("H100")  # the PCIe card is matched before the SXM one
+
+
+def test_step_records_carry_real_tokens_label_tokens_and_mfu(tmp_path, capsys):
+    logger = StepLogger(str(tmp_path), max_steps=2, log_steps=1, active=True, flops_per_token=1e9, peak_flops=1e12)
+    logger.log(1, 2.5, 1e-3, 0.7, tokens=900, label_tokens=300)
+    plain = StepLogger(str(tmp_path / "cpu"), max_steps=2, log_steps=1, active=False)  # inactive ranks write nothing
+    plain.log(1, 2.5, 1e-3, 0.7, tokens=900, label_tokens=300)
+    logger.close()
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["tokens"] == 900 and record["label_tokens"] == 300
+    assert record["mfu"] == pytest.approx(record["tokens_per_s"] * 1e9 / 1e12, rel=1e-2)
+    assert f"| MFU {100 * record['mfu']:.1f}% |" in capsys.readouterr().out
+    assert not (tmp_path / "cpu").exists()

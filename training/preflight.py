@@ -1,0 +1,47 @@
+"""A training command checked before booking the cluster (scripts/preflight.py): the same config
+validation train.py runs, for a given world size, then the layout and the planner's per-GPU memory
+estimate for it. Nothing is started: no process group, no model, no data reading."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from training.config import REPO_ROOT, ConfigError, register_configs, resolve
+from training.memory_plan import GB, estimate, shape_of, splitter
+
+
+def check(world_size: int, overrides: list[str]) -> list[str]:
+    """The report's lines for a valid config; raises ValueError with train.py's message otherwise."""
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=os.path.join(REPO_ROOT, "conf"), version_base="1.3"):
+            dict_cfg = compose(config_name="config", overrides=overrides)
+        resolved = resolve(OmegaConf.to_object(dict_cfg), world_size=world_size)
+    except (ConfigError, HydraException, OmegaConfBaseException) as e:
+        raise ValueError(str(e)) from e
+    cfg, config = resolved.cfg, resolved.model_config
+    lines = [f"warning: {w}" for w in resolved.warnings]
+    layout = resolved.layout
+    lines.append(
+        f"config OK for {world_size} ranks: pipe {layout.stages} x data {layout.dp}, {layout.engine}, "
+        f"ds_config {cfg.ds_config} (ZeRO-{layout.zero}), {cfg.precision}"
+    )
+    lines.append(
+        f"global batch {layout.global_batch} = micro {layout.micro_batch} x grad_acc {layout.grad_accum} "
+        f"x dp {layout.dp}; {layout.tokens_per_step} tokens/step"
+    )
+    layout = dataclasses.replace(layout, dtype="fp32" if cfg.precision == "fp32" else "bf16")  # the planner's two cases
+    params, layers = splitter(config, None, cfg.partition_method)(cfg.num_stages)
+    e = estimate(params, layout, shape_of(config), layers)
+    lines.append(
+        f"planner (scripts/estimate_memory.py), most loaded GPU (stage {e.stage}, {params[e.stage] / 1e9:.2f} B "
+        f"params): model states {e.model_states / GB:.1f} GB + activations {e.activations / GB:.1f} GB = "
+        f"{e.total / GB:.1f} GB" + (f"; host {e.host / GB:.1f} GB per rank (offloaded)" if e.host else "")
+    )
+    return lines
