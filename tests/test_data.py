@@ -107,7 +107,7 @@ def test_packed_block_loss_equals_documents_run_separately():
         doc_logits = run_chain(funcs, torch.tensor([d]), torch.arange(len(d))[None])[0]
         separate.append(torch.nn.functional.cross_entropy(doc_logits[:-1], torch.tensor(d[1:]), reduction="none"))
         # in the packed row: targets offset+1 .. offset+len-1; the target at offset (doc start) is ignored
-        assert packed[offset : offset + len(d) - 1].sub(separate[-1]).abs().max() < 1e-5
+        torch.testing.assert_close(packed[offset : offset + len(d) - 1], separate[-1], rtol=0, atol=1e-5)
         if offset > 0:
             assert packed[offset - 1] == 0  # the cross-document target is ignored (loss 0 with reduction none)
         offset += len(d)
