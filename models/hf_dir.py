@@ -11,6 +11,25 @@ from safetensors import SafetensorError
 LOAD_ERRORS = (OSError, RuntimeError, EOFError, ValueError, SafetensorError)
 
 
+class HFDirError(RuntimeError):
+    """A Hugging Face model directory that cannot be loaded; the message says why and what fixes it."""
+
+
+def load_model_and_tokenizer(path: str):
+    """(LlamaForCausalLM in fp32, eval mode; its tokenizer) from the directory ``path``, as a user of an
+    export would load them; HFDirError with the reason otherwise."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    problem = missing_dir_problem(path)
+    if problem:
+        raise HFDirError(problem)
+    try:
+        return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+    except LOAD_ERRORS as e:
+        raise HFDirError(load_failure(path, e)) from None
+
+
 def missing_dir_problem(path: str) -> str | None:
     """Checked before loading: transformers takes a path that is not a directory for a Hub model id
     and tries the network."""

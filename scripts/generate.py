@@ -15,10 +15,9 @@ import os
 import sys
 
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models.hf_dir import LOAD_ERRORS, load_failure, missing_dir_problem  # noqa: E402
+from models.hf_dir import HFDirError, load_model_and_tokenizer  # noqa: E402
 
 DEFAULT_PROMPTS = ("The for statement", "A class definition", "Exceptions are")  # topics of the demo corpus
 
@@ -40,14 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    problem = missing_dir_problem(args.model)
-    if problem:
-        return error(problem)
     try:
-        model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        tok = AutoTokenizer.from_pretrained(args.model)
-    except LOAD_ERRORS as e:
-        return error(load_failure(args.model, e))
+        model, tok = load_model_and_tokenizer(args.model)
+    except HFDirError as e:
+        return error(str(e))
     sampling = {} if args.greedy else dict(do_sample=True, top_k=args.top_k, temperature=args.temperature)
     for prompt in args.prompt or DEFAULT_PROMPTS:
         torch.manual_seed(args.seed)
