@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -533,6 +534,8 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
             sys.exit(f"case {case} failed (rc {rc}), log {log_path}:\n{f.read()[-4000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    with open(log_path) as f:
+        peak_mib = peak_memory_mib(f.read())
     cpu = [(float("nan"), float("nan"))] + per_step_cpu(monitor.stamps, ranks)  # step 1 has no line before it
     shutil.rmtree(out, ignore_errors=True)  # the final checkpoint is not needed
     measured = range(args.warmup, len(records))
@@ -544,7 +547,18 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
         "warmup_s": [r["step_s"] for r in records[: args.warmup]],
         "cpu_share": [cpu[i][0] if i < len(cpu) else float("nan") for i in measured],
         "other_cores": [cpu[i][1] if i < len(cpu) else float("nan") for i in measured],
+        "peak_mib": peak_mib,
     }
+
+
+def peak_memory_mib(log: str) -> float | None:
+    """The largest rank's peak memory from train.py's "peak memory per rank (MiB): rank 0 host 568 / GPU
+    9120, ..." line: GPU where there is one, else host RSS; None without the line."""
+    line = next((x for x in log.splitlines() if "peak memory per rank (MiB):" in x), None)
+    if line is None:
+        return None
+    gpu = [float(v) for v in re.findall(r"GPU (\d+)", line)]
+    return max(gpu) if gpu else max(float(v) for v in re.findall(r"host (\d+)", line))
 
 
 def split_bound_line(config, micro: int, stages: int = 2) -> str:
@@ -606,6 +620,7 @@ def run_plain(args, group: str, overrides: dict, data: str, device: str, copies:
         "warmup_s": [s["step_s"] for s in steps[: args.warmup]],
         "cpu_share": [s["cpu_s"] / s["step_s"] / args.threads for s in measured],
         "other_cores": [s["other_cores"] for s in measured],
+        "peak_mib": None,  # not measured for the plain loop
     }
 
 
@@ -697,6 +712,7 @@ def summarize(
         cpu_share=median(x for _, x, _ in steps),
         other_cores=median(o for _, _, o in steps),
         per_round=[median(res["step_s"]) for res in runs],
+        peak_mib=max((r["peak_mib"] for r in runs if r.get("peak_mib") is not None), default=None),
     )
 
 
@@ -829,9 +845,10 @@ def main(argv=None) -> None:
     print()
     print(
         "| case | what | ranks x threads | s/step (median) | per-round medians | tokens/s | MFU | "
-        f"steps with other processes < {args.quiet} cores | core share per rank | other processes (cores) |"
+        f"steps with other processes < {args.quiet} cores | core share per rank | other processes (cores) | "
+        "peak memory (MiB, largest rank; GPU where there is one) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for case in cases:
         s = summary[case]
         what = CASES[case][0] + (f" (the runs of {aliased[case]})" if case in aliased else "")
@@ -841,7 +858,8 @@ def main(argv=None) -> None:
         print(
             f"| {case} | {what} | {s['ranks']} x {s['threads']} | {s['step_s']:.2f} | "
             f"{', '.join(f'{x:.2f}' for x in s['per_round'])} | {s['tokens_per_s']:.0f} | {100 * s['mfu']:.1f}% | "
-            f"{s['quiet_n']}/{s['n']} | {s['cpu_share']:.2f} | {s['other_cores']:.2f} |"
+            f"{s['quiet_n']}/{s['n']} | {s['cpu_share']:.2f} | {s['other_cores']:.2f} | "
+            f"{'n/a' if s['peak_mib'] is None else round(s['peak_mib'])} |"
         )
     print()
     rows = ratio_rows(results, args.micro_batches)

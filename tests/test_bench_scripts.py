@@ -176,3 +176,10 @@ def test_bench_convert_read_paths(tmp_path, tiny_hf):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| raw copy", "| export"))]
     assert len(rows) == 3 and all(float(r.split("|")[4]) > 0 for r in rows), proc.stdout
+
+
+def test_peak_memory_is_read_from_train_py_s_line_gpu_first():
+    gpu = "[train] peak memory per rank (MiB): rank 0 host 568 / GPU 9120, rank 1 host 570 / GPU 9312"
+    assert bench_train.peak_memory_mib(gpu) == 9312
+    assert bench_train.peak_memory_mib("[train] peak memory per rank (MiB): rank 0 host 568, rank 1 host 575") == 575
+    assert bench_train.peak_memory_mib("no such line") is None
