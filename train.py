@@ -246,7 +246,7 @@ def announce(
         f"{'label token of the global batch' if cfg.loss_normalization == 'tokens' else 'micro-batch'} "
         f"(loss_normalization={cfg.loss_normalization})"
     )
-    if data.iterator is not None:  # rank 0 is a first stage: it reads the data
+    if dist.get_rank() == 0:  # the rank that prints; a first stage, so it reads the data
         padding = 1 - data.train.total_tokens() / (len(data.train) * cfg.data.max_seq_length)
         hint = ": consider data.packing=true" if not default_packing(cfg.data) and padding >= PADDING_HINT else ""
         log0(f"data: rows of {cfg.data.max_seq_length} tokens, {100 * padding:.1f}% padding{hint}")

@@ -23,8 +23,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from training.config import model_group_config, offloads  # noqa: E402
+from training.config import model_group_config  # noqa: E402
 from training.distributed import free_port  # noqa: E402
+from training.layout import offloads  # noqa: E402
 
 PIPELINE_CONFIGS = ("zero0", "zero1", "zero1_offload")  # DeepSpeed's pipeline engine runs ZeRO 0/1 only
 PEAKS = re.compile(r"peak memory per rank \(MiB\): (.*)")

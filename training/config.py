@@ -262,11 +262,6 @@ SHAPE_FIELDS = (
 )
 
 
-def offloads(zero: dict) -> tuple[bool, bool]:
-    """(optimizer offloaded, parameters offloaded) for a DeepSpeed JSON's ``zero_optimization`` section."""
-    return tuple(zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
-
-
 def model_group_names() -> list[str]:
     """The entries of the ``model=`` group (conf/model/*.yaml)."""
     return sorted(f[: -len(".yaml")] for f in os.listdir(MODEL_CONF_DIR) if f.endswith(".yaml"))
@@ -427,10 +422,11 @@ def _plain(value):
     return value.value if isinstance(value, Enum) else value
 
 
-def _dotted(cfg, key: str):
+def _dotted(tree: dict, key: str):
+    """The value at a dotted key of a nested config dict."""
     for part in key.split("."):
-        cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
-    return cfg
+        tree = tree[part]
+    return tree
 
 
 def resume_changes(cfg: TrainConfig, tag: str) -> tuple[ResumeChanges, list[str]]:
@@ -449,8 +445,8 @@ def resume_changes(cfg: TrainConfig, tag: str) -> tuple[ResumeChanges, list[str]
         for key in keys:
             try:
                 old = _dotted(saved, key)
-            except (KeyError, AttributeError):
-                continue  # a checkpoint from a version without this key
+            except (KeyError, TypeError):
+                continue  # a checkpoint from a version without this key (or without its section)
             new = _plain(_dotted(now, key))
             if old != new and not (isinstance(new, (list, tuple)) and list(old or []) == list(new)):
                 changes.changed.setdefault(cls, {})[key] = (old, new)

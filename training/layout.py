@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def offloads(zero: dict) -> tuple[bool, bool]:
+    """(optimizer offloaded, parameters offloaded) for a DeepSpeed JSON's ``zero_optimization`` section."""
+    return tuple(zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
+
+
 @dataclass(frozen=True)
 class Layout:
     """One way to run the job: pipe x data over ``stages * dp`` ranks, and what each step holds."""
@@ -28,8 +33,6 @@ class Layout:
     @classmethod
     def of(cls, cfg, world_size: int, ds_json: dict) -> Layout:
         """The layout of a training config on ``world_size`` ranks (dp 0 when they do not divide)."""
-        from training.config import offloads
-
         zero = ds_json.get("zero_optimization", {})
         offload_opt, offload_par = offloads(zero)
         k = cfg.num_stages

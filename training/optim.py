@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from models.llama_pipe import model_parameters
-from training.config import Resolved, TrainConfig, accelerator_name, offloads
+from training.config import Resolved, TrainConfig, accelerator_name
 from training.memory_plan import reduce_bucket_elements
 
 # DeepSpeed prints its own step line every steps_per_print steps; train.py logs its own line instead.
@@ -32,7 +32,7 @@ def fill_ds_config(resolved: Resolved) -> dict:
     ds["gradient_clipping"] = cfg.optim.max_grad_norm
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": cfg.precision == "bf16"}
     ds["fp16"] = {**ds.get("fp16", {}), "enabled": cfg.precision == "fp16"}
-    offload = offloads(ds.get("zero_optimization", {}))[0]
+    offload = resolved.layout.offload_optimizer
     ds["optimizer"] = {
         "type": "AdamW",
         "params": {
