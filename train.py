@@ -37,6 +37,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E4
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from data.guard import OrderMismatchError  # noqa: E402
+from models.families import family_of  # noqa: E402
 from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
 from models.layer_files import load_stage_weights, local_modules  # noqa: E402
 from models.llama_pipe import LlamaStack, build_pipeline_model, flops_per_token, init_weights_, spec_layout  # noqa: E402
@@ -238,6 +239,12 @@ def announce(
     log0(
         f"engine: {type(engine).__name__}, ZeRO stage {stage}{grads}, optimizer "
         f"{type(engine.basic_optimizer).__name__} (offload: {offload}), precision {cfg.precision}"
+    )
+    model, every = resolved.model_config, cfg.activation_checkpoint_interval
+    log0(
+        f"model: {family_of(model).causal_lm.__name__}'s layers (model_type {model.model_type}), "
+        f"{model.num_hidden_layers} decoder layers | partition_method={cfg.partition_method}"
+        + (f" | activation checkpointing every {every} decoder layer(s)" if every else "")
     )
     layout = resolved.layout
     log0(

@@ -16,16 +16,17 @@ class HFDirError(RuntimeError):
 
 
 def load_model_and_tokenizer(path: str):
-    """(LlamaForCausalLM in fp32, eval mode; its tokenizer) from the directory ``path``, as a user of an
-    export would load them; HFDirError with the reason otherwise."""
+    """(the model in fp32, eval mode, through AutoModelForCausalLM; its tokenizer) from the directory
+    ``path``, as a user of an export would load them; HFDirError with the reason otherwise."""
     import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     problem = missing_dir_problem(path)
     if problem:
         raise HFDirError(problem)
     try:
-        return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return model, AutoTokenizer.from_pretrained(path)
     except LOAD_ERRORS as e:
         raise HFDirError(load_failure(path, e)) from None
 

@@ -22,8 +22,10 @@ import time
 
 import torch
 from torch.utils.serialization import config as serialization_config
-from transformers import LlamaConfig
+from transformers import PretrainedConfig
 
+from models.families import UnsupportedModelError
+from models.families import load_config as load_family_config
 from models.host_memory import mapped_file_span
 from models.layer_files import (
     HF_WEIGHT_NAMES,
@@ -197,7 +199,7 @@ def save_layer_file(state: dict[str, torch.Tensor], path: str) -> None:
         torch.save(state, ChunkedWriter(f))
 
 
-def load_config(model_dir: str) -> LlamaConfig:
+def load_config(model_dir: str) -> PretrainedConfig:
     if not os.path.isdir(model_dir):
         raise ConversionError(
             f"--input {model_dir} {'is not a directory' if os.path.exists(model_dir) else 'does not exist'}"
@@ -205,14 +207,15 @@ def load_config(model_dir: str) -> LlamaConfig:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ConversionError(f"{path} not found: --input must be a model directory with config.json")
-    config = LlamaConfig.from_pretrained(model_dir)
-    if config.model_type != "llama":
-        raise ConversionError(f"{path}: model_type {config.model_type!r} is not 'llama'")
-    return config
+    try:
+        return load_family_config(model_dir)
+    except UnsupportedModelError as e:
+        raise ConversionError(str(e)) from None
 
 
-def expected_hf_shapes(config: LlamaConfig) -> dict[int, dict[str, torch.Size]]:
-    """Per spec that owns a layer file: {hf_key: shape}, derived from the stage modules themselves."""
+def expected_hf_shapes(config: PretrainedConfig) -> dict[int, dict[str, torch.Size]]:
+    """Per spec that owns a layer file: {hf_key: shape}, derived from the stage modules themselves
+    (tests/test_families.py checks them against each family's own ``<Family>ForCausalLM``)."""
     specs = build_specs(config)
     out = {}
     for info in spec_layout(config):

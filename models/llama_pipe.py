@@ -1,9 +1,10 @@
-"""Llama as a list of DeepSpeed pipeline stages, built from Hugging Face's own Llama modules.
+"""A Llama-family model as a list of DeepSpeed pipeline stages, built from Hugging Face's own modules.
 
-Every stage module subclasses the Hugging Face module it wraps, so its ``state_dict()`` keys are the
-Hugging Face keys minus one prefix (``model.layers.3.`` + ``self_attn.q_proj.weight``). Conversion
-between the two layouts is therefore a prefix mapping (see :func:`spec_layout`), and numerical parity
-with ``LlamaForCausalLM`` holds by construction: the same code computes every layer.
+Every stage module subclasses the Hugging Face module it wraps (the family's, from
+``models.families``: Llama, Mistral, Qwen2, Qwen3), so its ``state_dict()`` keys are the Hugging Face
+keys minus one prefix (``model.layers.3.`` + ``self_attn.q_proj.weight``). Conversion between the two
+layouts is therefore a prefix mapping (see :func:`spec_layout`), and numerical parity with
+``<Family>ForCausalLM`` holds by construction: the same code computes every layer.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import ProcessTopology
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import LlamaConfig
-from transformers.masking_utils import create_causal_mask
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers import PretrainedConfig
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from models.families import FAMILIES, RMS_NORM_CLASSES, attention_type, family_of
 from models.loss import CausalLMLoss
 
 # Key under which the embedding and a tied LM head share one weight across stages.
@@ -55,7 +56,7 @@ class SpecInfo:
         return self.file_index == self.index
 
 
-def spec_layout(config: LlamaConfig) -> list[SpecInfo]:
+def spec_layout(config: PretrainedConfig) -> list[SpecInfo]:
     """The spec list as data: index, kind, Hugging Face prefix and layer file of every spec."""
     n = config.num_hidden_layers
     tied = bool(config.tie_word_embeddings)
@@ -68,7 +69,7 @@ def spec_layout(config: LlamaConfig) -> list[SpecInfo]:
     return layout
 
 
-def prepare_config(config: LlamaConfig) -> LlamaConfig:
+def prepare_config(config: PretrainedConfig) -> PretrainedConfig:
     """A copy of ``config`` with the settings every stage needs: SDPA attention, no KV cache."""
     config = copy.deepcopy(config)
     config._attn_implementation = "sdpa"
@@ -79,7 +80,7 @@ def prepare_config(config: LlamaConfig) -> LlamaConfig:
 class EmbeddingPipe(nn.Embedding):
     """Spec 0: token embedding (``model.embed_tokens``)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: PretrainedConfig):
         super().__init__(config.vocab_size, config.hidden_size, config.pad_token_id)
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,29 +93,36 @@ def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torc
     return F.linear(hidden, embedding.weight)  # [B,S,H] x [V,H]^T -> [B,S,V]
 
 
-class DecoderLayerPipe(LlamaDecoderLayer):
+# The mask each decoder layer's attention takes, by its family's attention type (models.families).
+MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+class DecoderLayerPipe(nn.Module):
     """Specs 1..L: one Hugging Face decoder layer (``model.layers.{i}``).
 
-    transformers 5 computes rotary embeddings and the attention mask once per model and passes them to
-    each layer. Between pipeline stages only the integer ``position_ids`` travel (a float cos/sin pair
-    would get a gradient from DeepSpeed; a mask would be O(S^2)), so each layer derives both from
-    ``position_ids`` with the functions ``LlamaModel`` uses:
+    The base of the per-family classes (``LlamaDecoderLayerPipe(DecoderLayerPipe, LlamaDecoderLayer)``,
+    see :func:`decoder_layer_class`). transformers 5 computes rotary embeddings and the attention masks
+    once per model and passes them to each layer. Between pipeline stages only the integer
+    ``position_ids`` travel (a float cos/sin pair would get a gradient from DeepSpeed; a mask would be
+    O(S^2)), so each layer derives both from ``position_ids`` with the functions the family's model uses:
 
-    - cos/sin from its own ``LlamaRotaryEmbedding``, whatever ``rope_parameters`` say (its buffers are
-      non-persistent, so the state dict stays that of ``LlamaDecoderLayer``);
-    - the mask from ``create_causal_mask``: None (SDPA's causal kernel) when positions count up from 0
-      in every row, and a per-document causal mask when they restart (packed documents), so attention
-      never crosses a document boundary.
+    - cos/sin from its own rotary embedding, whatever ``rope_parameters`` say (its buffers are
+      non-persistent, so the state dict stays that of the Hugging Face decoder layer);
+    - the mask from ``create_causal_mask``, or ``create_sliding_window_causal_mask`` on a layer with a
+      sliding window: None (SDPA's causal kernel) when positions count up from 0 in every row and no
+      window cuts in, and a per-document mask when they restart (packed documents), so attention never
+      crosses a document boundary, and within a document never reaches past the window.
     """
 
-    def __init__(self, config: LlamaConfig, layer_idx: int):
+    def __init__(self, config: PretrainedConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.rotary_emb = family_of(config).rotary_embedding(config)
+        self.make_mask = MASK_FUNCTIONS[attention_type(config, layer_idx)]
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, position_ids = inputs  # [B,S,H], [B,S] int64
         cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B,S,head_dim]
-        mask = create_causal_mask(  # None, or bool [B,1,S,S] for packed documents
+        mask = self.make_mask(  # None, or bool [B,1,S,S] (packed documents, sliding window)
             config=self.self_attn.config,
             inputs_embeds=hidden,
             attention_mask=None,
@@ -125,10 +133,11 @@ class DecoderLayerPipe(LlamaDecoderLayer):
         return hidden, position_ids
 
 
-class NormPipe(LlamaRMSNorm):
-    """Spec L+1: final RMSNorm (``model.norm``); drops the positions, which no later spec needs."""
+class NormPipe(nn.Module):
+    """Spec L+1: final RMSNorm (``model.norm``); drops the positions, which no later spec needs.
+    The base of the per-family classes (see :func:`norm_class`)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: PretrainedConfig):
         super().__init__(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -136,10 +145,37 @@ class NormPipe(LlamaRMSNorm):
         return super().forward(hidden)  # [B,S,H]
 
 
+def _stage_class(base: type, hf_class: type, name: str) -> type:
+    """``class <name>(base, hf_class)``, defined in this module (so it pickles and shows by name)."""
+    cls = type(
+        name, (base, hf_class), {"__module__": __name__, "__doc__": f"{base.__name__} over {hf_class.__name__}."}
+    )
+    globals()[name] = cls
+    return cls
+
+
+# One decoder-layer and one norm class per family, keyed by model_type; their names end in
+# "DecoderLayerPipe" / "NormPipe", which partition_method=type:DecoderLayerPipe matches.
+DECODER_LAYER_CLASSES = {
+    t: _stage_class(DecoderLayerPipe, f.decoder_layer, f"{f.name}DecoderLayerPipe") for t, f in FAMILIES.items()
+}
+NORM_CLASSES = {t: _stage_class(NormPipe, f.rms_norm, f"{f.name}NormPipe") for t, f in FAMILIES.items()}
+
+
+def decoder_layer_class(config: PretrainedConfig) -> type:
+    """The decoder-layer stage class of ``config``'s family."""
+    return DECODER_LAYER_CLASSES[family_of(config).model_type]
+
+
+def norm_class(config: PretrainedConfig) -> type:
+    """The final-norm stage class of ``config``'s family."""
+    return NORM_CLASSES[family_of(config).model_type]
+
+
 class LMHeadPipe(nn.Linear):
     """Spec L+2 (untied): output projection (``lm_head``)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: PretrainedConfig):
         super().__init__(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -158,8 +194,8 @@ class LMHeadPipe(nn.Linear):
 #   loss          CausalLMLoss      (logits [B,S,V], labels [B,S] int64)              -> scalar (models/loss.py)
 #
 # The first stage's data iterator yields ((input_ids, position_ids), labels); the last stage reads labels.
-def build_specs(config: LlamaConfig) -> list[LayerSpec]:
-    """The ``LayerSpec`` list of a Llama model, in the order of :func:`spec_layout`."""
+def build_specs(config: PretrainedConfig) -> list[LayerSpec]:
+    """The ``LayerSpec`` list of a Llama-family model, in the order of :func:`spec_layout`."""
     config = prepare_config(config)
     specs: list[LayerSpec] = []
     for info in spec_layout(config):
@@ -169,9 +205,9 @@ def build_specs(config: LlamaConfig) -> list[LayerSpec]:
             else:
                 specs.append(LayerSpec(EmbeddingPipe, config))
         elif info.kind == "decoder":
-            specs.append(LayerSpec(DecoderLayerPipe, config, info.index - 1))
+            specs.append(LayerSpec(decoder_layer_class(config), config, info.index - 1))
         elif info.kind == "norm":
-            specs.append(LayerSpec(NormPipe, config))
+            specs.append(LayerSpec(norm_class(config), config))
         elif config.tie_word_embeddings:
             specs.append(
                 TiedLayerSpec(
@@ -194,19 +230,19 @@ def expected_state_shapes(spec: LayerSpec) -> dict[str, torch.Size]:
     return {key: tensor.shape for key, tensor in module.state_dict().items()}
 
 
-def spec_parameter_counts(config: LlamaConfig) -> list[int]:
+def spec_parameter_counts(config: PretrainedConfig) -> list[int]:
     """Parameters of every spec, from shapes on the meta device; a tied LM head counts the shared
     embedding again (as DeepSpeed's partitioner counts it: the last stage holds a copy)."""
     return [sum(math.prod(shape) for shape in expected_state_shapes(spec).values()) for spec in build_specs(config)]
 
 
-def model_parameters(config: LlamaConfig) -> int:
+def model_parameters(config: PretrainedConfig) -> int:
     """Parameters of the whole model (a tied embedding counted once), from shapes only."""
     counts = spec_parameter_counts(config)
     return sum(counts[info.index] for info in spec_layout(config) if info.owns_file)
 
 
-def flops_per_token(config: LlamaConfig, seq: int) -> tuple[float, float]:
+def flops_per_token(config: PretrainedConfig, seq: int) -> tuple[float, float]:
     """Training FLOPs per token, forward + backward: (6 N, causal attention).
 
     N counts the matmul parameters (every spec but the input embedding, a lookup; a tied LM head counts),
@@ -222,7 +258,7 @@ def flops_per_token(config: LlamaConfig, seq: int) -> tuple[float, float]:
 DEFAULT_PARTITION_METHOD = "compute"
 
 
-def spec_weights(config: LlamaConfig, method: str) -> list[int]:
+def spec_weights(config: PretrainedConfig, method: str) -> list[int]:
     """What the balanced partitioner weighs each spec by, for ``method`` ``parameters`` or ``compute``.
 
     ``parameters`` (DeepSpeed's method): the spec's parameter count, i.e. the memory it stores.
@@ -237,7 +273,7 @@ def spec_weights(config: LlamaConfig, method: str) -> list[int]:
     return counts
 
 
-def stage_boundaries(config: LlamaConfig, num_stages: int, method: str = DEFAULT_PARTITION_METHOD) -> list[int]:
+def stage_boundaries(config: PretrainedConfig, num_stages: int, method: str = DEFAULT_PARTITION_METHOD) -> list[int]:
     """First spec of every stage, plus the end: the split ``LlamaPipelineModule`` makes, computed
     without building it (for the memory planner). The same DeepSpeed functions, on the same weights."""
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
@@ -275,7 +311,7 @@ class LlamaPipelineModule(PipelineModule):
     vs 4.01 B parameters); ``partition_method=parameters`` balances memory instead.
     """
 
-    def __init__(self, config: LlamaConfig, *args, partition_method: str = "parameters", **kwargs):
+    def __init__(self, config: PretrainedConfig, *args, partition_method: str = "parameters", **kwargs):
         # "compute" is DeepSpeed's "parameters" balancing over compute weights (_count_layer_params).
         self._llama_config = config
         self._spec_weights = "compute" if partition_method.lower() == "compute" else "parameters"
@@ -289,7 +325,7 @@ class LlamaPipelineModule(PipelineModule):
 
 
 def build_pipeline_model(
-    config: LlamaConfig,
+    config: PretrainedConfig,
     topology: ProcessTopology,
     partition_method: str = DEFAULT_PARTITION_METHOD,
     activation_checkpoint_interval: int = 0,
@@ -309,15 +345,17 @@ def build_pipeline_model(
         loss_fn=loss_fn or CausalLMLoss(),
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
-        checkpointable_layers=[DecoderLayerPipe.__name__],
+        checkpointable_layers=[cls.__name__ for cls in DECODER_LAYER_CLASSES.values()],
     )
 
 
 @torch.no_grad()
-def init_weights_(module: nn.Module, config: LlamaConfig, seed: int) -> None:
-    """Hugging Face's Llama initialisation (``LlamaPreTrainedModel._init_weights``), from its own seed.
+def init_weights_(module: nn.Module, config: PretrainedConfig, seed: int) -> None:
+    """Hugging Face's initialisation (``LlamaPreTrainedModel._init_weights``, the same for every family
+    here), from its own seed.
 
-    Linear and embedding weights ~ N(0, initializer_range), biases 0, the padding row 0, RMSNorm 1.
+    Linear and embedding weights ~ N(0, initializer_range), biases 0, the padding row 0, RMSNorm 1
+    (the q/k norms of Qwen3 included).
     Seeding per spec (not per rank) gives every data-parallel replica, and both ends of a tied
     embedding, the same weights, whatever the partitioning.
     """
@@ -332,7 +370,7 @@ def init_weights_(module: nn.Module, config: LlamaConfig, seed: int) -> None:
             m.weight.normal_(0.0, std, generator=g)
             if m.padding_idx is not None:
                 m.weight[m.padding_idx].zero_()
-        elif isinstance(m, LlamaRMSNorm):
+        elif isinstance(m, RMS_NORM_CLASSES):
             m.weight.fill_(1.0)
 
 
@@ -345,7 +383,7 @@ class LlamaStack(nn.Module):
     initialisation and layer-file export are the pipeline's code paths.
     """
 
-    def __init__(self, config: LlamaConfig, activation_checkpointing: bool = False):
+    def __init__(self, config: PretrainedConfig, activation_checkpointing: bool = False):
         super().__init__()
         self._layer_specs = build_specs(config)
         self.forward_funcs = build_sequential(config)
@@ -365,7 +403,7 @@ class LlamaStack(nn.Module):
         return x  # logits [B,S,V]
 
 
-def build_sequential(config: LlamaConfig) -> list[nn.Module | partial]:
+def build_sequential(config: PretrainedConfig) -> list[nn.Module | partial]:
     """All specs built in one process and chained like ``PipelineModule.forward`` (tests, debugging).
 
     Tied specs share one module, as on a single pipeline stage.

@@ -1,4 +1,5 @@
-"""A tiny random Llama with a real tokenizer, built offline: the debug model of the demo and tests.
+"""A tiny random Llama (or other family member) with a real tokenizer, built offline: the debug model
+of the demo and tests.
 
 The tokenizer is a sentencepiece BPE model trained on the documentation text that Python ships
 (``pydoc_data.topics``), so nothing is downloaded. Same code path as a real Llama checkpoint:
@@ -13,14 +14,18 @@ import shutil
 import tempfile
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import PretrainedConfig
+
+from models.families import FAMILIES, family_of
 
 # Llama's special-token ids: <unk>=0, <s>=1, </s>=2; the tiny model has no padding token.
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 
-def tiny_config(**overrides) -> LlamaConfig:
-    """A Llama config small enough to train in seconds on one CPU core (GQA: 4 query, 2 KV heads)."""
+def tiny_config(model_type: str = "llama", **overrides) -> PretrainedConfig:
+    """A config of the family ``model_type`` small enough to train in seconds on one CPU core (GQA: 4
+    query, 2 KV heads). The family's own defaults hold otherwise: Mistral's 4096-token sliding window
+    (longer than any test sequence unless overridden), Qwen2's q/k/v biases, Qwen3's q/k norms."""
     args = dict(
         vocab_size=512,
         hidden_size=64,
@@ -34,8 +39,12 @@ def tiny_config(**overrides) -> LlamaConfig:
         eos_token_id=EOS_ID,
         tie_word_embeddings=False,
     )
+    if model_type == "qwen3":  # Qwen3Config's head_dim defaults to 128, not hidden / heads
+        args["head_dim"] = overrides.get("hidden_size", args["hidden_size"]) // overrides.get(
+            "num_attention_heads", args["num_attention_heads"]
+        )
     args.update(overrides)
-    return LlamaConfig(**args)
+    return FAMILIES[model_type].config_class(**args)
 
 
 def write_random_tokens(path: str, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -86,10 +95,12 @@ def train_tokenizer(out_dir: str, vocab_size: int) -> None:
     LlamaTokenizer.from_pretrained(out_dir).save_pretrained(out_dir)
 
 
-def save_random_model(config: LlamaConfig, out_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Random weights (Hugging Face's own init, seeded) saved with ``save_pretrained``."""
+def save_random_model(
+    config: PretrainedConfig, out_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> None:
+    """Random weights (Hugging Face's own init for the family, seeded) saved with ``save_pretrained``."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(dtype)
+    model = family_of(config).causal_lm(config).to(dtype)
     model.save_pretrained(out_dir)
 
 

@@ -27,7 +27,7 @@ SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 
 
 def load_model(spec: str):
-    """(LlamaConfig or None, total parameters)."""
+    """(Hugging Face config or None, total parameters)."""
     m = re.fullmatch(r"([\d.]+(?:e\d+)?)([KMBT]?)", spec.strip(), re.IGNORECASE)
     if m:
         return None, float(m.group(1)) * SUFFIX.get(m.group(2).upper(), 1)
@@ -40,9 +40,12 @@ def load_model(spec: str):
                 f"conf/model/{spec}.yaml takes its architecture from a checkpoint: pass that checkpoint's config.json"
             )
     elif os.path.exists(spec):
-        from transformers import LlamaConfig
+        from models.families import UnsupportedModelError, load_config
 
-        config = LlamaConfig.from_pretrained(os.path.dirname(spec) if spec.endswith(".json") else spec)
+        try:
+            config = load_config(os.path.dirname(spec) if spec.endswith(".json") else spec)
+        except UnsupportedModelError as e:
+            raise SystemExit(str(e)) from None
     else:
         raise SystemExit(f"--model {spec!r}: not a parameter count, a file, or one of {model_group_names()}")
     return config, None

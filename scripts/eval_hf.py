@@ -2,7 +2,7 @@
 
     python scripts/eval_hf.py --model work/demo/hf-export --data work/demo/corpus.jsonl [--docs 16 --seq-len 128]
 
-Loads with LlamaForCausalLM.from_pretrained and AutoTokenizer.from_pretrained, as a user of the
+Loads with AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained, as a user of the
 exported model would, and scores each document as <s> text </s> truncated to --seq-len tokens.
 """
 

@@ -2,8 +2,8 @@
 
     python scripts/generate.py --model work/demo/hf-export --prompt "The for statement" --max-new-tokens 40
 
-Loads with LlamaForCausalLM.from_pretrained and AutoTokenizer.from_pretrained, as a user of the
-exported model would, and calls LlamaForCausalLM.generate: sampled (top-k, fixed seed) by default,
+Loads with AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained, as a user of the
+exported model would, and calls its generate: sampled (top-k, fixed seed) by default,
 greedy with --greedy. A directory that cannot be loaded (missing, a pipeline checkpoint, damaged
 weights) ends in one line saying why and, where there is one, the command that fixes it.
 """

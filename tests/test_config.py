@@ -325,17 +325,18 @@ REFERENCE_PARAMS = {  # parameter counts of the published models (from their con
 
 @pytest.mark.parametrize("name", sorted(REFERENCE_PARAMS))
 def test_reference_architectures_build_through_the_same_specs(name):
-    """Each conf/model entry is a valid LlamaConfig whose stage specs hold the published parameter
-    count (built on the meta device: no memory)."""
+    """Each conf/model entry is a valid config of its family whose stage specs hold the published
+    parameter count (built on the meta device: no memory); the other families' entries are checked
+    with the planner and preflight in tests/test_families.py."""
     import yaml
-    from transformers import LlamaConfig
 
+    from models.families import config_from_dict
     from models.llama_pipe import build_specs, expected_state_shapes, spec_layout
 
     with open(os.path.join(REPO, "conf", "model", f"{name}.yaml")) as f:
         entry = yaml.safe_load(f)
     assert entry["name"] == name
-    config = LlamaConfig(**entry["architecture"])
+    config = config_from_dict(entry["architecture"])
     specs = build_specs(config)
     total = sum(
         math.prod(s)
@@ -354,17 +355,24 @@ def test_every_ds_json_has_a_ds_group_entry():
     assert entries == available_ds_configs()
 
 
-def test_from_scratch_init_is_seeded_per_spec_and_follows_hf():
-    from models.llama_pipe import DecoderLayerPipe, init_weights_
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_from_scratch_init_is_seeded_per_spec_and_follows_hf(model_type):
+    from models.llama_pipe import decoder_layer_class, init_weights_
     from models.tiny import tiny_config
 
-    config = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4)
-    a, b = DecoderLayerPipe(config, 0), DecoderLayerPipe(config, 0)
+    config = tiny_config(
+        model_type, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4
+    )
+    a, b = decoder_layer_class(config)(config, 0), decoder_layer_class(config)(config, 0)
     init_weights_(a, config, seed=5)
     init_weights_(b, config, seed=5)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert a.mlp.up_proj.weight.std().item() == pytest.approx(config.initializer_range, rel=0.05)
     assert torch.equal(a.input_layernorm.weight, torch.ones(256))
+    if model_type == "qwen2":  # q/k/v biases start at 0, as Hugging Face's init sets them
+        assert a.self_attn.q_proj.bias.abs().sum() == 0
+    if model_type == "qwen3":  # the per-head q/k norms start at 1
+        assert torch.equal(a.self_attn.q_norm.weight, torch.ones(64))
     init_weights_(b, config, seed=6)
     assert not torch.equal(a.self_attn.q_proj.weight, b.self_attn.q_proj.weight)
 

@@ -1,16 +1,18 @@
 """Stage parity on a CUDA GPU (scripts/gpu_check.sh runs these; skipped where there is none): the stage
-modules chained in one process compute LlamaForCausalLM's logits, loss and gradients on the GPU, in fp32
-(TF32 off) and in bf16 (compared with the same model in bf16, so only the kernels' summation order differs)."""
+modules chained in one process compute the family's ForCausalLM logits, loss and gradients on the GPU, in
+fp32 (TF32 off) and in bf16 (compared with the same model in bf16, so only the kernels' summation order
+differs): Llama untied and tied, and each other family with its difference (tests/test_families.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
 
+from models.families import family_of
 from models.llama_pipe import build_sequential, spec_layout
 from models.loss import IGNORE_INDEX, causal_lm_loss
 from models.tiny import tiny_config
+from tests.test_families import CASES
 from tests.test_stage_parity import copy_hf_weights, module_of, run_chain
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -19,13 +21,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TOLERANCES = {torch.float32: (1e-4, 1e-5, 1e-4), torch.bfloat16: (0.1, 2e-2, 5e-2)}
 
 
+MODELS = {
+    "llama": ("llama", {}),
+    "llama_tied": ("llama", dict(tie_word_embeddings=True)),
+    **{name: CASES[name] for name in ("mistral_window", "qwen2_tied", "qwen2_window_layers", "qwen3_gqa")},
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_chained_stages_match_hf_on_the_gpu(dtype, tied):
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_chained_stages_match_hf_on_the_gpu(dtype, name):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    config = tiny_config(vocab_size=300, hidden_size=64, intermediate_size=96, tie_word_embeddings=tied)
-    hf = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model_type, overrides = MODELS[name]
+    config = tiny_config(model_type, vocab_size=300, hidden_size=64, intermediate_size=96, **overrides)
+    hf = family_of(config).causal_lm._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     funcs = build_sequential(config)
     copy_hf_weights(funcs, config, hf.state_dict())
     hf = hf.to("cuda", dtype)

@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from data.cache import TokenBlocks
 from data.sampling import MicroBatchIterator
@@ -76,9 +76,10 @@ def hf_loss(model, batch, num_items_in_batch=None) -> torch.Tensor:
 
 
 def reference_run(hf_dir: str, steps: list[list], normalization: str):
-    """Single process: LlamaForCausalLM, torch AdamW, the step's loss normalised as Trainer (``tokens``:
+    """Single process: the family's ForCausalLM (LlamaForCausalLM here; tests/test_family_training.py
+    passes the others), torch AdamW, the step's loss normalised as Trainer (``tokens``:
     sum over the global batch / its label tokens, via ``num_items_in_batch``) or per micro-batch."""
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     cfg = TrainConfig(optim=OptimConfig(**OPTIM))
     opt = torch.optim.AdamW(
         param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps

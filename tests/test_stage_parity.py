@@ -1,4 +1,5 @@
-"""Stage modules chained in one process compute what LlamaForCausalLM computes (fp32).
+"""Stage modules chained in one process compute what LlamaForCausalLM computes (fp32); the other
+families run the same checks in tests/test_families.py.
 
 No engine: the specs are built and chained like PipelineModule.forward, with the weights copied
 through the same prefix mapping the converter uses.
@@ -10,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from models.families import family_of
 from models.llama_pipe import (
     DEFAULT_PARTITION_METHOD,
     build_sequential,
@@ -62,29 +64,20 @@ def run_chain(funcs, input_ids, position_ids):
     return x
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_chained_stages_match_hf(name):
-    torch.manual_seed(0)
-    config = tiny_config(vocab_size=300, hidden_size=64, intermediate_size=96, **CONFIGS[name])
-    hf = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+def assert_matches_hf(config, input_ids, position_ids, labels) -> float:
+    """Stages chained in one process vs the family's own ``<Family>ForCausalLM`` with the same weights:
+    logits, loss and every gradient within TOL. Returns the largest difference seen."""
+    hf = family_of(config).causal_lm._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     funcs = build_sequential(config)
     copy_hf_weights(funcs, config, hf.state_dict())
-
-    batch, seq = 3, 40  # seq 40 > 32: the dynamic rope really rescales
-    input_ids = torch.randint(0, config.vocab_size, (batch, seq))
-    labels = input_ids.clone()
-    labels[0, 30:] = IGNORE_INDEX  # padding: ignored by both losses
-    labels[2, :5] = IGNORE_INDEX  # a masked prompt
-    position_ids = torch.arange(seq).repeat(batch, 1)  # [B,S]
-    position_ids[1, 25:] = torch.arange(seq - 25)  # restart mid-row (a packed second document)
-
-    # use_cache=False: with a KV cache, LlamaModel ignores packed position_ids and attends across documents.
+    # use_cache=False: with a KV cache, the model ignores packed position_ids and attends across documents.
     ref = hf(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False)
     logits = run_chain(funcs, input_ids, position_ids)
     loss = causal_lm_loss(logits, labels)
     assert logits.shape == ref.logits.shape
     torch.testing.assert_close(logits, ref.logits, rtol=0, atol=TOL)
     assert abs(loss.item() - ref.loss.item()) < TOL
+    worst = max((logits - ref.logits).abs().max().item(), abs(loss.item() - ref.loss.item()))
 
     ref.loss.backward()
     loss.backward()
@@ -95,8 +88,30 @@ def test_chained_stages_match_hf(name):
         for key, param in module_of(funcs[info.index]).named_parameters():
             ref_grad = hf.get_parameter(info.hf_prefix + key).grad
             torch.testing.assert_close(param.grad, ref_grad, rtol=0, atol=TOL, msg=info.hf_prefix + key)
+            worst = max(worst, (param.grad - ref_grad).abs().max().item())
             checked += 1
     assert checked == len(list(hf.parameters()))  # every HF parameter has a stage twin (tied counted once)
+    return worst
+
+
+def parity_batch(vocab_size: int, batch: int = 3, seq: int = 40, packed: bool = True):
+    """(input_ids, position_ids, labels) [B,S] each: padding and a masked prompt in the labels, and with
+    ``packed`` a second document starting mid-row 1."""
+    input_ids = torch.randint(0, vocab_size, (batch, seq))
+    labels = input_ids.clone()
+    labels[0, 30:] = IGNORE_INDEX  # padding: ignored by both losses
+    labels[2, :5] = IGNORE_INDEX  # a masked prompt
+    position_ids = torch.arange(seq).repeat(batch, 1)  # [B,S]
+    if packed:
+        position_ids[1, 25:] = torch.arange(seq - 25)  # restart mid-row (a packed second document)
+    return input_ids, position_ids, labels
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_chained_stages_match_hf(name):
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=300, hidden_size=64, intermediate_size=96, **CONFIGS[name])
+    assert_matches_hf(config, *parity_batch(config.vocab_size))  # seq 40 > 32: the dynamic rope really rescales
 
 
 def test_loss_ignores_masked_labels_and_averages_the_rest():

@@ -102,7 +102,9 @@ class ModelConfig:
     name: str = (
         "checkpoint"  # the conf/model entry: checkpoint (take config.json from model_name_or_path) or an architecture
     )
-    architecture: Optional[Dict[str, Any]] = None  # transformers.LlamaConfig fields; None: from model_name_or_path
+    # Hugging Face config fields (model_type: llama | mistral | qwen2 | qwen3, default llama);
+    # None: from model_name_or_path.
+    architecture: Optional[Dict[str, Any]] = None
     tokenizer: str = ""  # directory with the tokenizer files, for training from scratch
 
 
@@ -221,7 +223,7 @@ class Resolved:
     cfg: TrainConfig
     layout: Layout  # world, stages, dp, batch arithmetic, engine
     ds_json: dict  # the DeepSpeed JSON as written by the user (batch keys not yet filled)
-    model_config: object  # transformers.LlamaConfig: model_name_or_path's config.json, or model.architecture
+    model_config: object  # Hugging Face config: model_name_or_path's config.json, or model.architecture
     warnings: list[str]
     resume_tag: Optional[str] = None  # checkpoint in output_dir to continue from (resume=auto)
     resume_changes: ResumeChanges = field(
@@ -250,8 +252,9 @@ class Resolved:
         return self.layout.uses_pipeline
 
 
-# Fields that define the tensor shapes: a checkpoint and a chosen architecture must agree on them.
+# Fields that define the modules and tensor shapes: a checkpoint and a chosen architecture must agree.
 SHAPE_FIELDS = (
+    "model_type",
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -268,18 +271,19 @@ def model_group_names() -> list[str]:
 
 
 def model_group_config(name: str, **overrides):
-    """The ``transformers.LlamaConfig`` of ``conf/model/<name>.yaml``'s architecture, with ``overrides``
-    applied; None for an entry that takes its architecture from a checkpoint (``checkpoint``).
-    For scripts and tests; train.py reads the same file through Hydra."""
+    """The Hugging Face config (its family's class, ``models.families``) of ``conf/model/<name>.yaml``'s
+    architecture, with ``overrides`` applied; None for an entry that takes its architecture from a
+    checkpoint (``checkpoint``). For scripts and tests; train.py reads the same file through Hydra."""
     import yaml
-    from transformers import LlamaConfig
+
+    from models.families import config_from_dict
 
     path = os.path.join(MODEL_CONF_DIR, f"{name}.yaml")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model {name!r}: no {path} (choose one of {model_group_names()})")
     with open(path) as f:
         arch = yaml.safe_load(f)["architecture"]
-    return None if arch is None else LlamaConfig(**{**arch, **overrides})
+    return None if arch is None else config_from_dict({**arch, **overrides}, where=path)
 
 
 def tokenizer_dir(cfg: TrainConfig) -> str:
@@ -288,17 +292,25 @@ def tokenizer_dir(cfg: TrainConfig) -> str:
 
 
 def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
-    """(LlamaConfig or None, problems): from model_name_or_path, or from the model group's architecture."""
-    from transformers import LlamaConfig  # heavy import, only once the config parsed
+    """(Hugging Face config or None, problems): from model_name_or_path, or from the model group's
+    architecture; either must be of a family in models.families."""
+    # Heavy import (transformers' model modules), only once the config parsed.
+    from models.families import UnsupportedModelError, config_from_dict, load_config
 
     arch = dict(cfg.model.architecture) if cfg.model.architecture is not None else None
     if cfg.model_name_or_path:
         if not os.path.isfile(os.path.join(cfg.model_name_or_path, "config.json")):
             return None, [f"model_name_or_path {cfg.model_name_or_path}: no config.json there"]
-        config = LlamaConfig.from_pretrained(cfg.model_name_or_path)
+        try:
+            config = load_config(cfg.model_name_or_path)
+        except UnsupportedModelError as e:
+            return None, [str(e)]
         if arch is None:
             return config, []
-        chosen = LlamaConfig(**arch)
+        try:
+            chosen = config_from_dict(arch)
+        except (UnsupportedModelError, TypeError, ValueError) as e:
+            return config, [f"model.architecture is not a valid model config: {e}"]
         return config, [
             f"model={cfg.model.name} has {f}={getattr(chosen, f)} but {cfg.model_name_or_path}/config.json has "
             f"{getattr(config, f)}: drop the model= override or use a checkpoint of that architecture"
@@ -319,9 +331,11 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
             f"training from scratch needs one (it is saved with every checkpoint)"
         )
     try:
-        return LlamaConfig(**arch), problems
+        return config_from_dict(arch), problems
+    except UnsupportedModelError as e:
+        return None, problems + [str(e)]
     except (TypeError, ValueError) as e:
-        return None, problems + [f"model.architecture is not a valid LlamaConfig: {e}"]
+        return None, problems + [f"model.architecture is not a valid model config: {e}"]
 
 
 def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], ResumeChanges, list[str]]:
@@ -346,9 +360,12 @@ def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], ResumeCh
         problems.append(f"{os.path.join(cfg.output_dir, LATEST_FILE)} names {tag}, which is not in {cfg.output_dir}")
     saved = os.path.join(cfg.output_dir, "config.json")
     if model_config is not None and os.path.isfile(saved):
-        from transformers import LlamaConfig
+        from models.families import UnsupportedModelError, load_config
 
-        old = LlamaConfig.from_pretrained(cfg.output_dir)
+        try:
+            old = load_config(cfg.output_dir)
+        except UnsupportedModelError as e:
+            return None, ResumeChanges(), problems + [str(e)]
         problems += [
             f"output_dir {cfg.output_dir} holds a checkpoint with {f}={getattr(old, f)}, this model has "
             f"{getattr(model_config, f)}: choose another output_dir"

@@ -18,8 +18,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from transformers import LlamaConfig  # noqa: E402
 
+from models.families import load_config  # noqa: E402
 from models.layer_files import load_stage_weights, local_modules  # noqa: E402
 from models.llama_pipe import build_pipeline_model, spec_layout  # noqa: E402
 
@@ -53,7 +53,7 @@ def compare(model, layout, reference) -> dict:
 
 results = {}
 for ckpt_dir, hf_dir in zip(pairs[::2], pairs[1::2]):
-    config = LlamaConfig.from_pretrained(hf_dir)
+    config = load_config(hf_dir)
     layout = spec_layout(config)
     reference = load_file(os.path.join(hf_dir, "model.safetensors"))
     results[ckpt_dir] = {}

@@ -1,0 +1,124 @@
+"""The Llama family: which Hugging Face modules build the stages of each ``config.json`` ``model_type``.
+
+Every family here is a Llama decoder with one or two differences, all inside Hugging Face's own
+modules, so the stage contract, spec layout, layer files, converter, planner and training loop are one
+code path (``models.llama_pipe``) and parity with ``<Family>ForCausalLM`` holds by construction:
+
+- llama:   the reference.
+- mistral: sliding-window attention on every layer when ``sliding_window`` is set.
+- qwen2:   biases on q/k/v; ``use_sliding_window`` + ``max_window_layers`` give per-layer
+           ``layer_types`` (sliding on the layers from ``max_window_layers`` on); small sizes tie
+           their embeddings.
+- qwen3:   RMSNorm of queries and keys per head (``q_norm``/``k_norm``); sliding window as qwen2.
+
+Adding a family is one ``Family`` entry plus its tests (tests/test_families.py), as long as its decoder
+layer takes ``(hidden, attention_mask, position_ids, position_embeddings)`` like Llama's and its model
+has the ``model.embed_tokens`` / ``model.layers.N`` / ``model.norm`` / ``lm_head`` layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3 import modeling_qwen3
+
+DEFAULT_MODEL_TYPE = "llama"  # a conf/model architecture without model_type
+
+
+@dataclass(frozen=True)
+class Family:
+    """The Hugging Face classes one ``model_type`` is built from."""
+
+    model_type: str
+    config_class: type
+    causal_lm: type  # <Family>ForCausalLM: the parity reference and what an export loads as
+    decoder_layer: type
+    rms_norm: type
+    rotary_embedding: type
+
+    @property
+    def name(self) -> str:
+        """Class-name prefix, e.g. ``Qwen2`` (it names the stage classes built from this family)."""
+        return self.causal_lm.__name__.removesuffix("ForCausalLM")
+
+
+def _family(model_type: str, module, prefix: str) -> Family:
+    """The entry of a family whose modeling module names its classes ``<prefix>ForCausalLM`` etc."""
+    causal_lm = getattr(module, f"{prefix}ForCausalLM")
+    return Family(
+        model_type=model_type,
+        config_class=causal_lm.config_class,
+        causal_lm=causal_lm,
+        decoder_layer=getattr(module, f"{prefix}DecoderLayer"),
+        rms_norm=getattr(module, f"{prefix}RMSNorm"),
+        rotary_embedding=getattr(module, f"{prefix}RotaryEmbedding"),
+    )
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        _family("llama", modeling_llama, "Llama"),
+        _family("mistral", modeling_mistral, "Mistral"),
+        _family("qwen2", modeling_qwen2, "Qwen2"),
+        _family("qwen3", modeling_qwen3, "Qwen3"),
+    )
+}
+# Every family's RMSNorm class (the from-scratch initialisation sets their weights to 1).
+RMS_NORM_CLASSES = tuple(dict.fromkeys(f.rms_norm for f in FAMILIES.values()))
+
+
+class UnsupportedModelError(ValueError):
+    """A ``model_type`` outside the family table; the message lists the supported ones."""
+
+
+def unsupported_message(model_type: object, where: str) -> str:
+    return (
+        f"{where}: model_type {model_type!r} is not supported; supported model types: "
+        f"{', '.join(FAMILIES)} (the family table in models/families.py)"
+    )
+
+
+def family_of(config: PretrainedConfig) -> Family:
+    """The family of a loaded config; UnsupportedModelError for any other model_type."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None or not isinstance(config, family.config_class):
+        raise UnsupportedModelError(unsupported_message(getattr(config, "model_type", None), type(config).__name__))
+    return family
+
+
+def load_config(model_dir: str) -> PretrainedConfig:
+    """``model_dir/config.json`` as its family's config class. The model_type is read from the JSON
+    first: loading another family's config.json through LlamaConfig would succeed with a warning
+    and build the wrong model."""
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(unsupported_message(model_type, path))
+    return FAMILIES[model_type].config_class.from_pretrained(model_dir)
+
+
+def config_from_dict(fields: dict, where: str = "model.architecture") -> PretrainedConfig:
+    """A conf/model ``architecture`` mapping as its family's config (``model_type`` defaults to llama)."""
+    fields = dict(fields)
+    model_type = fields.pop("model_type", DEFAULT_MODEL_TYPE)
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(unsupported_message(model_type, where))
+    return FAMILIES[model_type].config_class(**fields)
+
+
+def attention_type(config: PretrainedConfig, layer_idx: int) -> str:
+    """``full_attention`` or ``sliding_attention`` for one decoder layer, as the family's model picks
+    its mask: per-layer ``layer_types`` (qwen2, qwen3), else a sliding window on every layer whenever
+    ``sliding_window`` is set (mistral), else full (llama)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return layer_types[layer_idx]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
