@@ -154,6 +154,9 @@ class TrainConfig:
     # weighs every token alike too | micro_batch: the mean of per-micro-batch means (DeepSpeed's
     # convention and this project's before; a micro-batch of 3 label tokens weighs as much as one of 300).
     loss_normalization: LossNormalization = LossNormalization.tokens
+    # The LM head and its cross entropy run this many tokens at a time on the last stage, so the
+    # [B,S,V] logits are never held whole nor kept for backward (recomputed per chunk); 0 = off.
+    loss_chunk_tokens: int = 1024
     max_steps: int = 100  # optimizer steps to train; 0 with num_epochs 0: load everything, train nothing
     num_epochs: float = (
         0.0  # stop after this many passes over the training data (fractions allowed); 0 = max_steps alone decides
@@ -665,6 +668,7 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         ("max_steps", 0),
         ("num_epochs", 0),
         ("activation_checkpoint_interval", 0),
+        ("loss_chunk_tokens", 0),
         ("log_steps", 1),
         ("eval_steps", 0),
         ("save_steps", 0),
