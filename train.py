@@ -39,9 +39,10 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from data.guard import OrderMismatchError  # noqa: E402
 from models.families import family_of  # noqa: E402
 from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
-from models.layer_files import load_stage_weights, local_modules  # noqa: E402
+from models.layer_files import is_partitioned, load_stage_weights, local_modules  # noqa: E402
 from models.llama_pipe import LlamaStack, build_pipeline_model, flops_per_token, init_weights_, spec_layout  # noqa: E402
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
+from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes  # noqa: E402
 from training import run_checkpoints  # noqa: E402
 from training.config import (  # noqa: E402
     ConfigError,
@@ -117,20 +118,39 @@ def lock_output_dir(resolved: Resolved) -> RunLock | None:
 
 def build_model(resolved: Resolved, topology: PipeDataParallelTopology, loss_fn: CausalLMLoss):
     """The pipeline module (this rank builds only its own stage's layers), or, for num_stages=1 with
-    ZeRO 2/3, every spec in one module for DeepSpeed's data-parallel engine (ZeRO shards it)."""
+    ZeRO 2/3, every spec in one module for DeepSpeed's data-parallel engine: under ZeRO-3 built
+    partitioned (``deepspeed.zero.Init``, models/zero3.py), no rank ever holding the whole model."""
     cfg = resolved.cfg
     if not resolved.uses_pipeline:
-        return LlamaStack(resolved.model_config, activation_checkpointing=cfg.activation_checkpoint_interval > 0)
+        stack_args = dict(
+            activation_checkpointing=cfg.activation_checkpoint_interval > 0,
+            loss_chunk_tokens=cfg.loss_chunk_tokens,
+        )
+        ds_config = fill_ds_config(resolved)
+        if builds_partitioned(ds_config):
+            return build_partitioned_stack(resolved.model_config, ds_config, **stack_args)
+        return LlamaStack(resolved.model_config, **stack_args)
     return build_pipeline_model(
-        resolved.model_config, topology, cfg.partition_method, cfg.activation_checkpoint_interval, loss_fn
+        resolved.model_config,
+        topology,
+        cfg.partition_method,
+        cfg.activation_checkpoint_interval,
+        loss_fn,
+        layout=resolved.layout,
+        loss_chunk_tokens=cfg.loss_chunk_tokens,
     )
 
 
 def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list[dict]:
     """This stage's starting weights: its layer files from model_name_or_path, a seeded from-scratch
-    initialisation, or nothing yet when resuming (the checkpoint's weights replace them).
+    initialisation, or nothing yet when resuming (the checkpoint's weights replace them). A ZeRO-3
+    stack built partitioned is filled one tensor at a time, each rank keeping its own partition.
     Returns every rank's report, for the announcement."""
     cfg, config = resolved.cfg, resolved.model_config
+
+    params = [p for _, m in local_modules(model) for p in m.parameters()]
+    partitioned = any(map(is_partitioned, params))
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731 (a ZeRO-3 parameter's own data is empty)
 
     def init() -> dict:
         start, loaded_mib = time.time(), 0.0
@@ -139,18 +159,23 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
         elif resolved.from_scratch:
             layout = spec_layout(config)
             for index, module in local_modules(model):
-                init_weights_(module, config, seed=cfg.seed + layout[index].file_index)
+                seed = cfg.seed + layout[index].file_index
+                if partitioned:
+                    init_partitioned_(module, model._layer_specs[index], config, seed)
+                else:
+                    init_weights_(module, config, seed=seed)
             source = f"initialised from scratch (model={cfg.model.name}, seed {cfg.seed})"
         else:
             report = load_stage_weights(model, config, cfg.model_name_or_path)
             loaded_mib = report.bytes_read / 2**20
             source = f"loaded {loaded_mib:.1f} MiB from {len(report.files)} layer files"
-        params = [p for _, m in local_modules(model) for p in m.parameters()]
+        if partitioned:
+            source += f", ZeRO-3 partitioned at build: this rank holds {partition_bytes(params) / 2**20:.1f} MiB"
         return {
             "stage": model.stage_id,
             "specs": list(range(model._local_start, model._local_stop)),
-            "params": sum(p.numel() for p in params),
-            "param_mib": sum(p.numel() * p.element_size() for p in params) / 2**20,
+            "params": sum(numel(p) for p in params),
+            "param_mib": sum(numel(p) * p.element_size() for p in params) / 2**20,
             "source": source,
             "seconds": time.time() - start,
             "rss_before_model_mib": rss_before_model_mib,
@@ -257,7 +282,9 @@ def announce(
         padding = 1 - data.train.total_tokens() / (len(data.train) * cfg.data.max_seq_length)
         hint = ": consider data.packing=true" if not default_packing(cfg.data) and padding >= PADDING_HINT else ""
         log0(f"data: rows of {cfg.data.max_seq_length} tokens, {100 * padding:.1f}% padding{hint}")
-    if start_step >= total_steps:
+    if not resolved.resume_tag and total_steps == 0:
+        plan = "no step to train (max_steps=0): the weights are loaded and checked only"
+    elif start_step >= total_steps:
         plan = (
             f"{resolved.resume_tag} is at step {start_step} >= {total_steps} steps to train: nothing to train "
             "(raise max_steps)"
@@ -512,7 +539,8 @@ def main(dict_cfg: DictConfig) -> None:
         lock = lock_output_dir(resolved)
         on_all_ranks("creating output_dir", lambda: os.makedirs(resolved.cfg.output_dir, exist_ok=True))
         rss_before_model = peak_rss_mb()
-        loss_fn = CausalLMLoss()  # the last stage's loss; train_step sets its normalisation each step
+        # The last stage's loss; train_step sets its normalisation each step.
+        loss_fn = CausalLMLoss(resolved.cfg.loss_chunk_tokens)
         model = build_model(resolved, topology, loss_fn)
         init_reports = init_weights(model, resolved, rss_before_model)
         data, data_reports = build_data(resolved, topology)

@@ -213,6 +213,51 @@ def copy_from_mapped(dst: torch.Tensor, src: torch.Tensor) -> None:
         release_mapped_pages(chunk)
 
 
+def full_shape(t: torch.Tensor) -> torch.Size:
+    """The shape of a parameter or buffer as the model defines it, also for a ZeRO-3 partitioned
+    parameter (``deepspeed.zero.Init``), whose own data is an empty placeholder."""
+    return getattr(t, "ds_shape", t.shape)
+
+
+def is_partitioned(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ZeRO-3 parameter (made by ``deepspeed.zero.Init``): each rank holds one slice."""
+    return hasattr(t, "ds_id")
+
+
+@torch.no_grad()
+def assign_partitioned(param: nn.Parameter, full: torch.Tensor, copy=torch.Tensor.copy_) -> None:
+    """Give the ZeRO-3 parameter ``param`` the value ``full`` (its whole tensor, any dtype): this rank
+    keeps only its own partition, cast to the parameter's dtype.
+
+    Every rank calls this with the same ``full`` and keeps its own slice: no collective runs, and no
+    rank holds more than this one tensor whole (none at all when ``full`` is already in the parameter's
+    dtype: it becomes the parameter's data as it is, e.g. a view of a mapped layer file, and only this
+    rank's slice of it is read). That is less than ``deepspeed.zero.GatheredParameters(...,
+    modifier_rank=0)`` with rank 0 reading: every rank would all-gather the whole layer, then receive
+    rank 0's copy (a layer whole on every rank, the layer sent twice, rank 0 reading the whole model
+    alone). The slicing is DeepSpeed's own: ``param.partition(has_been_updated=True)`` is the call
+    GatheredParameters makes on exit once the new values are in place (hpZeRO's secondary partition
+    included). ``copy(dst, src)`` fills a cast copy (``copy_from_mapped`` for a mapped file).
+    """
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param.ds_tensor is None:
+        raise RuntimeError(f"ZeRO-3 parameter {param.ds_id} is {param.ds_status.name}, not partitioned: cannot assign")
+    if getattr(param.ds_tensor, "final_location", None) is not None:  # swapped to NVMe
+        raise RuntimeError(f"ZeRO-3 parameter {param.ds_id} lives on {param.ds_tensor.final_location}: not supported")
+    if tuple(full.shape) != tuple(param.ds_shape):
+        raise ValueError(f"shape {tuple(full.shape)} for a ZeRO-3 parameter of shape {tuple(param.ds_shape)}")
+    device = param.device  # where DeepSpeed keeps the parameter whole (the accelerator), not its partition
+    if full.dtype == param.dtype and full.device == device and full.is_contiguous():
+        data = full
+    else:
+        data = torch.empty(param.ds_shape, dtype=param.dtype, device=device)
+        copy(data, full)
+    param.data = data
+    param.ds_status = ZeroParamStatus.AVAILABLE
+    param.partition(has_been_updated=True)  # copies this rank's slice, then frees the data again
+
+
 def unpickling_refusal(error: Exception) -> str:
     """The line of a ``weights_only=True`` refusal that says what the file tried to load."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -290,6 +335,9 @@ def load_stage_weights(model: PipelineModule, config, ckpt_dir: str, tag: str | 
 
     A tied LM head on the last stage reads the embedding's file (the only copy on disk). All
     mismatches are collected and raised together, each naming the file, the tensor and both shapes.
+    A model built under ``deepspeed.zero.Init`` (ZeRO-3, models/zero3.py) is filled the same way, one
+    tensor at a time, each rank keeping only its partition (``assign_partitioned``): no collective
+    runs, so a rank that fails here cannot leave the others waiting.
     """
     tag = read_tag(ckpt_dir, tag)
     layout: list[SpecInfo] = spec_layout(config)
@@ -301,13 +349,16 @@ def load_stage_weights(model: PipelineModule, config, ckpt_dir: str, tag: str | 
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        expected = {k: v.shape for k, v in module.state_dict().items()}
-        found = check_state_dict(path, state, expected)
+        targets = module.state_dict(keep_vars=True)  # the live parameters and buffers, by name
+        found = check_state_dict(path, state, {k: full_shape(v) for k, v in targets.items()})
         problems += found
         if not found:
-            targets = module.state_dict(keep_vars=True)  # the live parameters and buffers, by name
             for key, t in state.items():
-                copy_from_mapped(targets[key], t)
+                if is_partitioned(targets[key]):
+                    assign_partitioned(targets[key], t, copy=copy_from_mapped)
+                    release_mapped_pages(t)
+                else:
+                    copy_from_mapped(targets[key], t)
             files.append(path)
             num_tensors += len(state)
             nbytes += sum(t.numel() * t.element_size() for t in state.values())

@@ -83,7 +83,11 @@ class EmbeddingPipe(nn.Embedding):
     def __init__(self, config: PretrainedConfig):
         super().__init__(config.vocab_size, config.hidden_size, config.pad_token_id)
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, inputs: tuple[torch.Tensor, torch.Tensor] | torch.Tensor, tied_head: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if tied_head:  # the tied LM head of the chunked loss (tied_lm_head_chunked_forward)
+            return inputs, self.weight  # hidden [B,S,H], [V,H]
         input_ids, position_ids = inputs  # [B,S] int64, [B,S] int64
         return super().forward(input_ids), position_ids  # hidden [B,S,H]
 
@@ -91,6 +95,18 @@ class EmbeddingPipe(nn.Embedding):
 def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
     """Last spec when embeddings are tied: logits from the shared embedding matrix."""
     return F.linear(hidden, embedding.weight)  # [B,S,H] x [V,H]^T -> [B,S,V]
+
+
+def tied_lm_head_chunked_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> tuple[torch.Tensor, nn.Parameter]:
+    """Last spec when embeddings are tied and the loss is chunked: the loss computes the logits from the
+    shared matrix (models/loss.py), so its gradient reaches the embedding weight on this stage, which
+    DeepSpeed all-reduces with the first stage's as for the logits.
+
+    The weight leaves through the module's own forward, not an attribute read: ZeRO-3 keeps a parameter
+    that a module's forward returns gathered for the loss (its "dangling parameter" rule), while one
+    read outside any forward is partitioned again when the model's forward returns, before the loss.
+    """
+    return embedding(hidden, tied_head=True)  # [B,S,H], [V,H]
 
 
 # The mask each decoder layer's attention takes, by its family's attention type (models.families).
@@ -173,12 +189,17 @@ def norm_class(config: PretrainedConfig) -> type:
 
 
 class LMHeadPipe(nn.Linear):
-    """Spec L+2 (untied): output projection (``lm_head``)."""
+    """Spec L+2 (untied): output projection (``lm_head``). With ``chunked`` it hands the hidden states
+    and its weight to the chunked loss instead of computing the [B,S,V] logits (models/loss.py); a weight
+    returned by a forward stays gathered under ZeRO-3 until the loss has used it."""
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, chunked: bool = False):
         super().__init__(config.hidden_size, config.vocab_size, bias=False)
+        self.chunked = chunked
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, nn.Parameter]:
+        if self.chunked:
+            return hidden, self.weight  # [B,S,H], [V,H]
         return super().forward(hidden)  # [B,S,H] -> [B,S,V]
 
 
@@ -193,9 +214,16 @@ class LMHeadPipe(nn.Linear):
 #                 (tied embeddings: the spec-0 embedding module with tied_lm_head_forward)
 #   loss          CausalLMLoss      (logits [B,S,V], labels [B,S] int64)              -> scalar (models/loss.py)
 #
+# With loss_chunk_tokens > 0 (the chunked loss) the head computes no logits: the last stage's output is
+#   spec L+2      LMHeadPipe        hidden [B,S,H]                          -> (hidden [B,S,H], weight [V,H])
+#                 (tied embeddings: tied_lm_head_chunked_forward, the shared embedding weight)
+#   loss          CausalLMLoss      ((hidden, weight), labels [B,S] int64)  -> scalar, logits chunk by chunk
+# DeepSpeed hands the last stage's output to loss_fn untouched; the weight's gradient comes from the loss.
+#
 # The first stage's data iterator yields ((input_ids, position_ids), labels); the last stage reads labels.
-def build_specs(config: PretrainedConfig) -> list[LayerSpec]:
-    """The ``LayerSpec`` list of a Llama-family model, in the order of :func:`spec_layout`."""
+def build_specs(config: PretrainedConfig, loss_chunk_tokens: int = 0) -> list[LayerSpec]:
+    """The ``LayerSpec`` list of a Llama-family model, in the order of :func:`spec_layout`; with
+    ``loss_chunk_tokens`` > 0 the head hands (hidden, weight) to the chunked loss (stage contract above)."""
     config = prepare_config(config)
     specs: list[LayerSpec] = []
     for info in spec_layout(config):
@@ -214,12 +242,12 @@ def build_specs(config: PretrainedConfig) -> list[LayerSpec]:
                     TIED_EMBEDDING_KEY,
                     EmbeddingPipe,
                     config,
-                    forward_fn=tied_lm_head_forward,
+                    forward_fn=tied_lm_head_chunked_forward if loss_chunk_tokens else tied_lm_head_forward,
                     tied_weight_attr=["weight"],
                 )
             )
         else:
-            specs.append(LayerSpec(LMHeadPipe, config))
+            specs.append(LayerSpec(LMHeadPipe, config, loss_chunk_tokens > 0))
     return specs
 
 
@@ -273,9 +301,15 @@ def spec_weights(config: PretrainedConfig, method: str) -> list[int]:
     return counts
 
 
-def stage_boundaries(config: PretrainedConfig, num_stages: int, method: str = DEFAULT_PARTITION_METHOD) -> list[int]:
-    """First spec of every stage, plus the end: the split ``LlamaPipelineModule`` makes, computed
-    without building it (for the memory planner). The same DeepSpeed functions, on the same weights."""
+def stage_boundaries(
+    config: PretrainedConfig, num_stages: int, method: str = DEFAULT_PARTITION_METHOD, layout=None
+) -> list[int]:
+    """First spec of every stage, plus the end: the split ``LlamaPipelineModule`` makes (it calls this
+    function), also computed without building it (the memory planner). ``uniform``, ``parameters`` and
+    ``type:`` are DeepSpeed's own methods on the same weights; ``compute`` is ``parameters`` over
+    :func:`spec_weights`; ``memory`` balances the planner's predicted per-GPU peak for ``layout`` (a
+    ``training.layout.Layout``: precision, ZeRO, micro-batch, sequence, grad_acc, recomputation, loss
+    chunk), see ``training.memory_plan.memory_boundaries``."""
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
     method = method.lower()
@@ -285,13 +319,20 @@ def stage_boundaries(config: PretrainedConfig, num_stages: int, method: str = DE
         pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)  # DeepSpeed's _find_layer_type
         weights = [int(bool(pattern.search(spec.typename.__name__))) for spec in build_specs(config)]
         parts = partition_balanced(weights=weights, num_parts=num_stages)
+    elif method == "memory":
+        from training.memory_plan import memory_boundaries  # the planner's own estimate (no import cycle at load)
+
+        if layout is None or layout.stages != num_stages:
+            raise ValueError("partition_method 'memory' needs the run's layout with the same number of stages")
+        parts = memory_boundaries(config, layout)
     else:
         parts = partition_balanced(weights=spec_weights(config, method), num_parts=num_stages)
     return [int(p) for p in parts]  # DeepSpeed returns numpy integers
 
 
 class LlamaPipelineModule(PipelineModule):
-    """``PipelineModule`` with two fixes for DeepSpeed 0.19.8, and a ``compute`` partition method.
+    """``PipelineModule`` with two fixes for DeepSpeed 0.19.8, and the ``compute`` and ``memory``
+    partition methods.
 
     1. Partitioning by parameters: DeepSpeed builds every layer of the model on every rank (one at a
        time, randomly initialised) just to count its parameters, minutes for a 70B model. Counting
@@ -302,26 +343,26 @@ class LlamaPipelineModule(PipelineModule):
        clipped by stage 0's norm alone. Flagging every parameter of a stage (except the replicated
        copy of a tied weight, which must count once) makes the norm global, as ZeRO-1 computes it.
 
-    ``partition_method="compute"`` (the default) balances the work per token instead of the stored
-    parameters (see spec_weights). By parameters, the embedding's V x H weights count as much as a
-    layer's matmuls, so the first stage got one layer too few and the last stage (layers + LM head)
-    became the bottleneck: 4 | 4 layers + head for an 8-layer, 8192-vocabulary model, its last stage
-    57% of the work (measured: 2.71 vs 2.07 CPU s per step); by compute, 5 | 3 + head. The price is
-    memory: the first stage stores the embedding on top of its share (Llama-3-8B on 2 stages: 4.23 B
-    vs 4.01 B parameters); ``partition_method=parameters`` balances memory instead.
+    Every method's split comes from :func:`stage_boundaries`, so the planner predicts exactly the
+    stages the model builds. ``partition_method="compute"`` (the default) balances the work per token
+    instead of the stored parameters (see spec_weights). By parameters, the embedding's V x H weights
+    count as much as a layer's matmuls, so the first stage got one layer too few and the last stage
+    (layers + LM head) became the bottleneck: 4 | 4 layers + head for an 8-layer, 8192-vocabulary model,
+    its last stage 57% of the work (measured: 2.71 vs 2.07 CPU s per step); by compute, 5 | 3 + head.
+    The price is memory: the first stage stores the embedding on top of its share; ``parameters``
+    balances stored parameters, ``memory`` the predicted per-GPU peak (docs/training.md#partitioning).
     """
 
-    def __init__(self, config: PretrainedConfig, *args, partition_method: str = "parameters", **kwargs):
-        # "compute" is DeepSpeed's "parameters" balancing over compute weights (_count_layer_params).
-        self._llama_config = config
-        self._spec_weights = "compute" if partition_method.lower() == "compute" else "parameters"
-        ds_method = "parameters" if self._spec_weights == "compute" else partition_method
-        super().__init__(*args, partition_method=ds_method, **kwargs)
+    def __init__(self, config: PretrainedConfig, *args, partition_method: str = "parameters", layout=None, **kwargs):
+        self._llama_config, self._layout = config, layout
+        super().__init__(*args, partition_method=partition_method, **kwargs)
         for p in self.parameters():
             p.model_parallel = not p.ds_pipe_replicated
 
-    def _count_layer_params(self) -> list[int]:
-        return spec_weights(self._llama_config, self._spec_weights)
+    def _partition_layers(self, method: str = "uniform") -> None:
+        self.parts = stage_boundaries(self._llama_config, self.num_stages, method, self._layout)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
 def build_pipeline_model(
@@ -330,6 +371,8 @@ def build_pipeline_model(
     partition_method: str = DEFAULT_PARTITION_METHOD,
     activation_checkpoint_interval: int = 0,
     loss_fn: CausalLMLoss | None = None,
+    layout=None,
+    loss_chunk_tokens: int = 0,
 ) -> LlamaPipelineModule:
     """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
 
@@ -337,13 +380,20 @@ def build_pipeline_model(
     data (``PipeDataParallelTopology``). With ``activation_checkpoint_interval`` N > 0, activations
     are recomputed in chunks of N layers, but only chunks made of decoder layers: DeepSpeed's
     reentrant checkpoint around the embedding (integer inputs) would get no gradient at all.
+    ``layout`` (a ``training.layout.Layout``) is what ``partition_method=memory`` balances for.
+    With ``loss_chunk_tokens`` > 0 the last stage computes the loss chunk by chunk (the stage contract
+    above build_specs); a given ``loss_fn`` must chunk the same.
     """
+    loss_fn = loss_fn or CausalLMLoss(loss_chunk_tokens)
+    if loss_fn.chunk_tokens != loss_chunk_tokens:
+        raise ValueError(f"loss_fn chunks {loss_fn.chunk_tokens} tokens, the model {loss_chunk_tokens}")
     return LlamaPipelineModule(
         config,
-        layers=build_specs(config),
+        layers=build_specs(config, loss_chunk_tokens),
         topology=topology,
-        loss_fn=loss_fn or CausalLMLoss(),
+        loss_fn=loss_fn,
         partition_method=partition_method,
+        layout=layout,
         activation_checkpoint_interval=activation_checkpoint_interval,
         checkpointable_layers=[cls.__name__ for cls in DECODER_LAYER_CLASSES.values()],
     )
@@ -383,34 +433,37 @@ class LlamaStack(nn.Module):
     initialisation and layer-file export are the pipeline's code paths.
     """
 
-    def __init__(self, config: PretrainedConfig, activation_checkpointing: bool = False):
+    def __init__(self, config: PretrainedConfig, activation_checkpointing: bool = False, loss_chunk_tokens: int = 0):
         super().__init__()
-        self._layer_specs = build_specs(config)
-        self.forward_funcs = build_sequential(config)
+        self._layer_specs = build_specs(config, loss_chunk_tokens)
+        self.forward_funcs = build_sequential(config, loss_chunk_tokens)
         self._local_start, self._local_stop, self.stage_id = 0, len(self._layer_specs), 0
         # Registered once each (a tied head is a partial over the embedding module).
         self.layers = nn.ModuleList([f for f in self.forward_funcs if isinstance(f, nn.Module)])
         self.tied_modules = {s.key: self.forward_funcs[0] for s in self._layer_specs if isinstance(s, TiedLayerSpec)}
         self.activation_checkpointing = activation_checkpointing
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = (input_ids, position_ids)  # [B,S] int64 each
         for f in self.forward_funcs:
             if self.activation_checkpointing and isinstance(f, DecoderLayerPipe) and self.training:
                 x = (checkpoint(lambda h, p, f=f: f((h, p))[0], x[0], x[1], use_reentrant=False), x[1])
             else:
                 x = f(x)
-        return x  # logits [B,S,V]
+        return x  # logits [B,S,V], or (hidden [B,S,H], head weight [V,H]) for the chunked loss
 
 
-def build_sequential(config: PretrainedConfig) -> list[nn.Module | partial]:
+def build_sequential(config: PretrainedConfig, loss_chunk_tokens: int = 0) -> list[nn.Module | partial]:
     """All specs built in one process and chained like ``PipelineModule.forward`` (tests, debugging).
 
-    Tied specs share one module, as on a single pipeline stage.
+    Tied specs share one module, as on a single pipeline stage. The chain ends in logits, or with
+    ``loss_chunk_tokens`` > 0 in what the chunked loss takes (see the stage contract above build_specs).
     """
     tied: dict[str, nn.Module] = {}
     funcs: list[nn.Module | partial] = []
-    for spec in build_specs(config):
+    for spec in build_specs(config, loss_chunk_tokens):
         if isinstance(spec, TiedLayerSpec):
             module = tied.setdefault(spec.key, spec.build())
             funcs.append(module if spec.forward_fn is None else partial(spec.forward_fn, module))

@@ -7,6 +7,10 @@ by ``gradient_accumulation_steps`` and averages gradients (and the reported loss
 data-parallel group. :class:`CausalLMLoss` bridges the two: once the step's global label count N is
 known, each micro-batch returns ``sum of its token losses x (grad_acc x dp) / N``, and DeepSpeed's own
 divisions turn the step into ``sum over the global batch / N``.
+
+With ``loss_chunk_tokens`` > 0 the last stage hands the loss the hidden states and the LM head weight
+instead of logits, and :class:`ChunkedLMHeadLoss` computes the same loss a chunk of tokens at a time,
+never holding the [B,S,V] logits (docs/training.md#chunked-loss).
 """
 
 from __future__ import annotations
@@ -39,18 +43,112 @@ def label_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """[B,S] -> [B*S]: the label each position predicts (t -> t+1), ``IGNORE_INDEX`` at each row's end.
+
+    Shifting the labels instead of the hidden states keeps ``hidden.reshape(B*S, H)`` a view (no copy).
+    """
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)  # [B*S]
+
+
+class ChunkedLMHeadLoss(torch.autograd.Function):
+    """Summed cross entropy of the logits ``hidden[rows] @ weight^T`` against ``targets``, ``chunk`` rows at
+    a time, so no more than [chunk,V] logits ever exist, and none are kept for backward.
+
+    Forward runs without a graph and saves only its inputs and each row's log-sum-exp; backward recomputes
+    each chunk's logits and turns them into the gradient (softmax - one-hot) x grad_output. Each chunk's
+    logits are computed in the inputs' dtype and upcast to fp32, as :func:`causal_lm_loss` upcasts the
+    whole [B,S,V] logits, so bf16 training sees the same numbers to fp32 rounding; the head weight's
+    gradient is accumulated over chunks in its own dtype (an fp32 accumulator would be as large as the
+    weight, V x H x 4 bytes, more than the logits it saves for a short sequence and a large H).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, rows, targets, chunk):
+        # hidden [N,H], weight [V,H], rows [M] int64 (the rows of hidden that have a label), targets [M] int64
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)  # [M]
+        for start in range(0, rows.numel(), chunk):
+            end = min(start + chunk, rows.numel())
+            logits = F.linear(hidden[rows[start:end]], weight).float()  # [C,V] fp32, this chunk only
+            target_logits = logits.gather(1, targets[start:end, None]).squeeze(1)  # [C]
+            # torch.logsumexp, in place: one [C,V] buffer instead of two (half the loss side's peak)
+            top = logits.amax(dim=-1)  # [C]
+            lse[start:end] = logits.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top)  # [C]
+            total += (lse[start:end] - target_logits).sum()
+            del logits  # before the next chunk's logits exist, or two chunks are alive at once
+        ctx.save_for_backward(hidden, weight, rows, targets, lse)
+        ctx.chunk = chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden, weight, rows, targets, lse = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None  # [N,H]: unlabelled rows 0
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # [V,H]
+        for start in range(0, rows.numel(), ctx.chunk):
+            end = min(start + ctx.chunk, rows.numel())
+            h = hidden[rows[start:end]]  # [C,H]
+            grad = F.linear(h, weight).float().sub_(lse[start:end, None]).exp_()  # [C,V] softmax, fp32
+            grad[torch.arange(end - start, device=grad.device), targets[start:end]] -= 1.0  # - one-hot
+            grad = grad.mul_(grad_output).to(hidden.dtype)  # [C,V] d loss / d logits
+            if grad_hidden is not None:
+                grad_hidden[rows[start:end]] = grad @ weight  # [C,V] x [V,H] -> [C,H]
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.t(), h)  # [V,C] x [C,H] -> [V,H]
+            del grad  # as in forward: one chunk of logits alive at a time
+        return grad_hidden, grad_weight, None, None, None
+
+
+def chunked_causal_lm_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, reduction: str = "mean"
+) -> torch.Tensor:
+    """``causal_lm_loss(F.linear(hidden, weight), labels, reduction)`` without the [B,S,V] logits.
+
+    ``hidden`` [B,S,H] (after the final norm), ``weight`` [V,H] (the LM head, or the tied embedding).
+    Only label tokens reach the LM head, ``chunk_tokens`` of them at a time: prompt and padding
+    positions cost no logits at all.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, not {chunk_tokens}")
+    targets = shifted_targets(labels)  # [B*S]
+    rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M] int64
+    total = ChunkedLMHeadLoss.apply(
+        hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens
+    )  # scalar fp32: the summed token losses
+    if reduction == "sum":
+        return total
+    if reduction == "mean":
+        return total / rows.numel()  # no label token: 0 / 0 = nan, as F.cross_entropy gives
+    raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+
+
 class CausalLMLoss:
     """The pipeline's ``loss_fn`` (and the data-parallel engine's loss), normalised per optimizer step.
+
+    It takes the last stage's output: logits [B,S,V], or, with the chunked loss (``chunk_tokens`` > 0, the
+    model built with the same ``loss_chunk_tokens``), the pair (hidden [B,S,H], LM head weight [V,H]),
+    from which :func:`chunked_causal_lm_loss` computes the same loss without the logits.
 
     ``scale`` None: the mean over this micro-batch's label tokens (``loss_normalization=micro_batch``,
     DeepSpeed's convention). Otherwise the micro-batch's summed token losses times ``scale``, which
     the trainer sets before each step (or eval pass) to ``micro-batches x dp / global label tokens``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_tokens: int = 0) -> None:
         self.scale: float | None = None
+        self.chunk_tokens = chunk_tokens
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.scale is None:
-            return causal_lm_loss(logits, labels)
-        return causal_lm_loss(logits, labels, reduction="sum") * self.scale
+    def __call__(self, outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        reduction = "mean" if self.scale is None else "sum"
+        if isinstance(outputs, torch.Tensor):
+            loss = causal_lm_loss(outputs, labels, reduction)
+        elif self.chunk_tokens < 1:
+            raise ValueError(
+                "the LM head returned (hidden, weight) for the chunked loss, but this loss has chunk_tokens "
+                f"{self.chunk_tokens}: build the loss and the model with the same loss_chunk_tokens"
+            )
+        else:
+            hidden, weight = outputs
+            loss = chunked_causal_lm_loss(hidden, weight, labels, self.chunk_tokens, reduction)
+        return loss if self.scale is None else loss * self.scale

@@ -20,8 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from models.llama_pipe import DEFAULT_PARTITION_METHOD  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
 from training.layout import Layout  # noqa: E402
-from training.memory_plan import GB, estimate, fitting, shape_of, splitter  # noqa: E402
+from training.memory_plan import GB, fitting, shape_of, splitter, stage_estimates, stage_table  # noqa: E402
 
 SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 
@@ -52,29 +53,22 @@ def load_model(spec: str):
 
 
 def report(config, total, layout: Layout, method: str) -> None:
-    params, layers = splitter(config, total, method)(layout.stages)
-    e = estimate(params, layout, shape_of(config), layers)
+    params, layers = splitter(config, total, method)(layout)
+    stages = stage_estimates(params, layout, shape_of(config), layers)
+    e = max(stages, key=lambda s: s.total)
     print(f"layout: {layout.describe()}")
     print(
-        f"parameters: {sum(params) / 1e9:.3f} B in {layout.stages} stage(s), most loaded: stage {e.stage} "
-        f"({params[e.stage] / 1e9:.3f} B)"
+        f"parameters: {sum(params) / 1e9:.3f} B in {layout.stages} stage(s) (partition_method={method}), "
+        f"most loaded: stage {e.stage} ({params[e.stage] / 1e9:.3f} B)"
     )
-    rows = [
-        ("weights", e.params),
-        ("gradients", e.grads),
-        ("optimizer states", e.optimizer),
-        ("model states", e.model_states),
-    ]
-    if e.buffers:
-        rows.append(("reduce bucket", e.buffers))
-    if e.activations is not None:
-        rows += [("activations", e.activations), ("total", e.total)]
-    for name, value in rows:
-        print(f"  {name:<17} {value / GB:10.2f} GB")
-    if e.host:
-        print(f"  {'host (offloaded)':<17} {e.host / GB:10.2f} GB per rank, in host memory (not in the GPU total)")
+    for line in stage_table(stages, layers):
+        print("  " + line)
     if e.activations is None:
         print("  (activations need an architecture: pass a conf/model name or a config.json)")
+    else:
+        print(f"most loaded GPU: stage {e.stage}, {e.total / GB:.2f} GB")
+    if e.host:
+        print(f"host memory per rank (offloaded states, not in the GPU totals): up to {e.host / GB:.2f} GB")
 
 
 def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
@@ -89,6 +83,7 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
         args.seq_len,
         args.grad_accum,
         args.dtype,
+        args.loss_chunk_tokens,
     )
     print(f"layouts that fit {gpus} x {gpu_mem:g} GB, cheapest first (estimate incl. activations, GB per GPU):")
     for layout, e in found[: args.top]:
@@ -117,7 +112,13 @@ def main() -> None:
     p.add_argument(
         "--partition-method",
         default=DEFAULT_PARTITION_METHOD,
-        help="train.py's partition_method: compute | parameters | uniform | type:DecoderLayerPipe",
+        help="train.py's partition_method: compute | parameters | memory | uniform | type:DecoderLayerPipe",
+    )
+    p.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=TrainConfig.loss_chunk_tokens,
+        help="train.py's loss_chunk_tokens: tokens the LM head and loss take at once (0 = all)",
     )
     p.add_argument("--gpus", type=int, help="with --gpu-mem: list the layouts that fit")
     p.add_argument("--gpu-mem", type=float, help="GB per GPU")
@@ -139,6 +140,7 @@ def main() -> None:
         args.grad_accum,
         args.checkpointing,
         args.dtype,
+        args.loss_chunk_tokens,
     )
     report(config, total, layout, args.partition_method)
 

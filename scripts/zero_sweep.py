@@ -118,8 +118,8 @@ def estimate_states_mib(args, row: dict, zero: dict) -> float:
     config = model_group_config(
         "tiny", hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75), num_hidden_layers=args.layers
     )
-    params, _ = splitter(config, None)(row["stages"])
     layout = Layout(row["stages"], args.ranks // row["stages"], zero.get("stage", 0), *offloads(zero), dtype="bf16")
+    params, _ = splitter(config, None)(layout)
     e = estimate(params, layout)
     # ZeRO-1/2 release their reduce bucket at the end of each backward (DeepSpeed's _release_ipg_buffers),
     # so the census, taken at the optimizer step, sees it only with ZeRO-3, which keeps it.

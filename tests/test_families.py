@@ -174,6 +174,7 @@ REFERENCE_PARAMS = {
 def test_reference_architectures_of_the_families(name, tmp_path, tokenizer_dir):
     """Exact published counts through the stage specs, and the planner and preflight on each entry."""
     from training.config import model_group_config
+    from training.layout import Layout
     from training.memory_plan import splitter
     from training.preflight import check
 
@@ -182,7 +183,7 @@ def test_reference_architectures_of_the_families(name, tmp_path, tokenizer_dir):
     assert model_parameters(config) == REFERENCE_PARAMS[name]
     with torch.device("meta"):
         assert family_of(config).causal_lm(config).num_parameters() == REFERENCE_PARAMS[name]
-    params, layers = splitter(config, None)(4)
+    params, layers = splitter(config, None)(Layout(stages=4))
     assert sum(params) == REFERENCE_PARAMS[name] and sum(layers) == config.num_hidden_layers
     data = tmp_path / "train.jsonl"
     data.write_text('{"text": "a"}\n')

@@ -6,7 +6,8 @@ Each family runs packed SFT data (several documents per row, per-document attent
 masked), and each run adds features on top, so that every feature meets every family across this file
 and tests/test_train_parity.py (Llama):
 
-- mistral: a sliding window of 8 tokens, shorter than most documents; activation checkpointing; ZeRO-1.
+- mistral: a sliding window of 8 tokens, shorter than most documents; activation checkpointing; ZeRO-1;
+           ``partition_method=memory`` (the split the planner predicts for this layout).
 - qwen2:   tied embeddings (q/k/v biases); sliding window on layers 2-3 (``max_window_layers``);
            ``partition_method=parameters``; ZeRO-1.
 - qwen3:   q/k norms; ZeRO-0; ``partition_method=uniform``; a crash after the step-3 checkpoint
@@ -16,6 +17,7 @@ and tests/test_train_parity.py (Llama):
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -44,7 +46,11 @@ SEQ, GAS, DP = 128, 2, 2  # packed rows of 128 tokens; global batch = micro 2 x 
 WINDOW = 8
 FAMILY_RUNS = {
     # name: (model_type, config overrides, train.py overrides)
-    "mistral": ("mistral", dict(sliding_window=WINDOW), dict(activation_checkpoint_interval=1, ds_config="zero1")),
+    "mistral": (
+        "mistral",
+        dict(sliding_window=WINDOW),
+        dict(activation_checkpoint_interval=1, ds_config="zero1", partition_method="memory"),
+    ),
     "qwen2": (
         "qwen2",
         dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
@@ -134,12 +140,16 @@ def test_each_run_used_the_layout_it_asked_for(runs):
     """The families, partition methods, recomputation and engines above really were used (a setting
     silently ignored would make the parity above prove less than it says)."""
     from models.llama_pipe import stage_boundaries
+    from training.config import TrainConfig
+    from training.layout import Layout
 
     for name, (model_type, _, overrides) in FAMILY_RUNS.items():
         log = (runs["root"] / f"{name}.log").read_text()
         method = overrides.get("partition_method", "compute")
         assert f"(model_type {model_type}), 4 decoder layers | partition_method={method}" in log
-        parts = stage_boundaries(load_config(runs[name]), 2, method)
+        layout = Layout(2, DP, 1, micro_batch=MICRO, seq_len=SEQ, grad_accum=GAS, checkpointing=True, dtype="fp32")
+        layout = dataclasses.replace(layout, loss_chunk=TrainConfig.loss_chunk_tokens)  # what train.py planned
+        parts = stage_boundaries(load_config(runs[name]), 2, method, layout)
         for rank in range(4):
             stage = rank // 2  # pipe x data: ranks 0-1 hold stage 0
             assert f"rank {rank}: stage {stage} specs {parts[stage]}..{parts[stage + 1] - 1} " in log, (name, parts)

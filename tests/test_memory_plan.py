@@ -52,7 +52,7 @@ def test_fit_list_worked_by_hand():
     pipe 2 x dp 4 (psi 5): ZeRO-1 20+15=35 and ZeRO-1+offload 20 fit, ZeRO-0 30+15 does not.
     pipe 4 x dp 2 (psi 2.5): ZeRO-0 15+15, ZeRO-1 25, +offload 10. pipe 8 x dp 1 (psi 1.25): all three."""
     found = fitting(
-        lambda s: ([10e9 / s] * s, None),
+        lambda layout: ([10e9 / layout.stages] * layout.stages, None),
         None,
         gpus=8,
         gpu_mem_gb=40,
@@ -140,3 +140,61 @@ def test_census_counts_each_storage_once_by_role():
     assert got["weights"] == weights and got["grads"] == weights
     assert got["optimizer"] == 2 * weights + 2 * 4 + weights  # exp_avg, exp_avg_sq, two fp32 step counts, flat
     assert got["total"] == got["weights"] + got["grads"] + got["optimizer"]
+
+
+def test_per_stage_estimates_sum_to_the_split_and_the_most_loaded_is_estimate():
+    """Every stage is reported; their parameters add up to the model; ``estimate`` is the largest."""
+    from models.llama_pipe import model_parameters
+    from training.config import model_group_config
+    from training.memory_plan import shape_of, splitter, stage_estimates
+
+    config = model_group_config("llama3-8b")
+    for method in ("compute", "parameters", "memory", "uniform"):
+        layout = Layout(stages=4, dp=2, zero=1, seq_len=8192, grad_accum=8, checkpointing=True, loss_chunk=1024)
+        params, layers = splitter(config, None, method)(layout)
+        stages = stage_estimates(params, layout, shape_of(config), layers)
+        assert [e.stage for e in stages] == [0, 1, 2, 3]
+        assert sum(e.parameters for e in stages) == model_parameters(config)  # untied: no shared copy
+        assert sum(layers) == config.num_hidden_layers
+        assert estimate(params, layout, shape_of(config), layers).total == max(e.total for e in stages)
+        assert all(e.loss == 0 for e in stages[:-1]) and stages[-1].loss > 0  # only the last stage has logits
+
+
+def test_the_chunked_loss_shrinks_the_last_stages_loss_buffer():
+    from training.memory_plan import Shape, loss_bytes
+
+    shape = Shape(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, vocab=128256)
+    full = loss_bytes(shape, Layout(seq_len=8192))
+    assert full == 8192 * 128256 * (2 + 4 + 4 + 4)  # bf16 logits; fp32 copy, log-probabilities, gradient
+    assert loss_bytes(shape, Layout(seq_len=8192, loss_chunk=1024)) == 1024 * 128256 * (4 + 2)  # one chunk
+    assert full / loss_bytes(shape, Layout(seq_len=8192, loss_chunk=1024)) > 18
+    assert loss_bytes(shape, Layout(seq_len=512, loss_chunk=1024)) == loss_bytes(shape, Layout(seq_len=512))
+
+
+def test_memory_partition_is_the_best_split_found_by_brute_force():
+    """Exhaustive over every contiguous split of a small model: ``memory`` has the smallest largest
+    stage peak, and among those the largest smallest one."""
+    import itertools
+
+    from models.llama_pipe import spec_layout, spec_parameter_counts, stage_boundaries
+    from models.tiny import tiny_config
+    from training.memory_plan import shape_of, stage_estimates
+
+    config = tiny_config(num_hidden_layers=7, vocab_size=4096, hidden_size=128, intermediate_size=352)
+    counts, kinds = spec_parameter_counts(config), [i.kind for i in spec_layout(config)]
+    layout = Layout(stages=3, dp=2, zero=1, seq_len=256, grad_accum=4, dtype="fp32")
+
+    def peaks(parts):
+        params = [sum(counts[a:b]) for a, b in itertools.pairwise(parts)]
+        layers = [kinds[a:b].count("decoder") for a, b in itertools.pairwise(parts)]
+        totals = [e.total for e in stage_estimates(params, layout, shape_of(config), layers)]
+        return max(totals), min(totals)
+
+    n = len(counts)
+    splits = [[0, a, b, n] for a, b in itertools.combinations(range(1, n), 2)]
+    best = min(splits, key=lambda parts: (peaks(parts)[0], -peaks(parts)[1]))
+    chosen = stage_boundaries(config, 3, "memory", layout)
+    assert peaks(chosen) == pytest.approx(peaks(best), rel=1e-12)
+    assert peaks(chosen)[0] < peaks(stage_boundaries(config, 3, "compute"))[0]  # it balances something else
+    with pytest.raises(ValueError, match="needs the run's layout"):
+        stage_boundaries(config, 3, "memory")

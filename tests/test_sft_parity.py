@@ -7,6 +7,8 @@ about 170 label tokens), pipe 2 x data 2 with grad_acc 4, five fp32 steps withou
 single-process LlamaForCausalLM loop that passes ``num_items_in_batch`` (Trainer's own loss path) over
 the same global batches. ``loss_normalization=micro_batch`` is checked against the mean of
 per-micro-batch means, and the two references are shown to differ by far more than the tolerance.
+The pipe 2 x data 2 run computes the loss chunk by chunk (``loss_chunk_tokens=48``); the same run with the
+whole logits (``loss_chunk_tokens=0``) trains the same losses and weights, and both equal the reference.
 """
 
 from __future__ import annotations
@@ -151,7 +153,11 @@ def runs(tmp_path_factory, tiny_hf):
         )
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
-    launch("tokens", 4, num_stages=2, gradient_accumulation_steps=4, ds_config="zero1")
+    # loss_chunk_tokens=48: micro-batches of about 20 and 170 label tokens take one chunk, or four with a
+    # partial last one (the default, 1024, would take every micro-batch here in one chunk).
+    launch("tokens", 4, num_stages=2, gradient_accumulation_steps=4, ds_config="zero1", loss_chunk_tokens=48)
+    # The same run with the [B,S,V] logits (the chunked loss off).
+    launch("tokens_unchunked", 4, num_stages=2, gradient_accumulation_steps=4, ds_config="zero1", loss_chunk_tokens=0)
     launch(
         "micro_batch",
         4,
@@ -194,7 +200,7 @@ def test_the_data_makes_the_two_normalisations_differ(runs):
     assert rel(runs["micro_eval"][1], runs["token_eval"][0]) > 1000 * REL_TOL
 
 
-@pytest.mark.parametrize("name", ["tokens", "zero2"])
+@pytest.mark.parametrize("name", ["tokens", "tokens_unchunked", "zero2"])
 def test_token_normalised_loss_and_weights_equal_trainer_semantics(runs, name):
     metrics = read_metrics(str(runs["root"] / name))
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
@@ -233,9 +239,26 @@ def test_micro_batch_normalisation_keeps_the_old_behaviour(runs):
 
 
 @pytest.mark.parametrize(
-    "name, normalization, which", [("tokens", "token", 0), ("zero2", "token", 0), ("micro_batch", "micro", 1)]
+    "name, normalization, which",
+    [("tokens", "token", 0), ("tokens_unchunked", "token", 0), ("zero2", "token", 0), ("micro_batch", "micro", 1)],
 )
 def test_eval_loss_is_weighted_by_tokens_over_the_whole_eval_set(runs, name, normalization, which):
     (evaluation,) = read_metrics(str(runs["root"] / name), "eval")
     expected = runs[f"{normalization}_eval"][which]
     assert rel(evaluation["eval_loss"], expected) < REL_TOL, (evaluation["eval_loss"], expected)
+
+
+def test_chunked_loss_trains_what_the_logits_path_trains(runs):
+    """loss_chunk_tokens=48 against the same run with the logits (loss_chunk_tokens=0): the same losses,
+    eval loss and weights (< 1e-6 relative); both equal the reference (the tests above)."""
+    chunked, unchunked = (str(runs["root"] / name) for name in ("tokens", "tokens_unchunked"))
+    losses = [(c["loss"], u["loss"]) for c, u in zip(read_metrics(chunked), read_metrics(unchunked))]
+    assert len(losses) == STEPS
+    loss_diff = max(rel(c, u) for c, u in losses)
+    (chunked_eval,), (unchunked_eval,) = read_metrics(chunked, "eval"), read_metrics(unchunked, "eval")
+    eval_diff = rel(chunked_eval["eval_loss"], unchunked_eval["eval_loss"])
+    weights = trained_weights(unchunked, runs["config"])
+    diff = sum(((w - weights[k]) ** 2).sum() for k, w in trained_weights(chunked, runs["config"]).items()).sqrt()
+    weight_diff = (diff / sum((w**2).sum() for w in weights.values()).sqrt()).item()
+    print(f"chunked vs unchunked: loss {loss_diff:.2e}, eval loss {eval_diff:.2e}, weights {weight_diff:.2e} relative")
+    assert loss_diff < REL_TOL and eval_diff < REL_TOL and weight_diff < REL_TOL

@@ -28,7 +28,7 @@ DS_CONFIG_DIR = os.path.join(REPO_ROOT, "ds_configs")
 MODEL_CONF_DIR = os.path.join(REPO_ROOT, "conf", "model")  # the Hydra model group
 
 LOADABLE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either lets AutoTokenizer load a tokenizer
-PARTITION_METHODS = ("parameters", "compute", "uniform", "type:DecoderLayerPipe")
+PARTITION_METHODS = ("parameters", "compute", "memory", "uniform", "type:DecoderLayerPipe")
 # partition_method stays a string: DeepSpeed also takes "type:<regex>" patterns, checked against this list.
 # Checkpoint bytes per parameter besides the weights: AdamW's two moments and the fp32 master copy
 # (ZeRO keeps one even in fp32), 4 bytes each, in DeepSpeed's optimizer-state files. Measured: a
@@ -142,7 +142,8 @@ class TrainConfig:
     output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl and the resolved config go here
     num_stages: int = 1  # pipeline stages; data-parallel degree = world size / num_stages
     # How specs are split into stages: compute (balance work; the embedding, a lookup, weighs nothing) |
-    # parameters (balance stored parameters, DeepSpeed's default) | uniform | type:DecoderLayerPipe.
+    # parameters (balance stored parameters, DeepSpeed's default) | memory (balance the planner's
+    # predicted per-GPU peak for this run's layout) | uniform | type:DecoderLayerPipe.
     # The default equals models.llama_pipe.DEFAULT_PARTITION_METHOD (the planner's; a test checks).
     partition_method: str = "compute"
     ds_config: str = "zero1"  # DeepSpeed JSON: a name in ds_configs/ (without .json) or a path

@@ -29,6 +29,7 @@ class Layout:
     grad_accum: int = 8  # micro-batches per step per data-parallel rank: how many are in flight in the pipeline
     checkpointing: bool = False
     dtype: str = "bf16"  # bf16 | fp16 (mixed precision, K=12) | fp32 (K=8)
+    loss_chunk: int = 0  # tokens the last stage's LM head and loss take at once; 0 = all (loss_chunk_tokens)
 
     @classmethod
     def of(cls, cfg, world_size: int, ds_json: dict) -> Layout:
@@ -47,6 +48,7 @@ class Layout:
             grad_accum=cfg.gradient_accumulation_steps,
             checkpointing=cfg.activation_checkpoint_interval > 0,
             dtype=cfg.precision,
+            loss_chunk=cfg.loss_chunk_tokens,
         )
 
     @property
@@ -80,7 +82,8 @@ class Layout:
 
     def describe(self) -> str:
         off = "+offload(opt" + ("+params" if self.offload_params else "") + ")" if self.offload_optimizer else ""
+        chunk = f", loss chunk {self.loss_chunk}" if self.loss_chunk else ""
         return (
             f"pipe {self.stages} x data {self.dp}, ZeRO-{self.zero}{off}, micro {self.micro_batch} x seq {self.seq_len}"
-            f"{', act. ckpt' if self.checkpointing else ''}, {self.dtype}"
+            f"{', act. ckpt' if self.checkpointing else ''}{chunk}, {self.dtype}"
         )

@@ -24,8 +24,9 @@ kept): per decoder layer and micro-batch of B x S tokens, the saved tensors are 
 (6 + 2 * kv_heads / heads) * B*S*H + 4 * B*S*F elements (norm inputs/outputs, q/k/v, attention and
 projection outputs, the three SwiGLU tensors of width F). Activation checkpointing keeps only the
 layer inputs (B*S*H each) plus one layer being recomputed. With the 1F1B pipeline schedule stage p
-holds min(stages - p, micro-batches) micro-batches in flight. The last stage also holds the logits
-(B*S*V in 16-bit plus the fp32 copy the loss uses).
+holds min(stages - p, micro-batches) micro-batches in flight. The last stage also holds the loss
+buffers of one micro-batch (see loss_bytes): the logits of B*S tokens, or of ``loss_chunk_tokens`` of
+them with the chunked loss.
 """
 
 from __future__ import annotations
@@ -59,16 +60,18 @@ class Shape:
 
 @dataclass
 class Estimate:
-    """Bytes per GPU on the most loaded stage."""
+    """Bytes per GPU of one pipeline stage (``estimate``: the most loaded one)."""
 
     params: float
     grads: float
     optimizer: float
     activations: float | None  # None: no architecture given (a bare parameter count)
-    stage: int  # which stage is the most loaded
+    stage: int
     host: float = 0.0  # offloaded model states, in host memory (per rank)
     buffers: float = 0.0  # ZeRO-2/3's gradient reduce bucket (the paper's "temporary buffers"): ZeRO-2
     # allocates it for each backward and releases it after (a peak), ZeRO-3 keeps it
+    loss: float = 0.0  # the last stage's logits and cross-entropy buffers (see loss_bytes)
+    parameters: float = 0.0  # the stage's parameter count
 
     @property
     def model_states(self) -> float:
@@ -76,7 +79,7 @@ class Estimate:
 
     @property
     def total(self) -> float:
-        return self.model_states + self.buffers + (self.activations or 0.0)
+        return self.model_states + self.buffers + (self.activations or 0.0) + self.loss
 
 
 def model_state_bytes(psi: float, layout: Layout) -> tuple[float, float, float, float]:
@@ -98,39 +101,78 @@ def model_state_bytes(psi: float, layout: Layout) -> tuple[float, float, float, 
     return params, grads, optim, host
 
 
-def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: int, last: bool) -> float:
+def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: int) -> float:
+    """Saved activations of the micro-batches stage ``stage`` holds in flight (1F1B: min(stages - stage,
+    grad_accum)), for its ``layers_on_stage`` decoder layers."""
+    if layers_on_stage == 0:
+        return 0.0
     tokens = layout.micro_batch * layout.seq_len
     elem = 4 if layout.dtype == "fp32" else 2
     per_layer = ((6 + 2 * shape.kv_heads / shape.heads) * shape.hidden + 4 * shape.ffn) * tokens * elem
-    if layout.checkpointing:
-        per_micro = layers_on_stage * shape.hidden * tokens * elem + per_layer  # inputs + one recomputed layer
-    else:
-        per_micro = layers_on_stage * per_layer
     in_flight = min(layout.stages - stage, layout.grad_accum)
-    logits = tokens * shape.vocab * (elem + 4) if last else 0.0  # 16-bit logits + fp32 copy for the loss
-    return in_flight * per_micro + logits
+    if layout.checkpointing:  # each micro-batch in flight keeps its layer inputs; one layer is recomputed at a time
+        return in_flight * layers_on_stage * shape.hidden * tokens * elem + per_layer
+    return in_flight * layers_on_stage * per_layer
+
+
+def loss_bytes(shape: Shape, layout: Layout) -> float:
+    """The last stage's loss-side peak for one micro-batch, per logit of the tokens the LM head takes at once.
+
+    Whole (``loss_chunk`` 0): the logits in the training precision and, for the cross entropy, their fp32
+    copy, the fp32 log-probabilities it keeps for backward and their gradient: elem + 12 bytes (16 in
+    fp32, where the copy is the logits themselves and backward makes one more). Chunked
+    (models.loss.ChunkedLMHeadLoss): one chunk of fp32 logits, worked in place, plus its 16-bit matmul
+    output in bf16: 4 + elem bytes (4 in fp32). Measured on CPU, fp32 (scripts/bench_loss_memory.py): 16.1
+    and 4.5 bytes per logit.
+    """
+    tokens = layout.micro_batch * layout.seq_len
+    elem = 4 if layout.dtype == "fp32" else 2
+    if layout.loss_chunk and layout.loss_chunk < tokens:
+        return layout.loss_chunk * shape.vocab * (4 + (0 if elem == 4 else elem))
+    return tokens * shape.vocab * (elem + 12)
+
+
+def stage_estimate(
+    stage: int, psi: float, layers: int | None, layout: Layout, shape: Shape | None, total_params: float
+) -> Estimate:
+    """Per-GPU memory of stage ``stage`` holding ``psi`` parameters and ``layers`` decoder layers."""
+    params, grads, optim, host = model_state_bytes(psi, layout)
+    acts, loss = None, 0.0
+    if shape is not None:
+        acts = activation_bytes(shape, layout, stage, layers)
+        loss = loss_bytes(shape, layout) if stage == layout.stages - 1 else 0.0
+    buffers = 0.0
+    if layout.zero >= 2:  # one 16-bit (fp32 for fp32 training) bucket per rank, allocated whole
+        buffers = (4 if layout.dtype == "fp32" else 2) * reduce_bucket_elements(total_params)
+    return Estimate(params, grads, optim, acts, stage, host, buffers, loss, psi)
+
+
+def stage_estimates(
+    stage_params: list[float], layout: Layout, shape: Shape | None = None, stage_layers: list[int] | None = None
+) -> list[Estimate]:
+    """Per-GPU memory of every stage. ``stage_params[p]``, ``stage_layers[p]``: parameters and decoder
+    layers of stage p (as :func:`splitter` gives them)."""
+    total = sum(stage_params)
+    layers = stage_layers or [None] * len(stage_params)
+    return [stage_estimate(p, psi, layers[p], layout, shape, total) for p, psi in enumerate(stage_params)]
 
 
 def estimate(
     stage_params: list[float], layout: Layout, shape: Shape | None = None, stage_layers: list[int] | None = None
 ) -> Estimate:
-    """Per-GPU memory of the most loaded stage. ``stage_params[p]``: parameters of stage p."""
-    best = None
-    for p, psi in enumerate(stage_params):
-        params, grads, optim, host = model_state_bytes(psi, layout)
-        acts = None
-        if shape is not None:
-            acts = activation_bytes(shape, layout, p, stage_layers[p], last=p == len(stage_params) - 1)
-        buffers = 0.0
-        if layout.zero >= 2:  # one 16-bit (fp32 for fp32 training) bucket per rank, allocated whole
-            buffers = (4 if layout.dtype == "fp32" else 2) * reduce_bucket_elements(sum(stage_params))
-        e = Estimate(params, grads, optim, acts, p, host, buffers)
-        if best is None or e.total > best.total:
-            best = e
-    return best
+    """Per-GPU memory of the most loaded stage (the first of equals)."""
+    return max(stage_estimates(stage_params, layout, shape, stage_layers), key=lambda e: e.total)
 
 
-def layouts_for(gpus: int, num_layers: int | None, micro_batch: int, seq_len: int, grad_accum: int, dtype: str):
+def layouts_for(
+    gpus: int,
+    num_layers: int | None,
+    micro_batch: int,
+    seq_len: int,
+    grad_accum: int,
+    dtype: str,
+    loss_chunk: int = 0,
+):
     """Every layout worth trying on ``gpus`` GPUs, cheapest in communication and compute first.
 
     Order: no offload before optimizer offload before parameter offload; no activation checkpointing
@@ -144,7 +186,17 @@ def layouts_for(gpus: int, num_layers: int | None, micro_batch: int, seq_len: in
             if (opt_off and zero == 0) or (par_off and (zero != 3 or not opt_off)):
                 continue  # offload needs ZeRO; parameter offload needs ZeRO-3 with optimizer offload
             layout = Layout(
-                stages, gpus // stages, zero, opt_off, par_off, micro_batch, seq_len, grad_accum, ckpt, dtype
+                stages,
+                gpus // stages,
+                zero,
+                opt_off,
+                par_off,
+                micro_batch,
+                seq_len,
+                grad_accum,
+                ckpt,
+                dtype,
+                loss_chunk,
             )
             candidates.append(((par_off + opt_off, ckpt, zero, stages), layout))
     return [layout for _, layout in sorted(candidates, key=lambda c: c[0])]
@@ -160,14 +212,15 @@ def fitting(
     seq_len: int,
     grad_accum: int,
     dtype: str,
+    loss_chunk: int = 0,
 ) -> list[tuple[Layout, Estimate]]:
     """Layouts whose most loaded GPU fits ``gpu_mem_gb``, cheapest first (see layouts_for).
 
-    ``split(stages)`` gives (parameters per stage, decoder layers per stage or None).
+    ``split(layout)`` gives (parameters per stage, decoder layers per stage or None).
     """
     out = []
-    for layout in layouts_for(gpus, num_layers, micro_batch, seq_len, grad_accum, dtype):
-        params, layers = split(layout.stages)
+    for layout in layouts_for(gpus, num_layers, micro_batch, seq_len, grad_accum, dtype, loss_chunk):
+        params, layers = split(layout)
         e = estimate(params, layout, shape, layers)
         if e.total <= gpu_mem_gb * GB:
             out.append((layout, e))
@@ -175,7 +228,7 @@ def fitting(
 
 
 def shape_of(config) -> Shape | None:
-    """What the activation estimate needs from a LlamaConfig; None without one (a bare parameter count)."""
+    """What the activation estimate needs from a model config; None without one (a bare parameter count)."""
     if config is None:
         return None
     return Shape(
@@ -189,11 +242,12 @@ def shape_of(config) -> Shape | None:
 
 
 def splitter(config, total: float | None, method: str | None = None):
-    """stages -> (parameters per stage, decoder layers per stage), split as train.py's
-    ``partition_method`` splits (models.llama_pipe.stage_boundaries; ``method`` None: its default);
-    a bare count (``config`` None, ``total`` parameters) splits evenly. The ``split`` of ``fitting``."""
+    """layout -> (parameters per stage, decoder layers per stage), split as train.py's
+    ``partition_method`` splits (models.llama_pipe.stage_boundaries, which ``memory`` brings back here to
+    :func:`memory_boundaries`; ``method`` None: its default); a bare count (``config`` None, ``total``
+    parameters) splits evenly. The ``split`` of ``fitting``."""
     if config is None:
-        return lambda stages: ([total / stages] * stages, None)
+        return lambda layout: ([total / layout.stages] * layout.stages, None)
     # Imported here: models.llama_pipe brings torch and DeepSpeed, which the planner's formulas do not need.
     from models.llama_pipe import DEFAULT_PARTITION_METHOD, spec_layout, spec_parameter_counts, stage_boundaries
 
@@ -201,10 +255,70 @@ def splitter(config, total: float | None, method: str | None = None):
         method = DEFAULT_PARTITION_METHOD
     counts, kinds = spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
 
-    def split(stages: int):
-        parts = stage_boundaries(config, stages, method)
-        params = [float(sum(counts[parts[p] : parts[p + 1]])) for p in range(stages)]
-        layers = [kinds[parts[p] : parts[p + 1]].count("decoder") for p in range(stages)]
+    def split(layout: Layout):
+        parts = stage_boundaries(config, layout.stages, method, layout)
+        params = [float(sum(counts[parts[p] : parts[p + 1]])) for p in range(layout.stages)]
+        layers = [kinds[parts[p] : parts[p + 1]].count("decoder") for p in range(layout.stages)]
         return params, layers
 
     return split
+
+
+def memory_boundaries(config, layout: Layout) -> list[int]:
+    """First spec of every stage, plus the end, for ``partition_method=memory``: of the contiguous splits
+    whose largest predicted per-GPU peak (:func:`stage_estimate`, the planner's own function, with the
+    stage's position: in-flight micro-batches, the last stage's loss buffer) is smallest, the one whose
+    smallest peak is largest. Exact: two dynamic programs over (stage, first spec of the next stage);
+    every stage gets at least one spec."""
+    from models.llama_pipe import spec_layout, spec_parameter_counts
+
+    counts, kinds = spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
+    n, k, shape, total = len(counts), layout.stages, shape_of(config), float(sum(counts))
+    params = list(itertools.accumulate(counts, initial=0))
+    decoders = list(itertools.accumulate((kind == "decoder" for kind in kinds), initial=0))
+    cost = {  # (stage p, first spec a, end b) -> peak of stage p holding specs a..b-1
+        (p, a, b): stage_estimate(p, params[b] - params[a], decoders[b] - decoders[a], layout, shape, total).total
+        for p in range(k)
+        for b in range(p + 1, n - (k - 1 - p) + 1)
+        for a in (range(p, b) if p else (0,))
+    }
+
+    def solve(combine, better, allowed) -> tuple[float, list[int]]:
+        """best[p][b]: the best value of stages 0..p holding specs 0..b-1; start[p][b]: stage p's first spec."""
+        best, start = [dict() for _ in range(k)], [dict() for _ in range(k)]
+        for (p, a, b), c in cost.items():
+            if p == 0 and allowed(c):
+                best[0][b] = c
+        for p in range(1, k):
+            for (q, a, b), c in cost.items():
+                if q == p and a in best[p - 1] and allowed(c):
+                    value = combine(best[p - 1][a], c)
+                    if b not in best[p] or better(value, best[p][b]):
+                        best[p][b], start[p][b] = value, a
+        parts, b = [n], n
+        for p in range(k - 1, 0, -1):
+            b = start[p][b]
+            parts.append(b)
+        return best[k - 1][n], [0, *reversed(parts)]
+
+    smallest_max, _ = solve(max, lambda x, y: x < y, lambda c: True)
+    _, parts = solve(min, lambda x, y: x > y, lambda c: c <= smallest_max * (1 + 1e-12))
+    return parts
+
+
+def stage_table(estimates: list[Estimate], stage_layers: list[int] | None) -> list[str]:
+    """The planner's per-stage table (GB per GPU; host memory per rank where states are offloaded), the
+    most loaded stage marked: what scripts/estimate_memory.py and scripts/preflight.py print."""
+    host = any(e.host for e in estimates)
+    head = f"{'stage':>5} {'params':>8} {'layers':>6} {'weights':>8} {'grads':>7} {'optim':>7} {'acts':>7} {'loss':>6}"
+    head += f" {'bucket':>6} {'total':>7}" + (f" {'host':>7}" if host else "")
+    rows = [head + "  (params in B, memory in GB)"]
+    worst = max(estimates, key=lambda e: e.total)
+    for e in estimates:
+        layers = "-" if stage_layers is None else str(stage_layers[e.stage])
+        acts = "-" if e.activations is None else f"{e.activations / GB:.2f}"
+        row = f"{e.stage:>5} {e.parameters / 1e9:>8.3f} {layers:>6} {e.params / GB:>8.2f} {e.grads / GB:>7.2f}"
+        row += f" {e.optimizer / GB:>7.2f} {acts:>7} {e.loss / GB:>6.2f} {e.buffers / GB:>6.2f} {e.total / GB:>7.2f}"
+        row += (f" {e.host / GB:>7.2f}" if host else "") + ("  <- most loaded" if e is worst else "")
+        rows.append(row)
+    return rows

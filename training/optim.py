@@ -98,8 +98,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ``decay`` marks the group (ZeRO flattens the parameters, so their shapes cannot tell it later): it is
     saved with the optimizer state, and a resume that changes optim.weight_decay sets only those groups.
     """
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    # ds_shape: a parameter partitioned at build (ZeRO-3, models/zero3.py) holds an empty 1-D placeholder.
+    ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731
+    decay = [p for p in model.parameters() if p.requires_grad and ndim(p) >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and ndim(p) < 2]
     groups = [
         {"params": decay, "weight_decay": weight_decay, "decay": True},
         {"params": no_decay, "weight_decay": 0.0, "decay": False},

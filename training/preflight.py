@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from training.config import REPO_ROOT, ConfigError, register_configs, resolve
-from training.memory_plan import GB, estimate, shape_of, splitter
+from training.memory_plan import GB, shape_of, splitter, stage_estimates, stage_table
 
 
 def check(world_size: int, overrides: list[str]) -> list[str]:
@@ -37,11 +37,14 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
         f"x dp {layout.dp}; {layout.tokens_per_step} tokens/step"
     )
     layout = dataclasses.replace(layout, dtype="fp32" if cfg.precision == "fp32" else "bf16")  # the planner's two cases
-    params, layers = splitter(config, None, cfg.partition_method)(cfg.num_stages)
-    e = estimate(params, layout, shape_of(config), layers)
+    params, layers = splitter(config, None, cfg.partition_method)(layout)
+    stages = stage_estimates(params, layout, shape_of(config), layers)
+    e = max(stages, key=lambda s: s.total)
     lines.append(
         f"planner (scripts/estimate_memory.py), most loaded GPU (stage {e.stage}, {params[e.stage] / 1e9:.2f} B "
-        f"params): model states {e.model_states / GB:.1f} GB + activations {e.activations / GB:.1f} GB = "
-        f"{e.total / GB:.1f} GB" + (f"; host {e.host / GB:.1f} GB per rank (offloaded)" if e.host else "")
+        f"params): model states {e.model_states / GB:.1f} GB + activations {e.activations / GB:.1f} GB + loss "
+        f"{e.loss / GB:.1f} GB = {e.total / GB:.1f} GB"
+        + (f"; host {e.host / GB:.1f} GB per rank (offloaded)" if e.host else "")
     )
+    lines += ["  " + line for line in stage_table(stages, layers)]
     return lines
