@@ -119,7 +119,11 @@ def test_cli_on_a_reference_model():
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "parameters: 68.977 B in 8 stage(s)" in proc.stdout and "optimizer states        0.00 GB" in proc.stdout
+    assert "parameters: 68.977 B in 8 stage(s) (partition_method=compute)" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(8))  # every stage
+    assert all(r[5] == "0.00" for r in rows)  # optimizer states offloaded: none on the GPU
+    assert "<- most loaded" in " ".join(rows[0]) and "most loaded GPU: stage 0, 42.00 GB" in proc.stdout
 
 
 def test_census_counts_each_storage_once_by_role():
