@@ -9,6 +9,7 @@ import os
 import torch
 from torch import nn
 
+from models.layer_files import full_shape
 from models.llama_pipe import model_parameters
 from training.config import Resolved, TrainConfig, accelerator_name
 from training.memory_plan import reduce_bucket_elements
@@ -98,10 +99,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ``decay`` marks the group (ZeRO flattens the parameters, so their shapes cannot tell it later): it is
     saved with the optimizer state, and a resume that changes optim.weight_decay sets only those groups.
     """
-    # ds_shape: a parameter partitioned at build (ZeRO-3, models/zero3.py) holds an empty 1-D placeholder.
-    ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731
-    decay = [p for p in model.parameters() if p.requires_grad and ndim(p) >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and ndim(p) < 2]
+    # full_shape: a parameter partitioned at build (ZeRO-3, models/zero3.py) holds an empty 1-D placeholder.
+    decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) < 2]
     groups = [
         {"params": decay, "weight_decay": weight_decay, "decay": True},
         {"params": no_decay, "weight_decay": 0.0, "decay": False},
