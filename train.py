@@ -57,7 +57,13 @@ from training.data_setup import RankData, prepare_rank_data  # noqa: E402
 from training.distributed import StartupError, TrainingStopped, free_port, on_all_ranks, release_cpu_comm_buffer  # noqa: E402
 from training.memory_census import CensusAtStep  # noqa: E402
 from training.metrics import StepLogger, device_peak_tflops  # noqa: E402
-from training.optim import apply_optim_settings, build_lr_scheduler, fill_ds_config, param_groups  # noqa: E402
+from training.optim import (  # noqa: E402
+    apply_optim_settings,
+    build_lr_scheduler,
+    fill_ds_config,
+    param_groups,
+    reduce_grad_norm_once_across_stages,
+)
 from training.run_lock import RunLock  # noqa: E402
 
 register_configs()
@@ -213,6 +219,7 @@ def build_engine(resolved: Resolved, model, total_steps: int):
         config=fill_ds_config(resolved),
         lr_scheduler=build_lr_scheduler(resolved.cfg, total_steps),
     )
+    reduce_grad_norm_once_across_stages(engine.optimizer)
     return engine
 
 

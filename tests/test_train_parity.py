@@ -2,7 +2,8 @@
 
 Five fp32 steps on fixed data (shuffle off) are compared with a single-process reference loop
 (LlamaForCausalLM + torch.optim.AdamW + clip_grad_norm_) on the same global batches, with a
-1-rank num_stages=1 run, and with pipe 4 x data 1 (two middle stages on placeholder data). The trained
+1-rank num_stages=1 run, and with pipe 4 x data 1 under ZeRO-1 (two middle stages on placeholder data, the
+last stage holding only the LM head). The trained
 checkpoint is exported to Hugging Face and compared weight by weight with the DeepSpeed layer files and
 with the reference model. Activation checkpointing is compared with a reference in
 tests/test_family_training.py (the Mistral run), and counted recomputing in tests/test_training_loop.py.
@@ -44,7 +45,9 @@ def train_args(ckpt: str, data: str, out: str, **overrides) -> list[str]:
 
 
 def reference_run(hf_dir: str, samples: list[list[int]], global_batch: int, **optim_overrides):
-    """Plain Hugging Face loop: mean of per-micro-batch losses, AdamW, clipping, warm-up schedule."""
+    """Plain Hugging Face loop: mean of per-micro-batch losses, AdamW, clipping, warm-up schedule.
+    Returns per step the losses, the learning rates and the pre-clip gradient norms (the whole model's,
+    and the LM head's alone), and the trained model."""
     torch.manual_seed(0)
     model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     cfg = TrainConfig(optim=OptimConfig(**{**OPTIM, **optim_overrides}))
@@ -52,20 +55,21 @@ def reference_run(hf_dir: str, samples: list[list[int]], global_batch: int, **op
         param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, STEPS))
-    losses, lrs = [], []
+    losses, lrs, norms = [], [], []
     for step in range(STEPS):
         batch = torch.tensor(samples[step * global_batch : (step + 1) * global_batch])
         micro_losses = [model(input_ids=mb, labels=mb).loss for mb in batch.split(MICRO)]
         loss = torch.stack(micro_losses).mean()
         loss.backward()
-        if cfg.optim.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+        head = model.lm_head.weight.grad.norm().item()
+        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+        norms.append((torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item(), head))
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, lrs, model
+    return losses, lrs, norms, model
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +89,12 @@ def runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
     # Same global batch of 8 everywhere: micro 2 x grad_acc x dp.
     pipe = launch("pipe", 4, "ckpt", num_stages=2, gradient_accumulation_steps=2, ds_config="zero1")
     launch("single", 1, "ckpt", num_stages=1, gradient_accumulation_steps=4, ds_config="zero0")
-    # Four stages on four ranks: stages 1 and 2 are middle stages with placeholder data.
-    launch("deep", 4, "ckpt", num_stages=4, gradient_accumulation_steps=4, ds_config="zero0")
+    # Four stages on four ranks: stages 1 and 2 are middle stages with placeholder data. uniform splits
+    # the 7 specs 2-2-2-1: the last stage holds only the LM head, hence one AdamW group where the others
+    # hold two (ZeRO-1 used to hang there, training/optim.reduce_grad_norm_once_across_stages).
+    launch(
+        "deep", 4, "ckpt", num_stages=4, gradient_accumulation_steps=4, ds_config="zero1", partition_method="uniform"
+    )
     # ZeRO-1 with the optimizer offloaded to the host (DeepSpeed's CPU Adam).
     offload = launch("offload", 4, "ckpt", num_stages=2, gradient_accumulation_steps=2, ds="zero1_offload")
     assert "optimizer DeepSpeedCPUAdam (offload: cpu)" in offload.stdout
@@ -96,14 +104,15 @@ def runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
         assert "engine: DeepSpeedEngine, ZeRO stage" in dp_run.stdout
     # Tied embeddings: the shared weight lives on the first and the last stage.
     launch("tied", 4, "ckpt_tied", num_stages=2, gradient_accumulation_steps=2, ds_config="zero0")
-    ref_losses, ref_lrs, ref_model = reference_run(tiny_hf, samples, global_batch=MICRO * 4)
-    tied_losses, _, _ = reference_run(tiny_tied_hf, samples, global_batch=MICRO * 4)
-    unclipped_losses, _, _ = reference_run(tiny_hf, samples, global_batch=MICRO * 4, max_grad_norm=0.0)
+    ref_losses, ref_lrs, ref_norms, ref_model = reference_run(tiny_hf, samples, global_batch=MICRO * 4)
+    tied_losses, _, _, _ = reference_run(tiny_tied_hf, samples, global_batch=MICRO * 4)
+    unclipped_losses, _, _, _ = reference_run(tiny_hf, samples, global_batch=MICRO * 4, max_grad_norm=0.0)
     return dict(
         root=root,
         pipe=pipe,
         ref_losses=ref_losses,
         ref_lrs=ref_lrs,
+        ref_norms=ref_norms,
         ref_model=ref_model,
         hf=tiny_hf,
         tied_losses=tied_losses,
@@ -159,6 +168,18 @@ def test_clipping_caps_the_gradient_norm(runs):
     pipe = read_metrics(str(runs["root"] / "pipe"))
     assert all(m["grad_norm"] > OPTIM["max_grad_norm"] for m in pipe)
     assert max(rel(p["loss"], u) for p, u in zip(pipe, runs["unclipped_losses"])) > 2 * REL_TOL
+
+
+@pytest.mark.parametrize("name", ["pipe", "deep", "offload", "zero2", "zero3"])
+def test_logged_gradient_norm_is_the_reference_norm_over_every_stage(runs, name):
+    """The pre-clip norm DeepSpeed logs (ZeRO keeps it; ZeRO-0 logs n/a) is the whole model's: every
+    stage's parameters, each counted once. Leaving out the smallest stage, the LM head alone of "deep",
+    would be off by far more than the tolerance (asserted)."""
+    metrics = read_metrics(str(runs["root"] / name))
+    diff = max(rel(m["grad_norm"], total) for m, (total, _) in zip(metrics, runs["ref_norms"]))
+    without_head = min(rel((total**2 - head**2) ** 0.5, total) for total, head in runs["ref_norms"])
+    print(f"{name}: logged grad norm vs reference: {diff:.2e} relative (without the LM head: {without_head:.2e})")
+    assert len(metrics) == STEPS and diff < 1e-5 < without_head / 100
 
 
 def test_progress_is_announced_and_logged_once_per_step(runs):

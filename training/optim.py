@@ -109,6 +109,39 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def reduce_grad_norm_once_across_stages(optimizer) -> None:
+    """Make ZeRO-1/2's gradient norm cross the pipeline stages in one all-reduce instead of one per
+    parameter group.
+
+    DeepSpeed 0.19.8's ``scaled_global_norm`` reduces each group's norm over the stages separately, so
+    every stage must hold the same number of groups. A stage holding only the LM head or only the
+    embedding has no 1-D parameters, hence no no-decay group (ZeRO refuses an empty one): it finished
+    the step while the other stages waited in their second reduction, and the run hung at its first
+    optimizer step. Here each stage combines its own groups (data-parallel reductions as DeepSpeed does
+    them), then the squared norms and an invalid flag cross the stages once.
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.comm import pg_utils
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or not pg_utils.is_parallel(optimizer.model_parallel_group):
+        return
+    per_stage = type(optimizer).scaled_global_norm
+    across_stages = type(optimizer)._model_parallel_all_reduce
+
+    def scaled_global_norm(norm_type=2):
+        optimizer._model_parallel_all_reduce = lambda tensor, op: None  # each group: data-parallel only
+        try:
+            local = per_stage(optimizer, norm_type)  # inf where a group's norm was inf/NaN
+        finally:
+            del optimizer._model_parallel_all_reduce  # the class's method again
+        invalid = ~torch.isfinite(local) | (local < 0)
+        packed = torch.stack([torch.where(invalid, 0.0, local.float() ** norm_type), invalid.float()])  # [2]
+        across_stages(optimizer, packed, torch.distributed.ReduceOp.SUM)
+        return torch.where(packed[1] > 0, torch.full_like(packed[0], float("inf")), packed[0] ** (1.0 / norm_type))
+
+    optimizer.scaled_global_norm = scaled_global_norm
+
+
 def apply_optim_settings(engine, cfg: TrainConfig, total_steps: int) -> None:
     """After ``load_checkpoint``: AdamW's hyper-parameters and the learning rate from ``cfg`` instead of
     the checkpoint's, from the next step on.
