@@ -55,7 +55,7 @@ from training.config import (  # noqa: E402
 )
 from training.data_setup import RankData, prepare_rank_data  # noqa: E402
 from training.distributed import StartupError, TrainingStopped, free_port, on_all_ranks, release_cpu_comm_buffer  # noqa: E402
-from training.memory_census import CensusAtStep  # noqa: E402
+from training.memory_census import CensusAtStep, StepPeak  # noqa: E402
 from training.metrics import StepLogger, device_peak_tflops  # noqa: E402
 from training.optim import (  # noqa: E402
     apply_optim_settings,
@@ -422,11 +422,14 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
     eval_labels = eval_label_count(resolved, engine, data) if data.eval_batches else 0
     last_saved = start_step if resolved.resume_tag else None
     census = CensusAtStep(engine)  # model-state bytes per rank, measured before the second optimizer step
+    step_peak = StepPeak(start_step + 2, cfg.count_step_memory)  # what the second step allocates beyond the states
     skipped: list[int] = []  # steps whose update the optimizer skipped (non-finite), with nonfinite_loss=skip
     for step in range(start_step + 1, total_steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside the step
         skipped_before = engine.skipped_steps
+        step_peak.before(step)
         loss, tokens, label_count = train_step(resolved, engine, data, loss_fn)
+        step_peak.after(step)
         data.guard.after_step(step)
         if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
             log0(
@@ -460,6 +463,14 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
                 f"{s['total'] / 2**20:.2f}"
                 for r, s in enumerate(states)
             )
+        )
+    step_peaks = on_all_ranks("measuring the step's peak", lambda: step_peak.result_mib)
+    if all(p is not None for p in step_peaks):
+        where = "GPU allocator" if torch.cuda.is_available() else "tensors counted on CPU"
+        log0(
+            f"step {step_peak.at} peak of allocated tensors above its start per rank (MiB, {where}; gradients, "
+            "activations, loss buffer, temporaries): "
+            + ", ".join(f"rank {r} {p:.1f}" for r, p in enumerate(step_peaks))
         )
 
 

@@ -4,30 +4,27 @@ and backward: unchunked (``loss_chunk_tokens=0``) against the chunked loss (mode
     python scripts/bench_loss_memory.py [--tokens 2048] [--hidden 64] [--vocab 32000] [--chunks 0,1024,256]
 
 One micro-batch of ``--tokens`` tokens, every one a label token, hidden states and head weight as leaves
-(what the final norm and the head hand the loss). The peak is the largest total of live CPU tensors
-during forward + backward, from torch.profiler's memory timeline (the allocator itself reports nothing
-on the CPU); the inputs, created before profiling, are not counted, their gradients are. The time is
-the median of ``--repeats`` runs without the profiler.
+(what the final norm and the head hand the loss). The peak is the largest total of live tensors allocated
+during forward + backward (training.memory_census.LiveTensorBytes: the CPU allocator itself reports
+nothing); the inputs, created before, are not counted, their gradients are. The time is
+the median of ``--repeats`` runs without the counter.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.loss import CausalLMLoss  # noqa: E402
+from training.memory_census import LiveTensorBytes  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -47,16 +44,11 @@ def loss_step(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int
 
 
 def peak_bytes(fn) -> int:
-    """The largest total of live CPU tensor bytes while ``fn`` runs (torch.profiler's memory timeline)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    """The largest total of live tensor bytes allocated while ``fn`` runs (training.memory_census.LiveTensorBytes,
+    as a GPU allocator would count them)."""
+    with LiveTensorBytes() as counter:
         fn()
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # deprecated for CUDA snapshots, the only CPU timeline there is
-        path = os.path.join(tmp, "memory.json")
-        prof.export_memory_timeline(path, device="cpu")
-        with open(path) as f:
-            _times, sizes = json.load(f)  # sizes: per timestamp, bytes per category
-    return max(sum(s) for s in sizes)
+    return counter.peak
 
 
 def loss_peak_bytes(tokens: int, hidden: int, vocab: int, chunk: int, dtype: torch.dtype = torch.float32) -> int:

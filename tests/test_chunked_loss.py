@@ -2,7 +2,7 @@
 gradient equal the logits path's (fp32, 1e-6 relative), through the stage chain too, where both also
 equal the family's ``ForCausalLM``; bf16 computes each chunk's loss in fp32; wrong variants (a shift off
 by one, a dropped last chunk, the wrong token count) miss the tolerance by far; and the loss side's peak
-memory is several times lower (torch.profiler's CPU memory timeline, scripts/bench_loss_memory.py).
+memory is several times lower (every tensor counted, scripts/bench_loss_memory.py).
 The 4-rank runs, chunked against unchunked, are in tests/test_sft_parity.py.
 """
 
@@ -224,6 +224,6 @@ def test_peak_memory_of_the_loss_side_is_several_times_lower():
     unchunked = bench.loss_peak_bytes(tokens, hidden, vocab, chunk=0)
     chunked = bench.loss_peak_bytes(tokens, hidden, vocab, chunk=1024)
     print(f"loss side peak: unchunked {unchunked / 2**20:.0f} MiB, chunk 1024 {chunked / 2**20:.0f} MiB")
-    assert unchunked > 3 * tokens * vocab * 4  # the profiler sees the logits (a measurement, not zeros)
+    assert unchunked > 3 * tokens * vocab * 4  # the counter sees the logits (a measurement, not zeros)
     assert chunked < 1.5 * 1024 * vocab * 4 + 2 * vocab * hidden * 4  # one chunk, the weight's gradient
     assert unchunked / chunked >= 4

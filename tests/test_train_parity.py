@@ -12,6 +12,7 @@ tests/test_family_training.py (the Mistral run), and counted recomputing in test
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -93,7 +94,14 @@ def runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
     # the 7 specs 2-2-2-1: the last stage holds only the LM head, hence one AdamW group where the others
     # hold two (ZeRO-1 used to hang there, training/optim.reduce_grad_norm_once_across_stages).
     launch(
-        "deep", 4, "ckpt", num_stages=4, gradient_accumulation_steps=4, ds_config="zero1", partition_method="uniform"
+        "deep",
+        4,
+        "ckpt",
+        num_stages=4,
+        gradient_accumulation_steps=4,
+        ds_config="zero1",
+        partition_method="uniform",
+        count_step_memory="true",
     )
     # ZeRO-1 with the optimizer offloaded to the host (DeepSpeed's CPU Adam).
     offload = launch("offload", 4, "ckpt", num_stages=2, gradient_accumulation_steps=2, ds="zero1_offload")
@@ -180,6 +188,17 @@ def test_logged_gradient_norm_is_the_reference_norm_over_every_stage(runs, name)
     without_head = min(rel((total**2 - head**2) ** 0.5, total) for total, head in runs["ref_norms"])
     print(f"{name}: logged grad norm vs reference: {diff:.2e} relative (without the LM head: {without_head:.2e})")
     assert len(metrics) == STEPS and diff < 1e-5 < without_head / 100
+
+
+def test_step_memory_is_counted_on_every_rank(runs):
+    """count_step_memory=true: each rank reports its second step's peak of allocated tensors, at least
+    the gradients of its stage's parameters (fp32), which backward allocates within the step."""
+    log = (runs["root"] / "deep.log").read_text()
+    line = next(line for line in log.splitlines() if "step 2 peak of allocated tensors above its start" in line)
+    peaks = [float(x) for x in re.findall(r"rank \d+ ([\d.]+)", line)]
+    params = [float(x) for x in re.findall(r"rank \d+: stage \d+ specs \S+ \(\d+ specs, ([\d.]+) M params\)", log)]
+    assert len(peaks) == len(params) == 4
+    assert all(peak >= p * 1e6 * 4 / 2**20 for peak, p in zip(peaks, params)), (peaks, params)
 
 
 def test_progress_is_announced_and_logged_once_per_step(runs):

@@ -190,6 +190,11 @@ class TrainConfig:
     # Peak TFLOP/s of one device for MFU in the progress line and metrics.jsonl; 0 = from the table of known
     # GPUs (training/metrics.py: H200, H100, A100, L40S, ...), none on CPU (MFU omitted there unless set).
     mfu_peak_tflops: float = 0.0
+    # The second step's peak of allocated tensor bytes above its start is logged per rank (gradients,
+    # activations, the loss buffer, temporaries: what the planner predicts beside the model states). On
+    # a GPU it comes from the allocator, always; on CPU there is no allocator count, so only with this
+    # on, which counts every tensor the step creates (training/memory_census.py; that step runs slower).
+    count_step_memory: bool = False
     # Classes of settings that may differ from the checkpoint being resumed (see RESUME_KEY_CLASSES):
     # optim (optimizer, schedule, loss normalisation: applied exactly from the next step) | data (the new
     # sample stream continues at the saved epoch and position) | model (the checkpoint's weights are used).

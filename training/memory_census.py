@@ -13,10 +13,12 @@ Adam has created its moments during the first step.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 WALK_DEPTH = 4  # optimizer wrapper -> inner optimizer -> state dict -> per-parameter dict -> tensor
 
@@ -94,3 +96,76 @@ class CensusAtStep:
             return step(*args, **kwargs)
 
         optimizer.step = counted_step
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of the tensor storages created while it is active and still alive, and their peak: what a
+    GPU's caching allocator counts as allocated, on any device. Every operator's outputs pass through
+    it; a storage counts from its first sight until Python's last reference to it goes. (The CPU has no
+    allocator statistics; its RSS misses untouched pages of zero-filled tensors, and torch.profiler's
+    memory timeline holds tensors alive through record_shapes.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._alive: dict[int, weakref.ref] = {}  # storage address -> weak reference to it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Inputs first: a storage that existed before (a weight) is not new when an op returns a view of it.
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._see(t.untyped_storage(), new=False)
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._see(t.untyped_storage(), new=True)
+        return out
+
+    def _see(self, storage, new: bool) -> None:
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or key in self._alive:
+            return
+        size = size if new else 0  # an older storage is followed only to know when its address is free again
+        self._alive[key] = weakref.ref(storage, lambda _, key=key, size=size: self._gone(key, size))
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+    def _gone(self, key: int, size: int) -> None:
+        self._alive.pop(key, None)
+        self.live -= size
+
+
+class StepPeak:
+    """Peak of allocated tensor bytes during training step ``at`` above its start, on this rank: what the
+    step allocates and frees (gradients, saved activations of the micro-batches in flight, the loss
+    buffer, temporaries), as opposed to the model states it starts with. GPU: the allocator's peak;
+    CPU (``count_cpu``): :class:`LiveTensorBytes` around the step."""
+
+    def __init__(self, at: int = 2, count_cpu: bool = False):
+        self.at = at
+        self.result_mib: float | None = None
+        self._count_cpu = count_cpu and not torch.cuda.is_available()
+        self._counter: LiveTensorBytes | None = None
+        self._start = 0
+
+    def before(self, step: int) -> None:
+        if step != self.at:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._start = torch.cuda.memory_allocated()
+        elif self._count_cpu:
+            self._counter = LiveTensorBytes()
+            self._counter.__enter__()
+
+    def after(self, step: int) -> None:
+        if step != self.at:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.result_mib = (torch.cuda.max_memory_allocated() - self._start) / 2**20
+        elif self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.result_mib = self._counter.peak / 2**20
+            self._counter = None

@@ -16,17 +16,24 @@ prints estimate and measurement side by side).
 Optimizer offload moves the K part to host memory; ZeRO-3 parameter offload moves the weights too
 (the GPU keeps about one layer). What moves is counted as host memory per rank; with ZeRO-1/2 the host
 also holds an fp32 copy of the rank's gradient partition for CPU Adam, 4 Psi / Nd (measured; ZeRO-3
-writes gradients into its fp32 partitions in place). fp32 training uses 4 + 4 bytes for weights and gradients and K=8
-(momentum, variance; the weights are their own master copy).
+writes gradients into its fp32 partitions in place). fp32 training uses 4 + 4 bytes for weights and
+gradients and K=8 (momentum, variance) at ZeRO-0, where the weights are their own master copy; ZeRO 1-3
+clone them into their fp32 partitions all the same, K=12 (measured with the census).
 
 Activations are estimated for Llama in 16-bit (SDPA/flash attention, so no S x S score matrix is
 kept): per decoder layer and micro-batch of B x S tokens, the saved tensors are about
 (6 + 2 * kv_heads / heads) * B*S*H + 4 * B*S*F elements (norm inputs/outputs, q/k/v, attention and
 projection outputs, the three SwiGLU tensors of width F). Activation checkpointing keeps only the
 layer inputs (B*S*H each) plus one layer being recomputed. With the 1F1B pipeline schedule stage p
-holds min(stages - p, micro-batches) micro-batches in flight. The last stage also holds the loss
+holds min(stages - p, micro-batches) micro-batches in flight; a layer's backward needs about one
+layer's activations more as working memory. The last stage also holds the loss
 buffers of one micro-batch (see loss_bytes): the logits of B*S tokens, or of ``loss_chunk_tokens`` of
 them with the chunked loss.
+
+Backward also computes each parameter's gradient into a new tensor before adding it to the accumulated
+one (every micro-batch after the first): one parameter's gradient more, at a time. On the first and the
+last stage that is the [V,H] embedding or LM head, as large as a loss chunk at a 128k vocabulary
+(measured per stage by scripts/bench_stage_memory.py).
 """
 
 from __future__ import annotations
@@ -71,6 +78,9 @@ class Estimate:
     buffers: float = 0.0  # ZeRO-2/3's gradient reduce bucket (the paper's "temporary buffers"): ZeRO-2
     # allocates it for each backward and releases it after (a peak), ZeRO-3 keeps it
     loss: float = 0.0  # the last stage's logits and cross-entropy buffers (see loss_bytes)
+    # gradient temporaries: the largest parameter's gradient as backward computes it (grad_temp_bytes),
+    # or ZeRO-1/2's optimizer step beyond the activations and loss buffer it follows (optimizer_step_bytes)
+    grad_temp: float = 0.0
     parameters: float = 0.0  # the stage's parameter count
 
     @property
@@ -79,13 +89,13 @@ class Estimate:
 
     @property
     def total(self) -> float:
-        return self.model_states + self.buffers + (self.activations or 0.0) + self.loss
+        return self.model_states + self.buffers + (self.activations or 0.0) + self.loss + self.grad_temp
 
 
 def model_state_bytes(psi: float, layout: Layout) -> tuple[float, float, float, float]:
     """(weights, gradients, optimizer states) bytes per GPU, and offloaded bytes per rank on the host,
     for ``psi`` parameters of one stage."""
-    w, g, k = (4, 4, 8) if layout.dtype == "fp32" else (2, 2, 12)
+    w, g, k = (4, 4, 8 if layout.zero == 0 else 12) if layout.dtype == "fp32" else (2, 2, 12)
     nd = layout.dp
     shard = {0: (1, 1, 1), 1: (1, 1, nd), 2: (1, nd, nd), 3: (nd, nd, nd)}[layout.zero]
     if layout.dtype == "bf16" and layout.zero == 0:
@@ -101,18 +111,34 @@ def model_state_bytes(psi: float, layout: Layout) -> tuple[float, float, float, 
     return params, grads, optim, host
 
 
-def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: int) -> float:
-    """Saved activations of the micro-batches stage ``stage`` holds in flight (1F1B: min(stages - stage,
-    grad_accum)), for its ``layers_on_stage`` decoder layers."""
-    if layers_on_stage == 0:
-        return 0.0
+def layer_activation_bytes(shape: Shape, layout: Layout) -> float:
+    """Saved activations of one decoder layer for one micro-batch (see the module's docstring)."""
     tokens = layout.micro_batch * layout.seq_len
     elem = 4 if layout.dtype == "fp32" else 2
-    per_layer = ((6 + 2 * shape.kv_heads / shape.heads) * shape.hidden + 4 * shape.ffn) * tokens * elem
+    return ((6 + 2 * shape.kv_heads / shape.heads) * shape.hidden + 4 * shape.ffn) * tokens * elem
+
+
+def micro_batch_activation_bytes(shape: Shape, layout: Layout, layers_on_stage: int) -> float:
+    """What one micro-batch in flight keeps on a stage of ``layers_on_stage`` decoder layers: every saved
+    activation, or with activation checkpointing only the layer inputs."""
+    if layout.checkpointing:
+        return (
+            layers_on_stage * shape.hidden * layout.micro_batch * layout.seq_len * (4 if layout.dtype == "fp32" else 2)
+        )
+    return layers_on_stage * layer_activation_bytes(shape, layout)
+
+
+def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: int) -> float:
+    """Peak activation memory of stage ``stage``: the micro-batches it holds in flight (1F1B: min(stages -
+    stage, grad_accum)), plus one layer's backward working memory (the gradients of its activations,
+    measured about one layer's saved activations), plus with activation checkpointing the one layer
+    being recomputed."""
+    if layers_on_stage == 0:
+        return 0.0
     in_flight = min(layout.stages - stage, layout.grad_accum)
-    if layout.checkpointing:  # each micro-batch in flight keeps its layer inputs; one layer is recomputed at a time
-        return in_flight * layers_on_stage * shape.hidden * tokens * elem + per_layer
-    return in_flight * layers_on_stage * per_layer
+    layer = layer_activation_bytes(shape, layout)
+    recompute = layer if layout.checkpointing else 0.0
+    return in_flight * micro_batch_activation_bytes(shape, layout, layers_on_stage) + recompute + layer
 
 
 def loss_bytes(shape: Shape, layout: Layout) -> float:
@@ -120,16 +146,52 @@ def loss_bytes(shape: Shape, layout: Layout) -> float:
 
     Whole (``loss_chunk`` 0): the logits in the training precision and, for the cross entropy, their fp32
     copy, the fp32 log-probabilities it keeps for backward and their gradient: elem + 12 bytes (16 in
-    fp32, where the copy is the logits themselves and backward makes one more). Chunked
-    (models.loss.ChunkedLMHeadLoss): one chunk of fp32 logits, worked in place, plus its 16-bit matmul
-    output in bf16: 4 + elem bytes (4 in fp32). Measured on CPU, fp32 (scripts/bench_loss_memory.py): 16.1
-    and 4.5 bytes per logit.
+    fp32, where the copy is the logits themselves and backward makes one more). DeepSpeed's pipeline
+    engine keeps a stage's outputs, here the previous micro-batch's logits, until the next forward has
+    replaced them: elem more with several micro-batches per step. Chunked (models.loss.ChunkedLMHeadLoss):
+    one chunk of fp32 logits, worked in place, plus its 16-bit matmul output in bf16: 4 + elem bytes (4
+    in fp32). Measured in fp32: 16.1 and 4.5 bytes per logit for the loss alone
+    (scripts/bench_loss_memory.py), 20 and 4 on a pipeline's last stage (scripts/bench_stage_memory.py).
     """
     tokens = layout.micro_batch * layout.seq_len
     elem = 4 if layout.dtype == "fp32" else 2
     if layout.loss_chunk and layout.loss_chunk < tokens:
         return layout.loss_chunk * shape.vocab * (4 + (0 if elem == 4 else elem))
-    return tokens * shape.vocab * (elem + 12)
+    kept = elem if layout.stages > 1 and layout.grad_accum > 1 else 0
+    return tokens * shape.vocab * (elem + 12 + kept)
+
+
+def grad_temp_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: int) -> float:
+    """One gradient of the stage's largest parameter, computed before it is added to the accumulated
+    one (ZeRO-2/3: before it is reduced into the rank's partition), beyond what :func:`activation_bytes`
+    already counts at that moment. None at ZeRO-0/1 with one micro-batch per step, where the first
+    gradient becomes the accumulated one.
+
+    The last stage's LM head runs backward first, with all of the micro-batch's activations alive: the
+    whole [V,H] gradient counts. Elsewhere the largest is the first stage's [V,H] embedding, whose
+    backward runs last, once the micro-batch has freed its activations and its layer's working memory,
+    or a middle stage's widest layer matrix [F,H]: only what exceeds those counts (measured per stage by
+    scripts/bench_stage_memory.py)."""
+    if layout.zero < 2 and layout.grad_accum == 1:
+        return 0.0
+    elem = 4 if layout.dtype == "fp32" else 2
+    if stage == layout.stages - 1:
+        return shape.vocab * shape.hidden * elem
+    largest = shape.vocab * shape.hidden * elem if stage == 0 else shape.ffn * shape.hidden * elem
+    if layers_on_stage == 0:
+        return largest if stage == 0 else 0.0
+    freed = micro_batch_activation_bytes(shape, layout, layers_on_stage) + layer_activation_bytes(shape, layout)
+    return max(0.0, largest - freed)
+
+
+def optimizer_step_bytes(psi: float, layout: Layout) -> float:
+    """ZeRO-1/2's optimizer step, beyond the model states: the rank's partition of the gradients
+    flattened (training precision) and its fp32 copy, both beside the gradients (measured on CPU ranks,
+    DeepSpeed 0.19.8, by scripts/bench_stage_memory.py). The activations are gone by then. With the
+    optimizer offloaded the fp32 gradient partition is the host's (``model_state_bytes``)."""
+    if layout.zero not in (1, 2) or layout.offload_optimizer:
+        return 0.0
+    return psi / layout.dp * ((4 if layout.dtype == "fp32" else 2) + 4)
 
 
 def stage_estimate(
@@ -137,14 +199,18 @@ def stage_estimate(
 ) -> Estimate:
     """Per-GPU memory of stage ``stage`` holding ``psi`` parameters and ``layers`` decoder layers."""
     params, grads, optim, host = model_state_bytes(psi, layout)
-    acts, loss = None, 0.0
+    acts, loss, grad_temp = None, 0.0, 0.0
     if shape is not None:
         acts = activation_bytes(shape, layout, stage, layers)
         loss = loss_bytes(shape, layout) if stage == layout.stages - 1 else 0.0
+        # The larger of backward's gradient temporary and the optimizer step's, which runs once the
+        # activations and the loss buffer are freed.
+        step = optimizer_step_bytes(psi, layout) - (acts + loss)
+        grad_temp = max(grad_temp_bytes(shape, layout, stage, layers), step)
     buffers = 0.0
     if layout.zero >= 2:  # one 16-bit (fp32 for fp32 training) bucket per rank, allocated whole
         buffers = (4 if layout.dtype == "fp32" else 2) * reduce_bucket_elements(total_params)
-    return Estimate(params, grads, optim, acts, stage, host, buffers, loss, psi)
+    return Estimate(params, grads, optim, acts, stage, host, buffers, loss, grad_temp, psi)
 
 
 def stage_estimates(
@@ -308,9 +374,11 @@ def memory_boundaries(config, layout: Layout) -> list[int]:
 
 def stage_table(estimates: list[Estimate], stage_layers: list[int] | None) -> list[str]:
     """The planner's per-stage table (GB per GPU; host memory per rank where states are offloaded), the
-    most loaded stage marked: what scripts/estimate_memory.py and scripts/preflight.py print."""
+    most loaded stage marked: what scripts/estimate_memory.py and scripts/preflight.py print (g.tmp:
+    gradient temporaries, :attr:`Estimate.grad_temp`)."""
     host = any(e.host for e in estimates)
     head = f"{'stage':>5} {'params':>8} {'layers':>6} {'weights':>8} {'grads':>7} {'optim':>7} {'acts':>7} {'loss':>6}"
+    head += f" {'g.tmp':>6}"
     head += f" {'bucket':>6} {'total':>7}" + (f" {'host':>7}" if host else "")
     rows = [head + "  (params in B, memory in GB)"]
     worst = max(estimates, key=lambda e: e.total)
@@ -318,7 +386,8 @@ def stage_table(estimates: list[Estimate], stage_layers: list[int] | None) -> li
         layers = "-" if stage_layers is None else str(stage_layers[e.stage])
         acts = "-" if e.activations is None else f"{e.activations / GB:.2f}"
         row = f"{e.stage:>5} {e.parameters / 1e9:>8.3f} {layers:>6} {e.params / GB:>8.2f} {e.grads / GB:>7.2f}"
-        row += f" {e.optimizer / GB:>7.2f} {acts:>7} {e.loss / GB:>6.2f} {e.buffers / GB:>6.2f} {e.total / GB:>7.2f}"
+        row += f" {e.optimizer / GB:>7.2f} {acts:>7} {e.loss / GB:>6.2f} {e.grad_temp / GB:>6.2f}"
+        row += f" {e.buffers / GB:>6.2f} {e.total / GB:>7.2f}"
         row += (f" {e.host / GB:>7.2f}" if host else "") + ("  <- most loaded" if e is worst else "")
         rows.append(row)
     return rows

@@ -120,8 +120,8 @@ def reduce_grad_norm_once_across_stages(optimizer) -> None:
     optimizer step. Here each stage combines its own groups (data-parallel reductions as DeepSpeed does
     them), then the squared norms and an invalid flag cross the stages once.
     """
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed.comm import pg_utils
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if not isinstance(optimizer, DeepSpeedZeroOptimizer) or not pg_utils.is_parallel(optimizer.model_parallel_group):
         return
