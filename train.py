@@ -220,6 +220,7 @@ def build_engine(resolved: Resolved, model, total_steps: int):
         lr_scheduler=build_lr_scheduler(resolved.cfg, total_steps),
     )
     reduce_grad_norm_once_across_stages(engine.optimizer)
+    run_checkpoints.load_without_pickles(engine)
     return engine
 
 

@@ -563,9 +563,42 @@ def test_a_malicious_layer_file_is_refused_by_the_loaders(tmp_path, tiny_hf):
     assert not marker.exists()
 
 
+def test_deepspeed_checkpoint_files_are_loaded_without_running_pickles(tmp_path):
+    """What resume reads through DeepSpeed (engine and optimizer states) is loaded with weights_only=True:
+    the classes DeepSpeed's ZeRO states hold load; a file naming anything else is named by the pre-check
+    (which reads the pickle without running it) and refused by the loader, and its code never runs."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from training.run_checkpoints import WeightsOnlyCheckpointEngine, unsafe_checkpoint_files
+
+    optim = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = {"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.optimizer_states}
+    state["param_slice_mappings"] = [{"w": fragment_address(numel=4, start=0)}]
+    torch.save({"optimizer_state_dict": {**state, "fp32": torch.ones(4)}}, optim)
+    loaded = WeightsOnlyCheckpointEngine().load(str(optim))["optimizer_state_dict"]
+    assert loaded["zero_stage"] is ZeroStageEnum.optimizer_states and loaded["loss_scaler"].cur_scale == 1.0
+    assert loaded["param_slice_mappings"][0]["w"] == fragment_address(numel=4, start=0)
+    assert unsafe_checkpoint_files(str(tmp_path), 0, 1) == []
+
+    marker = tmp_path / "PWNED"
+    engine_state = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": None, "lr_scheduler": _Payload(str(marker))}, engine_state)
+    problems = unsafe_checkpoint_files(str(tmp_path), 0, 1)
+    assert problems == [
+        f"{engine_state} names posix.system, which a DeepSpeed checkpoint never holds (a pickle that could run "
+        "code when loaded): refused, nothing loaded"
+    ]
+    assert unsafe_checkpoint_files(str(tmp_path), 1, 2) == []  # rank 1 of 2 checks the other file
+    with pytest.raises(CheckpointError, match=f"{engine_state} holds objects a DeepSpeed checkpoint does not"):
+        WeightsOnlyCheckpointEngine().load(str(engine_state))
+    assert not marker.exists()
+
+
 def test_every_torch_load_in_the_project_is_weights_only():
-    """DeepSpeed's own load_checkpoint (resume) unpickles mp_rank_* and optimizer files with
-    weights_only=False: that is why a checkpoint to resume from is trusted like code (README)."""
+    """The project's own loads; DeepSpeed's (resume) go through training.run_checkpoints'
+    WeightsOnlyCheckpointEngine, tested above and in tests/test_training_loop.py."""
     offenders = []
     for folder in ("", "models", "training", "data", "scripts"):
         for path in glob.glob(os.path.join(REPO, folder, "*.py")):

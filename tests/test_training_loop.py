@@ -238,3 +238,44 @@ def test_zero3_data_parallel_run_resumes_exactly_and_exports(tmp_path, tiny_hf, 
     exported = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
     trained = load_layer_file(str(tmp_path / "A" / "global_step4" / "layer_02-model_states.pt"))
     assert torch.equal(exported.model.layers[1].mlp.up_proj.weight, trained["mlp.up_proj.weight"])
+
+
+def test_bf16_zero0_resumes_exactly_and_a_tampered_checkpoint_is_refused_unrun(tmp_path, tiny_hf, corpus):
+    """bf16 at ZeRO-0 (DeepSpeed's BF16_Optimizer, whose resume DeepSpeed 0.19.8 breaks with KeyError: 0)
+    continues bit-identically from step 2 of 4. The same checkpoint with a malicious engine-state file
+    and a malicious optimizer-state file is refused, both files named, before anything is loaded; the
+    payload never runs."""
+    ckpt = str(tmp_path / "ckpt")
+    hf_to_stages(tiny_hf, ckpt)
+
+    def args(out):
+        return run_args(ckpt, corpus, out, tmp_path / "cache", precision="bf16", ds="zero0", max_steps=4)
+
+    full = run_deepspeed(2, "train.py", args(tmp_path / "A"), str(tmp_path / "A.log"))
+    assert full.returncode == 0, (full.stdout + full.stderr)[-4000:]
+    for name in ("B", "C"):
+        shutil.copytree(tmp_path / "A", tmp_path / name)
+        shutil.rmtree(tmp_path / name / "global_step4")
+        (tmp_path / name / "latest").write_text("global_step2")
+    resumed = run_deepspeed(2, "train.py", args(tmp_path / "B"), str(tmp_path / "B.log"))
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert "steps 3..4 (resumed from global_step2)" in resumed.stdout
+    assert [m["loss"] for m in read_metrics(str(tmp_path / "B"))] == [
+        m["loss"] for m in read_metrics(str(tmp_path / "A"))
+    ]
+
+    from tests.test_reliability import _Payload
+
+    marker = tmp_path / "PWNED"
+    tag_dir = tmp_path / "C" / "global_step2"
+    optim = next(tag_dir.glob("*optim_states.pt"))
+    engine_state = next(tag_dir.glob("mp_rank_*_model_states.pt"))
+    for path in (optim, engine_state):
+        state = torch.load(path, weights_only=False)
+        state["tampered"] = _Payload(str(marker))
+        torch.save(state, path)
+    refused = run_deepspeed(2, "train.py", args(tmp_path / "C"), str(tmp_path / "C.log"))
+    assert refused.returncode != 0
+    for path in (optim, engine_state):
+        assert f"{path} names posix.system, which a DeepSpeed checkpoint never holds" in refused.stdout + refused.stderr
+    assert not marker.exists()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -27,6 +28,7 @@ import shutil
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from omegaconf import OmegaConf
 
 from models.layer_files import (
@@ -35,9 +37,11 @@ from models.layer_files import (
     checkpoint_tags,
     copy_side_files,
     copy_tokenizer_files,
+    first_line,
     latest_tag,
     local_modules,
     stage_file_problems,
+    unpickling_refusal,
     write_config,
 )
 from models.llama_pipe import layer_file_name
@@ -163,11 +167,79 @@ def prune(output_dir: str, limit: int, keep: str) -> list[str]:
     return doomed
 
 
+def deepspeed_state_globals() -> list[type]:
+    """What DeepSpeed pickles into its checkpoint files besides tensors and plain containers (the ZeRO
+    optimizer states' loss scaler, ZeRO stage and fragment addresses): allowed by name when loading,
+    every other class or function refused."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_deepspeed_file(path: str, map_location=None):
+    """A DeepSpeed checkpoint file (engine state, optimizer states, a layer file) with
+    ``weights_only=True``: tensors, containers and :func:`deepspeed_state_globals` only, so a tampered
+    file is refused instead of running what it names."""
+    with torch.serialization.safe_globals(deepspeed_state_globals()):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(
+                f"{path} holds objects a DeepSpeed checkpoint does not (a pickle that could run code when "
+                f"loaded): refused, nothing loaded ({unpickling_refusal(e)})"
+            ) from None
+
+
+class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's own checkpoint engine, which loads with ``weights_only=False`` (any pickle runs),
+    loading with :func:`load_deepspeed_file` instead. Saving is unchanged."""
+
+    def load(self, path: str, map_location=None):
+        return load_deepspeed_file(path, map_location)
+
+
+def load_without_pickles(engine) -> None:
+    """Every file ``engine.load_checkpoint`` reads goes through :class:`WeightsOnlyCheckpointEngine`
+    (engine states, ZeRO optimizer states, and the pipeline's layer files)."""
+    if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
+        raise CheckpointError(
+            f"checkpoint engine {type(engine.checkpoint_engine).__name__}: only DeepSpeed's torch engine is "
+            "supported (its loads are made pickle-free here); remove the JSON's checkpoint engine settings"
+        )
+    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)  # its serialization settings
+
+
+def unsafe_checkpoint_files(tag_dir: str, rank: int, world_size: int) -> list[str]:
+    """This rank's share of the checkpoint's DeepSpeed files (every world_size-th, from ``rank``) whose
+    pickle names anything beyond tensors, containers and :func:`deepspeed_state_globals`: read, never
+    run (``torch.serialization.get_unsafe_globals_in_checkpoint``), so a tampered file is named before
+    any rank loads anything."""
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in deepspeed_state_globals()}
+    files = sorted(f for f in os.listdir(tag_dir) if f.endswith(".pt"))[rank::world_size]
+    problems = []
+    for name in files:
+        path = os.path.join(tag_dir, name)
+        try:
+            unsafe = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - allowed)
+        except Exception as e:  # noqa: BLE001 (a damaged file: reported here, whatever torch raises)
+            problems.append(f"{path}: unreadable ({first_line(e)})")
+            continue
+        if unsafe:
+            problems.append(
+                f"{path} names {', '.join(unsafe)}, which a DeepSpeed checkpoint never holds (a pickle that "
+                "could run code when loaded): refused, nothing loaded"
+            )
+    return problems
+
+
 def read_trainer_state(resolved: Resolved, module) -> dict:
     """This rank's trainer state of the checkpoint being resumed (run through on_all_ranks), once this
     stage's layer files are checked against the model (before DeepSpeed loads anything)."""
     cfg, tag = resolved.cfg, resolved.resume_tag
     problems = stage_file_problems(module, resolved.model_config, cfg.output_dir, tag)
+    problems += unsafe_checkpoint_files(os.path.join(cfg.output_dir, tag), dist.get_rank(), dist.get_world_size())
     if problems:
         raise CheckpointError(f"cannot resume from {cfg.output_dir}/{tag}:\n  " + "\n  ".join(problems))
     path = trainer_state_file(cfg.output_dir, tag, dist.get_rank())
@@ -189,9 +261,18 @@ def read_trainer_state(resolved: Resolved, module) -> dict:
 def restore(resolved: Resolved, engine, iterator, state: dict) -> int:
     """Collective: model, optimizer and LR schedule from DeepSpeed's files, then RNG and sampler
     position from ``state``; returns the step the checkpoint was taken at."""
-    load_path, _ = engine.load_checkpoint(resolved.cfg.output_dir, tag=resolved.resume_tag)
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    # bf16 at ZeRO-0 (BF16_Optimizer): DeepSpeed 0.19.8 hands the optimizer the engine file's single
+    # state dict where it indexes one per data-parallel rank (KeyError: 0), so its states are read from
+    # the per-rank files it saved, as ZeRO's are.
+    bf16_optimizer = isinstance(engine.optimizer, BF16_Optimizer)
+    output_dir, tag = resolved.cfg.output_dir, resolved.resume_tag
+    load_path, _ = engine.load_checkpoint(output_dir, tag=tag, load_optimizer_states=not bf16_optimizer)
     if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load {resolved.cfg.output_dir}/{resolved.resume_tag}")
+        raise RuntimeError(f"DeepSpeed could not load {output_dir}/{tag}")
+    if bf16_optimizer and not engine._load_zero_checkpoint(output_dir, tag, load_optimizer_states=True):
+        raise CheckpointError(f"{output_dir}/{tag}: the bf16 optimizer states of some rank are missing")
     set_rng_state(state["rng"])
     if iterator is not None:
         iterator.load_state_dict(state["iterator"])
