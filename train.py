@@ -232,7 +232,7 @@ def resume_or_start(resolved: Resolved, engine, data: RankData, total_steps: int
         return 0
     local: dict = {}
     on_all_ranks(
-        "reading trainer state", lambda: local.update(state=run_checkpoints.read_trainer_state(resolved, engine.module))
+        "reading trainer state", lambda: local.update(state=run_checkpoints.read_trainer_state(resolved, engine))
     )
     step = run_checkpoints.restore(resolved, engine, data.iterator, local["state"])
     changes = resolved.resume_changes

@@ -242,9 +242,9 @@ def test_zero3_data_parallel_run_resumes_exactly_and_exports(tmp_path, tiny_hf, 
 
 def test_bf16_zero0_resumes_exactly_and_a_tampered_checkpoint_is_refused_unrun(tmp_path, tiny_hf, corpus):
     """bf16 at ZeRO-0 (DeepSpeed's BF16_Optimizer, whose resume DeepSpeed 0.19.8 breaks with KeyError: 0)
-    continues bit-identically from step 2 of 4. The same checkpoint with a malicious engine-state file
-    and a malicious optimizer-state file is refused, both files named, before anything is loaded; the
-    payload never runs."""
+    continues bit-identically from step 2 of 4. The same checkpoint with a malicious engine-state file, a
+    malicious optimizer-state file and another stage's optimizer file missing is refused, each file
+    named, before anything is loaded; the payload never runs."""
     ckpt = str(tmp_path / "ckpt")
     hf_to_stages(tiny_hf, ckpt)
 
@@ -268,14 +268,17 @@ def test_bf16_zero0_resumes_exactly_and_a_tampered_checkpoint_is_refused_unrun(t
 
     marker = tmp_path / "PWNED"
     tag_dir = tmp_path / "C" / "global_step2"
-    optim = next(tag_dir.glob("*optim_states.pt"))
+    optim, missing = sorted(tag_dir.glob("*optim_states.pt"))  # one per stage
     engine_state = next(tag_dir.glob("mp_rank_*_model_states.pt"))
     for path in (optim, engine_state):
         state = torch.load(path, weights_only=False)
         state["tampered"] = _Payload(str(marker))
         torch.save(state, path)
+    missing.unlink()
     refused = run_deepspeed(2, "train.py", args(tmp_path / "C"), str(tmp_path / "C.log"))
-    assert refused.returncode != 0
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "cannot resume from" in out
     for path in (optim, engine_state):
-        assert f"{path} names posix.system, which a DeepSpeed checkpoint never holds" in refused.stdout + refused.stderr
+        assert f"{path} names posix.system, which a DeepSpeed checkpoint never holds" in out
+    assert f"{missing} is missing: the checkpoint is incomplete" in out
     assert not marker.exists()

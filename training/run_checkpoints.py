@@ -234,11 +234,27 @@ def unsafe_checkpoint_files(tag_dir: str, rank: int, world_size: int) -> list[st
     return problems
 
 
-def read_trainer_state(resolved: Resolved, module) -> dict:
+def missing_deepspeed_files(engine, output_dir: str, tag: str) -> list[str]:
+    """The DeepSpeed files this rank's ``load_checkpoint`` will read that are not in ``output_dir/tag``:
+    its engine state, and every data-parallel rank's optimizer states of its stage (ZeRO, and bf16 at
+    ZeRO-0), by DeepSpeed's own naming."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    expected = [engine._get_ckpt_name(output_dir, tag)]
+    if engine.zero_optimization() or isinstance(engine.optimizer, BF16_Optimizer):
+        expected += engine._get_mp_rank_zero_checkpoint_names(
+            output_dir, tag, engine.checkpoint_mp_rank, engine.seq_dp_world_size, engine.bfloat16_enabled()
+        )
+    return [f"{path} is missing: the checkpoint is incomplete" for path in expected if not os.path.isfile(path)]
+
+
+def read_trainer_state(resolved: Resolved, engine) -> dict:
     """This rank's trainer state of the checkpoint being resumed (run through on_all_ranks), once this
-    stage's layer files are checked against the model (before DeepSpeed loads anything)."""
+    stage's layer files are checked against the model, the DeepSpeed files it will read are there, and
+    no file of its share names anything a checkpoint does not hold (before DeepSpeed loads anything)."""
     cfg, tag = resolved.cfg, resolved.resume_tag
-    problems = stage_file_problems(module, resolved.model_config, cfg.output_dir, tag)
+    problems = stage_file_problems(engine.module, resolved.model_config, cfg.output_dir, tag)
+    problems += missing_deepspeed_files(engine, cfg.output_dir, tag)
     problems += unsafe_checkpoint_files(os.path.join(cfg.output_dir, tag), dist.get_rank(), dist.get_world_size())
     if problems:
         raise CheckpointError(f"cannot resume from {cfg.output_dir}/{tag}:\n  " + "\n  ".join(problems))
