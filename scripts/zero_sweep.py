@@ -61,8 +61,6 @@ def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
         f"model.architecture.intermediate_size={int(args.hidden * 2.75)}",
         f"model.architecture.num_hidden_layers={args.layers}",
         f"ds={case['ds']}",
-        # bf16 at ZeRO-0 refuses the chunked loss (training/config.py); the whole logits for every config
-        "loss_chunk_tokens=0",
         f"num_stages={stages}",
         "micro_batch_size=2",
         f"gradient_accumulation_steps={case['ga']}",

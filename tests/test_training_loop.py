@@ -249,9 +249,7 @@ def test_bf16_zero0_resumes_exactly_and_a_tampered_checkpoint_is_refused_unrun(t
     hf_to_stages(tiny_hf, ckpt)
 
     def args(out):
-        return run_args(
-            ckpt, corpus, out, tmp_path / "cache", precision="bf16", ds="zero0", max_steps=4, loss_chunk_tokens=0
-        )
+        return run_args(ckpt, corpus, out, tmp_path / "cache", precision="bf16", ds="zero0", max_steps=4)
 
     full = run_deepspeed(2, "train.py", args(tmp_path / "A"), str(tmp_path / "A.log"))
     assert full.returncode == 0, (full.stdout + full.stderr)[-4000:]

@@ -683,15 +683,6 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
     ):
         if getattr(cfg, name) < minimum:
             problems.append(f"{name} {getattr(cfg, name)} is out of range: set {name} >= {minimum}")
-    zero_stage = (ds_json or {}).get("zero_optimization", {}).get("stage", 0)
-    if cfg.precision == Precision.bf16 and zero_stage == 0 and cfg.loss_chunk_tokens > 0:
-        # DeepSpeed's BF16_Optimizer (bf16 at ZeRO-0) receives the LM head's gradient wrong from the
-        # chunked loss (open bug, docs/troubleshooting.md): refused rather than trained wrong.
-        problems.append(
-            f"loss_chunk_tokens {cfg.loss_chunk_tokens} with precision=bf16 and ZeRO stage 0: the chunked loss "
-            "does not train the LM head correctly under DeepSpeed's bf16 optimizer at ZeRO-0 (open bug); set "
-            "loss_chunk_tokens=0, or use ds=zero1"
-        )
     if cfg.mfu_peak_tflops < 0:
         problems.append(
             f"mfu_peak_tflops {cfg.mfu_peak_tflops} < 0: set the device's peak TFLOP/s, or 0 for the known-GPU table"
