@@ -87,9 +87,19 @@ class EmbeddingPipe(nn.Embedding):
         self, inputs: tuple[torch.Tensor, torch.Tensor] | torch.Tensor, tied_head: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if tied_head:  # the tied LM head of the chunked loss (tied_lm_head_chunked_forward)
-            return inputs, self.weight  # hidden [B,S,H], [V,H]
+            return inputs, handed_out(self.weight)  # hidden [B,S,H], [V,H]
         input_ids, position_ids = inputs  # [B,S] int64, [B,S] int64
         return super().forward(input_ids), position_ids  # hidden [B,S,H]
+
+
+def handed_out(weight: nn.Parameter) -> torch.Tensor:
+    """The LM head weight as a forward returns it to the chunked loss: a view, except under ZeRO-3.
+
+    DeepSpeed's engine registers gradient hooks on every tensor its module's forward returns; on the
+    Parameter itself they would stay on the leaf across steps, and DeepSpeed's bf16 optimizer at ZeRO-0
+    then received a wrong head gradient. A view carries them for one graph only. ZeRO-3 needs the
+    Parameter itself (its "dangling parameter" rule keeps it gathered for the loss)."""
+    return weight if hasattr(weight, "ds_id") else weight.view_as(weight)
 
 
 def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
@@ -199,7 +209,7 @@ class LMHeadPipe(nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, nn.Parameter]:
         if self.chunked:
-            return hidden, self.weight  # [B,S,H], [V,H]
+            return hidden, handed_out(self.weight)  # [B,S,H], [V,H]
         return super().forward(hidden)  # [B,S,H] -> [B,S,V]
 
 

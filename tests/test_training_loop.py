@@ -205,6 +205,14 @@ def test_zero3_data_parallel_run_resumes_exactly_and_exports(tmp_path, tiny_hf, 
 
     full = run_deepspeed(2, "train.py", args(tmp_path / "A"), str(tmp_path / "A.log"))
     assert full.returncode == 0, (full.stdout + full.stderr)[-4000:]
+    # The chunked loss (the default) trains what the logits train under DeepSpeed's bf16 optimizer too:
+    # with the head weight handed to the loss as the Parameter itself, the step-1 gradient norm was 10%
+    # low (1.435 vs 1.600) and the head moved a third as far (models.llama_pipe.handed_out).
+    logits = run_deepspeed(2, "train.py", [*args(tmp_path / "A0"), "loss_chunk_tokens=0", "max_steps=2"], "/dev/null")
+    assert logits.returncode == 0, (logits.stdout + logits.stderr)[-4000:]
+    for chunked, whole in zip(read_metrics(str(tmp_path / "A")), read_metrics(str(tmp_path / "A0"))):
+        assert abs(chunked["grad_norm"] - whole["grad_norm"]) < 1e-2 * whole["grad_norm"], (chunked, whole)
+        assert abs(chunked["loss"] - whole["loss"]) < 1e-2 * whole["loss"]
     assert "engine: DeepSpeedEngine, ZeRO stage 3" in full.stdout
     shutil.copytree(tmp_path / "A", tmp_path / "B")
     shutil.rmtree(tmp_path / "B" / "global_step4")
@@ -242,7 +250,8 @@ def test_zero3_data_parallel_run_resumes_exactly_and_exports(tmp_path, tiny_hf, 
 
 def test_bf16_zero0_resumes_exactly_and_a_tampered_checkpoint_is_refused_unrun(tmp_path, tiny_hf, corpus):
     """bf16 at ZeRO-0 (DeepSpeed's BF16_Optimizer, whose resume DeepSpeed 0.19.8 breaks with KeyError: 0)
-    continues bit-identically from step 2 of 4. The same checkpoint with a malicious engine-state file, a
+    trains with the chunked loss what it trains with the logits, and continues bit-identically from step
+    2 of 4. The same checkpoint with a malicious engine-state file, a
     malicious optimizer-state file and another stage's optimizer file missing is refused, each file
     named, before anything is loaded; the payload never runs."""
     ckpt = str(tmp_path / "ckpt")
@@ -253,6 +262,14 @@ def test_bf16_zero0_resumes_exactly_and_a_tampered_checkpoint_is_refused_unrun(t
 
     full = run_deepspeed(2, "train.py", args(tmp_path / "A"), str(tmp_path / "A.log"))
     assert full.returncode == 0, (full.stdout + full.stderr)[-4000:]
+    # The chunked loss (the default) trains what the logits train under DeepSpeed's bf16 optimizer too:
+    # with the head weight handed to the loss as the Parameter itself, the step-1 gradient norm was 10%
+    # low (1.435 vs 1.600) and the head moved a third as far (models.llama_pipe.handed_out).
+    logits = run_deepspeed(2, "train.py", [*args(tmp_path / "A0"), "loss_chunk_tokens=0", "max_steps=2"], "/dev/null")
+    assert logits.returncode == 0, (logits.stdout + logits.stderr)[-4000:]
+    for chunked, whole in zip(read_metrics(str(tmp_path / "A")), read_metrics(str(tmp_path / "A0"))):
+        assert abs(chunked["grad_norm"] - whole["grad_norm"]) < 1e-2 * whole["grad_norm"], (chunked, whole)
+        assert abs(chunked["loss"] - whole["loss"]) < 1e-2 * whole["loss"]
     for name in ("B", "C"):
         shutil.copytree(tmp_path / "A", tmp_path / name)
         shutil.rmtree(tmp_path / name / "global_step4")
