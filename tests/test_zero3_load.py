@@ -25,7 +25,11 @@ pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
 RANKS = 2
 MIB = 2**20
-MARGIN_MIB = 64  # allocator and framework noise at load (measured growth: partition + largest layer + ~10 MiB)
+# A loose bound (issue 17: the tight figure is scripts/bench_zero3_load.py's): the issue's target of
+# 1.3 x (the rank's partition + the largest layer) plus 64 MiB of allocator and framework noise. Measured
+# growth on this model: 276-351 MiB, against 392 MiB for this bound; a full copy per rank holds the whole
+# 407 MiB model (the previous path grew 425 MiB).
+TARGET_FACTOR, MARGIN_MIB = 1.3, 64
 LOAD_LINE = re.compile(r"rank (\d+): stage .* peak RSS at load (\d+) MiB \(before building the stage (\d+) MiB")
 
 
@@ -40,8 +44,8 @@ def test_zero3_builds_partitioned_and_loads_the_layer_files(tmp_path, monkeypatc
         vocab_size=8192,
     )
     model_mib = model_parameters(config) * 4 / MIB
-    bound_mib = model_mib / RANKS + max(spec_parameter_counts(config)) * 4 / MIB + MARGIN_MIB
-    assert bound_mib < model_mib - 64  # a full copy per rank would exceed it
+    bound_mib = TARGET_FACTOR * (model_mib / RANKS + max(spec_parameter_counts(config)) * 4 / MIB) + MARGIN_MIB
+    assert bound_mib < model_mib  # a full copy per rank would exceed it
 
     save_random_model(config, str(tmp_path / "hf"))
     hf_to_stages(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
