@@ -205,14 +205,6 @@ def test_zero3_data_parallel_run_resumes_exactly_and_exports(tmp_path, tiny_hf, 
 
     full = run_deepspeed(2, "train.py", args(tmp_path / "A"), str(tmp_path / "A.log"))
     assert full.returncode == 0, (full.stdout + full.stderr)[-4000:]
-    # The chunked loss (the default) trains what the logits train under DeepSpeed's bf16 optimizer too:
-    # with the head weight handed to the loss as the Parameter itself, the step-1 gradient norm was 10%
-    # low (1.435 vs 1.600) and the head moved a third as far (models.llama_pipe.handed_out).
-    logits = run_deepspeed(2, "train.py", [*args(tmp_path / "A0"), "loss_chunk_tokens=0", "max_steps=2"], "/dev/null")
-    assert logits.returncode == 0, (logits.stdout + logits.stderr)[-4000:]
-    for chunked, whole in zip(read_metrics(str(tmp_path / "A")), read_metrics(str(tmp_path / "A0"))):
-        assert abs(chunked["grad_norm"] - whole["grad_norm"]) < 1e-2 * whole["grad_norm"], (chunked, whole)
-        assert abs(chunked["loss"] - whole["loss"]) < 1e-2 * whole["loss"]
     assert "engine: DeepSpeedEngine, ZeRO stage 3" in full.stdout
     shutil.copytree(tmp_path / "A", tmp_path / "B")
     shutil.rmtree(tmp_path / "B" / "global_step4")
