@@ -2,13 +2,16 @@
 
     python convert2ckpt.py --input HF_DIR --output CKPT_DIR [--dtype bf16|fp16|fp32]
     python convert2ckpt.py --to-hf --input CKPT_DIR [--tag TAG] --output HF_DIR [--dtype ...]
+    python convert2ckpt.py --reshard --input RUN_DIR [--tag TAG] --output NEW_RUN_DIR
 
 Tensors are read and written one layer at a time, so the whole model is never in memory. Output is
 written to ``<output>.tmp-<pid>`` and renamed at the end: a failed conversion leaves no output.
 An --output that is, contains or lies inside the --input is refused; --overwrite replaces only a
 directory this tool wrote (it holds the ``.llama-pipe-output`` marker).
 The reading and writing is models/hf_io.py; the key mapping is the prefix of each spec in
-``models.llama_pipe.spec_layout``.
+``models.llama_pipe.spec_layout``. ``--reshard`` turns a train.py checkpoint of any layout into one whose
+optimizer states are safetensors per layer file (training/reshard.py, the code a resume on another
+layout runs): resume it on any layout as ``output_dir``, or inspect it without DeepSpeed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from models.hf_io import DEFAULT_MAX_SHARD, ConversionError, hf_to_stages, stages_to_hf
 from models.layer_files import CheckpointError
+from training.reshard import reshard
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -29,7 +33,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--input", required=True, help="Hugging Face model dir, or a pipeline checkpoint dir with --to-hf")
     p.add_argument("--output", required=True, help="directory to create (must not exist unless --overwrite)")
     p.add_argument("--to-hf", action="store_true", help="pipeline checkpoint -> Hugging Face safetensors")
-    p.add_argument("--tag", default=None, help="with --to-hf: checkpoint tag to export (default: the one in 'latest')")
+    p.add_argument(
+        "--reshard",
+        action="store_true",
+        help="train.py checkpoint -> portable optimizer states (any layout resumes it)",
+    )
+    p.add_argument(
+        "--tag", default=None, help="with --to-hf or --reshard: checkpoint tag to read (default: the one in 'latest')"
+    )
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: keep each tensor's dtype)"
     )
@@ -46,11 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     dtype = DTYPES[args.dtype] if args.dtype else None
     try:
-        if args.to_hf:
+        if args.to_hf and args.reshard:
+            raise ConversionError("--to-hf and --reshard are two conversions: choose one")
+        if args.reshard:
+            if dtype is not None:
+                raise ConversionError("--dtype does not apply to --reshard (optimizer states stay fp32)")
+            reshard(args.input, args.output, args.tag, args.overwrite)
+        elif args.to_hf:
             stages_to_hf(args.input, args.output, args.tag, dtype, args.max_shard_size, args.overwrite)
         else:
             if args.tag is not None:
-                raise ConversionError("--tag applies only with --to-hf")
+                raise ConversionError("--tag applies only with --to-hf or --reshard")
             hf_to_stages(args.input, args.output, dtype, args.overwrite)
     except (ConversionError, CheckpointError, OSError) as e:
         print(f"convert2ckpt.py: error: {e}", file=sys.stderr)

@@ -160,7 +160,11 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
 
     def init() -> dict:
         start, loaded_mib = time.time(), 0.0
-        if resolved.resume_tag:
+        if resolved.resume_tag and resolved.reshard:  # another layout: this stage's layer files, then states
+            report = load_stage_weights(model, config, cfg.output_dir, resolved.resume_tag)
+            loaded_mib = report.bytes_read / 2**20
+            source = f"loaded {loaded_mib:.1f} MiB from {len(report.files)} layer files of {resolved.resume_tag}"
+        elif resolved.resume_tag:
             source = f"resuming {resolved.resume_tag}"
         elif resolved.from_scratch:
             layout = spec_layout(config)
@@ -231,15 +235,35 @@ def resume_or_start(resolved: Resolved, engine, data: RankData, total_steps: int
     if not resolved.resume_tag:
         return 0
     local: dict = {}
-    on_all_ranks(
-        "reading trainer state", lambda: local.update(state=run_checkpoints.read_trainer_state(resolved, engine))
-    )
-    step = run_checkpoints.restore(resolved, engine, data.iterator, local["state"])
+    if resolved.reshard:
+        log0(
+            f"resume: {resolved.resume_tag} was saved on another layout ({resolved.reshard}): its optimizer states "
+            "are read per parameter (training/reshard.py)"
+        )
+        start = time.time()
+        on_all_ranks(
+            "reading optimizer states per parameter",
+            lambda: local.update(state=run_checkpoints.restore_resharded(resolved, engine, data.iterator, total_steps)),
+        )
+        step = local["state"]["step"]
+        log0(f"resume: optimizer states of every parameter set in {time.time() - start:.1f} s")
+    else:
+        on_all_ranks(
+            "reading trainer state", lambda: local.update(state=run_checkpoints.read_trainer_state(resolved, engine))
+        )
+        step = run_checkpoints.restore(resolved, engine, data.iterator, local["state"])
+    saved_batch = local["state"].get("global_batch", resolved.layout.global_batch)
+    if saved_batch != resolved.layout.global_batch:
+        log0(
+            f"resume: the global batch changes from {saved_batch} to {resolved.layout.global_batch} samples: the run "
+            f"continues at the next unseen sample, the LR schedule at step {step + 1}"
+        )
     changes = resolved.resume_changes
     if changes.changed.get("optim"):
         apply_optim_settings(engine, resolved.cfg, total_steps)
     for cls, effect in (
         ("free", "as given"),
+        ("layout", "as given"),
         ("optim", f"applied from step {step + 1}, the schedule recomputed"),
         ("data", "the new sample stream continues at the saved position"),
         ("model", "the checkpoint's weights are used"),

@@ -416,21 +416,31 @@ def test_resume_rules(good, tmp_path, tokenizer_dir):
     wide = make_hf_dir(tmp_path, tokenizer_dir, "wide", intermediate_size=128)
     (out / "config.json").write_text(open(os.path.join(wide, "config.json")).read())
     assert "holds a checkpoint with intermediate_size=128, this model has 176" in problems_of(good, 4)
+    big = make_hf_dir(tmp_path, tokenizer_dir, "big", vocab_size=1024)
+    (out / "config.json").write_text(open(os.path.join(big, "config.json")).read())
+    good.num_stages = 4  # on another layout too
+    assert "holds a checkpoint with vocab_size=1024, this model has 512" in problems_of(good, 4)
 
 
-def test_resume_needs_the_stage_split_it_was_saved_with(good, tmp_path):
+def test_resume_on_another_layout_reads_the_optimizer_states_per_parameter(good, tmp_path):
+    """A stage split, engine, precision or world size other than the checkpoint's: resume reads the
+    optimizer states per parameter (training/reshard.py), whose files are checked before any process
+    group starts; a changed micro-batch or grad_acc alone keeps DeepSpeed's own load."""
     out = tmp_path / "out"
     (out / "global_step4").mkdir(parents=True)
     (out / "latest").write_text("global_step4")
     (out / "global_step4" / "train_config.yaml").write_text("num_stages: 2\npartition_method: parameters\n")
+    (out / "global_step4" / "trainer_state_rank00000.json").write_text(json.dumps({"world_size": 4}))
     good.output_dir = str(out)
     message = problems_of(good, 4)
-    assert "saved with another layout: partition_method 'parameters' -> 'compute'" in message
-    assert "set the saved values to resume it" in message and "num_stages" not in message
+    assert f"cannot resume {out}/global_step4 on this layout: {out}/global_step4 holds no optimizer states" in message
     good.partition_method = "parameters"
-    assert resolve(good, 4).resume_tag == "global_step4"
+    assert resolve(good, 4).reshard == ""
+    good.gradient_accumulation_steps = 4
+    assert resolve(good, 4).reshard == ""
+    assert "holds no optimizer states" in problems_of(good, 8)  # world size 4 -> 8
     good.num_stages = 4
-    assert "saved with another layout: num_stages 2 -> 4" in problems_of(good, 4)
+    assert f"{out}/global_step4/layer_00-model_states.pt is missing" in problems_of(good, 4)
 
 
 def saved_run(good, tmp_path) -> str:
@@ -473,7 +483,7 @@ def test_resume_refuses_changed_settings_unless_their_class_is_allowed(good, tmp
     assert [f"{k} {o!r} -> {n!r}" for k, (o, n) in resolved.resume_changes.changed[cls].items()] == [line]
 
 
-def test_resume_applies_free_settings_and_refuses_layout_whatever_is_allowed(good, tmp_path):
+def test_resume_applies_free_and_layout_settings_as_given(good, tmp_path):
     saved_run(good, tmp_path)
     good.max_steps, good.save_steps, good.monitor.csv = 500, 10, True
     resolved = resolve(good, 4)
@@ -482,8 +492,8 @@ def test_resume_applies_free_settings_and_refuses_layout_whatever_is_allowed(goo
         "save_steps": (0, 10),
         "monitor.csv": (False, True),
     }
-    good.micro_batch_size, good.resume_allow_changes = 4, ["optim", "data", "model"]
-    assert "saved with another layout: micro_batch_size 2 -> 4" in problems_of(good, 4)
+    good.micro_batch_size = 4
+    assert resolve(good, 4).resume_changes.changed["layout"] == {"micro_batch_size": (2, 4)}
     good.resume_allow_changes = ["layout"]
     assert "resume_allow_changes ['layout'] unknown: choose from ['optim', 'data', 'model']" in problems_of(good, 4)
 

@@ -325,6 +325,51 @@ def test_iterator_resumes_mid_epoch(tmp_path, tokenizer_dir):
     assert seen + [fingerprint(b) for b in itertools.islice(resumed, 6)] == expected
 
 
+def test_iterator_order_is_distributed_samplers(tmp_path, tokenizer_dir):
+    """The order of the sampler the position format replaced: checkpoints and tests keep their data."""
+    from torch.utils.data import DistributedSampler
+
+    ds = make_blocks(tmp_path, tokenizer_dir, 26)
+    for dp, rank in ((1, 0), (4, 1), (4, 3)):
+        sampler = DistributedSampler(ds, num_replicas=dp, rank=rank, shuffle=True, seed=5, drop_last=True)
+        expected = [ds[i]["input_ids"][0].item() for i in sampler]
+        got = first_tokens(MicroBatchIterator(ds, 2, rank, dp, True, 5), len(expected) // 2)
+        assert got == expected[: len(got)]
+
+
+def step_samples(ds, micro: int, grad_acc: int, dp: int, steps: int, state: dict | None = None) -> list[list[int]]:
+    """The first tokens of every sample each optimizer step takes over all data-parallel ranks (sorted),
+    from ``state`` when given; the iterators' states after them go into ``state``."""
+    its = [MicroBatchIterator(ds, micro, r, dp, True, 11) for r in range(dp)]
+    for it in its:
+        if state:
+            it.load_state_dict(state)
+    out = [sorted(sum((first_tokens(it, grad_acc) for it in its), [])) for _ in range(steps)]
+    if state is not None:
+        state.update(its[0].state_dict())
+    return out
+
+
+def test_a_step_takes_the_same_samples_whatever_the_data_parallel_degree(tmp_path, tokenizer_dir):
+    ds = make_blocks(tmp_path, tokenizer_dir, 64)
+    reference = step_samples(ds, micro=2, grad_acc=2, dp=2, steps=3)
+    assert step_samples(ds, micro=2, grad_acc=4, dp=1, steps=3) == reference
+    assert step_samples(ds, micro=2, grad_acc=1, dp=4, steps=3) == reference
+    assert step_samples(ds, micro=1, grad_acc=2, dp=4, steps=3) == reference
+    assert len({tuple(s) for s in reference}) == 3 and all(len(s) == 8 for s in reference)
+
+
+def test_a_changed_global_batch_continues_at_the_next_unseen_sample(tmp_path, tokenizer_dir):
+    ds = make_blocks(tmp_path, tokenizer_dir, 64)
+    order = sum(step_samples(ds, micro=1, grad_acc=1, dp=1, steps=64), [])  # the epoch's samples in order
+    state: dict = {}
+    first = step_samples(ds, micro=2, grad_acc=2, dp=2, steps=2, state=state)  # 16 samples
+    assert state == {"epoch": 0, "consumed": 16}
+    after = step_samples(ds, micro=1, grad_acc=2, dp=3, steps=3, state=state)  # 6 per step
+    assert sorted(sum(first, [])) == sorted(order[:16])
+    assert [sorted(s) for s in after] == [sorted(order[16 + 6 * i : 22 + 6 * i]) for i in range(3)]
+
+
 def test_too_little_data_fails_instead_of_spinning(tmp_path, tokenizer_dir):
     ds = make_blocks(tmp_path, tokenizer_dir, 3)
     with pytest.raises(DataError, match="3 samples give no full micro-batch .* = 4 needed"):

@@ -180,13 +180,14 @@ def check_command(command: str, expected: list[str] | None, stage: dict) -> str:
         proc = run([sys.executable, script, *args])
     elif script == "convert2ckpt.py":
         stage["n"] += 1
-        to_hf = "--to-hf" in args
-        rest = [a for a in args if a != "--to-hf"]
+        flags = [a for a in args if a in ("--to-hf", "--reshard")]
+        rest = [a for a in args if a not in flags]
         opts = {rest[i]: rest[i + 1] for i in range(0, len(rest), 2)}
-        opts["--input"] = stage["ckpt"] if to_hf else stage["hf"]
+        # --reshard reads a run's checkpoint (train.py's run A, conftest), --to-hf a converted one
+        opts["--input"] = str(stage["run"]) if "--reshard" in flags else stage["ckpt"] if flags else stage["hf"]
         opts["--output"] = str(stage["root"] / f"convert{stage['n']}")
         opts.pop("--tag", None)
-        proc = run([sys.executable, script, *(["--to-hf"] if to_hf else []), *[x for kv in opts.items() for x in kv]])
+        proc = run([sys.executable, script, *flags, *[x for kv in opts.items() for x in kv]])
     else:
         with open(os.path.join(REPO, "scripts", "demo.sh")) as f:
             if script in f.read():
@@ -215,8 +216,10 @@ COMMANDS = readme_commands()
 
 @pytest.mark.multirank  # some commands start DeepSpeed ranks (train.py, the demo's steps)
 @pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[f"{file}-{i}" for i, (_, _, file) in enumerate(COMMANDS)])
-def test_readme_command(index, stage):
+def test_readme_command(index, stage, request):
     command, expected, where = COMMANDS[index]
+    if "--reshard" in command:
+        stage["run"] = request.getfixturevalue("run_a")[0] / "A"
     assert check_command(command, expected, stage), where
 
 

@@ -39,6 +39,7 @@ from tests.conftest import (
     load_entry_point,
     make_hf_dir,
     read_metrics,
+    run_deepspeed,
     write_random_tokens,
 )
 from training.config import ConfigError, DataConfig, TrainConfig, checkpoint_size_bytes, resolve
@@ -182,7 +183,12 @@ def chain(setup):
     root, ckpt, data = setup
     cache = root / "cache"
     runs = {}
-    runs["U"] = launch(4, "train.py", train_args(ckpt, data, root / "U", cache), str(root / "U.log"))
+
+    def without_kill(out: str, log: str) -> Launch:  # the ranks started directly (tests/conftest.py)
+        proc = run_deepspeed(4, "train.py", train_args(ckpt, data, root / out, cache), str(root / log))
+        return Launch(proc.returncode, proc.stdout + proc.stderr, {}, None, time.time(), 0)
+
+    runs["U"] = without_kill("U", "U.log")
     assert runs["U"].returncode == 0, runs["U"].output[-4000:]
     # C: rank 2 dies right after writing its first file of global_step4 (the others wait in the save).
     kill_time = root / "crash.time"
@@ -207,7 +213,7 @@ def chain(setup):
         kill_rank_after=("step 7/", 1),
     )
     runs["after_kill"] = {"latest": (root / "C" / "latest").read_text()}
-    runs["final"] = launch(4, "train.py", train_args(ckpt, data, root / "C", cache), str(root / "C-final.log"))
+    runs["final"] = without_kill("C", "C-final.log")
     assert runs["final"].returncode == 0, runs["final"].output[-4000:]
     return root, runs
 
@@ -594,6 +600,29 @@ def test_deepspeed_checkpoint_files_are_loaded_without_running_pickles(tmp_path)
     with pytest.raises(CheckpointError, match=f"{engine_state} holds objects a DeepSpeed checkpoint does not"):
         WeightsOnlyCheckpointEngine().load(str(engine_state))
     assert not marker.exists()
+
+
+def test_resharding_reads_optimizer_states_without_running_pickles(tmp_path, tiny_hf, capsys):
+    """convert2ckpt.py --reshard (and a resume on another layout, the same reader) refuses a tampered
+    optimizer-state file by name, writes nothing, and never runs it."""
+    from training.reshard import SavedOptimizerState
+
+    run = tmp_path / "run"
+    hf_to_stages(tiny_hf, str(run))
+    tag_dir = run / "global_step0"
+    marker = tmp_path / "PWNED"
+    optim = tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"partition_count": [1], "x": _Payload(str(marker))}}, optim)
+    (tag_dir / "trainer_state_rank00000.json").write_text(json.dumps({"step": 0}))
+    (problem,) = SavedOptimizerState(str(tag_dir)).problems
+    assert problem.startswith(
+        f"{optim} holds objects a DeepSpeed checkpoint does not (a pickle that could run code when loaded): "
+        "refused, nothing loaded"
+    )
+    assert "posix.system" in problem or "os.system" in problem
+    assert convert2ckpt.main(["--reshard", "--input", str(run), "--output", str(tmp_path / "out")]) == 1
+    assert f"cannot reshard {tag_dir}:\n  {optim} holds objects" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 def test_every_torch_load_in_the_project_is_weights_only():

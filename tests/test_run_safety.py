@@ -183,7 +183,9 @@ def test_known_harmless_lines_are_filtered_and_log_level_brings_them_back(setup)
     assert "SEED_LAYERS=" not in ranks_output and "is deprecated" not in ranks_output
     assert "built successfully" not in ranks_output
     assert "[train] engine:" in quiet and "step 400/400" in quiet  # the project's own lines still there
-    loud = run_deepspeed(2, "train.py", args(root, data, root / "loud", log_level="info"), str(root / "loud.log"))
+    loud = run_deepspeed(
+        2, "train.py", args(root, data, root / "loud", log_level="info"), str(root / "loud.log"), launcher=True
+    )
     assert loud.returncode == 0
     loud_ranks = (loud.stdout + loud.stderr)[(loud.stdout + loud.stderr).rindex("spawned with command") :]
     for line in (

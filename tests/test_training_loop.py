@@ -15,65 +15,21 @@ import torch
 from models.hf_io import hf_to_stages
 from models.layer_files import load_layer_file
 from models.tiny import corpus_documents
-from tests.conftest import REPO, read_metrics, run_deepspeed
+from tests.conftest import LOOP_STEPS, REPO, loop_args, read_metrics, run_args, run_deepspeed
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
-STEPS = 8
-
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
-    with open(path, "w") as f:
-        for doc in corpus_documents()[:30]:
-            f.write(json.dumps({"text": doc}) + "\n")
-    return str(path)
-
-
-def run_args(ckpt: str, corpus: str, out, cache, **overrides) -> list[str]:
-    args = {
-        "model_name_or_path": ckpt,
-        "output_dir": out,
-        "data": "text",
-        "data.train_file": corpus,
-        "data.max_seq_length": 64,
-        "data.cache_dir": cache,
-        "data.eval_fraction": 0.1,
-        "data.shuffle": "true",
-        "num_stages": 2,
-        "micro_batch_size": 2,
-        "gradient_accumulation_steps": 2,
-        "max_steps": STEPS,
-        "precision": "fp32",
-        "ds": "zero1",
-        "optim.scheduler": "cosine",
-        "optim.warmup_steps": 2,
-        "optim.lr": 2e-3,
-        "optim.min_lr": 2e-4,
-        "eval_steps": 4,
-        "save_steps": 2,
-        "save_total_limit": 3,
-        "monitor.csv": "true",
-        **overrides,
-    }
-    return [f"{k}={v}" for k, v in args.items()]
-
-
-@pytest.fixture(scope="module")
-def full_and_resumed(tmp_path_factory, tiny_hf, corpus):
-    """Run A trains 8 steps. Run B is A's output as a crash right after the step-4 save would leave it
+def full_and_resumed(run_a):
+    """Run A (conftest: 8 steps). Run B is A's output as a crash right after the step-4 save would leave it
     (latest = global_step4, later checkpoints gone, metrics up to step 8), resumed to step 8."""
-    root = tmp_path_factory.mktemp("loop")
-    ckpt = str(root / "ckpt")
-    hf_to_stages(tiny_hf, ckpt)
-    full = run_deepspeed(4, "train.py", run_args(ckpt, corpus, root / "A", root / "cache"), str(root / "A.log"))
-    assert full.returncode == 0, (full.stdout + full.stderr)[-4000:]
+    root, full = run_a
     shutil.copytree(root / "A", root / "B")
     for tag in ("global_step6", "global_step8"):
         shutil.rmtree(root / "B" / tag)
     (root / "B" / "latest").write_text("global_step4")
-    resumed = run_deepspeed(4, "train.py", run_args(ckpt, corpus, root / "B", root / "cache"), str(root / "B.log"))
+    resumed = run_deepspeed(4, "train.py", loop_args(root, root / "B"), str(root / "B.log"))
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     return root, full, resumed
 
@@ -82,7 +38,7 @@ def test_resume_continues_exactly(full_and_resumed):
     root, _, resumed = full_and_resumed
     assert "steps 5..8 (resumed from global_step4)" in resumed.stdout
     a, b = read_metrics(str(root / "A")), read_metrics(str(root / "B"))
-    assert [m["step"] for m in b] == list(range(1, STEPS + 1))  # lines after step 4 were replaced, not duplicated
+    assert [m["step"] for m in b] == list(range(1, LOOP_STEPS + 1))  # lines after step 4 were replaced, not duplicated
     assert [m["loss"] for m in b] == [m["loss"] for m in a]  # bit-identical, steps 5-8 included
     assert [m["lr"] for m in b] == [m["lr"] for m in a]
     assert (

@@ -238,6 +238,7 @@ class Resolved:
     resume_changes: ResumeChanges = field(
         default_factory=lambda: ResumeChanges()
     )  # settings changed since it was saved
+    reshard: str = ""  # why the checkpoint's optimizer states are read per parameter ("" = DeepSpeed's own load)
 
     @property
     def from_scratch(self) -> bool:
@@ -390,8 +391,9 @@ def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], ResumeCh
 
 # How each setting may differ from the checkpoint being resumed (its train_config.yaml). Keys not listed
 # are "free": they take effect as given (step counts, cadences, outputs, timeouts, eval data).
-#   layout: refused; optimizer states are saved per stage and rank, and the sampler position counts
-#           micro-batches of this size (set the saved value).
+#   layout: taken as given. Where the optimizer states' layout changed (RESHARD_KEYS, or the world size)
+#           they are read per parameter (training/reshard.py); the data position counts samples, so
+#           the run continues at the next unseen one; a changed global batch is said at start.
 #   optim:  refused unless resume_allow_changes has "optim"; then applied exactly from the next step
 #           (train.py sets them on the restored optimizer and recomputes the schedule).
 #   data:   refused unless resume_allow_changes has "data"; then the new sample stream continues at the
@@ -431,6 +433,9 @@ RESUME_KEY_CLASSES = {
     "model": ("model_name_or_path", "model.name", "model.architecture", "model.tokenizer"),
 }
 ACCEPTABLE_CHANGES = ("optim", "data", "model")
+# Layout keys that change how optimizer states are cut into files: with any of them (or the world size)
+# changed, resume reads the saved states per parameter instead of DeepSpeed's own load.
+RESHARD_KEYS = ("num_stages", "partition_method", "ds_config", "precision")
 
 
 @dataclass
@@ -478,12 +483,6 @@ def resume_changes(cfg: TrainConfig, tag: str) -> tuple[ResumeChanges, list[str]
                 changes.changed.setdefault(cls, {})[key] = (old, new)
     problems = []
     where = f"{cfg.output_dir}/{tag}"
-    if changes.changed.get("layout"):
-        problems.append(
-            f"{where} was saved with another layout: {', '.join(changes.lines('layout'))} (optimizer "
-            f"states are saved per stage and rank, the data position in micro-batches): set the saved values "
-            f"to resume it, or start a new output_dir with model_name_or_path={cfg.output_dir} (weights only)"
-        )
     for cls in ACCEPTABLE_CHANGES:
         if changes.changed.get(cls) and cls not in cfg.resume_allow_changes:
             problems.append(
@@ -492,6 +491,34 @@ def resume_changes(cfg: TrainConfig, tag: str) -> tuple[ResumeChanges, list[str]
                 f"{RESUME_EFFECT[cls]}"
             )
     return changes, problems
+
+
+def reshard_reason(
+    cfg: TrainConfig, tag: str, changes: ResumeChanges, world_size: int, model_config
+) -> tuple[str, list[str]]:
+    """(why ``output_dir/tag``'s optimizer states must be read per parameter, "" when DeepSpeed's own load
+    applies; problems of those states: files of some rank missing, an unreadable or unsafe file), before
+    any process group starts."""
+    path = os.path.join(cfg.output_dir, tag, "trainer_state_rank00000.json")
+    if not os.path.isfile(path):
+        return "", []  # not written by train.py: read_trainer_state says so once the ranks run
+    with open(path) as f:
+        saved = json.load(f)
+    if saved.get("portable"):
+        reasons = ["portable, written by convert2ckpt.py --reshard"]
+    else:
+        layout = changes.changed.get("layout", {})
+        reasons = [f"{key} {old!r} -> {new!r}" for key, (old, new) in layout.items() if key in RESHARD_KEYS]
+        if saved["world_size"] != world_size:
+            reasons.append(f"world size {saved['world_size']} -> {world_size}")
+    if not reasons:
+        return "", []
+    from training.reshard import SavedOptimizerState  # heavy import (torch), only when resharding
+
+    saved_states = SavedOptimizerState(os.path.join(cfg.output_dir, tag))
+    found = saved_states.problems + (saved_states.missing_layer_files(model_config) if model_config else [])
+    problems = [f"cannot resume {cfg.output_dir}/{tag} on this layout: {p}" for p in found]
+    return ", ".join(reasons), problems
 
 
 RESUME_EFFECT = {
@@ -649,6 +676,10 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
     problems += model_problems
     resume_tag, resume_changes_, resume_problems = find_resume(cfg, model_config)
     problems += resume_problems
+    reshard = ""
+    if resume_tag and not resume_problems:
+        reshard, reshard_problems = reshard_reason(cfg, resume_tag, resume_changes_, world_size, model_config)
+        problems += reshard_problems
     ds_json, ds_problem = load_ds_json(cfg.ds_config)
     if ds_problem:
         problems.append(ds_problem)
@@ -693,7 +724,7 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
     if unknown_classes:
         problems.append(
             f"resume_allow_changes {unknown_classes} unknown: choose from {list(ACCEPTABLE_CHANGES)} "
-            f"({', '.join(RESUME_KEY_CLASSES['layout'])} cannot change on resume)"
+            f"({', '.join(RESUME_KEY_CLASSES['layout'])} may change on resume without it)"
         )
     if model_config is not None and cfg.data.max_seq_length > model_config.max_position_embeddings:
         rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
@@ -755,7 +786,7 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
             problems += ds_json_conflicts(cfg, ds_json, layout)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-    return Resolved(cfg, layout, ds_json, model_config, warnings, resume_tag, resume_changes_)
+    return Resolved(cfg, layout, ds_json, model_config, warnings, resume_tag, resume_changes_, reshard)
 
 
 def default_packing(data: DataConfig) -> bool:

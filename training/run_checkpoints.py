@@ -28,6 +28,7 @@ import shutil
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from omegaconf import OmegaConf
 
@@ -46,6 +47,7 @@ from models.layer_files import (
 )
 from models.llama_pipe import layer_file_name
 from training.config import Resolved, tokenizer_dir
+from training.optim import param_groups
 
 # train.py's line after each save, as scripts/stress.py and the tests read it back: (step, RSS per rank in MiB
 # as "a, b, ...", rank 0's peak RSS in MiB).
@@ -96,6 +98,12 @@ def save(resolved: Resolved, engine, step: int, iterator) -> str:
     state = {
         "step": step,
         "world_size": dist.get_world_size(),
+        "stage": rank // resolved.dp,  # pipe is the outer axis of the topology
+        "dp_rank": rank % resolved.dp,
+        "global_batch": resolved.layout.global_batch,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "optimizer_param_names": optimizer_param_names(engine.module, resolved.cfg.optim.weight_decay),
         "rng": rng_state(),
         "iterator": iterator.state_dict() if iterator is not None else None,
     }
@@ -113,6 +121,13 @@ def save(resolved: Resolved, engine, step: int, iterator) -> str:
         prune(cfg.output_dir, cfg.save_total_limit, keep=tag)
     dist.barrier()
     return tag
+
+
+def optimizer_param_names(module, weight_decay: float) -> list[list[str]]:
+    """The names of the parameters in each AdamW group train.py built, in order: how torch's optimizer
+    state (ZeRO-0, fp32) is indexed, so another layout can read it per parameter (training/reshard.py)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in param_groups(module, weight_decay)]
 
 
 def write_layer_files(module, config, tag_dir: str) -> None:
@@ -178,13 +193,13 @@ def deepspeed_state_globals() -> list[type]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-def load_deepspeed_file(path: str, map_location=None):
+def load_deepspeed_file(path: str, map_location=None, mmap: bool = False):
     """A DeepSpeed checkpoint file (engine state, optimizer states, a layer file) with
     ``weights_only=True``: tensors, containers and :func:`deepspeed_state_globals` only, so a tampered
     file is refused instead of running what it names."""
     with torch.serialization.safe_globals(deepspeed_state_globals()):
         try:
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as e:
             raise CheckpointError(
                 f"{path} holds objects a DeepSpeed checkpoint does not (a pickle that could run code when "
@@ -238,8 +253,6 @@ def missing_deepspeed_files(engine, output_dir: str, tag: str) -> list[str]:
     """The DeepSpeed files this rank's ``load_checkpoint`` will read that are not in ``output_dir/tag``:
     its engine state, and every data-parallel rank's optimizer states of its stage (ZeRO, and bf16 at
     ZeRO-0), by DeepSpeed's own naming."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-
     expected = [engine._get_ckpt_name(output_dir, tag)]
     if engine.zero_optimization() or isinstance(engine.optimizer, BF16_Optimizer):
         expected += engine._get_mp_rank_zero_checkpoint_names(
@@ -265,11 +278,10 @@ def read_trainer_state(resolved: Resolved, engine) -> dict:
         )
     with open(path) as f:
         state = json.load(f)
-    if state["world_size"] != dist.get_world_size():
+    if state["world_size"] != dist.get_world_size():  # rank 0's file said this world size (config.reshard_reason)
         raise ValueError(
-            f"{cfg.output_dir}/{tag} was written by {state['world_size']} ranks, this job has "
-            f"{dist.get_world_size()}: resume with the same layout, or start a new output_dir with "
-            f"model_name_or_path={cfg.output_dir} (weights only)"
+            f"{path} was written by {state['world_size']} ranks, {trainer_state_file(cfg.output_dir, tag, 0)} by "
+            f"{dist.get_world_size()}: the checkpoint mixes files of two runs"
         )
     return state
 
@@ -277,8 +289,6 @@ def read_trainer_state(resolved: Resolved, engine) -> dict:
 def restore(resolved: Resolved, engine, iterator, state: dict) -> int:
     """Collective: model, optimizer and LR schedule from DeepSpeed's files, then RNG and sampler
     position from ``state``; returns the step the checkpoint was taken at."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-
     # bf16 at ZeRO-0 (BF16_Optimizer): DeepSpeed 0.19.8 hands the optimizer the engine file's single
     # state dict where it indexes one per data-parallel rank (KeyError: 0), so its states are read from
     # the per-rank files it saved, as ZeRO's are.
@@ -293,3 +303,36 @@ def restore(resolved: Resolved, engine, iterator, state: dict) -> int:
     if iterator is not None:
         iterator.load_state_dict(state["iterator"])
     return state["step"]
+
+
+def restore_resharded(resolved: Resolved, engine, iterator, total_steps: int) -> dict:
+    """Resume on a layout other than the checkpoint's (``resolved.reshard`` says why): the weights are in
+    the model already (this stage's layer files, read by ``init_weights``); here every parameter's
+    optimizer state is read from the saved files per parameter (training/reshard.py), then the step
+    count, LR schedule position, data position and RNG of the checkpoint's rank 0. Local to each rank
+    (run through on_all_ranks); returns that trainer state."""
+    from training.optim import apply_optim_settings
+    from training.reshard import SavedOptimizerState, load_into_engine, load_problems
+
+    output_dir, tag = resolved.cfg.output_dir, resolved.resume_tag
+    saved = SavedOptimizerState(os.path.join(output_dir, tag))
+    problems = saved.problems + load_problems(saved, engine.module)
+    with open(trainer_state_file(output_dir, tag, 0)) as f:
+        state = json.load(f)
+    if "consumed" not in (state["iterator"] or {}):
+        problems.append(
+            "its data position counts one rank's micro-batches (saved by an earlier version): resume it on its "
+            "own layout"
+        )
+    if problems:
+        raise CheckpointError(f"cannot resume {output_dir}/{tag} on this layout:\n  " + "\n  ".join(problems))
+    load_into_engine(engine, saved)
+    step = state["step"]
+    engine.global_steps, engine.skipped_steps = step, state["skipped_steps"]
+    engine.global_samples = state["global_samples"]
+    engine.lr_scheduler.last_epoch, engine.lr_scheduler._step_count = step, step + 1
+    apply_optim_settings(engine, resolved.cfg, total_steps)  # the learning rate of step + 1
+    set_rng_state(state["rng"])
+    if iterator is not None:
+        iterator.load_state_dict(state["iterator"])
+    return state
