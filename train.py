@@ -160,13 +160,9 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
 
     def init() -> dict:
         start, loaded_mib = time.time(), 0.0
-        if resolved.resume_tag and resolved.reshard:  # another layout: this stage's layer files, then states
-            report = load_stage_weights(model, config, cfg.output_dir, resolved.resume_tag)
-            loaded_mib = report.bytes_read / 2**20
-            source = f"loaded {loaded_mib:.1f} MiB from {len(report.files)} layer files of {resolved.resume_tag}"
-        elif resolved.resume_tag:
-            source = f"resuming {resolved.resume_tag}"
-        elif resolved.from_scratch:
+        if resolved.resume_tag and not resolved.reshard:
+            source = f"resuming {resolved.resume_tag}"  # DeepSpeed's load_checkpoint fills the stage
+        elif resolved.from_scratch and not resolved.resume_tag:
             layout = spec_layout(config)
             for index, module in local_modules(model):
                 seed = cfg.seed + layout[index].file_index
@@ -175,10 +171,13 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
                 else:
                     init_weights_(module, config, seed=seed)
             source = f"initialised from scratch (model={cfg.model.name}, seed {cfg.seed})"
-        else:
-            report = load_stage_weights(model, config, cfg.model_name_or_path)
+        else:  # model_name_or_path's layer files, or, resuming on another layout, the checkpoint's
+            ckpt_dir, tag = (
+                (cfg.output_dir, resolved.resume_tag) if resolved.resume_tag else (cfg.model_name_or_path, None)
+            )
+            report = load_stage_weights(model, config, ckpt_dir, tag)
             loaded_mib = report.bytes_read / 2**20
-            source = f"loaded {loaded_mib:.1f} MiB from {len(report.files)} layer files"
+            source = f"loaded {loaded_mib:.1f} MiB from {len(report.files)} layer files" + (f" of {tag}" if tag else "")
         if partitioned:
             source += f", ZeRO-3 partitioned at build: this rank holds {partition_bytes(params) / 2**20:.1f} MiB"
         return {
