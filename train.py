@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from data.guard import OrderMismatchError  # noqa: E402
 from models.families import family_of  # noqa: E402
 from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
-from models.layer_files import is_partitioned, load_stage_weights, local_modules  # noqa: E402
+from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules  # noqa: E402
 from models.llama_pipe import LlamaStack, build_pipeline_model, flops_per_token, init_weights_, spec_layout  # noqa: E402
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
 from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes  # noqa: E402
@@ -156,7 +156,6 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
 
     params = [p for _, m in local_modules(model) for p in m.parameters()]
     partitioned = any(map(is_partitioned, params))
-    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731 (a ZeRO-3 parameter's own data is empty)
 
     def init() -> dict:
         start, loaded_mib = time.time(), 0.0
@@ -183,8 +182,8 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
         return {
             "stage": model.stage_id,
             "specs": list(range(model._local_start, model._local_stop)),
-            "params": sum(numel(p) for p in params),
-            "param_mib": sum(numel(p) * p.element_size() for p in params) / 2**20,
+            "params": sum(full_numel(p) for p in params),
+            "param_mib": sum(full_numel(p) * p.element_size() for p in params) / 2**20,
             "source": source,
             "seconds": time.time() - start,
             "rss_before_model_mib": rss_before_model_mib,

@@ -219,6 +219,11 @@ def full_shape(t: torch.Tensor) -> torch.Size:
     return getattr(t, "ds_shape", t.shape)
 
 
+def full_numel(t: torch.Tensor) -> int:
+    """The element count of :func:`full_shape`."""
+    return getattr(t, "ds_numel", t.numel())
+
+
 def is_partitioned(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ZeRO-3 parameter (made by ``deepspeed.zero.Init``): each rank holds one slice."""
     return hasattr(t, "ds_id")

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from models.layer_files import SIDE_FILES, CheckpointError, first_line, load_layer_file
+from models.layer_files import SIDE_FILES, CheckpointError, first_line, full_numel, load_layer_file
 from models.llama_pipe import layer_file_name
 
 ZERO_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -313,10 +313,6 @@ class SavedOptimizerState:
 def trainable_parameters(module) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, parameter) of every trainable parameter, a tied one once."""
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-
-
-def full_numel(param) -> int:
-    return getattr(param, "ds_numel", param.numel())
 
 
 def load_problems(saved: SavedOptimizerState, module) -> list[str]:
