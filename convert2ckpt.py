@@ -3,6 +3,7 @@
     python convert2ckpt.py --input HF_DIR --output CKPT_DIR [--dtype bf16|fp16|fp32]
     python convert2ckpt.py --to-hf --input CKPT_DIR [--tag TAG] --output HF_DIR [--dtype ...]
     python convert2ckpt.py --reshard --input RUN_DIR [--tag TAG] --output NEW_RUN_DIR
+    python convert2ckpt.py --to-hf --input LORA_RUN_DIR --output ADAPTER_DIR [--merge] [--base-model NAME]
 
 Tensors are read and written one layer at a time, so the whole model is never in memory. Output is
 written to ``<output>.tmp-<pid>`` and renamed at the end: a failed conversion leaves no output.
@@ -17,12 +18,14 @@ layout runs): resume it on any layout as ``output_dir``, or inspect it without D
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
 from models.hf_io import DEFAULT_MAX_SHARD, ConversionError, hf_to_stages, stages_to_hf
-from models.layer_files import CheckpointError
+from models.layer_files import CheckpointError, read_tag
+from models.lora import export_adapter, lora_run_base
 from training.reshard import reshard
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -46,6 +49,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD, help="with --to-hf: largest safetensors shard")
     p.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --to-hf of a LoRA run: a full Hugging Face model with the adapters merged, not an adapter dir",
+    )
+    p.add_argument(
+        "--base-model",
+        default=None,
+        help="with --to-hf of a LoRA run: base_model_name_or_path to write in adapter_config.json "
+        "(default: the run's model_name_or_path)",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace --output if it exists and was written by this tool (only once conversion succeeded)",
@@ -63,13 +77,17 @@ def main(argv: list[str] | None = None) -> int:
             if dtype is not None:
                 raise ConversionError("--dtype does not apply to --reshard (optimizer states stay fp32)")
             reshard(args.input, args.output, args.tag, args.overwrite)
+        elif args.to_hf and lora_run_base(os.path.join(args.input, read_tag(args.input, args.tag))):
+            export_adapter(args.input, args.output, args.tag, args.base_model, args.merge, dtype, args.overwrite)
         elif args.to_hf:
+            if args.merge or args.base_model:
+                raise ConversionError("--merge and --base-model apply to the checkpoint of a LoRA run only")
             stages_to_hf(args.input, args.output, args.tag, dtype, args.max_shard_size, args.overwrite)
         else:
-            if args.tag is not None:
-                raise ConversionError("--tag applies only with --to-hf or --reshard")
+            if args.tag is not None or args.merge or args.base_model:
+                raise ConversionError("--tag, --merge and --base-model apply only with --to-hf (--tag: or --reshard)")
             hf_to_stages(args.input, args.output, dtype, args.overwrite)
-    except (ConversionError, CheckpointError, OSError) as e:
+    except (ConversionError, CheckpointError, OSError, ValueError) as e:
         print(f"convert2ckpt.py: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -41,6 +41,7 @@ from models.families import family_of  # noqa: E402
 from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
 from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules  # noqa: E402
 from models.llama_pipe import LlamaStack, build_pipeline_model, flops_per_token, init_weights_, spec_layout  # noqa: E402
+from models.lora import adapter_settings_problems, apply_lora, base_record, load_adapter_  # noqa: E402
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
 from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes  # noqa: E402
 from training import run_checkpoints  # noqa: E402
@@ -159,7 +160,7 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
 
     def init() -> dict:
         start, loaded_mib = time.time(), 0.0
-        if resolved.resume_tag and not resolved.reshard:
+        if resolved.resume_tag and not resolved.reshard and not resolved.lora:
             source = f"resuming {resolved.resume_tag}"  # DeepSpeed's load_checkpoint fills the stage
         elif resolved.from_scratch and not resolved.resume_tag:
             layout = spec_layout(config)
@@ -170,13 +171,17 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
                 else:
                     init_weights_(module, config, seed=seed)
             source = f"initialised from scratch (model={cfg.model.name}, seed {cfg.seed})"
-        else:  # model_name_or_path's layer files, or, resuming on another layout, the checkpoint's
+        else:  # model_name_or_path's layer files (a LoRA run's base), or, resuming on another layout, the checkpoint's
             ckpt_dir, tag = (
-                (cfg.output_dir, resolved.resume_tag) if resolved.resume_tag else (cfg.model_name_or_path, None)
+                (cfg.output_dir, resolved.resume_tag)
+                if resolved.resume_tag and not resolved.lora
+                else (cfg.model_name_or_path, None)
             )
             report = load_stage_weights(model, config, ckpt_dir, tag)
             loaded_mib = report.bytes_read / 2**20
             source = f"loaded {loaded_mib:.1f} MiB from {len(report.files)} layer files" + (f" of {tag}" if tag else "")
+            if resolved.lora:
+                model.lora_base = base_record(ckpt_dir, report.files)  # saved with each checkpoint, checked on resume
         if partitioned:
             source += f", ZeRO-3 partitioned at build: this rank holds {partition_bytes(params) / 2**20:.1f} MiB"
         return {
@@ -191,6 +196,33 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
         }
 
     return on_all_ranks("initialising stage weights", init)
+
+
+def adapt(model, resolved: Resolved) -> list[str]:
+    """LoRA (peft.method=lora): this stage's base frozen, PEFT's LoRA layers injected into its decoder
+    layers (models/lora.py), started from peft.init_from's adapter when given. Returns every rank's line."""
+    cfg = resolved.cfg
+
+    def inject() -> str:
+        local = local_modules(model)
+        apply_lora(local, resolved.model_config, cfg.peft, cfg.seed)
+        if cfg.peft.init_from and not resolved.resume_tag:
+            problems = adapter_settings_problems(cfg.peft.init_from, cfg.peft)
+            if problems:
+                raise ValueError(
+                    f"peft.init_from={cfg.peft.init_from} differs from the peft settings: " + "; ".join(problems)
+                )
+            load_adapter_(local, resolved.model_config, cfg.peft.init_from)
+        trained = sum(full_numel(p) for _, m in local for p in m.parameters() if p.requires_grad)
+        frozen = sum(full_numel(p) for _, m in local for p in m.parameters() if not p.requires_grad)
+        start = (
+            f"from {cfg.peft.init_from}" if cfg.peft.init_from and not resolved.resume_tag else "PEFT's initialisation"
+        )
+        return f"{trained / 1e6:.3f} M trained ({start}), {frozen / 1e6:.2f} M frozen"
+
+    if not resolved.lora:
+        return []
+    return on_all_ranks("adding LoRA adapters", inject)
 
 
 def build_data(resolved: Resolved, topology: PipeDataParallelTopology) -> tuple[RankData, list[dict]]:
@@ -275,6 +307,7 @@ def announce(
     resolved: Resolved,
     engine,
     init_reports: list[dict],
+    lora_reports: list[str],
     data_reports: list[dict],
     data: RankData,
     start_step: int,
@@ -301,6 +334,14 @@ def announce(
         f"{model.num_hidden_layers} decoder layers | partition_method={cfg.partition_method}"
         + (f" | activation checkpointing every {every} decoder layer(s)" if every else "")
     )
+    if resolved.lora:
+        p = cfg.peft
+        log0(
+            f"peft: LoRA r={p.r} alpha={p.alpha:g}{' (rsLoRA)' if p.use_rslora else ''}{' DoRA' if p.use_dora else ''} "
+            f"dropout={p.dropout:g} on {', '.join(p.target_modules)}"
+            + (f"; trained fully: {', '.join(p.modules_to_save)}" if p.modules_to_save else "")
+            + " | base frozen: no gradients, no optimizer state, not saved in checkpoints"
+        )
     layout = resolved.layout
     log0(
         f"world {layout.world_size} = pipe {layout.stages} x data {layout.dp} | {layout.batch_line()} (rows of "
@@ -335,6 +376,8 @@ def announce(
             f"| peak RSS at load {info['peak_rss_mib']:.0f} MiB (before building the stage "
             f"{info['rss_before_model_mib']:.0f} MiB, stage parameters {info['param_mib']:.0f} MiB)"
         )
+        if lora_reports:
+            log0(f"rank {rank}: LoRA {lora_reports[rank]}")
         log0(f"rank {rank}: data {d['role']} | peak RSS after data {d['peak_rss_mib']:.0f} MiB")
 
 
@@ -584,11 +627,14 @@ def main(dict_cfg: DictConfig) -> None:
         loss_fn = CausalLMLoss(resolved.cfg.loss_chunk_tokens)
         model = build_model(resolved, topology, loss_fn)
         init_reports = init_weights(model, resolved, rss_before_model)
+        lora_reports = adapt(model, resolved)
         data, data_reports = build_data(resolved, topology)
         total_steps, steps_per_epoch = plan_steps(resolved, data)
         engine = build_engine(resolved, model, total_steps)
         start_step = resume_or_start(resolved, engine, data, total_steps)
-        announce(resolved, engine, init_reports, data_reports, data, start_step, total_steps, steps_per_epoch)
+        announce(
+            resolved, engine, init_reports, lora_reports, data_reports, data, start_step, total_steps, steps_per_epoch
+        )
         train(resolved, engine, data, loss_fn, start_step, total_steps)
         dist.barrier()
     except (StartupError, OrderMismatchError, TrainingStopped) as e:  # raised on every rank alike

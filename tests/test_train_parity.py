@@ -45,12 +45,14 @@ def train_args(ckpt: str, data: str, out: str, **overrides) -> list[str]:
     return parity_args(ckpt, data, out, SEQ, MICRO, STEPS, OPTIM, **overrides)
 
 
-def reference_run(hf_dir: str, samples: list[list[int]], global_batch: int, **optim_overrides):
+def reference_run(hf_dir: str, samples: list[list[int]], global_batch: int, model=None, **optim_overrides):
     """Plain Hugging Face loop: mean of per-micro-batch losses, AdamW, clipping, warm-up schedule.
     Returns per step the losses, the learning rates and the pre-clip gradient norms (the whole model's,
-    and the LM head's alone), and the trained model."""
+    and the LM head's alone, 0 where it is frozen), and the trained model: ``hf_dir``'s, or ``model`` (a
+    PEFT model, whose trainable parameters AdamW trains)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    if model is None:
+        model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     cfg = TrainConfig(optim=OptimConfig(**{**OPTIM, **optim_overrides}))
     opt = torch.optim.AdamW(
         param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps
@@ -62,9 +64,11 @@ def reference_run(hf_dir: str, samples: list[list[int]], global_batch: int, **op
         micro_losses = [model(input_ids=mb, labels=mb).loss for mb in batch.split(MICRO)]
         loss = torch.stack(micro_losses).mean()
         loss.backward()
-        head = model.lm_head.weight.grad.norm().item()
+        head_grad = model.get_output_embeddings().weight.grad
+        head = 0.0 if head_grad is None else head_grad.norm().item()
         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-        norms.append((torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item(), head))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        norms.append((torch.nn.utils.clip_grad_norm_(trained, max_norm).item(), head))
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()

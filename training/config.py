@@ -72,6 +72,16 @@ class LossNormalization(StrEnum):
     micro_batch = "micro_batch"
 
 
+class PeftMethod(StrEnum):
+    none = "none"
+    lora = "lora"
+
+
+class Quantize(StrEnum):
+    none = "none"
+    nf4 = "nf4"
+
+
 class LogLevel(StrEnum):
     debug = "debug"
     info = "info"
@@ -114,6 +124,29 @@ class MonitorConfig:
 
     tensorboard: bool = False  # TensorBoard event files (needs the tensorboard package)
     csv: bool = False  # one CSV file per metric
+
+
+# The linear layers of a decoder layer, by their Hugging Face module names (every supported family).
+DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Modules outside the decoder layers that peft.modules_to_save may train fully, with their spec kind.
+SAVABLE_MODULES = {"embed_tokens": "embed", "lm_head": "head"}
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning with Hugging Face PEFT's own LoRA layers (docs/lora.md)."""
+
+    method: PeftMethod = PeftMethod.none  # none: train every weight | lora: frozen base, LoRA adapters trained
+    r: int = 8  # LoRA rank
+    alpha: float = 16.0  # LoRA scaling numerator: the update is (alpha / r) B A (alpha / sqrt(r) with use_rslora)
+    dropout: float = 0.0  # dropout on the LoRA branch's input
+    # Decoder linear layers that get adapters (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj).
+    target_modules: list[str] = field(default_factory=lambda: list(DECODER_LINEARS))
+    modules_to_save: list[str] = field(default_factory=list)  # trained fully beside the adapters: embed_tokens, lm_head
+    use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(r)
+    use_dora: bool = False  # weight-decomposed LoRA (a trained magnitude vector per adapted layer)
+    quantize: Quantize = Quantize.none  # nf4: QLoRA, each frozen base linear quantised as loaded (bitsandbytes, CUDA)
+    init_from: str = ""  # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from
 
 
 @dataclass
@@ -203,6 +236,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
 
 def register_configs() -> None:
@@ -260,6 +294,11 @@ class Resolved:
     @property
     def uses_pipeline(self) -> bool:
         return self.layout.uses_pipeline
+
+    @property
+    def lora(self) -> bool:
+        """peft.method=lora: the base frozen, PEFT's LoRA adapters trained (models/lora.py)."""
+        return self.cfg.peft.method == "lora"
 
 
 # Fields that define the modules and tensor shapes: a checkpoint and a chosen architecture must agree.
@@ -784,9 +823,94 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
             )
         if ds_json is not None:
             problems += ds_json_conflicts(cfg, ds_json, layout)
+    problems += peft_change_problems(cfg, resume_changes_)
+    if cfg.peft.method != "none":
+        problems += peft_problems(cfg, model_config, layout, reshard)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return Resolved(cfg, layout, ds_json, model_config, warnings, resume_tag, resume_changes_, reshard)
+
+
+def peft_change_problems(cfg: TrainConfig, changes: ResumeChanges) -> list[str]:
+    """Resuming with other ``peft`` settings than the checkpoint's: the adapters (or their absence) are
+    what was trained, so any change is refused (``peft.init_from`` applies to a new run only)."""
+    changed = {k: v for cls in changes.changed.values() for k, v in cls.items() if k.startswith("peft.")}
+    changed.pop("peft.init_from", None)
+    if not changed:
+        return []
+    return [
+        f"{cfg.output_dir} was trained with other peft settings: "
+        + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        + ": set the saved values to resume it, or choose another output_dir"
+    ]
+
+
+def peft_problems(cfg: TrainConfig, model_config, layout: Layout, reshard: str) -> list[str]:
+    """What a LoRA run cannot do with these settings (peft.method=lora)."""
+    p, problems = cfg.peft, []
+    if not cfg.model_name_or_path:
+        problems.append("peft.method=lora adapts a trained base: set model_name_or_path (a convert2ckpt.py checkpoint)")
+    if p.r < 1:
+        problems.append(f"peft.r {p.r} < 1: set the LoRA rank to 1 or more (8, 16, 64 are common)")
+    if not 0 <= p.dropout < 1:
+        problems.append(f"peft.dropout {p.dropout} must be in [0, 1)")
+    unknown = sorted(set(p.target_modules) - set(DECODER_LINEARS))
+    if unknown or not p.target_modules:
+        problems.append(
+            f"peft.target_modules {list(p.target_modules)}: choose one or more of {list(DECODER_LINEARS)} "
+            f"({'unknown: ' + ', '.join(unknown) if unknown else 'none given'})"
+        )
+    unknown = sorted(set(p.modules_to_save) - set(SAVABLE_MODULES))
+    if unknown:
+        problems.append(f"peft.modules_to_save {unknown} unknown: choose from {list(SAVABLE_MODULES)}")
+    if model_config is not None and p.modules_to_save and model_config.tie_word_embeddings:
+        problems.append(
+            f"peft.modules_to_save {list(p.modules_to_save)} with tied embeddings: the embedding and the LM head "
+            "share one weight, which PEFT's adapter format saves as two; leave peft.modules_to_save empty"
+        )
+    if p.quantize != "none":
+        problems.append(
+            f"peft.quantize={p.quantize} (QLoRA) is not supported by this version: set peft.quantize=none "
+            "(LoRA over the base at its stored precision)"
+        )
+    if not layout.uses_pipeline:
+        problems.append(
+            f"peft.method=lora runs on the pipeline engine: num_stages=1 with ds={cfg.ds_config} uses DeepSpeed's "
+            "data-parallel engine, which this version does not adapt; use ds=zero0 or ds=zero1 (the frozen base has "
+            "no optimizer state to partition further)"
+        )
+    if p.init_from and not os.path.isfile(os.path.join(p.init_from, "adapter_config.json")):
+        problems.append(
+            f"peft.init_from {p.init_from} has no adapter_config.json: give a PEFT adapter directory "
+            "(save_pretrained's output, or convert2ckpt.py --to-hf of a LoRA run)"
+        )
+    if reshard:
+        problems.append(
+            f"resuming a LoRA run on another layout ({reshard}) is not supported: resume it with its saved "
+            "num_stages, partition_method, ds_config, precision and world size"
+        )
+    if model_config is not None and layout.stages >= 1 and not problems:
+        problems += frozen_stage_problems(cfg, model_config, layout)
+    return problems
+
+
+def frozen_stage_problems(cfg: TrainConfig, model_config, layout: Layout) -> list[str]:
+    """A pipeline stage with nothing to train (only the frozen embedding, norm or LM head) has no optimizer
+    group, which DeepSpeed's optimizers refuse: named here, with the knobs that move its boundaries."""
+    from models.llama_pipe import spec_layout, stage_boundaries
+
+    kinds = [info.kind for info in spec_layout(model_config)]
+    trained = {"decoder"} | {SAVABLE_MODULES[m] for m in cfg.peft.modules_to_save}
+    bounds = stage_boundaries(model_config, layout.stages, cfg.partition_method, layout)
+    empty = [s for s in range(layout.stages) if not trained & set(kinds[bounds[s] : bounds[s + 1]])]
+    if not empty:
+        return []
+    return [
+        f"with peft.method=lora, stage(s) {empty} of partition_method={cfg.partition_method} (specs "
+        + ", ".join(f"{bounds[s]}..{bounds[s + 1] - 1}" for s in empty)
+        + ") hold no decoder layer, hence nothing to train: use partition_method=compute or uniform, fewer "
+        "num_stages, or train that module fully (peft.modules_to_save)"
+    ]
 
 
 def default_packing(data: DataConfig) -> bool:

@@ -46,6 +46,7 @@ from models.layer_files import (
     write_config,
 )
 from models.llama_pipe import layer_file_name
+from models.lora import adapter_file_problems, base_mismatch
 from training.config import Resolved, tokenizer_dir
 from training.optim import param_groups
 
@@ -92,7 +93,8 @@ def save(resolved: Resolved, engine, step: int, iterator) -> str:
     if rank == 0:
         remove_interrupted(cfg.output_dir, tag)
     dist.barrier()  # no rank writes into the directory before a stale one is gone
-    engine.save_checkpoint(cfg.output_dir, tag=tag, save_latest=False)
+    # A LoRA run's layer files hold only what it trains; the frozen base stays in model_name_or_path.
+    engine.save_checkpoint(cfg.output_dir, tag=tag, save_latest=False, exclude_frozen_parameters=resolved.lora)
     if not resolved.uses_pipeline:
         write_layer_files(engine.module, resolved.model_config, os.path.join(cfg.output_dir, tag))
     state = {
@@ -104,6 +106,7 @@ def save(resolved: Resolved, engine, step: int, iterator) -> str:
         "global_samples": engine.global_samples,
         "skipped_steps": engine.skipped_steps,
         "optimizer_param_names": optimizer_param_names(engine.module, resolved.cfg.optim.weight_decay),
+        "peft_base": getattr(engine.module, "lora_base", None),
         "rng": rng_state(),
         "iterator": iterator.state_dict() if iterator is not None else None,
     }
@@ -266,7 +269,12 @@ def read_trainer_state(resolved: Resolved, engine) -> dict:
     stage's layer files are checked against the model, the DeepSpeed files it will read are there, and
     no file of its share names anything a checkpoint does not hold (before DeepSpeed loads anything)."""
     cfg, tag = resolved.cfg, resolved.resume_tag
-    problems = stage_file_problems(engine.module, resolved.model_config, cfg.output_dir, tag)
+    if resolved.lora:
+        problems = adapter_file_problems(
+            local_modules(engine.module), resolved.model_config, os.path.join(cfg.output_dir, tag)
+        )
+    else:
+        problems = stage_file_problems(engine.module, resolved.model_config, cfg.output_dir, tag)
     problems += missing_deepspeed_files(engine, cfg.output_dir, tag)
     problems += unsafe_checkpoint_files(os.path.join(cfg.output_dir, tag), dist.get_rank(), dist.get_world_size())
     if problems:
@@ -283,6 +291,10 @@ def read_trainer_state(resolved: Resolved, engine) -> dict:
             f"{path} was written by {state['world_size']} ranks, {trainer_state_file(cfg.output_dir, tag, 0)} by "
             f"{dist.get_world_size()}: the checkpoint mixes files of two runs"
         )
+    if resolved.lora:
+        problems = base_mismatch(state.get("peft_base"), engine.module.lora_base)
+        if problems:
+            raise CheckpointError(f"cannot resume {cfg.output_dir}/{tag}: " + "; ".join(problems))
     return state
 
 
@@ -294,7 +306,11 @@ def restore(resolved: Resolved, engine, iterator, state: dict) -> int:
     # the per-rank files it saved, as ZeRO's are.
     bf16_optimizer = isinstance(engine.optimizer, BF16_Optimizer)
     output_dir, tag = resolved.cfg.output_dir, resolved.resume_tag
-    load_path, _ = engine.load_checkpoint(output_dir, tag=tag, load_optimizer_states=not bf16_optimizer)
+    # A LoRA checkpoint's layer files hold only the trained tensors (read_trainer_state checked that they
+    # are all there): the frozen base, loaded from model_name_or_path, is left as it is.
+    load_path, _ = engine.load_checkpoint(
+        output_dir, tag=tag, load_optimizer_states=not bf16_optimizer, load_module_strict=not resolved.lora
+    )
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load {output_dir}/{tag}")
     if bf16_optimizer and not engine._load_zero_checkpoint(output_dir, tag, load_optimizer_states=True):

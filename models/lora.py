@@ -1,0 +1,280 @@
+"""LoRA on pipeline stages, with Hugging Face PEFT's own layers, and PEFT's adapter format in and out.
+
+Each rank injects PEFT's LoRA layers (``peft.inject_adapter_in_model``) into the decoder layers of its own
+stage, after the frozen base weights are loaded there, so no rank ever builds more than its stage. A
+spec's state-dict keys then carry PEFT's names (``self_attn.q_proj.lora_A.default.weight``), and the
+adapter file's key is the spec's Hugging Face prefix with PEFT's model prefix, without the adapter name:
+
+    spec 3, self_attn.q_proj.lora_A.default.weight  <->  base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight
+    spec L+2 (modules_to_save lm_head), weight      <->  base_model.model.lm_head.weight
+
+which is what ``PeftModel.save_pretrained`` writes and ``PeftModel.from_pretrained`` reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+from torch import nn
+
+from models.llama_pipe import SpecInfo, spec_layout
+
+PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM's prefix of the wrapped model's keys
+ADAPTER_NAME = "default"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+DORA_MAGNITUDE = "lora_magnitude_vector"
+BASE_RECORD = "peft_base.json"  # in each LoRA checkpoint: the base it adapts (path, content hash per layer file)
+
+
+def lora_config(peft_cfg, base_model_name_or_path: str | None = None):
+    """PEFT's ``LoraConfig`` of the ``peft`` settings (training/config.PeftConfig)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=peft_cfg.r,
+        lora_alpha=peft_cfg.alpha,
+        lora_dropout=peft_cfg.dropout,
+        target_modules=list(peft_cfg.target_modules),
+        modules_to_save=list(peft_cfg.modules_to_save) or None,
+        use_rslora=peft_cfg.use_rslora,
+        use_dora=peft_cfg.use_dora,
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model_name_or_path,
+    )
+
+
+def trains_fully(info: SpecInfo, peft_cfg) -> bool:
+    """Whether the spec is one of ``peft.modules_to_save`` (trained fully, saved whole in the adapter)."""
+    return (info.kind == "embed" and "embed_tokens" in peft_cfg.modules_to_save) or (
+        info.kind == "head" and "lm_head" in peft_cfg.modules_to_save
+    )
+
+
+def _input_needs_grad(module: nn.Module, inputs, output):
+    """Forward hook on a frozen embedding: its hidden states require grad, so a recomputed (reentrant)
+    chunk of decoder layers after it still sends gradients to its LoRA weights (Hugging Face's
+    ``enable_input_require_grads``)."""
+    if isinstance(output, tuple) and output[0].is_floating_point() and not output[0].requires_grad:
+        output[0].requires_grad_(True)
+    return output
+
+
+def apply_lora(local: list[tuple[int, nn.Module]], config, peft_cfg, seed: int) -> None:
+    """Freeze this stage's base weights and inject PEFT's LoRA layers into its decoder layers, in place.
+
+    ``local``: the stage's (spec index, module) pairs (``models.layer_files.local_modules``). PEFT draws
+    the initial ``lora_A`` from torch's generator, seeded per spec here (as ``init_weights_`` is), so every
+    data-parallel replica starts from the same adapters whatever the partitioning.
+    """
+    from peft import inject_adapter_in_model
+
+    layout = spec_layout(config)
+    for index, module in local:
+        info = layout[index]
+        module.requires_grad_(trains_fully(info, peft_cfg))
+        if info.kind == "decoder":
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + info.file_index)
+                inject_adapter_in_model(lora_config(peft_cfg), module, adapter_name=ADAPTER_NAME)
+        elif info.kind == "embed" and not trains_fully(info, peft_cfg):
+            module.register_forward_hook(_input_needs_grad)
+
+
+def adapter_key(info: SpecInfo, key: str) -> str:
+    """PEFT's adapter-file key of a spec's state-dict key (module docstring); DoRA's magnitude vector is
+    saved without its ``.weight``, as PEFT's ``get_peft_model_state_dict`` writes it."""
+    key = key.replace(f"{DORA_MAGNITUDE}.{ADAPTER_NAME}.weight", DORA_MAGNITUDE)
+    return PEFT_PREFIX + info.hf_prefix + key.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def spec_key(layout: list[SpecInfo], peft_key: str) -> tuple[int, str]:
+    """(spec index, state-dict key) of an adapter-file key: the inverse of :func:`adapter_key`. The LoRA
+    weights get the adapter name back (``lora_A.weight`` -> ``lora_A.default.weight``)."""
+    if not peft_key.startswith(PEFT_PREFIX):
+        raise KeyError(f"{peft_key}: not a PEFT causal-LM key (no {PEFT_PREFIX!r} prefix)")
+    name = peft_key[len(PEFT_PREFIX) :]
+    info = max((i for i in layout if i.owns_file and name.startswith(i.hf_prefix)), key=lambda i: len(i.hf_prefix))
+    key = name[len(info.hf_prefix) :]
+    if key.endswith(DORA_MAGNITUDE):
+        return info.index, f"{key}.{ADAPTER_NAME}.weight"
+    for part in ("lora_A", "lora_B"):
+        key = key.replace(f".{part}.", f".{part}.{ADAPTER_NAME}.")
+    return info.index, key
+
+
+def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's trained tensors (adapters, modules_to_save), by state-dict key."""
+    return {k: p for k, p in module.named_parameters() if p.requires_grad}
+
+
+def load_adapter_(local: list[tuple[int, nn.Module]], config, adapter_dir: str) -> int:
+    """Set this stage's adapters from a PEFT adapter directory (``peft.init_from``); returns the tensors
+    set. Every adapter tensor of the stage must be in the file with its shape; all problems are raised
+    together."""
+    from safetensors import safe_open
+
+    layout = spec_layout(config)
+    path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: peft.init_from needs {ADAPTER_WEIGHTS} beside {ADAPTER_CONFIG}")
+    problems, count = [], 0
+    with safe_open(path, framework="pt") as f:
+        wanted = {}
+        for key in f.keys():
+            index, local_key = spec_key(layout, key)
+            wanted[(index, local_key)] = key
+        for index, module in local:
+            info = layout[index]
+            for name, param in trainable_state(module).items():
+                key = wanted.get((info.file_index, name))
+                if key is None:
+                    problems.append(f"{adapter_key(info, name)} is not in {path}")
+                    continue
+                t = f.get_tensor(key)
+                if t.shape != param.shape:
+                    problems.append(f"{key}: {tuple(t.shape)} in {path}, {tuple(param.shape)} in the model")
+                    continue
+                with torch.no_grad():
+                    param.copy_(t)
+                count += 1
+    if problems:
+        raise ValueError(f"cannot start from the adapter in {adapter_dir}:\n  " + "\n  ".join(problems))
+    return count
+
+
+def adapter_settings_problems(adapter_dir: str, peft_cfg) -> list[str]:
+    """How the adapter directory's ``adapter_config.json`` differs from the ``peft`` settings it must match."""
+    with open(os.path.join(adapter_dir, ADAPTER_CONFIG)) as f:
+        saved = json.load(f)
+    now = lora_config(peft_cfg).to_dict()
+    problems = []
+    for key in ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora"):
+        if saved.get(key) != now.get(key) and not (key == "lora_alpha" and saved.get(key) == float(now[key])):
+            problems.append(f"{key} {saved.get(key)!r} in {adapter_dir}, {now.get(key)!r} here")
+    for key in ("target_modules", "modules_to_save"):
+        if sorted(saved.get(key) or []) != sorted(now.get(key) or []):
+            problems.append(f"{key} {sorted(saved.get(key) or [])} in {adapter_dir}, {sorted(now.get(key) or [])} here")
+    return problems
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def adapter_file_problems(local: list[tuple[int, nn.Module]], config, tag_dir: str) -> list[str]:
+    """Problems of this stage's layer files in a LoRA checkpoint: each must hold exactly the stage's
+    trained tensors (adapters, modules_to_save) with their shapes; the frozen base is not saved there."""
+    from models.layer_files import check_state_dict, full_shape, load_layer_file
+    from models.llama_pipe import layer_file_name
+
+    layout, problems = spec_layout(config), []
+    for index, module in local:
+        if not layout[index].owns_file:
+            continue  # a tied head: the embedding's file holds the one copy
+        path = os.path.join(tag_dir, layer_file_name(index))
+        try:
+            state = load_layer_file(path)
+        except Exception as e:  # noqa: BLE001 (CheckpointError, or a damaged file: reported with the rest)
+            problems.append(str(e))
+            continue
+        problems += check_state_dict(path, state, {k: full_shape(p) for k, p in trainable_state(module).items()})
+    return problems
+
+
+def base_record(ckpt_dir: str, files: list[str]) -> dict:
+    """What a LoRA checkpoint records of the base this rank loaded: its path and each layer file's SHA-256."""
+    return {"path": os.path.abspath(ckpt_dir), "sha256": {os.path.basename(f): file_sha256(f) for f in files}}
+
+
+def base_mismatch(saved: dict | None, now: dict) -> list[str]:
+    """How the base loaded now differs from the one a checkpoint's adapters were trained on."""
+    if not saved:
+        return ["it records no base model (not a LoRA checkpoint of this version)"]
+    changed = sorted(f for f, h in now["sha256"].items() if saved["sha256"].get(f) != h)
+    if not changed:
+        return []
+    return [
+        f"its adapters were trained on the base in {saved['path']}, and {', '.join(changed)} of the base loaded "
+        f"now ({now['path']}) differ(s) in content (SHA-256): resume on the same base weights, or start a new "
+        "output_dir from peft.init_from=<an exported adapter>"
+    ]
+
+
+def lora_run_base(tag_dir: str) -> str | None:
+    """The base checkpoint a LoRA run's checkpoint adapts (rank 0's record), or None for any other checkpoint."""
+    path = os.path.join(tag_dir, "trainer_state_rank00000.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        record = json.load(f).get("peft_base")
+    return record["path"] if record else None
+
+
+def saved_peft_settings(tag_dir: str):
+    """The ``peft`` settings a checkpoint was trained with (its train_config.yaml)."""
+    import yaml
+
+    from training.config import PeftConfig
+
+    with open(os.path.join(tag_dir, "train_config.yaml")) as f:
+        return PeftConfig(**(yaml.safe_load(f) or {})["peft"])
+
+
+def export_adapter(
+    run_dir: str,
+    output: str,
+    tag: str | None = None,
+    base_model: str | None = None,
+    merge: bool = False,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> None:
+    """A LoRA run's checkpoint -> a PEFT adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors`` with PEFT's keys), or with ``merge`` a Hugging Face model directory
+    with the adapters merged into the base (PEFT's ``merge_and_unload``: the whole model in memory)."""
+    from safetensors.torch import save_file
+
+    from models.families import family_of
+    from models.hf_io import atomic_output, check_output, load_config, log, stages_to_hf
+    from models.layer_files import copy_tokenizer_files, load_layer_file, read_tag
+    from models.llama_pipe import layer_file_name
+
+    check_output(run_dir, output, overwrite)
+    tag = read_tag(run_dir, tag)
+    tag_dir = os.path.join(run_dir, tag)
+    base = lora_run_base(tag_dir)
+    if base is None:
+        raise ValueError(f"{tag_dir} is not a checkpoint of a LoRA run (peft.method=lora)")
+    config, peft_cfg = load_config(run_dir), saved_peft_settings(tag_dir)
+    layout = spec_layout(config)
+    tensors = {}
+    for info in layout:
+        if info.owns_file:
+            for key, t in load_layer_file(os.path.join(tag_dir, layer_file_name(info.index))).items():
+                tensors[adapter_key(info, key)] = (t if dtype is None else t.to(dtype)).contiguous()
+    with atomic_output(run_dir, output, overwrite, "lora-to-merged-hf" if merge else "lora-to-peft") as tmp:
+        adapter_dir = os.path.join(tmp, "adapter") if merge else tmp
+        os.makedirs(adapter_dir, exist_ok=True)
+        lora_config(peft_cfg, base_model or base).save_pretrained(adapter_dir)
+        save_file(tensors, os.path.join(adapter_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        if merge:
+            from peft import PeftModel
+
+            base_hf = os.path.join(tmp, "base")
+            stages_to_hf(base, base_hf)
+            model = family_of(config).causal_lm.from_pretrained(base_hf, dtype="auto")
+            merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+            if dtype is not None:
+                merged = merged.to(dtype)
+            merged.save_pretrained(tmp)
+            copy_tokenizer_files(base_hf, tmp)
+            shutil.rmtree(adapter_dir)
+            shutil.rmtree(base_hf)
+    what = "merged into the base" if merge else "PEFT adapter"
+    log(f"wrote {output} ({what}: {len(tensors)} adapter tensors of {tag}, base {base})")

@@ -1,0 +1,311 @@
+"""LoRA through the pipeline (peft.method=lora), against Hugging Face PEFT in one process.
+
+Fast tier: the adapter-key mapping against PEFT's own state dict, a one-process forward against
+``get_peft_model``, and the configuration's refusals. Multi-rank: pipe 2 x data 2, 5 fp32 steps started
+from a PEFT adapter saved by the reference (peft.init_from), against ``get_peft_model`` + torch AdamW on
+the same global batches (untied with the LM head trained fully, and tied with activation checkpointing);
+the exported adapter and merged model against the reference's; optimizer states of adapters only; an
+exact resume; a resume on another base refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+
+from models.hf_io import hf_to_stages
+from models.layer_files import local_modules
+from models.llama_pipe import LlamaStack, spec_layout
+from models.lora import adapter_key, apply_lora, file_sha256, lora_config, spec_key, trainable_state
+from models.tiny import save_random_model, tiny_config, write_random_tokens
+from tests.conftest import load_entry_point, read_metrics, run_deepspeed
+from tests.test_config import problems_of
+from tests.test_train_parity import MICRO, NUM_SAMPLES, REL_TOL, SEQ, STEPS, reference_run, rel, train_args
+from training.config import DataConfig, PeftConfig, TrainConfig, resolve
+from training.reshard import SavedOptimizerState
+
+LORA = dict(r=4, alpha=8.0)  # the runs' adapters; dropout 0 (the reference draws no masks)
+
+
+def peft_settings(**overrides) -> PeftConfig:
+    return PeftConfig(method="lora", **{**LORA, **overrides})
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("dora", [False, True])
+def test_adapter_keys_are_pefts_own(tied, dora):
+    """Every trained tensor of the stages maps to the key PEFT's get_peft_model_state_dict gives it, and
+    back (modules_to_save lm_head on the untied model; DoRA's magnitude vectors)."""
+    config = tiny_config(tie_word_embeddings=tied)
+    settings = peft_settings(use_dora=dora, modules_to_save=[] if tied else ["lm_head"])
+    stack = LlamaStack(config)
+    apply_lora(local_modules(stack), config, settings, seed=0)
+    layout = spec_layout(config)
+    ours = {
+        adapter_key(layout[i], k): (layout[i].file_index, k)
+        for i, m in local_modules(stack)
+        for k in trainable_state(m)
+    }
+    reference = set(get_peft_model_state_dict(get_peft_model(LlamaForCausalLM(config), lora_config(settings))))
+    assert set(ours) == reference
+    assert all(spec_key(layout, key) == ours[key] for key in reference)
+    frozen = [k for _, m in local_modules(stack) for k, p in m.named_parameters() if not p.requires_grad]
+    assert frozen and all("lora_" not in k for k in frozen)
+
+
+def test_initial_adapters_depend_on_the_seed_and_spec_only():
+    """Every data-parallel replica draws the same initial adapters: seeded per spec, not per rank or process."""
+    config = tiny_config()
+
+    def adapters(seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(seed + 100)  # the process's own generator state must not matter
+        stack = LlamaStack(config)
+        apply_lora(local_modules(stack), config, peft_settings(), seed=seed)
+        return {f"{i}.{k}": t.detach().clone() for i, m in local_modules(stack) for k, t in trainable_state(m).items()}
+
+    a, b, c = adapters(0), adapters(0), adapters(1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if "lora_A" in k)
+
+
+def test_stage_forward_equals_get_peft_model():
+    """The stages with PEFT's layers injected compute the logits of get_peft_model on the same weights
+    (adapters copied over with non-zero B, so the LoRA branch counts: without it the logits differ)."""
+    config = tiny_config()
+    torch.manual_seed(0)
+    reference = get_peft_model(
+        LlamaForCausalLM(config), lora_config(peft_settings(target_modules=["q_proj", "up_proj"]))
+    )
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    stack = LlamaStack(config)
+    apply_lora(local_modules(stack), config, peft_settings(target_modules=["q_proj", "up_proj"]), seed=0)
+    layout, reference_state = spec_layout(config), reference.state_dict()
+    with torch.no_grad():
+        for index, module in local_modules(stack):
+            for key, t in module.state_dict(keep_vars=True).items():  # both injected by PEFT: the same names
+                t.copy_(reference_state["base_model.model." + layout[index].hf_prefix + key])
+    ids = torch.randint(3, config.vocab_size, (2, 16))
+    pos = torch.arange(16).expand(2, 16)
+    ours, theirs = stack(ids, pos), reference(input_ids=ids).logits
+    base = reference.get_base_model()
+    with reference.disable_adapter():
+        plain = base(input_ids=ids).logits
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+    assert (plain - theirs).abs().max() > 1e-3
+
+
+@pytest.fixture()
+def lora_cfg(tmp_path, tiny_hf) -> TrainConfig:
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    return TrainConfig(
+        model_name_or_path=tiny_hf,
+        output_dir=str(tmp_path / "out"),
+        num_stages=2,
+        ds_config="zero1",
+        micro_batch_size=2,
+        gradient_accumulation_steps=2,
+        data=DataConfig(train_file=str(data)),
+        peft=peft_settings(),
+    )
+
+
+def test_lora_config_resolves(lora_cfg):
+    assert resolve(lora_cfg, world_size=4).lora
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(model_name_or_path=""), "adapts a trained base: set model_name_or_path"),
+        (dict(peft=peft_settings(target_modules=["q_proj", "qkv"])), "unknown: qkv"),
+        (dict(peft=peft_settings(modules_to_save=["norm"])), "peft.modules_to_save ['norm'] unknown"),
+        (dict(peft=peft_settings(r=0)), "peft.r 0 < 1"),
+        (dict(peft=peft_settings(quantize="nf4")), "peft.quantize=nf4 (QLoRA) is not supported"),
+        (dict(num_stages=1, ds_config="zero2"), "data-parallel engine, which this version does not adapt"),
+        (dict(peft=peft_settings(init_from="/nonexistent")), "has no adapter_config.json"),
+        # parameters: the 4-layer model's embedding + layer 0 | layers 1-3 | norm + head on three stages
+        (dict(num_stages=4, partition_method="uniform"), "hold no decoder layer, hence nothing to train"),
+    ],
+)
+def test_lora_settings_refused_before_start(lora_cfg, change, message):
+    for key, value in change.items():
+        setattr(lora_cfg, key, value)
+    assert message in problems_of(lora_cfg, world_size=4)
+
+
+def test_tied_model_refuses_modules_to_save(lora_cfg, tiny_tied_hf):
+    lora_cfg.model_name_or_path = tiny_tied_hf
+    lora_cfg.peft = peft_settings(modules_to_save=["lm_head"])
+    assert "with tied embeddings" in problems_of(lora_cfg, world_size=4)
+
+
+# -- multi-rank: pipe 2 x data 2 against get_peft_model + AdamW ------------------------------------------
+
+
+def reference_adapter(hf_dir: str, settings: PeftConfig, out: str, seed: int = 1):
+    """get_peft_model on ``hf_dir`` (fp32), its initial adapter saved to ``out`` (peft.init_from of the run)."""
+    torch.manual_seed(seed)
+    base = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = get_peft_model(base, lora_config(settings))
+    with torch.no_grad():  # B != 0 from the start, so the first step's gradients reach A too
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    model.save_pretrained(out)
+    return model
+
+
+def overrides(settings: PeftConfig, init_from: str) -> dict:
+    return {
+        "peft.method": "lora",
+        "peft.r": settings.r,
+        "peft.alpha": settings.alpha,
+        "peft.modules_to_save": "[" + ",".join(settings.modules_to_save) + "]",
+        "peft.init_from": init_from,
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
+    root = tmp_path_factory.mktemp("lora")
+    data = str(root / "train.jsonl")
+    samples = write_random_tokens(data, NUM_SAMPLES, SEQ, vocab_size=512)
+    runs = {}
+    for name, hf_dir, settings, extra in (
+        ("untied", tiny_hf, peft_settings(modules_to_save=["lm_head"]), {"save_steps": 3}),
+        ("tied", tiny_tied_hf, peft_settings(), {"activation_checkpoint_interval": 1}),
+    ):
+        hf_to_stages(hf_dir, str(root / f"ckpt_{name}"))
+        reference = reference_adapter(hf_dir, settings, str(root / f"init_{name}"))
+        args = train_args(
+            str(root / f"ckpt_{name}"),
+            data,
+            str(root / name),
+            num_stages=2,
+            gradient_accumulation_steps=2,
+            ds_config="zero1",
+            **overrides(settings, str(root / f"init_{name}")),
+            **extra,
+        )
+        proc = run_deepspeed(4, "train.py", args, str(root / f"{name}.log"))
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        losses, _, norms, trained = reference_run(hf_dir, samples, MICRO * 4, model=reference)
+        runs[name] = dict(hf=hf_dir, args=args, losses=losses, norms=norms, model=trained, log=proc.stdout)
+    return root, runs
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["untied", "tied"])
+def test_lora_pipeline_trains_what_peft_trains(lora_runs, name):
+    root, runs = lora_runs
+    run = runs[name]
+    metrics = read_metrics(str(root / name))
+    diffs = [rel(m["loss"], r) for m, r in zip(metrics, run["losses"])]
+    norm_diffs = [rel(m["grad_norm"], total) for m, (total, _) in zip(metrics, run["norms"])]
+    print(f"{name}: LoRA pipe 2 x data 2 vs get_peft_model + AdamW: loss {max(diffs):.2e}, norm {max(norm_diffs):.2e}")
+    assert len(metrics) == STEPS and max(diffs) < REL_TOL and max(norm_diffs) < 1e-5
+    # The adapters moved far beyond the tolerance below: a run that did not train them would fail it.
+    export = str(root / f"{name}_adapter")
+    load_entry_point("convert2ckpt.py").main(["--to-hf", "--input", str(root / name), "--output", export])
+    ours = load_file(os.path.join(export, "adapter_model.safetensors"))
+    initial = load_file(str(root / f"init_{name}" / "adapter_model.safetensors"))
+    reference = get_peft_model_state_dict(run["model"])
+    assert set(ours) == set(reference) == set(initial)
+    assert max((ours[k] - reference[k]).abs().max().item() for k in ours) < 1e-5
+    assert max((reference[k] - initial[k]).abs().max().item() for k in ours) > 1e-3
+    assert "peft: LoRA r=4 alpha=8" in run["log"] and "base frozen" in run["log"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["untied", "tied"])
+def test_exported_adapter_loads_in_peft_and_merges(lora_runs, name):
+    """PeftModel.from_pretrained(<base>, exported adapter) and the --merge export give the reference's logits."""
+    root, runs = lora_runs
+    run = runs[name]
+    adapter, merged = str(root / f"{name}_rt_adapter"), str(root / f"{name}_merged")
+    convert = load_entry_point("convert2ckpt.py").main
+    assert convert(["--to-hf", "--input", str(root / name), "--output", adapter, "--base-model", run["hf"]]) == 0
+    assert convert(["--to-hf", "--merge", "--input", str(root / name), "--output", merged]) == 0
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == run["hf"]
+    ids = torch.randint(3, 512, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = run["model"](input_ids=ids).logits
+        loaded = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(run["hf"], dtype=torch.float32), adapter)
+        merged_logits = LlamaForCausalLM.from_pretrained(merged, dtype=torch.float32)(input_ids=ids).logits
+        base_logits = LlamaForCausalLM.from_pretrained(run["hf"], dtype=torch.float32)(input_ids=ids).logits
+        assert (loaded(input_ids=ids).logits - expected).abs().max() < 1e-4
+    assert (merged_logits - expected).abs().max() < 1e-4
+    assert (base_logits - expected).abs().max() > 1e-2  # the adapters change the model
+
+
+@pytest.mark.multirank
+def test_checkpoint_holds_adapters_and_their_optimizer_states_only(lora_runs, tiny_hf):
+    """The layer files hold the trained tensors only, the optimizer states exist for exactly those, and
+    the base on disk is untouched (its files' SHA-256 as recorded when the run loaded it)."""
+    root, _ = lora_runs
+    tag_dir = root / "untied" / "global_step5"
+    config = tiny_config()
+    stack = LlamaStack(config)
+    apply_lora(local_modules(stack), config, peft_settings(modules_to_save=["lm_head"]), seed=0)
+    trained = {(i, k) for i, m in local_modules(stack) for k in trainable_state(m)}
+    saved = {(int(f[6:8]), k) for f in os.listdir(tag_dir) if f.startswith("layer_") for k in torch.load(tag_dir / f)}
+    optimizer = SavedOptimizerState(str(tag_dir))
+    assert not optimizer.problems
+    assert saved == trained == set(optimizer.keys())
+    frozen = sum(p.numel() for _, m in local_modules(stack) for p in m.parameters() if not p.requires_grad)
+    assert sum(optimizer.numel(k) for k in optimizer.keys()) < frozen / 4
+    with open(tag_dir / "trainer_state_rank00000.json") as f:
+        record = json.load(f)["peft_base"]
+    base = root / "ckpt_untied" / "global_step0"
+    assert record["sha256"] and all(file_sha256(str(base / f)) == h for f, h in record["sha256"].items())
+
+
+@pytest.mark.multirank
+def test_resume_is_exact_and_refuses_another_base(lora_runs, tmp_path):
+    root, runs = lora_runs
+    out = tmp_path / "resumed"
+    shutil.copytree(root / "untied", out)
+    shutil.rmtree(out / "global_step5")
+    (out / "latest").write_text("global_step3")
+    args = [a if not a.startswith("output_dir=") else f"output_dir={out}" for a in runs["untied"]["args"]]
+    proc = run_deepspeed(4, "train.py", args, str(tmp_path / "resume.log"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    straight = {m["step"]: m["loss"] for m in read_metrics(str(root / "untied"))}
+    resumed = [m for m in read_metrics(str(out)) if m["step"] > 3]
+    assert [m["step"] for m in resumed[-2:]] == [4, 5]
+    assert all(m["loss"] == straight[m["step"]] for m in resumed[-2:])
+    a = load_file_tensors(out / "global_step5")
+    b = load_file_tensors(root / "untied" / "global_step5")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # Another base under the same settings: refused, naming the files that differ.
+    other = tmp_path / "other_hf"
+    save_random_model(tiny_config(), str(other), seed=7, dtype=torch.float32)
+    hf_to_stages(str(other), str(tmp_path / "other_ckpt"))
+    args = [
+        a if not a.startswith("model_name_or_path=") else f"model_name_or_path={tmp_path / 'other_ckpt'}" for a in args
+    ]
+    proc = run_deepspeed(4, "train.py", [*args, "max_steps=6", "resume_allow_changes=[model]"], str(tmp_path / "b.log"))
+    assert proc.returncode != 0
+    assert "its adapters were trained on the base in" in proc.stderr and "differ(s) in content" in proc.stderr
+
+
+def load_file_tensors(tag_dir) -> dict[str, torch.Tensor]:
+    return {
+        f"{f}:{k}": t
+        for f in sorted(os.listdir(tag_dir))
+        if f.startswith("layer_")
+        for k, t in torch.load(tag_dir / f).items()
+    }
