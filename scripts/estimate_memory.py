@@ -4,6 +4,7 @@
         --micro-batch 1 --seq-len 4096 --grad-accum 16 --checkpointing
     python scripts/estimate_memory.py --model llama2-70b --gpus 16 --gpu-mem 80 --seq-len 4096
     python scripts/estimate_memory.py --model 7.5e9 --dp 64 --zero 3        # a bare parameter count
+    python scripts/estimate_memory.py --model llama2-70b --gpus 16 --gpu-mem 80 --seq-len 4096 --lora-rank 16
 
 --model is a conf/model name, a Hugging Face config.json (or its directory), or a parameter count
 (model states only: activations need an architecture).
@@ -20,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from models.llama_pipe import DEFAULT_PARTITION_METHOD  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
+from training.config import DECODER_LINEARS, TrainConfig  # noqa: E402
 from training.layout import Layout  # noqa: E402
 from training.memory_plan import GB, fitting, shape_of, splitter, stage_estimates, stage_table  # noqa: E402
 
@@ -84,12 +85,20 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
         args.grad_accum,
         args.dtype,
         args.loss_chunk_tokens,
+        lora(args),
     )
     print(f"layouts that fit {gpus} x {gpu_mem:g} GB, cheapest first (estimate incl. activations, GB per GPU):")
     for layout, e in found[: args.top]:
         print(f"  {e.total / GB:7.1f}  {layout.describe()}")
     if not found:
         print("  none: add GPUs, shorten sequences or use a smaller micro-batch")
+
+
+def lora(args) -> tuple[int, tuple[str, ...]]:
+    """(rank, target modules) of --lora-rank / --lora-targets: the Layout's LoRA fields."""
+    if args.lora_rank and not args.model_config_given:
+        raise SystemExit("--lora-rank needs an architecture (a conf/model name or a config.json), not a bare count")
+    return (args.lora_rank, tuple(args.lora_targets.split(",")) if args.lora_rank else ())
 
 
 def main() -> None:
@@ -120,12 +129,19 @@ def main() -> None:
         default=TrainConfig.loss_chunk_tokens,
         help="train.py's loss_chunk_tokens: tokens the LM head and loss take at once (0 = all)",
     )
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA (train.py peft.method=lora peft.r=R): rank; 0 = full")
+    p.add_argument(
+        "--lora-targets",
+        default=",".join(DECODER_LINEARS),
+        help="with --lora-rank: the decoder linear layers with adapters (peft.target_modules), comma-separated",
+    )
     p.add_argument("--gpus", type=int, help="with --gpu-mem: list the layouts that fit")
     p.add_argument("--gpu-mem", type=float, help="GB per GPU")
     p.add_argument("--top", type=int, default=10, help="how many fitting layouts to list")
     args = p.parse_args()
 
     config, total = load_model(args.model)
+    args.model_config_given = config is not None
     if args.gpus and args.gpu_mem:
         fits(config, total, args.gpus, args.gpu_mem, args)
         return
@@ -141,6 +157,7 @@ def main() -> None:
         args.checkpointing,
         args.dtype,
         args.loss_chunk_tokens,
+        *lora(args),
     )
     report(config, total, layout, args.partition_method)
 

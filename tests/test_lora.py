@@ -151,6 +151,38 @@ def test_tied_model_refuses_modules_to_save(lora_cfg, tiny_tied_hf):
     assert "with tied embeddings" in problems_of(lora_cfg, world_size=4)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_planner_counts_the_adapters_peft_makes(model_type):
+    """The planner's adapter count per decoder layer equals what get_peft_model adds, GQA and Qwen3's
+    explicit head_dim included; a LoRA layout's model states are below full fine-tuning's."""
+    from training.layout import Layout
+    from training.memory_plan import estimate, model_state_bytes, shape_of
+
+    targets = ["q_proj", "v_proj", "down_proj"]
+    config = tiny_config(model_type, head_dim=24) if model_type == "qwen3" else tiny_config(model_type)
+    model = get_peft_model(
+        LlamaForCausalLM(config) if model_type == "llama" else _causal_lm(config),
+        lora_config(peft_settings(r=4, target_modules=targets)),
+    )
+    adapters = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
+    shape = shape_of(config)
+    assert shape.lora_params_per_layer(4, tuple(targets)) * config.num_hidden_layers == adapters
+    full = Layout(stages=2, dp=2, zero=1, dtype="fp32")
+    lora = Layout(stages=2, dp=2, zero=1, dtype="fp32", lora_rank=4, lora_targets=tuple(targets))
+    psi = [5e6, 5e6]
+    e_full, e_lora = estimate(psi, full, shape, [2, 2]), estimate(psi, lora, shape, [2, 2])
+    trained = 2 * shape.lora_params_per_layer(4, tuple(targets))
+    # The frozen base at 4 bytes (fp32) + the adapters costing what trained parameters cost.
+    assert e_lora.model_states == 4 * psi[1] + sum(model_state_bytes(trained, full)[:3])
+    assert e_lora.model_states < e_full.model_states / 3
+
+
+def _causal_lm(config):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config)
+
+
 # -- multi-rank: pipe 2 x data 2 against get_peft_model + AdamW ------------------------------------------
 
 

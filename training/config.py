@@ -140,8 +140,7 @@ class PeftConfig:
     r: int = 8  # LoRA rank
     alpha: float = 16.0  # LoRA scaling numerator: the update is (alpha / r) B A (alpha / sqrt(r) with use_rslora)
     dropout: float = 0.0  # dropout on the LoRA branch's input
-    # Decoder linear layers that get adapters (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj).
-    target_modules: list[str] = field(default_factory=lambda: list(DECODER_LINEARS))
+    target_modules: list[str] = field(default_factory=lambda: list(DECODER_LINEARS))  # decoder linears with adapters
     modules_to_save: list[str] = field(default_factory=list)  # trained fully beside the adapters: embed_tokens, lm_head
     use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(r)
     use_dora: bool = False  # weight-decomposed LoRA (a trained magnitude vector per adapted layer)

@@ -217,6 +217,8 @@ class _Renderer:
             constant = self.resolver.constant(node.id, module)
             if constant is not None:
                 return self.expression(constant, module)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("list", "tuple") and len(node.args) == 1:
+            return self.expression(node.args[0], module)  # list(CONSTANT): the constant's value
         try:
             return _scalar(ast.literal_eval(node))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):

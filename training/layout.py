@@ -30,6 +30,8 @@ class Layout:
     checkpointing: bool = False
     dtype: str = "bf16"  # bf16 | fp16 (mixed precision, K=12) | fp32 (K=8)
     loss_chunk: int = 0  # tokens the last stage's LM head and loss take at once; 0 = all (loss_chunk_tokens)
+    lora_rank: int = 0  # LoRA (peft.method=lora): the adapters' rank; 0 = every weight trained
+    lora_targets: tuple[str, ...] = ()  # the decoder linear layers that get adapters (peft.target_modules)
 
     @classmethod
     def of(cls, cfg, world_size: int, ds_json: dict) -> Layout:
@@ -49,6 +51,8 @@ class Layout:
             checkpointing=cfg.activation_checkpoint_interval > 0,
             dtype=cfg.precision,
             loss_chunk=cfg.loss_chunk_tokens,
+            lora_rank=cfg.peft.r if cfg.peft.method == "lora" else 0,
+            lora_targets=tuple(cfg.peft.target_modules) if cfg.peft.method == "lora" else (),
         )
 
     @property
@@ -86,4 +90,5 @@ class Layout:
         return (
             f"pipe {self.stages} x data {self.dp}, ZeRO-{self.zero}{off}, micro {self.micro_batch} x seq {self.seq_len}"
             f"{', act. ckpt' if self.checkpointing else ''}{chunk}, {self.dtype}"
+            + (f", LoRA r={self.lora_rank}" if self.lora_rank else "")
         )

@@ -30,6 +30,13 @@ layer's activations more as working memory. The last stage also holds the loss
 buffers of one micro-batch (see loss_bytes): the logits of B*S tokens, or of ``loss_chunk_tokens`` of
 them with the chunked loss.
 
+LoRA (``Layout.lora_rank`` > 0) trains adapters only: the frozen base costs its weights alone, in the
+training precision, unpartitioned; the adapters of each decoder layer, r (in + out) parameters per
+target linear layer, cost what a trained parameter costs above. Activations stay those of the whole
+model (backward still runs through every frozen layer), plus the adapters' own r-wide tensors, which are
+negligible beside them. No [V,H] gradient exists (the embedding and the LM head are frozen), so the
+gradient temporaries are the adapters'.
+
 Backward also computes each parameter's gradient into a new tensor before adding it to the accumulated
 one (every micro-batch after the first): one parameter's gradient more, at a time. On the first and the
 last stage that is the [V,H] embedding or LM head, as large as a loss chunk at a 128k vocabulary
@@ -63,6 +70,26 @@ class Shape:
     heads: int
     kv_heads: int
     vocab: int
+    head_dim: int = 0  # 0: hidden / heads
+
+    def linear_dims(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of a decoder layer, by its Hugging Face name."""
+        d = self.head_dim or self.hidden // self.heads
+        h, f, q, kv = self.hidden, self.ffn, self.heads * d, self.kv_heads * d
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, f),
+            "up_proj": (h, f),
+            "down_proj": (f, h),
+        }
+
+    def lora_params_per_layer(self, rank: int, targets: tuple[str, ...]) -> int:
+        """Adapter parameters of one decoder layer: A [r, in] and B [out, r] per target."""
+        dims = self.linear_dims()
+        return sum(rank * (dims[t][0] + dims[t][1]) for t in targets)
 
 
 @dataclass
@@ -197,20 +224,29 @@ def optimizer_step_bytes(psi: float, layout: Layout) -> float:
 def stage_estimate(
     stage: int, psi: float, layers: int | None, layout: Layout, shape: Shape | None, total_params: float
 ) -> Estimate:
-    """Per-GPU memory of stage ``stage`` holding ``psi`` parameters and ``layers`` decoder layers."""
-    params, grads, optim, host = model_state_bytes(psi, layout)
+    """Per-GPU memory of stage ``stage`` holding ``psi`` parameters and ``layers`` decoder layers (with
+    LoRA, ``psi`` counts the frozen base; the adapters come on top, from the shape)."""
+    trained, frozen_bytes = psi, 0.0
+    if layout.lora_rank and shape is not None and layers is not None:
+        trained = float(layers * shape.lora_params_per_layer(layout.lora_rank, layout.lora_targets))
+        frozen_bytes = (4 if layout.dtype == "fp32" else 2) * psi
+    params, grads, optim, host = model_state_bytes(trained, layout)
+    params += frozen_bytes
     acts, loss, grad_temp = None, 0.0, 0.0
     if shape is not None:
         acts = activation_bytes(shape, layout, stage, layers)
         loss = loss_bytes(shape, layout) if stage == layout.stages - 1 else 0.0
         # The larger of backward's gradient temporary and the optimizer step's, which runs once the
         # activations and the loss buffer are freed.
-        step = optimizer_step_bytes(psi, layout) - (acts + loss)
-        grad_temp = max(grad_temp_bytes(shape, layout, stage, layers), step)
+        step = optimizer_step_bytes(trained, layout) - (acts + loss)
+        temp = 0.0 if layout.lora_rank else grad_temp_bytes(shape, layout, stage, layers)
+        grad_temp = max(temp, step)
     buffers = 0.0
     if layout.zero >= 2:  # one 16-bit (fp32 for fp32 training) bucket per rank, allocated whole
         buffers = (4 if layout.dtype == "fp32" else 2) * reduce_bucket_elements(total_params)
-    return Estimate(params, grads, optim, acts, stage, host, buffers, loss, grad_temp, psi)
+    return Estimate(
+        params, grads, optim, acts, stage, host, buffers, loss, grad_temp, psi + trained * bool(frozen_bytes)
+    )
 
 
 def stage_estimates(
@@ -238,8 +274,10 @@ def layouts_for(
     grad_accum: int,
     dtype: str,
     loss_chunk: int = 0,
+    lora: tuple[int, tuple[str, ...]] = (0, ()),
 ):
-    """Every layout worth trying on ``gpus`` GPUs, cheapest in communication and compute first.
+    """Every layout worth trying on ``gpus`` GPUs, cheapest in communication and compute first; with
+    ``lora`` (rank, target modules) LoRA layouts, on the pipeline engine only (as train.py runs LoRA).
 
     Order: no offload before optimizer offload before parameter offload; no activation checkpointing
     before checkpointing; lower ZeRO stage first; fewer pipeline stages first.
@@ -247,7 +285,7 @@ def layouts_for(
     candidates = []
     for stages in (s for s in range(1, gpus + 1) if gpus % s == 0 and (num_layers is None or s <= num_layers)):
         for zero, opt_off, par_off, ckpt in itertools.product(range(4), (False, True), (False, True), (False, True)):
-            if stages > 1 and zero > 1:
+            if (stages > 1 or lora[0]) and zero > 1:
                 continue  # DeepSpeed's pipeline engine: ZeRO 0 and 1 only
             if (opt_off and zero == 0) or (par_off and (zero != 3 or not opt_off)):
                 continue  # offload needs ZeRO; parameter offload needs ZeRO-3 with optimizer offload
@@ -263,6 +301,7 @@ def layouts_for(
                 ckpt,
                 dtype,
                 loss_chunk,
+                *lora,
             )
             candidates.append(((par_off + opt_off, ckpt, zero, stages), layout))
     return [layout for _, layout in sorted(candidates, key=lambda c: c[0])]
@@ -279,13 +318,14 @@ def fitting(
     grad_accum: int,
     dtype: str,
     loss_chunk: int = 0,
+    lora: tuple[int, tuple[str, ...]] = (0, ()),
 ) -> list[tuple[Layout, Estimate]]:
     """Layouts whose most loaded GPU fits ``gpu_mem_gb``, cheapest first (see layouts_for).
 
     ``split(layout)`` gives (parameters per stage, decoder layers per stage or None).
     """
     out = []
-    for layout in layouts_for(gpus, num_layers, micro_batch, seq_len, grad_accum, dtype, loss_chunk):
+    for layout in layouts_for(gpus, num_layers, micro_batch, seq_len, grad_accum, dtype, loss_chunk, lora):
         params, layers = split(layout)
         e = estimate(params, layout, shape, layers)
         if e.total <= gpu_mem_gb * GB:
@@ -304,6 +344,7 @@ def shape_of(config) -> Shape | None:
         config.num_attention_heads,
         config.num_key_value_heads,
         config.vocab_size,
+        getattr(config, "head_dim", None) or 0,
     )
 
 

@@ -47,4 +47,14 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
         f"{e.total / GB:.1f} GB" + (f"; host {e.host / GB:.1f} GB per rank (offloaded)" if e.host else "")
     )
     lines += ["  " + line for line in stage_table(stages, layers)]
+    if layout.lora_rank:
+        full = max(
+            stage_estimates(params, dataclasses.replace(layout, lora_rank=0), shape_of(config), layers),
+            key=lambda s: s.total,
+        )
+        lines.append(
+            f"LoRA r={layout.lora_rank}: adapters {sum(s.parameters - p for s, p in zip(stages, params)) / 1e6:.1f} M "
+            f"trained; full fine-tuning on this layout would need {full.total / GB:.1f} GB on its most loaded GPU "
+            f"(stage {full.stage}; model states {full.model_states / GB:.1f} GB against {e.model_states / GB:.1f} GB)"
+        )
     return lines
