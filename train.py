@@ -41,7 +41,7 @@ from models.families import family_of  # noqa: E402
 from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
 from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules  # noqa: E402
 from models.llama_pipe import LlamaStack, build_pipeline_model, flops_per_token, init_weights_, spec_layout  # noqa: E402
-from models.lora import adapter_settings_problems, apply_lora, base_record, load_adapter_  # noqa: E402
+from models.lora import apply_lora, base_record, load_adapter_  # noqa: E402
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
 from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes  # noqa: E402
 from training import run_checkpoints  # noqa: E402
@@ -206,12 +206,7 @@ def adapt(model, resolved: Resolved) -> list[str]:
     def inject() -> str:
         local = local_modules(model)
         apply_lora(local, resolved.model_config, cfg.peft, cfg.seed)
-        if cfg.peft.init_from and not resolved.resume_tag:
-            problems = adapter_settings_problems(cfg.peft.init_from, cfg.peft)
-            if problems:
-                raise ValueError(
-                    f"peft.init_from={cfg.peft.init_from} differs from the peft settings: " + "; ".join(problems)
-                )
+        if cfg.peft.init_from and not resolved.resume_tag:  # its settings were checked with the config
             load_adapter_(local, resolved.model_config, cfg.peft.init_from)
         trained = sum(full_numel(p) for _, m in local for p in m.parameters() if p.requires_grad)
         frozen = sum(full_numel(p) for _, m in local for p in m.parameters() if not p.requires_grad)

@@ -1,4 +1,5 @@
-"""Smoke tests of the benchmark scripts at tiny sizes (scripts/bench_train.py, bench_convert.py, bench_load.py).
+"""Smoke tests of the benchmark scripts at tiny sizes (scripts/bench_train.py, bench_convert.py, bench_load.py,
+bench_lora.py).
 
 They check that each script runs end to end and that its arithmetic is right; the numbers themselves
 are in BENCHMARKS.md. About 20 s on the 2-core CPU machine (start-up of the subprocesses, mostly).
@@ -183,3 +184,17 @@ def test_peak_memory_is_read_from_train_py_s_line_gpu_first():
     assert bench_train.peak_memory_mib(gpu) == 9312
     assert bench_train.peak_memory_mib("[train] peak memory per rank (MiB): rank 0 host 568, rank 1 host 575") == 575
     assert bench_train.peak_memory_mib("no such line") is None
+
+
+def test_bench_lora_reads_train_py_s_memory_lines():
+    """scripts/bench_lora.py's parsing of train.py's last lines (the runs themselves launch DeepSpeed: run
+    the script for those, about 2 minutes)."""
+    bench_lora = load_entry_point("scripts/bench_lora.py")
+    log = (
+        "[train] peak memory per rank (MiB): rank 0 host 955 / GPU 9120, rank 1 host 938 / GPU 9312\n"
+        "[train] model states per rank (MiB, tensors held: weights + grads + optimizer = total): "
+        "rank 0 72.30 + 0.00 + 8.60 = 80.90, rank 1 72.30 + 0.00 + 8.60 = 80.90\n"
+    )
+    assert bench_lora.per_rank(log, "model states per rank", r"= ([\d.]+)") == [80.9, 80.9]
+    assert bench_lora.per_rank(log, "peak memory per rank", r"GPU (\d+)") == [9120, 9312]
+    assert bench_lora.per_rank(log, "peak memory per rank", r"host (\d+)") == [955, 938]

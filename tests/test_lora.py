@@ -145,6 +145,16 @@ def test_lora_settings_refused_before_start(lora_cfg, change, message):
     assert message in problems_of(lora_cfg, world_size=4)
 
 
+def test_init_from_with_other_settings_refused_before_start(lora_cfg, tmp_path):
+    adapter = str(tmp_path / "adapter")
+    lora_config(peft_settings(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
+    lora_cfg.peft = peft_settings(init_from=adapter)
+    message = problems_of(lora_cfg, world_size=4)
+    assert "differs from the peft settings: r 2 in" in message and "target_modules ['q_proj'] in" in message
+    lora_cfg.peft = peft_settings(r=2, target_modules=["q_proj"], init_from=adapter)
+    assert resolve(lora_cfg, world_size=4).lora
+
+
 def test_tied_model_refuses_modules_to_save(lora_cfg, tiny_tied_hf):
     lora_cfg.model_name_or_path = tiny_tied_hf
     lora_cfg.peft = peft_settings(modules_to_save=["lm_head"])

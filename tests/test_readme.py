@@ -110,6 +110,19 @@ def stage(tmp_path_factory, tiny_hf, tokenizer_dir):
     return dict(root=root, hf=tiny_hf, ckpt=ckpt, configs=configs, data=data, tokenizer=tokenizer_dir, n=0)
 
 
+@pytest.fixture(scope="module")
+def lora_run(run_a) -> str:
+    """A LoRA run of 2 steps on run A's model (pipe 2, 2 ranks): what docs/lora.md's exports read."""
+    from tests.conftest import loop_args, run_deepspeed
+
+    root = run_a[0]
+    out = root / "lora-readme"
+    args = loop_args(root, out, max_steps=2, eval_steps=0, **{"peft.method": "lora", "data.eval_fraction": 0})
+    proc = run_deepspeed(2, "train.py", args, str(root / "lora-readme.log"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return str(out)
+
+
 def checkpoint_for(value: str, stage: dict) -> str:
     for key, path in stage["configs"].items():
         if key in value.lower():
@@ -128,12 +141,29 @@ def substitute_overrides(words: list[str], stage: dict) -> list[str]:
             value = stage["tokenizer"]
         elif key in ("data.train_file", "data.eval_file"):
             value = stage["data"]
+        elif key == "peft.init_from":
+            value = adapter_for(words, stage)
         elif key == "output_dir":
             stage["n"] += 1
             value = str(stage["root"] / f"run{stage['n']}")
         value = PLACEHOLDER_VALUES.get(value, value)
         out.append(f"{key}={value}")
     return out + ["min_free_disk_gb=0"]
+
+
+def adapter_for(words: list[str], stage: dict) -> str:
+    """A PEFT adapter directory (its adapter_config.json) with the command's own peft.* settings."""
+    from omegaconf import OmegaConf
+
+    from models.lora import lora_config
+    from training.config import PeftConfig
+
+    dotlist = [w[5:] for w in words if w.startswith("peft.") and not w.startswith("peft.init_from")]
+    settings = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PeftConfig), OmegaConf.from_dotlist(dotlist)))
+    stage["n"] += 1
+    path = str(stage["root"] / f"adapter{stage['n']}")
+    lora_config(settings).save_pretrained(path)
+    return path
 
 
 def run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
@@ -180,11 +210,15 @@ def check_command(command: str, expected: list[str] | None, stage: dict) -> str:
         proc = run([sys.executable, script, *args])
     elif script == "convert2ckpt.py":
         stage["n"] += 1
-        flags = [a for a in args if a in ("--to-hf", "--reshard")]
+        flags = [a for a in args if a in ("--to-hf", "--reshard", "--merge")]
         rest = [a for a in args if a not in flags]
         opts = {rest[i]: rest[i + 1] for i in range(0, len(rest), 2)}
-        # --reshard reads a run's checkpoint (train.py's run A, conftest), --to-hf a converted one
-        opts["--input"] = str(stage["run"]) if "--reshard" in flags else stage["ckpt"] if flags else stage["hf"]
+        # --reshard reads a run's checkpoint (train.py's run A, conftest), --to-hf a converted one or, from a
+        # LoRA run (an --input naming lora), the LoRA run below
+        if "--reshard" in flags or "lora" in opts["--input"]:
+            opts["--input"] = str(stage["run"])
+        else:
+            opts["--input"] = stage["ckpt"] if flags else stage["hf"]
         opts["--output"] = str(stage["root"] / f"convert{stage['n']}")
         opts.pop("--tag", None)
         proc = run([sys.executable, script, *flags, *[x for kv in opts.items() for x in kv]])
@@ -220,6 +254,8 @@ def test_readme_command(index, stage, request):
     command, expected, where = COMMANDS[index]
     if "--reshard" in command:
         stage["run"] = request.getfixturevalue("run_a")[0] / "A"
+    elif "convert2ckpt.py" in command and "lora" in command:
+        stage["run"] = request.getfixturevalue("lora_run")
     assert check_command(command, expected, stage), where
 
 

@@ -883,6 +883,15 @@ def peft_problems(cfg: TrainConfig, model_config, layout: Layout, reshard: str) 
             f"peft.init_from {p.init_from} has no adapter_config.json: give a PEFT adapter directory "
             "(save_pretrained's output, or convert2ckpt.py --to-hf of a LoRA run)"
         )
+    elif p.init_from:
+        from models.lora import adapter_settings_problems
+
+        differs = adapter_settings_problems(p.init_from, p)
+        if differs:
+            problems.append(
+                f"peft.init_from={p.init_from} differs from the peft settings: {'; '.join(differs)}: set peft.* "
+                "to the adapter's values"
+            )
     if reshard:
         problems.append(
             f"resuming a LoRA run on another layout ({reshard}) is not supported: resume it with its saved "

@@ -41,7 +41,7 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
     stages = stage_estimates(params, layout, shape_of(config), layers)
     e = max(stages, key=lambda s: s.total)
     lines.append(
-        f"planner (scripts/estimate_memory.py), most loaded GPU (stage {e.stage}, {params[e.stage] / 1e9:.2f} B "
+        f"planner (scripts/estimate_memory.py), most loaded GPU (stage {e.stage}, {e.parameters / 1e9:.2f} B "
         f"params): model states {e.model_states / GB:.1f} GB + activations {e.activations / GB:.1f} GB + loss "
         f"{e.loss / GB:.1f} GB + gradient and bucket temporaries {(e.grad_temp + e.buffers) / GB:.1f} GB = "
         f"{e.total / GB:.1f} GB" + (f"; host {e.host / GB:.1f} GB per rank (offloaded)" if e.host else "")
