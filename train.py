@@ -33,6 +33,7 @@ import deepspeed  # noqa: E402
 import hydra  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
@@ -41,7 +42,7 @@ from models.families import family_of  # noqa: E402
 from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
 from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules  # noqa: E402
 from models.llama_pipe import LlamaStack, build_pipeline_model, flops_per_token, init_weights_, spec_layout  # noqa: E402
-from models.lora import apply_lora, base_record, load_adapter_  # noqa: E402
+from models.lora import apply_lora, base_numel, base_record, load_adapter_  # noqa: E402
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
 from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes  # noqa: E402
 from training import run_checkpoints  # noqa: E402
@@ -205,11 +206,12 @@ def adapt(model, resolved: Resolved) -> list[str]:
 
     def inject() -> str:
         local = local_modules(model)
-        apply_lora(local, resolved.model_config, cfg.peft, cfg.seed)
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
+        apply_lora(local, resolved.model_config, cfg.peft, cfg.seed, compute, get_accelerator().current_device_name())
         if cfg.peft.init_from and not resolved.resume_tag:  # its settings were checked with the config
             load_adapter_(local, resolved.model_config, cfg.peft.init_from)
         trained = sum(full_numel(p) for _, m in local for p in m.parameters() if p.requires_grad)
-        frozen = sum(full_numel(p) for _, m in local for p in m.parameters() if not p.requires_grad)
+        frozen = sum(base_numel(p) for _, m in local for p in m.parameters() if not p.requires_grad)
         start = (
             f"from {cfg.peft.init_from}" if cfg.peft.init_from and not resolved.resume_tag else "PEFT's initialisation"
         )
@@ -332,10 +334,12 @@ def announce(
     if resolved.lora:
         p = cfg.peft
         log0(
-            f"peft: LoRA r={p.r} alpha={p.alpha:g}{' (rsLoRA)' if p.use_rslora else ''}{' DoRA' if p.use_dora else ''} "
+            f"peft: {'QLoRA' if p.quantize == 'nf4' else 'LoRA'} r={p.r} alpha={p.alpha:g}"
+            f"{' (rsLoRA)' if p.use_rslora else ''}{' DoRA' if p.use_dora else ''} "
             f"dropout={p.dropout:g} on {', '.join(p.target_modules)}"
             + (f"; trained fully: {', '.join(p.modules_to_save)}" if p.modules_to_save else "")
             + " | base frozen: no gradients, no optimizer state, not saved in checkpoints"
+            + ("; its decoder linear layers quantised to NF4 (bitsandbytes)" if p.quantize == "nf4" else "")
         )
     layout = resolved.layout
     log0(

@@ -64,8 +64,17 @@ def _input_needs_grad(module: nn.Module, inputs, output):
     return output
 
 
-def apply_lora(local: list[tuple[int, nn.Module]], config, peft_cfg, seed: int) -> None:
-    """Freeze this stage's base weights and inject PEFT's LoRA layers into its decoder layers, in place.
+def apply_lora(
+    local: list[tuple[int, nn.Module]],
+    config,
+    peft_cfg,
+    seed: int,
+    compute_dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> None:
+    """Freeze this stage's base weights and inject PEFT's LoRA layers into its decoder layers, in place;
+    with ``peft.quantize=nf4`` (QLoRA) each decoder layer's linear layers are quantised first, on ``device``
+    (:func:`quantize_nf4_`), and PEFT wraps them with its bitsandbytes LoRA layers.
 
     ``local``: the stage's (spec index, module) pairs (``models.layer_files.local_modules``). PEFT draws
     the initial ``lora_A`` from torch's generator, seeded per spec here (as ``init_weights_`` is), so every
@@ -78,11 +87,61 @@ def apply_lora(local: list[tuple[int, nn.Module]], config, peft_cfg, seed: int) 
         info = layout[index]
         module.requires_grad_(trains_fully(info, peft_cfg))
         if info.kind == "decoder":
+            if peft_cfg.quantize == "nf4":
+                quantize_nf4_(module, compute_dtype, device)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed + info.file_index)
                 inject_adapter_in_model(lora_config(peft_cfg), module, adapter_name=ADAPTER_NAME)
         elif info.kind == "embed" and not trains_fully(info, peft_cfg):
             module.register_forward_hook(_input_needs_grad)
+
+
+def quantize_nf4_(module: nn.Module, compute_dtype: torch.dtype, device: str | torch.device) -> None:
+    """Replace every ``nn.Linear`` of ``module`` by bitsandbytes' ``Linear4bit`` holding its weight in NF4,
+    quantised as it moves to ``device``: what transformers' ``BitsAndBytesConfig(load_in_4bit=True,
+    bnb_4bit_quant_type="nf4")`` loading does (bit for bit, tests/test_lora.py), layer by layer, so the
+    device never holds the stage at its stored precision. The quantisation state (absmax, the NF4 code)
+    is dropped from the module's state dict: a checkpoint saves no part of the frozen base."""
+    import bitsandbytes as bnb
+
+    for name, child in list(module.named_modules()):
+        if type(child) is not nn.Linear:
+            continue
+        parent, _, attr = name.rpartition(".")
+        with torch.device("meta"):  # no fp32 init of a weight about to be replaced
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                child.bias is not None,
+                compute_dtype,
+                compress_statistics=False,  # transformers' default: no double quantisation
+                quant_type="nf4",
+                quant_storage=torch.uint8,
+            )
+        q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, **q.weight.__dict__).to(device)
+        if child.bias is not None:
+            q.bias = nn.Parameter(child.bias.data.to(device), requires_grad=False)
+        # On CPUs with AVX512-BF16, bitsandbytes repacks a layer for a bf16 kernel at its first eval-mode
+        # forward, for good: an eval during training would change the precision of every later step.
+        q.support_avx512bf16_for_cpu = False
+        setattr(module.get_submodule(parent) if parent else module, attr, q)
+    module.is_loaded_in_4bit = True  # what PEFT reads (from a whole model, as a rule) to wrap with its bnb layers
+
+    def drop_quant_state(mod, state_dict, prefix, local_metadata):
+        # PEFT moves each quantised layer under ``base_layer``; its state keys follow the weight's name.
+        weights = [n for n, p in mod.named_parameters() if isinstance(p, bnb.nn.Params4bit)]
+        for key in [k for k in state_dict if any(k.startswith(f"{prefix}{w}.") for w in weights)]:
+            del state_dict[key]
+
+    module.register_state_dict_post_hook(drop_quant_state)
+
+
+def base_numel(p: torch.Tensor) -> int:
+    """Elements of a frozen base weight: an NF4 one packs two into each byte, its shape is the original's."""
+    from models.layer_files import full_numel
+
+    state = getattr(p, "quant_state", None)
+    return state.shape.numel() if state is not None else full_numel(p)
 
 
 def adapter_key(info: SpecInfo, key: str) -> str:

@@ -4,7 +4,7 @@
         --micro-batch 1 --seq-len 4096 --grad-accum 16 --checkpointing
     python scripts/estimate_memory.py --model llama2-70b --gpus 16 --gpu-mem 80 --seq-len 4096
     python scripts/estimate_memory.py --model 7.5e9 --dp 64 --zero 3        # a bare parameter count
-    python scripts/estimate_memory.py --model llama2-70b --gpus 16 --gpu-mem 80 --seq-len 4096 --lora-rank 16
+    python scripts/estimate_memory.py --model llama2-70b --gpus 16 --gpu-mem 80 --seq-len 4096 --lora-rank 16 [--nf4]
 
 --model is a conf/model name, a Hugging Face config.json (or its directory), or a parameter count
 (model states only: activations need an architecture).
@@ -94,11 +94,13 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
         print("  none: add GPUs, shorten sequences or use a smaller micro-batch")
 
 
-def lora(args) -> tuple[int, tuple[str, ...]]:
-    """(rank, target modules) of --lora-rank / --lora-targets: the Layout's LoRA fields."""
+def lora(args) -> tuple[int, tuple[str, ...], bool]:
+    """(rank, target modules, nf4) of --lora-rank / --lora-targets / --nf4: the Layout's LoRA fields."""
     if args.lora_rank and not args.model_config_given:
         raise SystemExit("--lora-rank needs an architecture (a conf/model name or a config.json), not a bare count")
-    return (args.lora_rank, tuple(args.lora_targets.split(",")) if args.lora_rank else ())
+    if args.nf4 and not args.lora_rank:
+        raise SystemExit("--nf4 (QLoRA) quantises the frozen base of a LoRA run: give --lora-rank too")
+    return (args.lora_rank, tuple(args.lora_targets.split(",")) if args.lora_rank else (), args.nf4)
 
 
 def main() -> None:
@@ -135,6 +137,7 @@ def main() -> None:
         default=",".join(DECODER_LINEARS),
         help="with --lora-rank: the decoder linear layers with adapters (peft.target_modules), comma-separated",
     )
+    p.add_argument("--nf4", action="store_true", help="with --lora-rank: QLoRA (peft.quantize=nf4), a 4-bit base")
     p.add_argument("--gpus", type=int, help="with --gpu-mem: list the layouts that fit")
     p.add_argument("--gpu-mem", type=float, help="GB per GPU")
     p.add_argument("--top", type=int, default=10, help="how many fitting layouts to list")

@@ -76,20 +76,22 @@ def test_initial_adapters_depend_on_the_seed_and_spec_only():
     assert any(not torch.equal(a[k], c[k]) for k in a if "lora_A" in k)
 
 
-def test_stage_forward_equals_get_peft_model():
-    """The stages with PEFT's layers injected compute the logits of get_peft_model on the same weights
-    (adapters copied over with non-zero B, so the LoRA branch counts: without it the logits differ)."""
-    config = tiny_config()
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_stage_forward_equals_get_peft_model(model_type):
+    """For every family, the stages with PEFT's layers injected compute the logits of get_peft_model on
+    the same weights (adapters copied over with non-zero B, so the LoRA branch counts: without it the
+    logits differ); Qwen2's biased q/k/v projections keep their bias under the adapter."""
+    config = tiny_config(model_type, sliding_window=8) if model_type == "mistral" else tiny_config(model_type)
     torch.manual_seed(0)
     reference = get_peft_model(
-        LlamaForCausalLM(config), lora_config(peft_settings(target_modules=["q_proj", "up_proj"]))
+        _causal_lm(config), lora_config(peft_settings(target_modules=["q_proj", "v_proj", "up_proj"]))
     )
     with torch.no_grad():
         for name, p in reference.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     stack = LlamaStack(config)
-    apply_lora(local_modules(stack), config, peft_settings(target_modules=["q_proj", "up_proj"]), seed=0)
+    apply_lora(local_modules(stack), config, peft_settings(target_modules=["q_proj", "v_proj", "up_proj"]), seed=0)
     layout, reference_state = spec_layout(config), reference.state_dict()
     with torch.no_grad():
         for index, module in local_modules(stack):
@@ -132,7 +134,6 @@ def test_lora_config_resolves(lora_cfg):
         (dict(peft=peft_settings(target_modules=["q_proj", "qkv"])), "unknown: qkv"),
         (dict(peft=peft_settings(modules_to_save=["norm"])), "peft.modules_to_save ['norm'] unknown"),
         (dict(peft=peft_settings(r=0)), "peft.r 0 < 1"),
-        (dict(peft=peft_settings(quantize="nf4")), "peft.quantize=nf4 (QLoRA) is not supported"),
         (dict(num_stages=1, ds_config="zero2"), "data-parallel engine, which this version does not adapt"),
         (dict(peft=peft_settings(init_from="/nonexistent")), "has no adapter_config.json"),
         # parameters: the 4-layer model's embedding + layer 0 | layers 1-3 | norm + head on three stages
@@ -153,6 +154,17 @@ def test_init_from_with_other_settings_refused_before_start(lora_cfg, tmp_path):
     assert "differs from the peft settings: r 2 in" in message and "target_modules ['q_proj'] in" in message
     lora_cfg.peft = peft_settings(r=2, target_modules=["q_proj"], init_from=adapter)
     assert resolve(lora_cfg, world_size=4).lora
+
+
+def test_qlora_without_bitsandbytes_refused_before_start(lora_cfg, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a)
+    )
+    lora_cfg.peft = peft_settings(quantize="nf4")
+    assert "bitsandbytes, which is not installed" in problems_of(lora_cfg, world_size=4)
 
 
 def test_tied_model_refuses_modules_to_save(lora_cfg, tiny_tied_hf):
@@ -187,6 +199,72 @@ def test_planner_counts_the_adapters_peft_makes(model_type):
     assert e_lora.model_states < e_full.model_states / 3
 
 
+def test_nf4_quantisation_is_transformers_own(tiny_hf):
+    """quantize_nf4_ on a decoder layer gives the state (NF4 bytes, absmax, code) and the logits of
+    transformers' BitsAndBytesConfig(load_in_4bit=True) loading, bit for bit."""
+    from models.lora import quantize_nf4_
+
+    settings = peft_settings(quantize="nf4")
+    reference = LlamaForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32, **quantized(settings))
+    ours = LlamaForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32)
+    state = {}
+    for layer in ours.model.layers:
+        quantize_nf4_(layer, torch.float32, "cpu")
+        layer.register_state_dict_post_hook(lambda m, sd, prefix, meta: state.update(sd))  # after its own hook
+    theirs = reference.state_dict()
+    ours.state_dict()
+    quant_keys = [k for k in theirs if ".weight." in k and "layers." in k]
+    assert quant_keys and all(k not in state for k in quant_keys)  # no quantisation state saved
+    for name, p in ours.named_parameters():
+        assert torch.equal(p.data, theirs[name].data), name
+        if hasattr(p, "quant_state"):
+            ref = reference.get_parameter(name).quant_state
+            assert torch.equal(p.quant_state.absmax, ref.absmax) and torch.equal(p.quant_state.code, ref.code)
+    ids = torch.randint(3, 512, (2, 16))
+    assert torch.equal(ours(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_qlora_stage_forward_equals_get_peft_model_on_transformers_4bit(tiny_hf, dora):
+    """QLoRA stages (PEFT's bitsandbytes LoRA layers, as get_peft_model makes on a 4-bit model: DoRA's
+    weight norm needs the dequantised weight) give the logits of get_peft_model on transformers' 4-bit
+    loading, in train and in eval mode."""
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+    settings = peft_settings(quantize="nf4", use_dora=dora, target_modules=["q_proj", "down_proj"])
+    base = LlamaForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32, **quantized(settings))
+    reference = get_peft_model(base, lora_config(settings))
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    config = reference.config
+    stack, layout = LlamaStack(config), spec_layout(config)
+    plain = LlamaForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).state_dict()
+    with torch.no_grad():
+        for index, module in local_modules(stack):
+            for key, t in module.state_dict().items():
+                t.copy_(plain[layout[index].hf_prefix + key])
+    apply_lora(local_modules(stack), config, settings, seed=0)
+    reference_state = reference.state_dict()
+    with torch.no_grad():
+        for index, module in local_modules(stack):
+            for key, t in module.named_parameters():
+                if t.requires_grad:
+                    t.copy_(reference_state["base_model.model." + layout[index].hf_prefix + key])
+    assert isinstance(local_modules(stack)[1][1].self_attn.q_proj, LoraLinear4bit)
+    ids = torch.randint(3, config.vocab_size, (2, 16))
+    pos = torch.arange(16).expand(2, 16)
+    reference.train()  # bitsandbytes' CPU 4-bit layers repack their weights for a bf16 kernel in eval mode
+    expected = reference(input_ids=ids).logits
+    assert torch.allclose(stack(ids, pos), expected, atol=1e-5)
+    stack.eval()
+    with torch.no_grad():  # as train.py's eval runs: ours must not repack (and stay exact in training after)
+        assert torch.allclose(stack(ids, pos), expected, atol=1e-5)
+    stack.train()
+    assert torch.allclose(stack(ids, pos), expected, atol=1e-5)
+
+
 def _causal_lm(config):
     from transformers import AutoModelForCausalLM
 
@@ -199,7 +277,9 @@ def _causal_lm(config):
 def reference_adapter(hf_dir: str, settings: PeftConfig, out: str, seed: int = 1):
     """get_peft_model on ``hf_dir`` (fp32), its initial adapter saved to ``out`` (peft.init_from of the run)."""
     torch.manual_seed(seed)
-    base = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    base = LlamaForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="sdpa", **quantized(settings)
+    )
     model = get_peft_model(base, lora_config(settings))
     with torch.no_grad():  # B != 0 from the start, so the first step's gradients reach A too
         for name, p in model.named_parameters():
@@ -209,8 +289,19 @@ def reference_adapter(hf_dir: str, settings: PeftConfig, out: str, seed: int = 1
     return model
 
 
+def quantized(settings: PeftConfig) -> dict:
+    """from_pretrained's arguments for QLoRA: transformers' own 4-bit loading (bitsandbytes, NF4, fp32 compute)."""
+    if settings.quantize != "nf4":
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    return {"quantization_config": nf4, "device_map": "cpu"}
+
+
 def overrides(settings: PeftConfig, init_from: str) -> dict:
     return {
+        "peft.quantize": settings.quantize,
         "peft.method": "lora",
         "peft.r": settings.r,
         "peft.alpha": settings.alpha,
@@ -228,6 +319,7 @@ def lora_runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
     for name, hf_dir, settings, extra in (
         ("untied", tiny_hf, peft_settings(modules_to_save=["lm_head"]), {"save_steps": 3}),
         ("tied", tiny_tied_hf, peft_settings(), {"activation_checkpoint_interval": 1}),
+        ("qlora", tiny_hf, peft_settings(quantize="nf4"), {"save_steps": 0}),
     ):
         hf_to_stages(hf_dir, str(root / f"ckpt_{name}"))
         reference = reference_adapter(hf_dir, settings, str(root / f"init_{name}"))
@@ -249,7 +341,7 @@ def lora_runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["untied", "tied"])
+@pytest.mark.parametrize("name", ["untied", "tied", "qlora"])
 def test_lora_pipeline_trains_what_peft_trains(lora_runs, name):
     root, runs = lora_runs
     run = runs[name]
@@ -267,7 +359,7 @@ def test_lora_pipeline_trains_what_peft_trains(lora_runs, name):
     assert set(ours) == set(reference) == set(initial)
     assert max((ours[k] - reference[k]).abs().max().item() for k in ours) < 1e-5
     assert max((reference[k] - initial[k]).abs().max().item() for k in ours) > 1e-3
-    assert "peft: LoRA r=4 alpha=8" in run["log"] and "base frozen" in run["log"]
+    assert f"peft: {'QLoRA' if name == 'qlora' else 'LoRA'} r=4 alpha=8" in run["log"] and "base frozen" in run["log"]
 
 
 @pytest.mark.multirank

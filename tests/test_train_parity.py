@@ -53,6 +53,7 @@ def reference_run(hf_dir: str, samples: list[list[int]], global_batch: int, mode
     torch.manual_seed(0)
     if model is None:
         model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.train()  # as Trainer does (from_pretrained returns eval mode; bitsandbytes' CPU layers differ in it)
     cfg = TrainConfig(optim=OptimConfig(**{**OPTIM, **optim_overrides}))
     opt = torch.optim.AdamW(
         param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps

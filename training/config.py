@@ -144,7 +144,7 @@ class PeftConfig:
     modules_to_save: list[str] = field(default_factory=list)  # trained fully beside the adapters: embed_tokens, lm_head
     use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(r)
     use_dora: bool = False  # weight-decomposed LoRA (a trained magnitude vector per adapted layer)
-    quantize: Quantize = Quantize.none  # nf4: QLoRA, each frozen base linear quantised as loaded (bitsandbytes, CUDA)
+    quantize: Quantize = Quantize.none  # nf4: QLoRA, the decoder's frozen linear layers in 4 bits (bitsandbytes)
     init_from: str = ""  # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from
 
 
@@ -867,10 +867,10 @@ def peft_problems(cfg: TrainConfig, model_config, layout: Layout, reshard: str) 
             f"peft.modules_to_save {list(p.modules_to_save)} with tied embeddings: the embedding and the LM head "
             "share one weight, which PEFT's adapter format saves as two; leave peft.modules_to_save empty"
         )
-    if p.quantize != "none":
+    if p.quantize == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
         problems.append(
-            f"peft.quantize={p.quantize} (QLoRA) is not supported by this version: set peft.quantize=none "
-            "(LoRA over the base at its stored precision)"
+            "peft.quantize=nf4 (QLoRA) quantises with bitsandbytes, which is not installed: pip install "
+            "bitsandbytes (pinned in pyproject.toml), or set peft.quantize=none"
         )
     if not layout.uses_pipeline:
         problems.append(

@@ -32,6 +32,7 @@ class Layout:
     loss_chunk: int = 0  # tokens the last stage's LM head and loss take at once; 0 = all (loss_chunk_tokens)
     lora_rank: int = 0  # LoRA (peft.method=lora): the adapters' rank; 0 = every weight trained
     lora_targets: tuple[str, ...] = ()  # the decoder linear layers that get adapters (peft.target_modules)
+    nf4: bool = False  # QLoRA (peft.quantize=nf4): the decoder's frozen linear weights stored in 4 bits
 
     @classmethod
     def of(cls, cfg, world_size: int, ds_json: dict) -> Layout:
@@ -53,6 +54,7 @@ class Layout:
             loss_chunk=cfg.loss_chunk_tokens,
             lora_rank=cfg.peft.r if cfg.peft.method == "lora" else 0,
             lora_targets=tuple(cfg.peft.target_modules) if cfg.peft.method == "lora" else (),
+            nf4=cfg.peft.method == "lora" and cfg.peft.quantize == "nf4",
         )
 
     @property
@@ -90,5 +92,5 @@ class Layout:
         return (
             f"pipe {self.stages} x data {self.dp}, ZeRO-{self.zero}{off}, micro {self.micro_batch} x seq {self.seq_len}"
             f"{', act. ckpt' if self.checkpointing else ''}{chunk}, {self.dtype}"
-            + (f", LoRA r={self.lora_rank}" if self.lora_rank else "")
+            + (f", {'QLoRA (NF4)' if self.nf4 else 'LoRA'} r={self.lora_rank}" if self.lora_rank else "")
         )

@@ -18,10 +18,13 @@ HARMLESS_WARNINGS = [
     # DeepSpeed's ZeRO and pipeline collectives call the old name; same operation, same result.
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
 ]
-# Messages of DeepSpeed's logger.
+# Messages of DeepSpeed's logger, and of the other loggers named here.
 HARMLESS_LOG_RECORDS = [
     r"Setting accelerator to CPU",  # said at every import on a machine without a GPU (the CPU tests, the demo)
+    # bitsandbytes on CPU (QLoRA) looks for an optional hub kernel at its first 4-bit matmul and uses its own
+    r"Failed to load CPU gemm_4bit_forward from kernels-community",
 ]
+FILTERED_LOGGERS = ["DeepSpeed", "bitsandbytes.backends.cpu.ops"]
 # Lines DeepSpeed prints with print() on every rank.
 HARMLESS_PRINTS = [
     r"^SEED_LAYERS=",  # PipelineModule's seeding settings: this project seeds per spec itself
@@ -64,7 +67,8 @@ def quiet_dependencies(level: str) -> None:
         return
     for category, pattern in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=category)
-    logging.getLogger("DeepSpeed").addFilter(_DropKnown())  # the logger DeepSpeed creates at import
+    for name in FILTERED_LOGGERS:  # a logger's filter sees its own records only, not its children's
+        logging.getLogger(name).addFilter(_DropKnown())
     if not isinstance(sys.stdout, _LineFilter):
         sys.stdout = _LineFilter(sys.stdout)
 

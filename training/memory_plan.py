@@ -31,7 +31,8 @@ buffers of one micro-batch (see loss_bytes): the logits of B*S tokens, or of ``l
 them with the chunked loss.
 
 LoRA (``Layout.lora_rank`` > 0) trains adapters only: the frozen base costs its weights alone, in the
-training precision, unpartitioned; the adapters of each decoder layer, r (in + out) parameters per
+training precision (with QLoRA, ``Layout.nf4``, the decoder's linear weights in NF4: NF4_BYTES each),
+unpartitioned; the adapters of each decoder layer, r (in + out) parameters per
 target linear layer, cost what a trained parameter costs above. Activations stay those of the whole
 model (backward still runs through every frozen layer), plus the adapters' own r-wide tensors, which are
 negligible beside them. No [V,H] gradient exists (the embedding and the LM head are frozen), so the
@@ -60,6 +61,9 @@ def reduce_bucket_elements(total_params: float) -> int:
     return int(min(DS_REDUCE_BUCKET_DEFAULT, total_params))
 
 
+NF4_BYTES = 0.5 + 4 / 64  # QLoRA: bytes per quantised weight (4 bits + bitsandbytes' fp32 absmax per 64)
+
+
 @dataclass(frozen=True)
 class Shape:
     """What the activation estimate needs from the architecture."""
@@ -85,6 +89,10 @@ class Shape:
             "up_proj": (h, f),
             "down_proj": (f, h),
         }
+
+    def linear_params_per_layer(self) -> int:
+        """Weights of a decoder layer's linear layers: what QLoRA stores in 4 bits."""
+        return sum(i * o for i, o in self.linear_dims().values())
 
     def lora_params_per_layer(self, rank: int, targets: tuple[str, ...]) -> int:
         """Adapter parameters of one decoder layer: A [r, in] and B [out, r] per target."""
@@ -230,6 +238,9 @@ def stage_estimate(
     if layout.lora_rank and shape is not None and layers is not None:
         trained = float(layers * shape.lora_params_per_layer(layout.lora_rank, layout.lora_targets))
         frozen_bytes = (4 if layout.dtype == "fp32" else 2) * psi
+        if layout.nf4:  # the decoder's linear weights in 4 bits plus an fp32 absmax per block of 64
+            linear = layers * shape.linear_params_per_layer()
+            frozen_bytes -= ((4 if layout.dtype == "fp32" else 2) - NF4_BYTES) * linear
     params, grads, optim, host = model_state_bytes(trained, layout)
     params += frozen_bytes
     acts, loss, grad_temp = None, 0.0, 0.0
@@ -274,10 +285,10 @@ def layouts_for(
     grad_accum: int,
     dtype: str,
     loss_chunk: int = 0,
-    lora: tuple[int, tuple[str, ...]] = (0, ()),
+    lora: tuple = (0, (), False),
 ):
     """Every layout worth trying on ``gpus`` GPUs, cheapest in communication and compute first; with
-    ``lora`` (rank, target modules) LoRA layouts, on the pipeline engine only (as train.py runs LoRA).
+    ``lora`` (rank, target modules, nf4) LoRA layouts, on the pipeline engine only (as train.py runs LoRA).
 
     Order: no offload before optimizer offload before parameter offload; no activation checkpointing
     before checkpointing; lower ZeRO stage first; fewer pipeline stages first.
@@ -318,7 +329,7 @@ def fitting(
     grad_accum: int,
     dtype: str,
     loss_chunk: int = 0,
-    lora: tuple[int, tuple[str, ...]] = (0, ()),
+    lora: tuple = (0, (), False),
 ) -> list[tuple[Layout, Estimate]]:
     """Layouts whose most loaded GPU fits ``gpu_mem_gb``, cheapest first (see layouts_for).
 
