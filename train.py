@@ -212,9 +212,10 @@ def adapt(model, resolved: Resolved) -> list[str]:
             load_adapter_(local, resolved.model_config, cfg.peft.init_from)
         trained = sum(full_numel(p) for _, m in local for p in m.parameters() if p.requires_grad)
         frozen = sum(base_numel(p) for _, m in local for p in m.parameters() if not p.requires_grad)
-        start = (
-            f"from {cfg.peft.init_from}" if cfg.peft.init_from and not resolved.resume_tag else "PEFT's initialisation"
-        )
+        if resolved.resume_tag:
+            start = f"from {resolved.resume_tag}, loaded with the optimizer states"
+        else:
+            start = f"from {cfg.peft.init_from}" if cfg.peft.init_from else "PEFT's initialisation"
         return f"{trained / 1e6:.3f} M trained ({start}), {frozen / 1e6:.2f} M frozen"
 
     if not resolved.lora:

@@ -10,6 +10,7 @@ exact resume; a resume on another base refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -197,6 +198,14 @@ def test_planner_counts_the_adapters_peft_makes(model_type):
     # The frozen base at 4 bytes (fp32) + the adapters costing what trained parameters cost.
     assert e_lora.model_states == 4 * psi[1] + sum(model_state_bytes(trained, full)[:3])
     assert e_lora.model_states < e_full.model_states / 3
+    # QLoRA: the decoder's linear weights (the planner's count is the model's) at NF4_BYTES instead of 4.
+    from training.memory_plan import NF4_BYTES
+
+    layer = model.get_base_model().model.layers[0]
+    weights = [p for n, p in layer.named_parameters() if n.endswith("proj.weight") or n.endswith("base_layer.weight")]
+    assert shape.linear_params_per_layer() == sum(p.numel() for p in weights)
+    e_nf4 = estimate(psi, dataclasses.replace(lora, nf4=True), shape, [2, 2])
+    assert e_nf4.model_states == e_lora.model_states - (4 - NF4_BYTES) * 2 * shape.linear_params_per_layer()
 
 
 def test_nf4_quantisation_is_transformers_own(tiny_hf):
