@@ -42,7 +42,7 @@ from models.families import family_of  # noqa: E402
 from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
 from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules  # noqa: E402
 from models.llama_pipe import LlamaStack, build_pipeline_model, flops_per_token, init_weights_, spec_layout  # noqa: E402
-from models.lora import apply_lora, base_numel, base_record, load_adapter_  # noqa: E402
+from models.lora import apply_lora, base_numel, base_record, load_adapter_, load_checkpoint_adapters_  # noqa: E402
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
 from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes  # noqa: E402
 from training import run_checkpoints  # noqa: E402
@@ -208,7 +208,9 @@ def adapt(model, resolved: Resolved) -> list[str]:
         local = local_modules(model)
         compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
         apply_lora(local, resolved.model_config, cfg.peft, cfg.seed, compute, get_accelerator().current_device_name())
-        if cfg.peft.init_from and not resolved.resume_tag:  # its settings were checked with the config
+        if resolved.reshard:  # DeepSpeed's load does not apply: the adapters from the checkpoint's layer files
+            load_checkpoint_adapters_(local, resolved.model_config, os.path.join(cfg.output_dir, resolved.resume_tag))
+        elif cfg.peft.init_from and not resolved.resume_tag:  # its settings were checked with the config
             load_adapter_(local, resolved.model_config, cfg.peft.init_from)
         trained = sum(full_numel(p) for _, m in local for p in m.parameters() if p.requires_grad)
         frozen = sum(base_numel(p) for _, m in local for p in m.parameters() if not p.requires_grad)

@@ -246,6 +246,35 @@ def adapter_file_problems(local: list[tuple[int, nn.Module]], config, tag_dir: s
     return problems
 
 
+def load_checkpoint_adapters_(local: list[tuple[int, nn.Module]], config, tag_dir: str) -> None:
+    """Set this stage's trained tensors from a LoRA checkpoint's layer files (a resume on another layout,
+    where DeepSpeed's own load does not apply); every file is checked first, all problems raised together."""
+    from models.layer_files import CheckpointError, load_layer_file
+    from models.llama_pipe import layer_file_name
+
+    problems = adapter_file_problems(local, config, tag_dir)
+    if problems:
+        raise CheckpointError(f"cannot resume from {tag_dir}:\n  " + "\n  ".join(problems))
+    layout = spec_layout(config)
+    for index, module in local:
+        if layout[index].owns_file:
+            with torch.no_grad():
+                for key, t in load_layer_file(os.path.join(tag_dir, layer_file_name(index))).items():
+                    trainable_state(module)[key].copy_(t)
+
+
+def saved_base_record(tag_dir: str) -> dict | None:
+    """The base a LoRA checkpoint adapts, as every rank recorded it (each its own stage's layer files)."""
+    records = []
+    for name in sorted(os.listdir(tag_dir)):
+        if name.startswith("trainer_state_rank") and name.endswith(".json"):
+            with open(os.path.join(tag_dir, name)) as f:
+                records.append(json.load(f).get("peft_base"))
+    if not records or not all(records):
+        return None
+    return {"path": records[0]["path"], "sha256": {k: v for r in records for k, v in r["sha256"].items()}}
+
+
 def base_record(ckpt_dir: str, files: list[str]) -> dict:
     """What a LoRA checkpoint records of the base this rank loaded: its path and each layer file's SHA-256."""
     return {"path": os.path.abspath(ckpt_dir), "sha256": {os.path.basename(f): file_sha256(f) for f in files}}
@@ -255,7 +284,10 @@ def base_mismatch(saved: dict | None, now: dict) -> list[str]:
     """How the base loaded now differs from the one a checkpoint's adapters were trained on."""
     if not saved:
         return ["it records no base model (not a LoRA checkpoint of this version)"]
-    changed = sorted(f for f, h in now["sha256"].items() if saved["sha256"].get(f) != h)
+    changed = sorted(f for f, h in now["sha256"].items() if saved["sha256"].get(f) not in (h, None))
+    unknown = sorted(f for f in now["sha256"] if f not in saved["sha256"])
+    if unknown:
+        return [f"it records no hash of the base's {', '.join(unknown)} (a checkpoint of another model?)"]
     if not changed:
         return []
     return [

@@ -4,10 +4,10 @@
     python scripts/bench_lora.py --gpus 8 --stages 4 --precision bf16 --hidden-size 4096 ...   # a GPU node
 
 A random Llama of the given shape is written and converted once; train.py then runs it with
-peft.method=none and peft.method=lora (each rank one CPU thread on CPU). Per case the table gives the
-median step time after --warmup steps, real tokens per second, and per rank the model-state bytes train.py
-measures (weights + gradients + optimizer states, training/memory_census.py) and its peak memory (host RSS
-on CPU, the GPU allocator's peak on a GPU).
+peft.method=none, peft.method=lora and LoRA on an NF4 base (peft.quantize=nf4), each rank one CPU thread
+on CPU. Per case the table gives the median step time after --warmup steps, real tokens per second, and
+per rank the model-state bytes train.py measures (weights + gradients + optimizer states,
+training/memory_census.py) and its peak memory (host RSS on CPU, the GPU allocator's peak on a GPU).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--cases", default="full,lora,qlora", help="comma-separated: full, lora, qlora (NF4 base)")
     p.add_argument("--work-dir", default=None, help="where the model and runs go (default: a temporary directory)")
     return p.parse_args(argv)
 
@@ -72,8 +73,10 @@ def run_case(args, name: str, ckpt: str, data: str, work: str) -> dict:
         "save_steps=0",
         "min_free_disk_gb=0",
     ]
-    if name == "lora":
+    if name in ("lora", "qlora"):
         overrides += ["peft.method=lora", f"peft.r={args.lora_rank}", f"peft.alpha={2 * args.lora_rank}"]
+    if name == "qlora":
+        overrides.append("peft.quantize=nf4")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.gpus), "train.py", *overrides]
     proc = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False
@@ -118,7 +121,7 @@ def main(argv=None) -> None:
         hf_to_stages(hf, ckpt)
     samples = args.steps * args.micro_batch * args.grad_accum * (args.gpus // args.stages)
     write_random_tokens(data, samples, args.seq, vocab_size=args.vocab_size)
-    results = {name: run_case(args, name, ckpt, data, work) for name in ("full", "lora")}
+    results = {name: run_case(args, name, ckpt, data, work) for name in args.cases.split(",")}
     dp = args.gpus // args.stages
     print(
         f"pipe {args.stages} x data {dp}, ds={args.ds}, {args.precision}, hidden {args.hidden_size}, "
@@ -126,18 +129,20 @@ def main(argv=None) -> None:
         f"grad_acc {args.grad_accum}, {args.steps} steps (median after {args.warmup}); LoRA r={args.lora_rank} on "
         "every decoder linear layer"
     )
-    kind = results["full"]["peak_kind"]
-    print(f"{'case':<5} {'s/step':>7} {'tokens/s':>9}  {'model states per rank (MiB)':<34} peak {kind} per rank (MiB)")
+    kind = next(iter(results.values()))["peak_kind"]
+    print(f"{'case':<6} {'s/step':>7} {'tokens/s':>9}  {'model states per rank (MiB)':<34} peak {kind} per rank (MiB)")
     for name, r in results.items():
         states = ", ".join(f"{v:.1f}" for v in r["states"])
         peak = ", ".join(f"{v:.0f}" for v in r["peak"])
-        print(f"{name:<5} {r['step_s']:>7.3f} {r['tokens_s']:>9.0f}  {states:<34} {peak}")
-    full, lora = results["full"], results["lora"]
-    ratio = lambda key: max(lora[key]) / max(full[key])
-    print(
-        f"LoRA / full: step time {lora['step_s'] / full['step_s']:.2f}, model states {ratio('states'):.2f} "
-        f"(largest rank), peak {ratio('peak'):.2f}"
-    )
+        print(f"{name:<6} {r['step_s']:>7.3f} {r['tokens_s']:>9.0f}  {states:<34} {peak}")
+    full = results.get("full")
+    for name, r in results.items():
+        if full is not None and name != "full":
+            ratio = lambda key: max(r[key]) / max(full[key])
+            print(
+                f"{name} / full: step time {r['step_s'] / full['step_s']:.2f}, model states {ratio('states'):.2f} "
+                f"(largest rank), peak {ratio('peak'):.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -342,8 +342,12 @@ def lora_runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
             **overrides(settings, str(root / f"init_{name}")),
             **extra,
         )
-        proc = run_deepspeed(4, "train.py", args, str(root / f"{name}.log"))
+        # The untied run checks at exit that every rank's frozen base still equals the base's layer files.
+        script = "tests/ds_scripts/train_checking_frozen_base.py" if name == "untied" else "train.py"
+        proc = run_deepspeed(4, script, args, str(root / f"{name}.log"))
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        if name == "qlora":
+            reference.train()  # bitsandbytes' CPU 4-bit layers repack their weights for a bf16 kernel in eval mode
         losses, _, norms, trained = reference_run(hf_dir, samples, MICRO * 4, model=reference)
         runs[name] = dict(hf=hf_dir, args=args, losses=losses, norms=norms, model=trained, log=proc.stdout)
     return root, runs
@@ -395,6 +399,17 @@ def test_exported_adapter_loads_in_peft_and_merges(lora_runs, name):
 
 
 @pytest.mark.multirank
+def test_base_weights_are_bit_identical_after_training(lora_runs):
+    """Every rank's frozen base weights at the end of the untied run (5 steps, AdamW with weight decay on
+    its groups) equal the base checkpoint's layer files bit for bit."""
+    _, runs = lora_runs
+    lines = [line for line in runs["untied"]["log"].splitlines() if line.startswith("FROZEN_BASE")]
+    print("\n".join(lines))
+    assert len(lines) == 4 and all(" 0 differ" in line for line in lines)
+    assert all(int(line.split(": ")[1].split()[0]) > 0 for line in lines)
+
+
+@pytest.mark.multirank
 def test_checkpoint_holds_adapters_and_their_optimizer_states_only(lora_runs, tiny_hf):
     """The layer files hold the trained tensors only, the optimizer states exist for exactly those, and
     the base on disk is untouched (its files' SHA-256 as recorded when the run loaded it)."""
@@ -443,6 +458,40 @@ def test_resume_is_exact_and_refuses_another_base(lora_runs, tmp_path):
     proc = run_deepspeed(4, "train.py", [*args, "max_steps=6", "resume_allow_changes=[model]"], str(tmp_path / "b.log"))
     assert proc.returncode != 0
     assert "its adapters were trained on the base in" in proc.stderr and "differ(s) in content" in proc.stderr
+
+
+@pytest.mark.multirank
+def test_resume_on_another_layout_continues_the_run(lora_runs, tmp_path):
+    """The untied run's step-3 checkpoint (pipe 2 x data 2, ZeRO-1) resumed on pipe 1 x data 2 directly,
+    and on pipe 2 x data 1 (ZeRO-0, twice the accumulation: the same global batch) from convert2ckpt.py
+    --reshard's portable form: steps 4-5 as the uninterrupted run's, within the parity tolerance (the
+    reductions run in another order)."""
+    root, runs = lora_runs
+    straight = {m["step"]: m for m in read_metrics(str(root / "untied"))}
+    source = tmp_path / "step3"
+    shutil.copytree(root / "untied", source)
+    shutil.rmtree(source / "global_step5")
+    (source / "latest").write_text("global_step3")
+    portable = tmp_path / "portable"
+    assert (
+        load_entry_point("convert2ckpt.py").main(["--reshard", "--input", str(source), "--output", str(portable)]) == 0
+    )
+    for out, layout in (
+        (source, {"num_stages": 1, "ds_config": "zero1", "gradient_accumulation_steps": 2}),
+        (portable, {"num_stages": 2, "ds_config": "zero0", "gradient_accumulation_steps": 4}),
+    ):
+        replaced = ("output_dir=", "num_stages=", "ds_config=", "gradient_accumulation_steps=")
+        args = [a for a in runs["untied"]["args"] if not a.startswith(replaced)]
+        args += [f"output_dir={out}", *(f"{k}={v}" for k, v in layout.items())]
+        proc = run_deepspeed(2, "train.py", args, str(tmp_path / f"{out.name}.log"))
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        assert "was saved on another layout" in proc.stdout and "from global_step3" in proc.stdout
+        resumed = [m for m in read_metrics(str(out)) if m["step"] > 3]
+        assert [m["step"] for m in resumed[-2:]] == [4, 5]
+        assert all(m["tokens"] == straight[m["step"]]["tokens"] for m in resumed[-2:])  # the same global batch
+        diffs = [rel(m["loss"], straight[m["step"]]["loss"]) for m in resumed[-2:]]
+        print(f"LoRA resumed on {layout}: loss {max(diffs):.2e}")
+        assert max(diffs) < REL_TOL
 
 
 def load_file_tensors(tag_dir) -> dict[str, torch.Tensor]:

@@ -824,7 +824,7 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
             problems += ds_json_conflicts(cfg, ds_json, layout)
     problems += peft_change_problems(cfg, resume_changes_)
     if cfg.peft.method != "none":
-        problems += peft_problems(cfg, model_config, layout, reshard)
+        problems += peft_problems(cfg, model_config, layout)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return Resolved(cfg, layout, ds_json, model_config, warnings, resume_tag, resume_changes_, reshard)
@@ -844,7 +844,7 @@ def peft_change_problems(cfg: TrainConfig, changes: ResumeChanges) -> list[str]:
     ]
 
 
-def peft_problems(cfg: TrainConfig, model_config, layout: Layout, reshard: str) -> list[str]:
+def peft_problems(cfg: TrainConfig, model_config, layout: Layout) -> list[str]:
     """What a LoRA run cannot do with these settings (peft.method=lora)."""
     p, problems = cfg.peft, []
     if not cfg.model_name_or_path:
@@ -892,11 +892,6 @@ def peft_problems(cfg: TrainConfig, model_config, layout: Layout, reshard: str) 
                 f"peft.init_from={p.init_from} differs from the peft settings: {'; '.join(differs)}: set peft.* "
                 "to the adapter's values"
             )
-    if reshard:
-        problems.append(
-            f"resuming a LoRA run on another layout ({reshard}) is not supported: resume it with its saved "
-            "num_stages, partition_method, ds_config, precision and world size"
-        )
     if model_config is not None and layout.stages >= 1 and not problems:
         problems += frozen_stage_problems(cfg, model_config, layout)
     return problems

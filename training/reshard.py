@@ -443,6 +443,10 @@ def reshard(input_dir: str, output: str, tag: str | None = None, overwrite: bool
         with open(trainer_state) as f:
             state = json.load(f)
         state.update(portable=True, source_format=saved.format)
+        if state.get("peft_base"):  # a LoRA run: the base's hashes of every stage, as its ranks recorded them
+            from models.lora import saved_base_record
+
+            state["peft_base"] = saved_base_record(tag_dir)
         with open(os.path.join(out_tag, "trainer_state_rank00000.json"), "w") as f:
             json.dump(state, f)
         nbytes = write_portable(saved, out_tag, log=lambda m: log(f"[reshard] {m}"))

@@ -46,7 +46,7 @@ from models.layer_files import (
     write_config,
 )
 from models.llama_pipe import layer_file_name
-from models.lora import adapter_file_problems, base_mismatch
+from models.lora import adapter_file_problems, base_mismatch, saved_base_record
 from training.config import Resolved, tokenizer_dir
 from training.optim import param_groups
 
@@ -335,6 +335,8 @@ def restore_resharded(resolved: Resolved, engine, iterator, total_steps: int) ->
     problems = saved.problems + load_problems(saved, engine.module)
     with open(trainer_state_file(output_dir, tag, 0)) as f:
         state = json.load(f)
+    if resolved.lora:
+        problems += base_mismatch(saved_base_record(os.path.join(output_dir, tag)), engine.module.lora_base)
     if "consumed" not in (state["iterator"] or {}):
         problems.append(
             "its data position counts one rank's micro-batches (saved by an earlier version): resume it on its "
