@@ -492,6 +492,16 @@ def test_resume_on_another_layout_continues_the_run(lora_runs, tmp_path):
         diffs = [rel(m["loss"], straight[m["step"]]["loss"]) for m in resumed[-2:]]
         print(f"LoRA resumed on {layout}: loss {max(diffs):.2e}")
         assert max(diffs) < REL_TOL
+    # On another layout too (pipe 1 x data 2 from the pipe 2 x data 1 run's step 5), another base under
+    # the same settings is refused.
+    save_random_model(tiny_config(), str(tmp_path / "other_hf"), seed=7, dtype=torch.float32)
+    hf_to_stages(str(tmp_path / "other_hf"), str(tmp_path / "other_ckpt"))
+    replaced = ("model_name_or_path=", "num_stages=", "gradient_accumulation_steps=")
+    args = [a for a in args if not a.startswith(replaced)]
+    args += [f"model_name_or_path={tmp_path / 'other_ckpt'}", "num_stages=1", "gradient_accumulation_steps=2"]
+    proc = run_deepspeed(2, "train.py", [*args, "max_steps=6", "resume_allow_changes=[model]"], str(tmp_path / "b.log"))
+    assert proc.returncode != 0 and "was saved on another layout" in proc.stdout
+    assert "its adapters were trained on the base in" in proc.stderr and "differ(s) in content" in proc.stderr
 
 
 def load_file_tensors(tag_dir) -> dict[str, torch.Tensor]:
