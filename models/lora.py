@@ -28,7 +28,6 @@ ADAPTER_NAME = "default"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 DORA_MAGNITUDE = "lora_magnitude_vector"
-BASE_RECORD = "peft_base.json"  # in each LoRA checkpoint: the base it adapts (path, content hash per layer file)
 
 
 def lora_config(peft_cfg, base_model_name_or_path: str | None = None):
@@ -284,10 +283,10 @@ def base_mismatch(saved: dict | None, now: dict) -> list[str]:
     """How the base loaded now differs from the one a checkpoint's adapters were trained on."""
     if not saved:
         return ["it records no base model (not a LoRA checkpoint of this version)"]
-    changed = sorted(f for f, h in now["sha256"].items() if saved["sha256"].get(f) not in (h, None))
     unknown = sorted(f for f in now["sha256"] if f not in saved["sha256"])
     if unknown:
         return [f"it records no hash of the base's {', '.join(unknown)} (a checkpoint of another model?)"]
+    changed = sorted(f for f, h in now["sha256"].items() if saved["sha256"][f] != h)
     if not changed:
         return []
     return [
