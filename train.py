@@ -35,6 +35,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from data.guard import OrderMismatchError  # noqa: E402
@@ -56,7 +58,14 @@ from training.config import (  # noqa: E402
     unknown_key_problems,
 )
 from training.data_setup import RankData, prepare_rank_data  # noqa: E402
-from training.distributed import StartupError, TrainingStopped, free_port, on_all_ranks, release_cpu_comm_buffer  # noqa: E402
+from training.distributed import (  # noqa: E402
+    StartupError,
+    TrainingStopped,
+    exit_finished_run,
+    free_port,
+    on_all_ranks,
+    release_cpu_comm_buffer,
+)
 from training.memory_census import CensusAtStep, StepPeak  # noqa: E402
 from training.metrics import StepLogger, device_peak_tflops  # noqa: E402
 from training.optim import (  # noqa: E402
@@ -648,6 +657,8 @@ def main(dict_cfg: DictConfig) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         release_cpu_comm_buffer()
+    if HydraConfig.get().mode != RunMode.MULTIRUN:  # a sweep's next job runs in this process
+        exit_finished_run()  # reached only when the run finished: failures raised above
 
 
 def fail(message: str) -> None:

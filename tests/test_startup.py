@@ -1,4 +1,5 @@
-"""training/startup.py: the per-virtualenv torch-extensions cache, stale op-build locks, the start-up watchdog.
+"""training/startup.py: the per-virtualenv torch-extensions cache, stale op-build locks, the start-up watchdog;
+and training/distributed.exit_finished_run, how a finished rank ends.
 
 Unit tier (seconds): fake extension directories and tiny watchdog timeouts; every watchdog that may fire
 runs in a subprocess, since firing ends the process.
@@ -173,3 +174,21 @@ def test_watchdog_with_no_timeout_starts_no_thread(tmp_path):
     w.phase("importing deepspeed")
     w.stop()
     assert w._thread is None
+
+
+def test_a_finished_run_exits_0_after_its_atexit_hooks_without_the_interpreter_teardown():
+    """train.py ends a finished rank with os._exit (a C++ destructor in the teardown aborted ZeRO-3 offload
+    runs now and then): a caller's atexit hook still runs, buffered output is flushed, nothing after the call."""
+    code = """
+        import atexit, sys
+        from training.distributed import exit_finished_run
+        atexit.register(print, "hook ran")  # unflushed: exit_finished_run flushes
+        sys.stdout.write("buffered, no newline")
+        exit_finished_run()
+        print("after the exit")
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "buffered, no newlinehook ran\n"
