@@ -3,6 +3,7 @@ eval records, monitors, the plot script, and bf16 training from scratch."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -76,6 +77,9 @@ def test_eval_records_monitors_and_plot(full_and_resumed):
     assert "eval @ step 8 | eval loss" in full.stdout
     csv_dir = root / "A" / "monitor" / "csv"
     assert {"Train_Samples_train_loss.csv", "Train_Samples_lr.csv"} <= set(os.listdir(csv_dir))
+    with open(csv_dir / "Train_Samples_train_loss.csv") as f:
+        rows = list(csv.reader(f))
+    assert len(rows) == 1 + LOOP_STEPS  # a header and every step, the last too: written before the rank's os._exit
     proc = subprocess.run(
         [sys.executable, "scripts/plot_metrics.py", str(root / "A")], cwd=REPO, capture_output=True, text=True
     )
