@@ -88,10 +88,11 @@ def exit_finished_run() -> None:
     """End a rank whose run has finished (everything saved, process groups destroyed) with status 0,
     skipping the interpreter's teardown.
 
-    After a ZeRO-3 offload run on the CPU accelerator, a rank aborts in that teardown about one run in
-    ten ("terminate called without an active exception", SIGABRT, after ``main`` has returned on every
-    rank): a C++ destructor at interpreter exit, and the job failed after its work was saved. atexit
-    handlers (monitors, a caller's hooks) still run and output is flushed first.
+    After a ZeRO-3 offload run on the CPU accelerator, a rank now and then aborts in that teardown
+    ("terminate called without an active exception", SIGABRT, after ``main`` has returned on every rank):
+    a C++ destructor at interpreter exit, failing a job whose work was saved. atexit handlers (a caller's
+    hooks, logging's shutdown) still run and output is flushed first; DeepSpeed's monitors need neither,
+    they flush on every write.
     """
     atexit._run_exitfuncs()
     sys.stdout.flush()
