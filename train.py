@@ -400,7 +400,7 @@ def counts_tokens(resolved: Resolved, engine) -> bool:
 
 def global_sum(*values: int) -> list[int]:
     """Every rank's values summed over all ranks (a collective: every rank calls it)."""
-    total = torch.tensor(values, dtype=torch.int64)
+    total = torch.tensor(values, dtype=torch.int64, device=get_accelerator().current_device_name())  # NCCL: on the GPU
     dist.all_reduce(total)
     return total.tolist()
 

@@ -421,13 +421,18 @@ def init_weights_(module: nn.Module, config: PretrainedConfig, seed: int) -> Non
     """
     g = torch.Generator().manual_seed(seed)
     std = config.initializer_range
+
+    def normal_(w: torch.Tensor) -> None:
+        # drawn on the CPU generator whatever the device: the same weights on a GPU as on CPU ranks
+        w.copy_(torch.empty_like(w, device="cpu").normal_(0.0, std, generator=g))
+
     for m in module.modules():
         if isinstance(m, nn.Linear):
-            m.weight.normal_(0.0, std, generator=g)
+            normal_(m.weight)
             if m.bias is not None:
                 m.bias.zero_()
         elif isinstance(m, nn.Embedding):
-            m.weight.normal_(0.0, std, generator=g)
+            normal_(m.weight)
             if m.padding_idx is not None:
                 m.weight[m.padding_idx].zero_()
         elif isinstance(m, RMS_NORM_CLASSES):

@@ -2,7 +2,8 @@
 # The one command to run on a GPU machine:
 #   bash scripts/gpu_check.sh
 # 1. set-up: .venv-gpu on top of a python3 whose torch sees CUDA (a CUDA torch is installed where it does
-#    not; wheels in .whl/ are used first, for machines without a package index);
+#    not); on a machine without a package index, the wheels in .whl/ (scripts/gpu_wheels.sh, run where
+#    pip reaches PyPI, then carried there) are installed as they are;
 # 2. stage parity on the GPU, fp32 and bf16 (tests/test_gpu_parity.py), and the multi-rank tests when
 #    there are 4 GPUs or more (they launch 4 ranks);
 # 3. the GPU benchmark: llama3.2-1b, bf16, seq 2048 (scripts/bench_train.py: a plain Hugging Face loop and
@@ -21,6 +22,10 @@ VENV="${VENV:-$ROOT/.venv-gpu}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv --system-site-packages "$VENV"
+  # python3 may itself be a virtualenv holding the CUDA torch (GPU images often are), whose packages
+  # --system-site-packages does not reach: its site-packages follow the venv's own on the path.
+  python3 -c "import site; print('\n'.join(site.getsitepackages()))" \
+    > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/outer.pth"
 fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip install -q)
@@ -28,7 +33,9 @@ PIP=("$PY" -m pip install -q)
 if ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
   "${PIP[@]}" torch
 fi
-if ! "$PY" -c "import deepspeed, transformers, hydra, sentencepiece" 2>/dev/null; then
+if ! "$PY" -c "import deepspeed, transformers, hydra, sentencepiece" 2>/dev/null && [ -d "$ROOT/.whl" ]; then
+  "$PY" -m pip install -q --no-index --no-deps "$ROOT"/.whl/*.whl  # no package index: scripts/gpu_wheels.sh made them
+elif ! "$PY" -c "import deepspeed, transformers, hydra, sentencepiece" 2>/dev/null; then
   "$PY" -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['dev']))" > "$VENV/pins.txt"
   "${PIP[@]}" -r "$VENV/pins.txt"
 fi
