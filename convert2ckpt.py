@@ -3,7 +3,8 @@
     python convert2ckpt.py --input HF_DIR --output CKPT_DIR [--dtype bf16|fp16|fp32]
     python convert2ckpt.py --to-hf --input CKPT_DIR [--tag TAG] --output HF_DIR [--dtype ...]
     python convert2ckpt.py --reshard --input RUN_DIR [--tag TAG] --output NEW_RUN_DIR
-    python convert2ckpt.py --to-hf --input LORA_RUN_DIR --output ADAPTER_DIR [--merge] [--base-model NAME]
+    python convert2ckpt.py --to-hf --input LORA_RUN_DIR --output ADAPTER_DIR [--merge] [--base-model HF_DIR]
+        [--base-checkpoint BASE_CKPT_DIR]
 
 Tensors are read and written one layer at a time, so the whole model is never in memory. Output is
 written to ``<output>.tmp-<pid>`` and renamed at the end: a failed conversion leaves no output.
@@ -21,12 +22,16 @@ import argparse
 import os
 import sys
 
-import torch
+from training.logs import quiet_dependencies
 
-from models.hf_io import DEFAULT_MAX_SHARD, ConversionError, hf_to_stages, stages_to_hf
-from models.layer_files import CheckpointError, read_tag
-from models.lora import export_adapter, lora_run_base
-from training.reshard import reshard
+quiet_dependencies("warning")  # as train.py does, before torch, DeepSpeed and bitsandbytes are imported
+
+import torch  # noqa: E402
+
+from models.hf_io import DEFAULT_MAX_SHARD, ConversionError, hf_to_stages, stages_to_hf  # noqa: E402
+from models.layer_files import CheckpointError, read_tag  # noqa: E402
+from models.lora import export_adapter, lora_run_base  # noqa: E402
+from training.reshard import reshard  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -60,6 +65,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "(default: the run's model_name_or_path)",
     )
     p.add_argument(
+        "--base-checkpoint",
+        default=None,
+        help="with --to-hf of a LoRA run: where its base pipeline checkpoint is now, if it moved "
+        "(checked against the SHA-256s the run recorded)",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace --output if it exists and was written by this tool (only once conversion succeeded)",
@@ -78,14 +89,27 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConversionError("--dtype does not apply to --reshard (optimizer states stay fp32)")
             reshard(args.input, args.output, args.tag, args.overwrite)
         elif args.to_hf and lora_run_base(os.path.join(args.input, read_tag(args.input, args.tag))):
-            export_adapter(args.input, args.output, args.tag, args.base_model, args.merge, dtype, args.overwrite)
+            export_adapter(
+                args.input,
+                args.output,
+                args.tag,
+                args.base_model,
+                args.merge,
+                dtype,
+                args.overwrite,
+                base_checkpoint=args.base_checkpoint,
+            )
         elif args.to_hf:
-            if args.merge or args.base_model:
-                raise ConversionError("--merge and --base-model apply to the checkpoint of a LoRA run only")
+            if args.merge or args.base_model or args.base_checkpoint:
+                raise ConversionError(
+                    "--merge, --base-model and --base-checkpoint apply to the checkpoint of a LoRA run only"
+                )
             stages_to_hf(args.input, args.output, args.tag, dtype, args.max_shard_size, args.overwrite)
         else:
-            if args.tag is not None or args.merge or args.base_model:
-                raise ConversionError("--tag, --merge and --base-model apply only with --to-hf (--tag: or --reshard)")
+            if args.tag is not None or args.merge or args.base_model or args.base_checkpoint:
+                raise ConversionError(
+                    "--tag, --merge, --base-model and --base-checkpoint apply only with --to-hf (--tag: or --reshard)"
+                )
             hf_to_stages(args.input, args.output, dtype, args.overwrite)
     except (ConversionError, CheckpointError, OSError, ValueError) as e:
         print(f"convert2ckpt.py: error: {e}", file=sys.stderr)

@@ -39,6 +39,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from data.checks import default_packing  # noqa: E402
 from data.guard import OrderMismatchError  # noqa: E402
 from models.families import family_of  # noqa: E402
 from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
@@ -52,7 +53,7 @@ from training.config import (  # noqa: E402
     ConfigError,
     Resolved,
     TrainConfig,
-    default_packing,
+    override_key_problems,
     register_configs,
     resolve,
     unknown_key_problems,
@@ -670,4 +671,7 @@ def fail(message: str) -> None:
 
 
 if __name__ == "__main__":
+    typos = override_key_problems(sys.argv[1:])
+    if typos:
+        fail("invalid configuration:\n  " + "\n  ".join(typos))
     main()

@@ -38,7 +38,7 @@ from data.sources import DataError, SourceStats, read_examples
 from models.layer_files import TOKENIZER_FILES
 from models.loss import IGNORE_INDEX
 
-CACHE_VERSION = 2  # bump when the on-disk layout or the tokenization rules change
+CACHE_VERSION = 3  # bump when the on-disk layout or the tokenization rules change (3: ShareGPT rows read)
 ARRAYS = ("input_ids", "labels", "position_ids")  # int32 [N, seq_len] each
 NUM_TOKENS = "num_tokens"  # int32 [N]
 WRITE_ROWS = 1024  # rows buffered before a write
@@ -153,10 +153,12 @@ def build_or_reuse(
 
 
 def _nothing_left(path: str, stats: SourceStats) -> str:
+    # The first skipped line's reason: without it, "every line skipped" hides why.
+    first = f"; first skipped: {stats.bad_line_examples[0]}" if stats.bad_line_examples else ""
     return (
         f"{path}: no usable example ({stats.lines} records read, {stats.skipped_bad_lines} bad lines skipped, "
         f"{stats.dropped_no_trainable} dropped for having no trainable token, {stats.rows_without_labels} rows "
-        f"without a label token dropped)"
+        f"without a label token dropped){first}"
     )
 
 

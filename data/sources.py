@@ -5,8 +5,9 @@ Formats (``data.format``):
 - ``tokens``: JSONL ``{"input_ids": [...]}``; labels = input ids.
 - ``text``: JSONL ``{"text": "..."}``, or a ``.txt`` file whose documents are separated by blank lines.
   Each document becomes ``[BOS] + tokens + [EOS]`` (the tokenizer's own BOS/EOS, where it defines them).
-- ``sft``: JSONL ``{"prompt": ..., "response": ...}`` or ``{"messages": [{"role", "content"}, ...]}``
-  (rendered with the tokenizer's chat template). Labels are -100 except on response / assistant tokens.
+- ``sft``: JSONL ``{"prompt": ..., "response": ...}``, ``{"messages": [{"role", "content"}, ...]}``, or
+  ShareGPT's ``{"conversations": [{"from", "value"}, ...]}`` (mapped to messages); chats are rendered with
+  the tokenizer's chat template. Labels are -100 except on response / assistant tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +24,20 @@ TOKENIZE_BATCH = 256  # documents per call of the (Rust, multi-threaded) tokeniz
 
 
 class DataError(ValueError):
-    """Unusable training data, naming the file and line."""
+    """Unusable training data, naming the file and line: a bad row, which data.skip_bad_lines may skip."""
+
+
+class WholeFileError(DataError):
+    """A problem no row can avoid (the tokenizer, the file itself): never skipped, and never hinted at
+    data.skip_bad_lines, which would only turn it into "no usable example"."""
+
+
+ROLES = ("system", "user", "assistant", "tool", "ipython")  # what chat templates know; ipython is Llama 3.1's tool
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+CHAT_LAYOUTS = (
+    f"'messages' entries with string 'role' and 'content' (role one of {', '.join(ROLES)}), or ShareGPT "
+    f"'conversations' entries with string 'from' and 'value' (from one of {', '.join(SHAREGPT_ROLES)})"
+)
 
 
 @dataclass
@@ -65,13 +79,11 @@ def read_records(path: str, fmt: str, skip_bad_lines: bool, stats: SourceStats) 
                 continue
             try:
                 yield lineno, json.loads(_decode(path, lineno, raw))
-            except (DataError, json.JSONDecodeError) as e:
-                message = (
-                    str(e)
-                    if isinstance(e, DataError)
-                    else f"{path}:{lineno}: malformed JSON ({e.msg}, column {e.colno})"
-                )
-                _bad_line(message, skip_bad_lines, stats)
+            except DataError as e:
+                _bad_line(e, skip_bad_lines, stats)
+            except json.JSONDecodeError as e:
+                error = DataError(f"{path}:{lineno}: malformed JSON ({e.msg}, column {e.colno})")
+                _bad_line(error, skip_bad_lines, stats)
 
 
 def _decode(path: str, lineno: int, raw: bytes) -> str:
@@ -91,7 +103,7 @@ def _txt_documents(path: str, f, skip_bad_lines: bool, stats: SourceStats) -> It
         try:
             text = _decode(path, lineno, raw)
         except DataError as e:
-            _bad_line(str(e), skip_bad_lines, stats)
+            _bad_line(e, skip_bad_lines, stats)
             continue
         if text.strip():
             if not lines:
@@ -104,9 +116,12 @@ def _txt_documents(path: str, f, skip_bad_lines: bool, stats: SourceStats) -> It
         yield start, "".join(lines).strip("\n")
 
 
-def _bad_line(message: str, skip: bool, stats: SourceStats) -> None:
+def _bad_line(error: DataError, skip: bool, stats: SourceStats) -> None:
+    if isinstance(error, WholeFileError):
+        raise error
+    message = str(error)
     if not skip:
-        raise DataError(message + " (set data.skip_bad_lines=true to skip and count such lines)")
+        raise DataError(message + " (set data.skip_bad_lines=true to skip and count such lines)") from None
     stats.skipped_bad_lines += 1
     if len(stats.bad_line_examples) < 5:
         stats.bad_line_examples.append(message)
@@ -153,7 +168,7 @@ def _checked(records, parse, skip_bad_lines: bool, stats: SourceStats) -> Iterat
         try:
             yield parse(lineno, record)
         except DataError as e:
-            _bad_line(str(e), skip_bad_lines, stats)
+            _bad_line(e, skip_bad_lines, stats)
 
 
 def _tokens_example(path: str, vocab_size: int):
@@ -183,7 +198,7 @@ def _text_examples(path: str, records, tokenizer, skip_bad_lines: bool, stats: S
         try:
             text = record if isinstance(record, str) else _field(path, lineno, record, "text", str)
         except DataError as e:
-            _bad_line(str(e), skip_bad_lines, stats)
+            _bad_line(e, skip_bad_lines, stats)
             continue
         batch.append(text)
         if len(batch) == TOKENIZE_BATCH:
@@ -208,19 +223,39 @@ class SFTRenderer:
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     def example(self, lineno: int, record) -> Example | None:
-        if isinstance(record, dict) and "messages" in record:
-            return self._truncate(self._chat_example(lineno, _field(self.path, lineno, record, "messages", list)))
+        if isinstance(record, dict) and ("messages" in record or "conversations" in record):
+            self._check_chat_tokenizer(lineno)
+            return self._truncate(self._chat_example(lineno, _chat_messages(self.path, lineno, record)))
+        if not isinstance(record, dict) or ("prompt" not in record and "response" not in record):
+            raise DataError(
+                f"{self.path}:{lineno}: no SFT fields (found {_describe(record)}): expected 'prompt' and "
+                f"'response', or a chat: {CHAT_LAYOUTS}"
+            )
         prompt = _field(self.path, lineno, record, "prompt", str)
         response = _field(self.path, lineno, record, "response", str)
         prompt_ids = self.bos + (self.tok(prompt, add_special_tokens=False)["input_ids"] if prompt else [])
         response_ids = self.tok(response, add_special_tokens=False)["input_ids"] + self.eos if response else []
         return self._truncate(Example(prompt_ids + response_ids, [IGNORE_INDEX] * len(prompt_ids) + response_ids))
 
-    def _chat_example(self, lineno: int, messages: list) -> Example:
+    def _check_chat_tokenizer(self, lineno: int) -> None:
+        """Chats need a template and character offsets; a tokenizer lacking either fails every chat row."""
+        name = getattr(self.tok, "name_or_path", "")
+        tokenizer = f"the tokenizer in {name}" if name else "this tokenizer"
+        if not getattr(self.tok, "chat_template", None):
+            raise WholeFileError(
+                f"{self.path}:{lineno}: chat rows are rendered with the tokenizer's chat template, and {tokenizer} "
+                f"has none (a base model's usually has none): use a tokenizer with a chat template, e.g. copy "
+                f"the instruct model's tokenizer files there, or write the data as prompt/response rows"
+            )
+        if not getattr(self.tok, "is_fast", False):
+            raise WholeFileError(
+                f"{self.path}:{lineno}: chat rows need a fast tokenizer (for character offsets), and {tokenizer} "
+                f"loads as a slow one: add the model's tokenizer.json there"
+            )
+
+    def _chat_example(self, lineno: int, messages: list[dict]) -> Example:
         """The whole rendering tokenized at once (segment-wise tokenization would differ at the
         boundaries); a token is trained when its first character lies in an assistant's content."""
-        if not getattr(self.tok, "is_fast", False):
-            raise DataError(f"{self.path}:{lineno}: chat messages need a fast tokenizer (character offsets)")
         text, spans = "", []
         for piece, trainable in self._chat_segments(lineno, messages):
             if trainable:
@@ -254,19 +289,23 @@ class SFTRenderer:
         the segments concatenate to exactly the full rendering; an assistant turn is split into its
         header (the generation prompt, not trained) and its content (trained).
         """
-        if not getattr(self.tok, "chat_template", None):
+        if messages[0]["role"] == "assistant":  # its header would be the rendering of an empty chat
             raise DataError(
-                f"{self.path}:{lineno}: 'messages' need a chat template and this tokenizer has none; "
-                f"use prompt/response fields or a tokenizer with a chat template"
+                f"{self.path}:{lineno}: the chat opens with an assistant turn, which has no prompt to answer: "
+                f"start it with a user (or system) turn"
             )
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise DataError(f"{self.path}:{lineno}: each message needs string fields 'role' and 'content'")
 
         def render(msgs, generation_prompt=False) -> str:
-            if not msgs and not generation_prompt:
+            if not msgs:
                 return ""
-            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+            try:
+                return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+            except Exception as e:  # templates raise what they like (raise_exception, TypeError, ...)
+                roles = ", ".join(m["role"] for m in messages)
+                raise DataError(
+                    f"{self.path}:{lineno}: the chat template cannot render this chat (roles {roles}): "
+                    f"{type(e).__name__}: {e}"
+                ) from None
 
         segments, done = [], ""
         for i, message in enumerate(messages):
@@ -287,6 +326,44 @@ class SFTRenderer:
                 segments.append((full[len(done) :], False))
             done = full
         return segments
+
+
+def _chat_messages(path: str, lineno: int, record: dict) -> list[dict]:
+    """The record's chat as role/content messages: ``messages`` checked, ShareGPT ``conversations`` mapped.
+
+    Anything else is refused: a role the labels do not know would train nothing, or the wrong turns.
+    """
+    if "messages" in record and "conversations" in record:
+        raise DataError(f"{path}:{lineno}: both 'messages' and 'conversations': keep one of them")
+    key = "messages" if "messages" in record else "conversations"
+    entries = record[key]
+    if not isinstance(entries, list) or not entries:
+        found = "an empty list" if entries == [] else f"a {type(entries).__name__}"
+        raise DataError(f"{path}:{lineno}: '{key}' is {found}: expected {CHAT_LAYOUTS}")
+    role_key, text_key = ("role", "content") if key == "messages" else ("from", "value")
+    messages = []
+    for i, entry in enumerate(entries, 1):
+        ok = isinstance(entry, dict) and isinstance(entry.get(role_key), str) and isinstance(entry.get(text_key), str)
+        role = entry[role_key] if ok else None
+        role = role if key == "messages" else SHAREGPT_ROLES.get(role)
+        if role not in ROLES:
+            found = ("has " if isinstance(entry, dict) else "is ") + _describe(entry, role_key, text_key)
+            raise DataError(f"{path}:{lineno}: '{key}' entry {i} {found}: expected {CHAT_LAYOUTS}")
+        messages.append({"role": role, "content": entry[text_key]})
+    return messages
+
+
+def _describe(value, role_key: str = "", text_key: str = "") -> str:
+    """What a refused record or chat entry holds, briefly: its keys, its role, a text field's wrong type."""
+    if not isinstance(value, dict):
+        return f"a {type(value).__name__}"
+    found = "keys " + (", ".join(f"'{k}'" for k in list(value)[:8]) or "none")
+    if isinstance(value.get(role_key), str):
+        found += f", {role_key} '{value[role_key][:40]}'"
+    for k in (role_key, text_key):
+        if k in value and not isinstance(value[k], str):
+            found += f", '{k}' a {type(value[k]).__name__}"
+    return found
 
 
 def _final_trainable_run_start(labels: list[int]) -> int:

@@ -99,10 +99,40 @@ def load_config(model_dir: str) -> PretrainedConfig:
     and build the wrong model."""
     path = os.path.join(model_dir, "config.json")
     with open(path) as f:
-        model_type = json.load(f).get("model_type")
+        raw = json.load(f)
+    model_type = raw.get("model_type")
     if model_type not in FAMILIES:
         raise UnsupportedModelError(unsupported_message(model_type, path))
-    return FAMILIES[model_type].config_class.from_pretrained(model_dir)
+    quantized = raw.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise UnsupportedModelError(
+            f"{path}: a quantized checkpoint (quantization_config: {method}), whose weights are not the model's "
+            "own tensors: convert the unquantized model (its bf16/fp16/fp32 release); for a 4-bit base, train with "
+            "peft.method=lora peft.quantize=nf4, which quantises on load"
+        )
+    config = FAMILIES[model_type].config_class.from_pretrained(model_dir)
+    check_rope(config, path)
+    return config
+
+
+def check_rope(config: PretrainedConfig, where: str) -> None:
+    """A rope type transformers cannot build would fail deep inside the first stage's build."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+        raise UnsupportedModelError(
+            f"{where}: rope_type {kind!r} is not one transformers {transformers_version()} knows "
+            f"(default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}): fix rope_scaling / rope_parameters there"
+        )
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def config_from_dict(fields: dict, where: str = "model.architecture") -> PretrainedConfig:
@@ -111,7 +141,9 @@ def config_from_dict(fields: dict, where: str = "model.architecture") -> Pretrai
     model_type = fields.pop("model_type", DEFAULT_MODEL_TYPE)
     if model_type not in FAMILIES:
         raise UnsupportedModelError(unsupported_message(model_type, where))
-    return FAMILIES[model_type].config_class(**fields)
+    config = FAMILIES[model_type].config_class(**fields)
+    check_rope(config, where)
+    return config
 
 
 def attention_type(config: PretrainedConfig, layer_idx: int) -> str:

@@ -225,6 +225,39 @@ def expected_hf_shapes(config: PretrainedConfig) -> dict[int, dict[str, torch.Si
     return out
 
 
+def hf_differences(hf_dir: str, ckpt_dir: str, tag: str, config: PretrainedConfig, limit: int = 3) -> list[str]:
+    """How a Hugging Face directory's weights differ from a pipeline checkpoint's (up to ``limit``): each
+    tensor cast to its layer file's dtype, as the conversion casts it, and compared exactly. One layer
+    at a time, both memory-mapped."""
+    source = HFTensorSource(hf_dir)
+    layout, problems = spec_layout(config), []
+    for index, shapes in expected_hf_shapes(config).items():
+        prefix = layout[index].hf_prefix
+        state = load_layer_file(os.path.join(ckpt_dir, tag, layer_file_name(index)))
+        for hf_key in shapes:
+            ours = state.get(hf_key[len(prefix) :])
+            if hf_key not in source.key_to_file or ours is None:
+                problems.append(f"{hf_key} is missing ({hf_dir if ours is not None else layer_file_name(index)})")
+            elif source.shape(hf_key) != tuple(ours.shape) or not torch.equal(source.get(hf_key).to(ours.dtype), ours):
+                problems.append(f"{hf_key} differs from {os.path.join(ckpt_dir, tag, layer_file_name(index))}")
+        del state
+        source.release()
+        if len(problems) >= limit:
+            break
+    return problems[:limit]
+
+
+def converted_from(ckpt_dir: str) -> str | None:
+    """The Hugging Face directory a checkpoint was converted from (its marker), while it still exists."""
+    try:
+        with open(os.path.join(ckpt_dir, OUTPUT_MARKER)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    source = record.get("input") if record.get("direction") == "hf-to-stages" else None
+    return source if source and os.path.isfile(os.path.join(source, "config.json")) else None
+
+
 def shown(path: str) -> str:
     """``path`` as the user wrote it, with where it really is when symbolic links lead elsewhere."""
     real = os.path.realpath(path)

@@ -14,6 +14,7 @@ which is what ``PeftModel.save_pretrained`` writes and ``PeftModel.from_pretrain
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -21,7 +22,8 @@ import shutil
 import torch
 from torch import nn
 
-from models.llama_pipe import SpecInfo, spec_layout
+from models.llama_pipe import SpecInfo, spec_layout, stage_boundaries
+from models.peft_targets import DECODER_LINEARS, SAVABLE_MODULES
 
 PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM's prefix of the wrapped model's keys
 ADAPTER_NAME = "default"
@@ -205,6 +207,36 @@ def load_adapter_(local: list[tuple[int, nn.Module]], config, adapter_dir: str) 
     return count
 
 
+def adapter_model_problems(adapter_dir: str, config) -> list[str]:
+    """An adapter made for another model (another layer count or hidden size), found from its file's keys
+    and shapes before start, instead of a key that maps to no stage in every rank."""
+    import re
+
+    from safetensors import safe_open
+
+    path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
+    if not os.path.isfile(path):
+        return [f"{path} not found: peft.init_from needs {ADAPTER_WEIGHTS} beside {ADAPTER_CONFIG}"]
+    layers, wide = set(), set()
+    with safe_open(path, framework="pt") as f:
+        for key in f.keys():
+            m = re.search(r"\.layers\.(\d+)\.", key)
+            if m:
+                layers.add(int(m.group(1)))
+            if re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.lora_A\.weight$", key):
+                wide.add(f.get_slice(key).get_shape()[1])  # [r, hidden]
+    problems = []
+    if layers and max(layers) >= config.num_hidden_layers:
+        problems.append(
+            f"{path} has adapters for decoder layers up to {max(layers)}, the model has {config.num_hidden_layers}"
+        )
+    if wide - {config.hidden_size}:
+        problems.append(
+            f"{path}'s adapters take inputs of width {sorted(wide)}, the model's hidden size is {config.hidden_size}"
+        )
+    return [p + ": an adapter of another model; give one trained on this model's architecture" for p in problems]
+
+
 def adapter_settings_problems(adapter_dir: str, peft_cfg) -> list[str]:
     """How the adapter directory's ``adapter_config.json`` differs from the ``peft`` settings it must match."""
     with open(os.path.join(adapter_dir, ADAPTER_CONFIG)) as f:
@@ -271,12 +303,57 @@ def saved_base_record(tag_dir: str) -> dict | None:
                 records.append(json.load(f).get("peft_base"))
     if not records or not all(records):
         return None
-    return {"path": records[0]["path"], "sha256": {k: v for r in records for k, v in r["sha256"].items()}}
+    return {
+        "path": records[0]["path"],
+        "tag": records[0].get("tag"),  # None in records written before the tag was kept
+        "sha256": {k: v for r in records for k, v in r["sha256"].items()},
+    }
 
 
 def base_record(ckpt_dir: str, files: list[str]) -> dict:
-    """What a LoRA checkpoint records of the base this rank loaded: its path and each layer file's SHA-256."""
-    return {"path": os.path.abspath(ckpt_dir), "sha256": {os.path.basename(f): file_sha256(f) for f in files}}
+    """What a LoRA checkpoint records of the base this rank loaded: its path, tag and each layer file's SHA-256."""
+    tags = {os.path.basename(os.path.dirname(f)) for f in files}
+    return {
+        "path": os.path.abspath(ckpt_dir),
+        "tag": tags.pop() if len(tags) == 1 else None,
+        "sha256": {os.path.basename(f): file_sha256(f) for f in files},
+    }
+
+
+def checked_base(tag_dir: str, base_checkpoint: str | None = None) -> tuple[str, str]:
+    """(directory, tag) of the base a LoRA checkpoint's adapters were trained on: the recorded one (or
+    ``base_checkpoint``, the same base moved), its layer files checked against the recorded SHA-256s.
+    The recorded tag, not the base's ``latest``: a base trained on since then still gives the right one."""
+    from models.layer_files import CheckpointError, read_tag
+
+    record = saved_base_record(tag_dir)
+    if record is None:
+        raise CheckpointError(f"{tag_dir} is not a checkpoint of a LoRA run (peft.method=lora)")
+    base = base_checkpoint or record["path"]
+    fix = "pass --base-checkpoint DIR: the base's pipeline checkpoint, checked against the run's SHA-256 record"
+    if not os.path.isdir(base):
+        where = "--base-checkpoint" if base_checkpoint else "the base this LoRA run adapts,"
+        raise CheckpointError(f"{where} {base} does not exist (moved or deleted?): {fix}")
+    tag = record["tag"] or read_tag(base)
+    if not os.path.isdir(os.path.join(base, tag)):
+        raise CheckpointError(
+            f"{base} no longer holds {tag}, the base checkpoint the adapters were trained on (save_total_limit "
+            f"may have removed it): restore it, or {fix}"
+        )
+    changed = []
+    for name, sha in sorted(record["sha256"].items()):
+        path = os.path.join(base, tag, name)
+        if not os.path.isfile(path):
+            changed.append(f"{path} is missing")
+        elif file_sha256(path) != sha:
+            changed.append(f"{path} differs in content (SHA-256) from the file the adapters were trained on")
+    if changed:
+        raise CheckpointError(
+            f"{tag_dir}'s adapters were trained on {record['path']} ({tag}); the base found now differs:\n  "
+            + "\n  ".join(changed)
+            + f"\n  {fix}"
+        )
+    return base, tag
 
 
 def base_mismatch(saved: dict | None, now: dict) -> list[str]:
@@ -307,13 +384,14 @@ def lora_run_base(tag_dir: str) -> str | None:
 
 
 def saved_peft_settings(tag_dir: str):
-    """The ``peft`` settings a checkpoint was trained with (its train_config.yaml)."""
+    """The ``peft`` settings a checkpoint was trained with (its train_config.yaml holds every field of
+    training.config.PeftConfig), as attributes."""
+    from types import SimpleNamespace
+
     import yaml
 
-    from training.config import PeftConfig
-
     with open(os.path.join(tag_dir, "train_config.yaml")) as f:
-        return PeftConfig(**(yaml.safe_load(f) or {})["peft"])
+        return SimpleNamespace(**(yaml.safe_load(f) or {})["peft"])
 
 
 def export_adapter(
@@ -324,24 +402,54 @@ def export_adapter(
     merge: bool = False,
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    base_checkpoint: str | None = None,
 ) -> None:
     """A LoRA run's checkpoint -> a PEFT adapter directory (``adapter_config.json``,
     ``adapter_model.safetensors`` with PEFT's keys), or with ``merge`` a Hugging Face model directory
-    with the adapters merged into the base (PEFT's ``merge_and_unload``: the whole model in memory)."""
+    with the adapters merged into the base (PEFT's ``merge_and_unload``: the whole model in memory).
+
+    Always on the base the adapters were trained on (``checked_base``). The adapter's
+    ``base_model_name_or_path`` must be a model ``AutoPeftModelForCausalLM`` can load: ``base_model`` (a
+    local directory is checked tensor by tensor against the base), else the Hugging Face directory the
+    base was converted from (checked likewise), else the pipeline checkpoint, with a line saying how to
+    set a loadable one."""
     from safetensors.torch import save_file
 
     from models.families import family_of
-    from models.hf_io import atomic_output, check_output, load_config, log, stages_to_hf
-    from models.layer_files import copy_tokenizer_files, load_layer_file, read_tag
+    from models.hf_io import atomic_output, check_output, converted_from, hf_differences, load_config, log, stages_to_hf
+    from models.layer_files import CheckpointError, copy_tokenizer_files, load_layer_file, read_tag
     from models.llama_pipe import layer_file_name
 
     check_output(run_dir, output, overwrite)
     tag = read_tag(run_dir, tag)
     tag_dir = os.path.join(run_dir, tag)
-    base = lora_run_base(tag_dir)
-    if base is None:
-        raise ValueError(f"{tag_dir} is not a checkpoint of a LoRA run (peft.method=lora)")
+    base, base_tag = checked_base(tag_dir, base_checkpoint)
     config, peft_cfg = load_config(run_dir), saved_peft_settings(tag_dir)
+    export_hint = f"convert2ckpt.py --to-hf --input {base} --tag {base_tag} --output BASE_HF"
+    note = None
+    if merge:
+        if base_model:
+            raise CheckpointError("--base-model names the base of an adapter export; --merge writes a whole model")
+    elif base_model and os.path.isdir(base_model):
+        diffs = hf_differences(base_model, base, base_tag, config)
+        if diffs:
+            raise CheckpointError(
+                f"--base-model {base_model} is not the base the adapters were trained on ({base}, {base_tag}):\n  "
+                + "\n  ".join(diffs)
+                + f"\n  pass that base's Hugging Face directory, or write one: {export_hint}"
+            )
+    elif base_model:
+        note = f"--base-model {base_model} is not a local directory: written as given, not checked against the base"
+    else:
+        source = converted_from(base)
+        if source and not hf_differences(source, base, base_tag, config):
+            base_model = source
+        else:
+            base_model = base
+            note = (
+                f"adapter_config.json names the pipeline checkpoint {base} as its base, which transformers cannot "
+                f"load: write its Hugging Face form ({export_hint}) and export again with --base-model BASE_HF"
+            )
     layout = spec_layout(config)
     tensors = {}
     for info in layout:
@@ -357,7 +465,7 @@ def export_adapter(
             from peft import PeftModel
 
             base_hf = os.path.join(tmp, "base")
-            stages_to_hf(base, base_hf)
+            stages_to_hf(base, base_hf, tag=base_tag)
             model = family_of(config).causal_lm.from_pretrained(base_hf, dtype="auto")
             merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
             if dtype is not None:
@@ -366,5 +474,101 @@ def export_adapter(
             copy_tokenizer_files(base_hf, tmp)
             shutil.rmtree(adapter_dir)
             shutil.rmtree(base_hf)
-    what = "merged into the base" if merge else "PEFT adapter"
-    log(f"wrote {output} ({what}: {len(tensors)} adapter tensors of {tag}, base {base})")
+    what = "merged into the base" if merge else f"PEFT adapter, base_model_name_or_path {base_model}"
+    log(f"wrote {output} ({what}: {len(tensors)} adapter tensors of {tag}, trained on {base} {base_tag})")
+    if note:
+        log(f"note: {note}")
+
+
+# -- the peft.* settings' rules, checked before start by training.config.resolve (cfg: its TrainConfig,
+# layout: training.layout.Layout) --------------------------------------------------------------------------
+
+
+def peft_change_problems(cfg, changes) -> list[str]:
+    """Resuming with other ``peft`` settings than the checkpoint's: the adapters (or their absence) are
+    what was trained, so any change is refused (``peft.init_from`` applies to a new run only)."""
+    changed = {k: v for cls in changes.changed.values() for k, v in cls.items() if k.startswith("peft.")}
+    changed.pop("peft.init_from", None)
+    if not changed:
+        return []
+    return [
+        f"{cfg.output_dir} was trained with other peft settings: "
+        + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        + ": set the saved values to resume it, or choose another output_dir"
+    ]
+
+
+def peft_problems(cfg, model_config, layout) -> list[str]:
+    """What a LoRA run cannot do with these settings (peft.method=lora)."""
+    p, problems = cfg.peft, []
+    if not cfg.model_name_or_path:
+        problems.append("peft.method=lora adapts a trained base: set model_name_or_path (a convert2ckpt.py checkpoint)")
+    if p.alpha == 0:
+        problems.append(
+            "peft.alpha 0 scales every adapter's update to 0, so nothing trains (gradient norm 0 every step): set "
+            "peft.alpha > 0 (commonly 2 x peft.r)"
+        )
+    if p.r < 1:
+        problems.append(f"peft.r {p.r} < 1: set the LoRA rank to 1 or more (8, 16, 64 are common)")
+    if not 0 <= p.dropout < 1:
+        problems.append(f"peft.dropout {p.dropout} must be in [0, 1)")
+    unknown = sorted(set(p.target_modules) - set(DECODER_LINEARS))
+    if unknown or not p.target_modules:
+        problems.append(
+            f"peft.target_modules {list(p.target_modules)}: choose one or more of {list(DECODER_LINEARS)} "
+            f"({'unknown: ' + ', '.join(unknown) if unknown else 'none given'})"
+        )
+    unknown = sorted(set(p.modules_to_save) - set(SAVABLE_MODULES))
+    if unknown:
+        problems.append(f"peft.modules_to_save {unknown} unknown: choose from {list(SAVABLE_MODULES)}")
+    if model_config is not None and p.modules_to_save and model_config.tie_word_embeddings:
+        problems.append(
+            f"peft.modules_to_save {list(p.modules_to_save)} with tied embeddings: the embedding and the LM head "
+            "share one weight, which PEFT's adapter format saves as two; leave peft.modules_to_save empty"
+        )
+    if p.quantize == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append(
+            "peft.quantize=nf4 (QLoRA) quantises with bitsandbytes, which is not installed: pip install "
+            "bitsandbytes (pinned in pyproject.toml), or set peft.quantize=none"
+        )
+    if not layout.uses_pipeline:
+        problems.append(
+            f"peft.method=lora runs on the pipeline engine: num_stages=1 with ds={cfg.ds_config} uses DeepSpeed's "
+            "data-parallel engine, which this version does not adapt; use ds=zero0 or ds=zero1 (the frozen base has "
+            "no optimizer state to partition further)"
+        )
+    if p.init_from and not os.path.isfile(os.path.join(p.init_from, "adapter_config.json")):
+        problems.append(
+            f"peft.init_from {p.init_from} has no adapter_config.json: give a PEFT adapter directory "
+            "(save_pretrained's output, or convert2ckpt.py --to-hf of a LoRA run)"
+        )
+    elif p.init_from:
+        differs = adapter_settings_problems(p.init_from, p)
+        if model_config is not None:
+            problems += adapter_model_problems(p.init_from, model_config)
+        if differs:
+            problems.append(
+                f"peft.init_from={p.init_from} differs from the peft settings: {'; '.join(differs)}: set peft.* "
+                "to the adapter's values"
+            )
+    if model_config is not None and layout.stages >= 1 and not problems:
+        problems += frozen_stage_problems(cfg, model_config, layout)
+    return problems
+
+
+def frozen_stage_problems(cfg, model_config, layout) -> list[str]:
+    """A pipeline stage with nothing to train (only the frozen embedding, norm or LM head) has no optimizer
+    group, which DeepSpeed's optimizers refuse: named here, with the knobs that move its boundaries."""
+    kinds = [info.kind for info in spec_layout(model_config)]
+    trained = {"decoder"} | {SAVABLE_MODULES[m] for m in cfg.peft.modules_to_save}
+    bounds = stage_boundaries(model_config, layout.stages, cfg.partition_method, layout)
+    empty = [s for s in range(layout.stages) if not trained & set(kinds[bounds[s] : bounds[s + 1]])]
+    if not empty:
+        return []
+    return [
+        f"with peft.method=lora, stage(s) {empty} of partition_method={cfg.partition_method} (specs "
+        + ", ".join(f"{bounds[s]}..{bounds[s + 1] - 1}" for s in empty)
+        + ") hold no decoder layer, hence nothing to train: "
+        + "".join(f"use partition_method={m}, " for m in ("compute", "uniform") if m != cfg.partition_method)
+        + "fewer num_stages, or train that module fully (peft.modules_to_save)"
+    ]

@@ -20,9 +20,14 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from training.logs import quiet_dependencies  # noqa: E402
+
+quiet_dependencies("warning")  # before models.llama_pipe imports DeepSpeed (training/logs.py)
+
 from models.llama_pipe import DEFAULT_PARTITION_METHOD  # noqa: E402
-from training.config import DECODER_LINEARS, TrainConfig  # noqa: E402
-from training.layout import Layout  # noqa: E402
+from models.peft_targets import DECODER_LINEARS  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
+from training.layout import Layout, count_arg, layout_problems  # noqa: E402
 from training.memory_plan import GB, fitting, shape_of, splitter, stage_estimates, stage_table  # noqa: E402
 
 SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
@@ -100,14 +105,27 @@ def lora(args) -> tuple[int, tuple[str, ...], bool]:
         raise SystemExit("--lora-rank needs an architecture (a conf/model name or a config.json), not a bare count")
     if args.nf4 and not args.lora_rank:
         raise SystemExit("--nf4 (QLoRA) quantises the frozen base of a LoRA run: give --lora-rank too")
-    return (args.lora_rank, tuple(args.lora_targets.split(",")) if args.lora_rank else (), args.nf4)
+    targets = tuple(args.lora_targets.split(",")) if args.lora_rank else ()
+    unknown = sorted(set(targets) - set(DECODER_LINEARS))
+    if unknown:
+        raise SystemExit(f"--lora-targets {', '.join(unknown)} unknown: choose from {','.join(DECODER_LINEARS)}")
+    return (args.lora_rank, targets, args.nf4)
 
 
-def main() -> None:
+def refuse(problems: list[str]) -> None:
+    """Exit with train.py's lines for a layout it would refuse: no plan is printed for it."""
+    if problems:
+        print("\n".join(f"estimate_memory.py: error: {p}" for p in problems), file=sys.stderr)
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
+    # The layout's sizes (--stages, --micro-batch, --seq-len, --grad-accum, --loss-chunk-tokens) are checked by
+    # training.layout.layout_problems, which says train.py's line; the others by argparse.
     p.add_argument("--stages", type=int, default=1, help="pipeline stages")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    p.add_argument("--dp", type=count_arg(1), default=1, help="data-parallel degree")
     p.add_argument("--zero", type=int, default=0, choices=range(4))
     p.add_argument(
         "--offload",
@@ -131,26 +149,29 @@ def main() -> None:
         default=TrainConfig.loss_chunk_tokens,
         help="train.py's loss_chunk_tokens: tokens the LM head and loss take at once (0 = all)",
     )
-    p.add_argument("--lora-rank", type=int, default=0, help="LoRA (train.py peft.method=lora peft.r=R): rank; 0 = full")
+    p.add_argument(
+        "--lora-rank", type=count_arg(0), default=0, help="LoRA (train.py peft.method=lora peft.r=R): rank; 0 = full"
+    )
     p.add_argument(
         "--lora-targets",
         default=",".join(DECODER_LINEARS),
         help="with --lora-rank: the decoder linear layers with adapters (peft.target_modules), comma-separated",
     )
     p.add_argument("--nf4", action="store_true", help="with --lora-rank: QLoRA (peft.quantize=nf4), a 4-bit base")
-    p.add_argument("--gpus", type=int, help="with --gpu-mem: list the layouts that fit")
-    p.add_argument("--gpu-mem", type=float, help="GB per GPU")
-    p.add_argument("--top", type=int, default=10, help="how many fitting layouts to list")
-    args = p.parse_args()
+    p.add_argument("--gpus", type=count_arg(1), help="with --gpu-mem: list the layouts that fit")
+    p.add_argument("--gpu-mem", type=count_arg(0, float, strict=True), help="GB per GPU")
+    p.add_argument("--top", type=count_arg(1), default=10, help="how many fitting layouts to list")
+    args = p.parse_args(argv)
+    if (args.gpus is None) != (args.gpu_mem is None):
+        p.error("--gpus and --gpu-mem go together: give both to list the layouts that fit, or neither")
 
     config, total = load_model(args.model)
     args.model_config_given = config is not None
-    if args.gpus and args.gpu_mem:
-        fits(config, total, args.gpus, args.gpu_mem, args)
-        return
+    num_layers = config.num_hidden_layers if config is not None else None
+    fit = args.gpus is not None
     layout = Layout(
-        args.stages,
-        args.dp,
+        1 if fit else args.stages,  # --gpus: every stage count that divides it is tried
+        args.gpus if fit else args.dp,
         args.zero,
         args.offload != "none",
         args.offload == "params",
@@ -162,7 +183,18 @@ def main() -> None:
         args.loss_chunk_tokens,
         *lora(args),
     )
-    report(config, total, layout, args.partition_method)
+    refuse(layout_problems(layout, layout.world_size, args.partition_method, num_layers))
+    if layout.lora_rank and not layout.uses_pipeline:
+        refuse(
+            [
+                f"--lora-rank with --zero {layout.zero} and one stage: train.py runs LoRA on the pipeline engine only "
+                "(ZeRO 0 or 1)"
+            ]
+        )
+    if fit:
+        fits(config, total, args.gpus, args.gpu_mem, args)
+    else:
+        report(config, total, layout, args.partition_method)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,15 @@ import json
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from training.logs import quiet_dependencies  # noqa: E402
+
+quiet_dependencies("warning")  # the known-harmless lines of its dependencies filtered, as train.py does
+
+import torch  # noqa: E402
+
 from models.hf_dir import HFDirError, load_model_and_tokenizer  # noqa: E402
+from training.layout import count_arg  # noqa: E402
 
 
 def error(message: str) -> int:
@@ -28,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--data", required=True, help='JSONL corpus, {"text": ...} per line')
-    p.add_argument("--docs", type=int, default=16, help="how many documents from the start of the file")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens scored per document")
+    p.add_argument("--docs", type=count_arg(1), default=16, help="how many documents from the start of the file")
+    p.add_argument("--seq-len", type=count_arg(2), default=128, help="tokens scored per document (2 or more)")
     args = p.parse_args(argv)
 
     try:
@@ -42,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError, TypeError) as e:
         what = e.strerror if isinstance(e, OSError) else 'not JSONL with a "text" field per line'
         return error(f"--data {args.data}: {what}")
+    if not texts:
+        return error(f"--data {args.data} holds no documents")
     losses = []
     with torch.no_grad():
         for text in texts:

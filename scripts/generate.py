@@ -14,10 +14,15 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from training.logs import quiet_dependencies  # noqa: E402
+
+quiet_dependencies("warning")  # the known-harmless lines of its dependencies filtered, as train.py does
+
+import torch  # noqa: E402
+
 from models.hf_dir import HFDirError, load_model_and_tokenizer  # noqa: E402
+from training.layout import count_arg  # noqa: E402
 
 DEFAULT_PROMPTS = ("The for statement", "A class definition", "Exceptions are")  # topics of the demo corpus
 
@@ -31,11 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--prompt", action="append", help="prompt (repeatable); default: three demo prompts")
-    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=count_arg(1), default=40)
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
-    p.add_argument("--top-k", type=int, default=20, help="sample among the k most likely tokens")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--repetition-penalty", type=float, default=1.3, help="> 1 discourages loops in tiny models")
+    p.add_argument("--top-k", type=count_arg(1), default=20, help="sample among the k most likely tokens")
+    p.add_argument("--temperature", type=count_arg(0, float, strict=True), default=0.7)
+    p.add_argument(
+        "--repetition-penalty",
+        type=count_arg(0, float, strict=True),
+        default=1.3,
+        help="> 1 discourages loops in tiny models",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 

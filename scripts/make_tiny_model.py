@@ -11,14 +11,19 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from training.logs import quiet_dependencies  # noqa: E402
+
+quiet_dependencies("warning")  # the known-harmless lines of its dependencies filtered, as train.py does
+
 from models.tiny import save_random_model, tiny_config, train_tokenizer, write_text_corpus  # noqa: E402
+from training.layout import count_arg  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", required=True, help="Hugging Face model directory to write")
     p.add_argument("--data", required=True, help='JSONL text corpus to write ({"text": ...} per document)')
-    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--layers", type=count_arg(1), default=4, help="decoder layers")
     p.add_argument("--seed", type=int, default=0, help="weight init seed")
     args = p.parse_args()
 

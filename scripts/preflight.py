@@ -16,14 +16,21 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from training.logs import argv_log_level, quiet_dependencies  # noqa: E402
+
+quiet_dependencies(argv_log_level(sys.argv))  # as train.py does, before DeepSpeed is imported (training/logs.py)
+
+from training.layout import count_arg  # noqa: E402
 from training.preflight import check  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, required=True, help="ranks the job will launch (nodes x GPUs per node)")
+    p.add_argument(
+        "--world-size", type=count_arg(1), required=True, help="ranks the job will launch (nodes x GPUs per node)"
+    )
     p.add_argument("overrides", nargs="*", help="train.py's Hydra overrides")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     try:
         lines = check(args.world_size, args.overrides)
     except ValueError as e:

@@ -29,6 +29,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from training.logs import quiet_dependencies  # noqa: E402
+
+quiet_dependencies("warning")  # the known-harmless lines of its dependencies filtered, as train.py does
+
 from training.distributed import free_port  # noqa: E402
 from training.run_checkpoints import SAVED_LINE  # noqa: E402
 

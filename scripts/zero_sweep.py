@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 
 from training.config import model_group_config  # noqa: E402
 from training.distributed import free_port  # noqa: E402
-from training.layout import offloads  # noqa: E402
+from training.layout import count_arg, offloads  # noqa: E402
 
 PIPELINE_CONFIGS = ("zero0", "zero1", "zero1_offload")  # DeepSpeed's pipeline engine runs ZeRO 0/1 only
 PEAKS = re.compile(r"peak memory per rank \(MiB\): (.*)")
@@ -193,10 +193,12 @@ def write_results(rows: list[dict], args, command: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--ranks", type=int, default=4, help="ranks (CPU processes or GPUs)")
+    p.add_argument(
+        "--steps", type=count_arg(2), default=6, help="steps per run (2 or more: the time per step skips the first)"
+    )
+    p.add_argument("--hidden", type=count_arg(1), default=256)
+    p.add_argument("--layers", type=count_arg(1), default=4)
+    p.add_argument("--ranks", type=count_arg(1), default=4, help="ranks (CPU processes or GPUs)")
     p.add_argument("--work", default=os.path.join(ROOT, "work", "zero_sweep"))
     p.add_argument(
         "--replan",
@@ -220,7 +222,7 @@ def main() -> None:
         return
 
     from models.tiny import train_tokenizer, write_text_corpus
-    from training.config import available_ds_configs
+    from training.ds_json import available_ds_configs
 
     os.makedirs(args.work, exist_ok=True)
     os.makedirs(os.path.join(ROOT, "results"), exist_ok=True)

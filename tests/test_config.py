@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,7 +15,16 @@ import torch
 
 from tests.conftest import REPO
 from training import optim
-from training.config import ConfigError, DataConfig, ModelConfig, MonitorConfig, OptimConfig, TrainConfig, resolve
+from training.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    MonitorConfig,
+    OptimConfig,
+    PeftConfig,
+    TrainConfig,
+    resolve,
+)
 from training.optim import cpu_zero1_settings, fill_ds_config
 
 
@@ -278,7 +288,7 @@ def test_data_settings_are_checked_together(good, tmp_path):
 
 
 def test_packing_defaults_to_text_only():
-    from training.config import default_packing
+    from data.checks import default_packing
 
     assert default_packing(DataConfig(format="text")) and not default_packing(DataConfig(format="sft"))
     assert default_packing(DataConfig(format="sft", packing=True)) and not default_packing(
@@ -349,7 +359,7 @@ def test_reference_architectures_build_through_the_same_specs(name):
 
 
 def test_every_ds_json_has_a_ds_group_entry():
-    from training.config import available_ds_configs
+    from training.ds_json import available_ds_configs
 
     entries = sorted(f[:-5] for f in os.listdir(os.path.join(REPO, "conf", "ds")) if f.endswith(".yaml"))
     assert entries == available_ds_configs()
@@ -467,11 +477,16 @@ def saved_run(good, tmp_path) -> str:
         ),
         ("data", lambda c: setattr(c.data, "max_seq_length", 64), "data.max_seq_length 512 -> 64"),
         ("data", lambda c: setattr(c, "seed", 7), "seed 42 -> 7"),
-        ("model", lambda c: setattr(c.model, "tokenizer", "/elsewhere"), "model.tokenizer '' -> '/elsewhere'"),
+        (
+            "model",
+            lambda c: setattr(c, "model_name_or_path", c.model_name_or_path + "/"),
+            "model_name_or_path '{0}' -> '{0}/'",
+        ),
     ],
 )
 def test_resume_refuses_changed_settings_unless_their_class_is_allowed(good, tmp_path, cls, change, line):
     saved_run(good, tmp_path)
+    line = line.format(good.model_name_or_path)
     change(good)
     message = problems_of(good, 4)
     assert (
@@ -585,7 +600,7 @@ def test_zero_plus_plus_quantized_weights_are_refused_on_cpu(good):
 def test_every_ds_config_trains_or_is_refused_before_training(good):
     """Each JSON in ds_configs/ is trained by tests/test_train_parity.py, or refused by validation."""
     from tests.test_train_parity import TRAINED_CONFIGS
-    from training.config import available_ds_configs
+    from training.ds_json import available_ds_configs
 
     for name in available_ds_configs():
         if name in TRAINED_CONFIGS:
@@ -600,3 +615,45 @@ def test_zero_2_and_3_choose_the_data_parallel_engine(good):
     assert not resolve(good, 4).uses_pipeline
     good.ds_config = "zero1"
     assert resolve(good, 4).uses_pipeline
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            dict(peft=PeftConfig(r=16, target_modules=["q_proj"], quantize="nf4")),
+            "peft.r=16, peft.target_modules=['q_proj'], peft.quantize=nf4: LoRA settings, but LoRA is off "
+            "(peft.method=none): add peft.method=lora, or drop them",
+        ),
+        (
+            dict(optim=OptimConfig(min_lr=1e-5)),
+            "optim.min_lr=1e-05: where linear and cosine decay end, but the constant schedule stays at optim.lr",
+        ),
+        (dict(eval_steps=5), "eval_steps=5: evaluation needs eval data, and there is none"),
+        (
+            dict(resume="never", resume_allow_changes=["optim"]),
+            "resume_allow_changes=['optim']: applies when a run is resumed, but resume=never never resumes",
+        ),
+        (dict(model=ModelConfig(tokenizer="/tok")), "model.tokenizer=/tok: for training from scratch, but"),
+        (dict(optim=OptimConfig(lr=0.0)), "optim.lr 0.0 trains nothing: set optim.lr > 0"),
+        (dict(peft=PeftConfig(method="lora", alpha=0.0)), "peft.alpha 0 scales every adapter's update to 0"),
+        (dict(optim=OptimConfig(betas=[0.9, 1.5])), "optim.betas [0.9, 1.5] must be two numbers in [0, 1)"),
+        (dict(optim=OptimConfig(weight_decay=-0.1)), "optim.weight_decay -0.1 < 0: set it >= 0"),
+    ],
+)
+def test_settings_that_cannot_act_or_train_nothing_are_refused(good, change, message):
+    assert message in problems_of(dataclasses.replace(good, **change), world_size=4)
+
+
+def test_a_harmless_inert_setting_is_named_in_one_warning(good):
+    resolved = resolve(
+        dataclasses.replace(
+            good, num_stages=1, ds_config="zero0", data=dataclasses.replace(good.data, order_check_steps=3)
+        ),
+        4,
+    )
+    assert resolved.warnings == [
+        "data.order_check_steps=3: the order check compares the first and last stages' batches; with one stage it "
+        "has nothing to compare"
+    ]
+    assert resolve(dataclasses.replace(good, num_stages=1, ds_config="zero0"), 4).warnings == []

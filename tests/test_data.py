@@ -164,7 +164,7 @@ def test_sft_chat_messages_train_only_assistant_turns(tmp_path, chat_tokenizer_d
 
 def test_chat_messages_without_a_template_fail_clearly(tmp_path, tok):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
-    with pytest.raises(DataError, match=r"chat.jsonl:1: 'messages' need a chat template"):
+    with pytest.raises(DataError, match=r"chat.jsonl:1: chat rows are rendered with the tokenizer's chat template"):
         list(read_examples(path, "sft", tok, 64, 512, False, SourceStats()))
 
 

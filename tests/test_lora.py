@@ -149,7 +149,8 @@ def test_lora_settings_refused_before_start(lora_cfg, change, message):
 
 def test_init_from_with_other_settings_refused_before_start(lora_cfg, tmp_path):
     adapter = str(tmp_path / "adapter")
-    lora_config(peft_settings(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
+    model = LlamaForCausalLM(tiny_config())
+    get_peft_model(model, lora_config(peft_settings(r=2, target_modules=["q_proj"]))).save_pretrained(adapter)
     lora_cfg.peft = peft_settings(init_from=adapter)
     message = problems_of(lora_cfg, world_size=4)
     assert "differs from the peft settings: r 2 in" in message and "target_modules ['q_proj'] in" in message
@@ -396,6 +397,46 @@ def test_exported_adapter_loads_in_peft_and_merges(lora_runs, name):
         assert (loaded(input_ids=ids).logits - expected).abs().max() < 1e-4
     assert (merged_logits - expected).abs().max() < 1e-4
     assert (base_logits - expected).abs().max() > 1e-2  # the adapters change the model
+
+
+@pytest.mark.multirank
+def test_exports_use_the_base_the_adapters_were_trained_on(lora_runs, tmp_path, capsys):
+    """Merge and adapter export take the recorded base tag, check its SHA-256s, and check a --base-model
+    directory tensor by tensor: a base trained on since, a changed or moved base, another model."""
+    root, runs = lora_runs
+    run_dir, convert = str(root / "untied"), load_entry_point("convert2ckpt.py").main
+    base = tmp_path / "base"
+    shutil.copytree(root / "ckpt_untied", base)
+    shutil.copytree(base / "global_step0", base / "global_step3")  # the base trained on after the LoRA run began
+    embedding = base / "global_step3" / "layer_00-model_states.pt"
+    torch.save({k: t + 1e-2 for k, t in torch.load(embedding).items()}, embedding)
+    (base / "latest").write_text("global_step3")
+
+    def export(name: str, *extra: str) -> tuple[int, str]:
+        capsys.readouterr()
+        rc = convert(["--to-hf", "--input", run_dir, "--output", str(tmp_path / name), *extra])
+        return rc, capsys.readouterr().err
+
+    assert export("merged_recorded", "--merge")[0] == 0
+    assert export("merged_moved", "--merge", "--base-checkpoint", str(base))[0] == 0
+    a = load_file(str(tmp_path / "merged_recorded" / "model.safetensors"))
+    b = load_file(str(tmp_path / "merged_moved" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # global_step0, not 'latest'
+
+    recorded = base / "global_step0" / "layer_00-model_states.pt"
+    torch.save({k: t + 1e-2 for k, t in torch.load(recorded).items()}, recorded)
+    rc, err = export("changed", "--merge", "--base-checkpoint", str(base))
+    assert rc == 1 and f"{recorded} differs in content (SHA-256)" in err and "--base-checkpoint DIR" in err
+    rc, err = export("gone", "--base-checkpoint", str(tmp_path / "nowhere"))
+    assert rc == 1 and f"--base-checkpoint {tmp_path / 'nowhere'} does not exist" in err
+
+    other = tmp_path / "other_hf"
+    save_random_model(tiny_config(), str(other), seed=7, dtype=torch.float32)
+    rc, err = export("other", "--base-model", str(other))
+    assert rc == 1 and "is not the base the adapters were trained on" in err and "embed_tokens.weight differs" in err
+    assert export("default")[0] == 0  # no --base-model: the Hugging Face directory the base was converted from
+    with open(tmp_path / "default" / "adapter_config.json") as f:
+        assert json.load(f)["base_model_name_or_path"] == os.path.realpath(runs["untied"]["hf"])
 
 
 @pytest.mark.multirank

@@ -10,26 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum, StrEnum
 from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from training.layout import Layout
+from data.checks import LOADABLE_TOKENIZER_FILES, data_problems
+from models.peft_targets import DECODER_LINEARS
+from training.ds_json import ds_json_conflicts, fp16_supported, load_ds_json
+from training.layout import Layout, layout_problems
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DS_CONFIG_DIR = os.path.join(REPO_ROOT, "ds_configs")
 MODEL_CONF_DIR = os.path.join(REPO_ROOT, "conf", "model")  # the Hydra model group
 
-LOADABLE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either lets AutoTokenizer load a tokenizer
-PARTITION_METHODS = ("parameters", "compute", "memory", "uniform", "type:DecoderLayerPipe")
-# partition_method stays a string: DeepSpeed also takes "type:<regex>" patterns, checked against this list.
 # Checkpoint bytes per parameter besides the weights: AdamW's two moments and the fp32 master copy
 # (ZeRO keeps one even in fp32), 4 bytes each, in DeepSpeed's optimizer-state files. Measured: a
 # tiny fp32 ZeRO-1 pipe 2 x data 2 checkpoint is 16.8 bytes per parameter (4 weights + 12 + JSON).
@@ -124,12 +124,6 @@ class MonitorConfig:
 
     tensorboard: bool = False  # TensorBoard event files (needs the tensorboard package)
     csv: bool = False  # one CSV file per metric
-
-
-# The linear layers of a decoder layer, by their Hugging Face module names (every supported family).
-DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Modules outside the decoder layers that peft.modules_to_save may train fully, with their spec kind.
-SAVABLE_MODULES = {"embed_tokens": "embed", "lm_head": "head"}
 
 
 @dataclass
@@ -245,17 +239,6 @@ def register_configs() -> None:
 
 class ConfigError(ValueError):
     """One or more invalid settings; the message lists all of them."""
-
-
-def resolve_ds_config_path(name: str) -> str | None:
-    """``ds_config`` -> existing JSON path, or None. A bare name is looked up in ``ds_configs/``."""
-    candidates = [name] if name.endswith(".json") or os.sep in name else []
-    candidates.append(os.path.join(DS_CONFIG_DIR, f"{name}.json"))
-    return next((c for c in candidates if os.path.isfile(c)), None)
-
-
-def available_ds_configs() -> list[str]:
-    return sorted(f[: -len(".json")] for f in os.listdir(DS_CONFIG_DIR) if f.endswith(".json"))
 
 
 @dataclass
@@ -384,6 +367,32 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
         return None, problems + [str(e)]
     except (TypeError, ValueError) as e:
         return None, problems + [f"model.architecture is not a valid model config: {e}"]
+
+
+def input_checkpoint_problems(cfg: TrainConfig) -> list[str]:
+    """model_name_or_path that is not a model to start from: the run's own output_dir, or a LoRA run
+    (whose layer files hold adapters, not a model)."""
+    path = cfg.model_name_or_path
+    if not path or not os.path.isdir(path):
+        return []
+    from models.layer_files import latest_tag
+    from models.lora import lora_run_base
+
+    if os.path.realpath(path) == os.path.realpath(cfg.output_dir):
+        return [
+            f"output_dir {cfg.output_dir} is model_name_or_path: the run would write its checkpoints into its input; "
+            "set output_dir to a new directory"
+        ]
+    tag = latest_tag(path)
+    if tag and os.path.isdir(os.path.join(path, tag)) and lora_run_base(os.path.join(path, tag)):
+        return [
+            f"model_name_or_path {path} is a LoRA run, whose layer files hold adapters, not a model: continue it "
+            f"with output_dir={path} and its base as model_name_or_path, start from its adapters (convert2ckpt.py "
+            f"--to-hf --input {path} --output ADAPTER_DIR, then peft.init_from=ADAPTER_DIR), or merge it into a model "
+            f"first (convert2ckpt.py --to-hf --merge --input {path} --output MERGED_HF, then convert2ckpt.py "
+            "--input MERGED_HF --output CKPT_DIR)"
+        ]
+    return []
 
 
 def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], ResumeChanges, list[str]]:
@@ -594,6 +603,33 @@ def unknown_key_problems(given: dict, schema: type | None = None, prefix: str = 
     return problems
 
 
+def override_key_problems(overrides: list[str]) -> list[str]:
+    """Command-line ``key=value`` overrides whose key TrainConfig does not have, found before Hydra
+    composes the config (Hydra's own error would suggest adding the typo with ``+``), in
+    ``unknown_key_problems``' words. Groups (``model=``, ``ds=``, ``data=``), Hydra's own keys and
+    ``+``/``~`` overrides are left to Hydra and to ``unknown_key_problems``."""
+    groups = {d for d in os.listdir(os.path.dirname(MODEL_CONF_DIR)) if not d.endswith(".yaml")}
+    given = {}
+    for arg in overrides:
+        key = arg.split("=", 1)[0]
+        if "=" not in arg or arg.startswith(("-", "+", "~")) or key in groups or key.split(".")[0] == "hydra":
+            continue
+        node, parts = TrainConfig(), key.split(".")
+        for depth, part in enumerate(parts):
+            if not dataclasses.is_dataclass(node) or not hasattr(node, part):
+                break
+            node = getattr(node, part)
+        else:
+            continue
+        if not dataclasses.is_dataclass(node) and depth > 0 and parts[depth - 1] == "architecture":
+            continue  # below model.architecture: a Hugging Face config field, checked when the config is built
+        tree = given
+        for part in parts[:-1]:
+            tree = tree.setdefault(part, {})
+        tree[parts[-1]] = None
+    return unknown_key_problems(given)
+
+
 def tensor_shape_differences(old, new, limit: int = 3) -> list[str]:
     """Layer files whose tensors would change shape between two configs: file, tensor, both shapes.
 
@@ -711,7 +747,7 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
     in_use = RunLock(cfg.output_dir).holder()  # acquired after the process group starts; said here first
     problems, warnings = ([in_use] if in_use else []) + list(problems or []), []
     model_config, model_problems = resolve_model(cfg)
-    problems += model_problems
+    problems += model_problems + input_checkpoint_problems(cfg)
     resume_tag, resume_changes_, resume_problems = find_resume(cfg, model_config)
     problems += resume_problems
     reshard = ""
@@ -723,27 +759,15 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         problems.append(ds_problem)
 
     k = cfg.num_stages
-    if k < 1:
-        problems.append(f"num_stages {k} < 1: set num_stages to 1 or more")
-    elif world_size % k:
-        problems.append(
-            f"world size {world_size} is not divisible by num_stages {k}: "
-            f"launch a multiple of {k} ranks or set num_stages to a divisor of {world_size}"
-        )
-    if model_config is not None and k > model_config.num_hidden_layers:
-        problems.append(
-            f"num_stages {k} > {model_config.num_hidden_layers} decoder layers: every stage needs at least one; "
-            f"set num_stages <= {model_config.num_hidden_layers}"
-        )
-    if cfg.partition_method not in PARTITION_METHODS:
-        problems.append(f"partition_method {cfg.partition_method!r} unknown: choose one of {list(PARTITION_METHODS)}")
+    # The layout's rules (sizes, stages, ZeRO stage, offload, partition method) live beside the Layout, shared
+    # with preflight and scripts/estimate_memory.py.
+    layout = Layout.of(cfg, world_size, ds_json or {})
+    num_layers = model_config.num_hidden_layers if model_config is not None else None
+    problems += layout_problems(layout, world_size, cfg.partition_method, num_layers)
     for name, minimum in (
-        ("micro_batch_size", 1),
-        ("gradient_accumulation_steps", 1),
         ("max_steps", 0),
         ("num_epochs", 0),
         ("activation_checkpoint_interval", 0),
-        ("loss_chunk_tokens", 0),
         ("log_steps", 1),
         ("eval_steps", 0),
         ("save_steps", 0),
@@ -778,10 +802,15 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
             f"{model_config.max_position_embeddings} were never trained; lower data.max_seq_length unless "
             f"this run is meant to extend the context"
         )
-    if cfg.precision == "fp16" and not _fp16_supported():
+    if cfg.precision == "fp16" and not fp16_supported():
         problems.append("precision fp16 is not supported on this device: set precision=bf16 or precision=fp32")
-    if len(cfg.optim.betas) != 2:
-        problems.append(f"optim.betas {list(cfg.optim.betas)} must hold two numbers, e.g. optim.betas=[0.9,0.95]")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        problems.append(
+            f"optim.betas {list(cfg.optim.betas)} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]"
+        )
+    for name in ("eps", "weight_decay"):
+        if getattr(cfg.optim, name) < 0:
+            problems.append(f"optim.{name} {getattr(cfg.optim, name)} < 0: set it >= 0")
     if cfg.optim.max_grad_norm < 0:
         problems.append(f"optim.max_grad_norm {cfg.optim.max_grad_norm} < 0: set it >= 0 (0 = no clipping)")
     if not 0 <= cfg.optim.min_lr <= cfg.optim.lr:
@@ -796,7 +825,6 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         )
     output_problems = output_dir_problems(cfg)
     problems += output_problems
-    layout = Layout.of(cfg, world_size, ds_json or {})
     if not output_problems and ds_json is not None:
         disk, disk_warnings = disk_problems(cfg, model_config, layout.uses_pipeline, world_size)
         problems += disk
@@ -810,8 +838,9 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         if not resume_problems
         else []
     )
-    if cfg.eval_steps and not (cfg.data.eval_file or cfg.data.eval_fraction):
-        warnings.append(f"eval_steps={cfg.eval_steps} but no eval data: set data.eval_file or data.eval_fraction")
+    inert, harmless = inert_settings(cfg, layout)
+    problems += inert + noop_value_problems(cfg)
+    warnings += harmless
 
     if layout.dp:
         micro_batches = cfg.gradient_accumulation_steps
@@ -822,235 +851,85 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
             )
         if ds_json is not None:
             problems += ds_json_conflicts(cfg, ds_json, layout)
+    from models.lora import peft_change_problems, peft_problems
+
     problems += peft_change_problems(cfg, resume_changes_)
     if cfg.peft.method != "none":
         problems += peft_problems(cfg, model_config, layout)
     if problems:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+        # dict.fromkeys: a rule two checks share (layout_problems and ds_json_conflicts or data_problems) said once
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(dict.fromkeys(problems)))
     return Resolved(cfg, layout, ds_json, model_config, warnings, resume_tag, resume_changes_, reshard)
 
 
-def peft_change_problems(cfg: TrainConfig, changes: ResumeChanges) -> list[str]:
-    """Resuming with other ``peft`` settings than the checkpoint's: the adapters (or their absence) are
-    what was trained, so any change is refused (``peft.init_from`` applies to a new run only)."""
-    changed = {k: v for cls in changes.changed.values() for k, v in cls.items() if k.startswith("peft.")}
-    changed.pop("peft.init_from", None)
-    if not changed:
-        return []
-    return [
-        f"{cfg.output_dir} was trained with other peft settings: "
-        + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        + ": set the saved values to resume it, or choose another output_dir"
-    ]
+def _value(cfg, key: str):
+    return functools.reduce(getattr, key.split("."), cfg)
 
 
-def peft_problems(cfg: TrainConfig, model_config, layout: Layout) -> list[str]:
-    """What a LoRA run cannot do with these settings (peft.method=lora)."""
-    p, problems = cfg.peft, []
-    if not cfg.model_name_or_path:
-        problems.append("peft.method=lora adapts a trained base: set model_name_or_path (a convert2ckpt.py checkpoint)")
-    if p.r < 1:
-        problems.append(f"peft.r {p.r} < 1: set the LoRA rank to 1 or more (8, 16, 64 are common)")
-    if not 0 <= p.dropout < 1:
-        problems.append(f"peft.dropout {p.dropout} must be in [0, 1)")
-    unknown = sorted(set(p.target_modules) - set(DECODER_LINEARS))
-    if unknown or not p.target_modules:
-        problems.append(
-            f"peft.target_modules {list(p.target_modules)}: choose one or more of {list(DECODER_LINEARS)} "
-            f"({'unknown: ' + ', '.join(unknown) if unknown else 'none given'})"
-        )
-    unknown = sorted(set(p.modules_to_save) - set(SAVABLE_MODULES))
-    if unknown:
-        problems.append(f"peft.modules_to_save {unknown} unknown: choose from {list(SAVABLE_MODULES)}")
-    if model_config is not None and p.modules_to_save and model_config.tie_word_embeddings:
-        problems.append(
-            f"peft.modules_to_save {list(p.modules_to_save)} with tied embeddings: the embedding and the LM head "
-            "share one weight, which PEFT's adapter format saves as two; leave peft.modules_to_save empty"
-        )
-    if p.quantize == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
-        problems.append(
-            "peft.quantize=nf4 (QLoRA) quantises with bitsandbytes, which is not installed: pip install "
-            "bitsandbytes (pinned in pyproject.toml), or set peft.quantize=none"
-        )
-    if not layout.uses_pipeline:
-        problems.append(
-            f"peft.method=lora runs on the pipeline engine: num_stages=1 with ds={cfg.ds_config} uses DeepSpeed's "
-            "data-parallel engine, which this version does not adapt; use ds=zero0 or ds=zero1 (the frozen base has "
-            "no optimizer state to partition further)"
-        )
-    if p.init_from and not os.path.isfile(os.path.join(p.init_from, "adapter_config.json")):
-        problems.append(
-            f"peft.init_from {p.init_from} has no adapter_config.json: give a PEFT adapter directory "
-            "(save_pretrained's output, or convert2ckpt.py --to-hf of a LoRA run)"
-        )
-    elif p.init_from:
-        from models.lora import adapter_settings_problems
-
-        differs = adapter_settings_problems(p.init_from, p)
-        if differs:
-            problems.append(
-                f"peft.init_from={p.init_from} differs from the peft settings: {'; '.join(differs)}: set peft.* "
-                "to the adapter's values"
-            )
-    if model_config is not None and layout.stages >= 1 and not problems:
-        problems += frozen_stage_problems(cfg, model_config, layout)
-    return problems
+# Settings that act only in some configurations: (keys, whether they act in ``cfg``, why not and the fix).
+# A key set away from its default where it cannot act is refused before start: the user believes in a
+# setting they would not get (QLoRA settings without peft.method=lora train the full model, or run out of
+# memory, with no word).
+INERT_RULES = (
+    (
+        tuple(f"peft.{f.name}" for f in fields(PeftConfig) if f.name != "method"),
+        lambda cfg, layout: cfg.peft.method != "none",
+        "LoRA settings, but LoRA is off (peft.method=none): add peft.method=lora, or drop them",
+    ),
+    (
+        ("optim.min_lr",),
+        lambda cfg, layout: cfg.optim.scheduler != "constant",
+        "where linear and cosine decay end, but the constant schedule stays at optim.lr: set "
+        "optim.scheduler=linear or cosine, or drop it",
+    ),
+    (
+        ("model.tokenizer",),
+        lambda cfg, layout: not cfg.model_name_or_path,
+        "for training from scratch, but the tokenizer in model_name_or_path is the one used: drop model.tokenizer "
+        "(or copy that tokenizer into the checkpoint)",
+    ),
+    (
+        ("eval_steps",),
+        lambda cfg, layout: bool(cfg.data.eval_file or cfg.data.eval_fraction),
+        "evaluation needs eval data, and there is none: set data.eval_file or data.eval_fraction, or drop eval_steps",
+    ),
+    (
+        ("resume_allow_changes",),
+        lambda cfg, layout: cfg.resume != "never",
+        "applies when a run is resumed, but resume=never never resumes: drop one of them",
+    ),
+)
+# Harmless where they cannot act (a check or a report with nothing to do): one warning line each.
+HARMLESS_RULES = (
+    (
+        ("data.order_check_steps",),
+        lambda cfg, layout: layout.stages > 1,
+        "the order check compares the first and last stages' batches; with one stage it has nothing to compare",
+    ),
+)
 
 
-def frozen_stage_problems(cfg: TrainConfig, model_config, layout: Layout) -> list[str]:
-    """A pipeline stage with nothing to train (only the frozen embedding, norm or LM head) has no optimizer
-    group, which DeepSpeed's optimizers refuse: named here, with the knobs that move its boundaries."""
-    from models.llama_pipe import spec_layout, stage_boundaries
-
-    kinds = [info.kind for info in spec_layout(model_config)]
-    trained = {"decoder"} | {SAVABLE_MODULES[m] for m in cfg.peft.modules_to_save}
-    bounds = stage_boundaries(model_config, layout.stages, cfg.partition_method, layout)
-    empty = [s for s in range(layout.stages) if not trained & set(kinds[bounds[s] : bounds[s + 1]])]
-    if not empty:
-        return []
-    return [
-        f"with peft.method=lora, stage(s) {empty} of partition_method={cfg.partition_method} (specs "
-        + ", ".join(f"{bounds[s]}..{bounds[s + 1] - 1}" for s in empty)
-        + ") hold no decoder layer, hence nothing to train: use partition_method=compute or uniform, fewer "
-        "num_stages, or train that module fully (peft.modules_to_save)"
-    ]
+def inert_settings(cfg: TrainConfig, layout: Layout) -> tuple[list[str], list[str]]:
+    """(problems, warnings): settings given a non-default value where they cannot take effect."""
+    default = TrainConfig()
+    out = []
+    for rules in (INERT_RULES, HARMLESS_RULES):
+        found = []
+        for keys, acts, why in rules:
+            given = [k for k in keys if _plain(_value(cfg, k)) != _plain(_value(default, k))]
+            if given and not acts(cfg, layout):
+                found.append(", ".join(f"{k}={_plain(_value(cfg, k))}" for k in given) + f": {why}")
+        out.append(found)
+    return out[0], out[1]
 
 
-def default_packing(data: DataConfig) -> bool:
-    """``data.packing``, or its default: packing for raw text, one example per row otherwise."""
-    return data.packing if data.packing is not None else data.format == "text"
-
-
-def data_problems(cfg: TrainConfig) -> list[str]:
-    d, problems = cfg.data, []
-    for key in ("train_file", "eval_file"):
-        path = getattr(d, key)
-        if key == "train_file" and not path:
-            problems.append("data.train_file is not set: set data.train_file=PATH")
-        elif path and not os.path.isfile(path):
-            problems.append(f"data.{key} {path} does not exist")
-    if d.max_seq_length < 2:
-        problems.append(f"data.max_seq_length {d.max_seq_length} < 2: a next-token loss needs 2 tokens or more")
-    if not 0.0 <= d.eval_fraction < 1.0:
-        problems.append(f"data.eval_fraction {d.eval_fraction} must be in [0, 1)")
-    if d.eval_fraction > 0 and d.eval_file:
-        problems.append("data.eval_file and data.eval_fraction are both set: use one (set the other to its default)")
-    if d.order_check_steps < 0:
-        problems.append(f"data.order_check_steps {d.order_check_steps} < 0: set it >= 0 (0 = off)")
-    model_dir = tokenizer_dir(cfg)
-    if (
-        d.format in ("text", "sft")
-        and cfg.model_name_or_path
-        and not any(os.path.isfile(os.path.join(model_dir, f)) for f in LOADABLE_TOKENIZER_FILES)
-    ):
-        problems.append(
-            f"data.format={d.format} tokenizes with the model's tokenizer, but {model_dir} has none "
-            f"({' or '.join(LOADABLE_TOKENIZER_FILES)}): copy the tokenizer files there"
-        )
-    return problems
-
-
-def accelerator_name() -> str:
-    """DeepSpeed's accelerator: "cuda", "cpu", ... (what train.py runs on)."""
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name()
-
-
-def _fp16_supported() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().is_fp16_supported()
-
-
-# The DeepSpeed JSON may leave these to train.py or say "auto" (Hugging Face's spelling of the same).
-AUTO = "auto"
-# Monitor sections that training.optim.fill_ds_config writes from monitor.* (enabled, output_path, job_name).
-MONITOR_SECTIONS = {"tensorboard": "monitor.tensorboard", "csv_monitor": "monitor.csv"}
-
-
-def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, layout: Layout) -> list[str]:
-    """Values in the DeepSpeed JSON that contradict the Hydra config, in either direction.
-
-    The Hydra config is the source of truth for every key ``training.optim.fill_ds_config`` writes;
-    the JSON may omit such a key, say "auto", or agree, but never say otherwise: a setting that one
-    side silently overrides is a setting the user believes in and does not get.
-    """
+def noop_value_problems(cfg: TrainConfig) -> list[str]:
+    """Values that would make the whole run train nothing, refused rather than run for nothing (peft.alpha 0:
+    models.lora.peft_problems)."""
     problems = []
-    train_batch = layout.global_batch
-    owned = {
-        "train_micro_batch_size_per_gpu": (cfg.micro_batch_size, "micro_batch_size"),
-        "gradient_accumulation_steps": (cfg.gradient_accumulation_steps, "gradient_accumulation_steps"),
-        "gradient_clipping": (cfg.optim.max_grad_norm, "optim.max_grad_norm"),
-    }
-    for key, (value, knob) in owned.items():
-        if ds_json.get(key, AUTO) not in (AUTO, value):
-            problems.append(
-                f"ds_config sets {key}={ds_json[key]} but {knob}={value}: remove {key} from the JSON or set {knob}"
-            )
-    if ds_json.get("train_batch_size", AUTO) not in (AUTO, train_batch):
-        b = ds_json["train_batch_size"]
-        fix = ""
-        per_step = layout.micro_batch * layout.dp
-        if isinstance(b, int) and b % per_step == 0:
-            fix = f": set gradient_accumulation_steps={b // per_step}"
+    if cfg.optim.lr <= 0:
         problems.append(
-            f"train_batch {b} != micro {layout.micro_batch} x grad_acc {layout.grad_accum} x dp {layout.dp} "
-            f"(={train_batch}){fix}, or remove train_batch_size from the JSON"
-        )
-    for section in ("optimizer", "scheduler"):
-        if section in ds_json:
-            problems.append(f"ds_config has an '{section}' section: remove it, optim.* configures it")
-    for key in ("bf16", "fp16"):
-        enabled = ds_json.get(key, {}).get("enabled", AUTO)
-        if enabled != AUTO and bool(enabled) != (cfg.precision == key):
-            fix = f"set precision={key}" if enabled else "set precision to the one you mean (fp32, bf16 or fp16)"
-            problems.append(
-                f"ds_config sets {key}.enabled={str(enabled).lower()} but precision={cfg.precision}: "
-                f"remove {key}.enabled from the JSON (precision decides it) or {fix}"
-            )
-    if ds_json.get("amp", {}).get("enabled", False):
-        problems.append(
-            f"ds_config enables amp but precision={cfg.precision} decides the precision: remove the 'amp' section"
-        )
-    for section, knob in MONITOR_SECTIONS.items():
-        if section not in ds_json:
-            continue
-        value = getattr(cfg.monitor, knob.split(".")[1])
-        extra = sorted(set(ds_json[section]) - {"enabled"})
-        if ds_json[section].get("enabled", False) != value or extra:
-            problems.append(
-                f"ds_config has a '{section}' section ({json.dumps(ds_json[section])}) but "
-                f"{knob}={str(value).lower()}: "
-                f"remove the section and set {knob}=true (it writes to output_dir/monitor)"
-            )
-    zero = ds_json.get("zero_optimization", {})
-    stage = zero.get("stage", 0)
-    if zero.get("zero_quantized_weights") and accelerator_name() == "cpu":
-        problems.append(
-            "ds_config uses ZeRO++ quantized weights (zero_quantized_weights), whose quantizer kernel the CPU "
-            "accelerator "
-            "lacks ('This op had not been implemented on CPU backend'): run on GPUs, or use ds=zero3 here"
-        )
-    if stage >= 2 and cfg.num_stages > 1:
-        problems.append(
-            f"ZeRO stage {stage} with num_stages={cfg.num_stages}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 "
-            "only "
-            f"('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'); set num_stages=1 or ds_config=zero1"
+            f"optim.lr {cfg.optim.lr} trains nothing: set optim.lr > 0 (to load and evaluate without training, "
+            "set max_steps=0)"
         )
     return problems
-
-
-def load_ds_json(name: str) -> tuple[dict | None, str | None]:
-    """(parsed JSON, None) or (None, problem line) for the ``ds_config`` setting."""
-    path = resolve_ds_config_path(name)
-    if path is None:
-        return (
-            None,
-            f"ds_config {name!r} not found: choose one of {available_ds_configs()} or give a path to a JSON file",
-        )
-    try:
-        with open(path) as f:
-            return json.load(f), None
-    except json.JSONDecodeError as e:
-        return None, f"ds_config {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"

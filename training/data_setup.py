@@ -18,10 +18,11 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from data.cache import DataSettings, TokenBlocks, build_or_reuse
+from data.checks import default_packing
 from data.guard import FingerprintingIterator, OrderGuard
 from data.sampling import MicroBatchIterator, PlaceholderDataset
 from data.sources import DataError
-from training.config import TrainConfig, default_packing, tokenizer_dir
+from training.config import TrainConfig, tokenizer_dir
 from training.distributed import on_all_ranks
 
 EVAL_SPLIT_SEED = 1234  # fixed, so the eval split does not move when the training seed changes

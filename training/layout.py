@@ -7,7 +7,12 @@ micro x grad_acc x dp where they need it.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+
+# How train.py's partition_method may split the specs into stages. It stays a string: DeepSpeed also takes
+# "type:<regex>" patterns, checked against this list.
+PARTITION_METHODS = ("parameters", "compute", "memory", "uniform", "type:DecoderLayerPipe")
 
 
 def offloads(zero: dict) -> tuple[bool, bool]:
@@ -94,3 +99,76 @@ class Layout:
             f"{', act. ckpt' if self.checkpointing else ''}{chunk}, {self.dtype}"
             + (f", {'QLoRA (NF4)' if self.nf4 else 'LoRA'} r={self.lora_rank}" if self.lora_rank else "")
         )
+
+
+def layout_problems(layout: Layout, world_size: int, partition_method: str, num_layers: int | None = None) -> list[str]:
+    """Everything train.py refuses about a layout, each problem in train.py's words (its knob names): the
+    one home of these rules, so train.py (``training.config.resolve``), preflight and
+    scripts/estimate_memory.py refuse the same layouts with the same lines. ``world_size``: the ranks
+    launched (``layout.dp`` is 0 where they do not divide); ``num_layers``: the model's decoder layers,
+    None for a bare parameter count."""
+    problems, k = [], layout.stages
+    if k < 1:
+        problems.append(f"num_stages {k} < 1: set num_stages to 1 or more")
+    elif world_size < 1:
+        problems.append(f"world size {world_size} < 1: launch 1 rank or more")
+    elif world_size % k:
+        problems.append(
+            f"world size {world_size} is not divisible by num_stages {k}: "
+            f"launch a multiple of {k} ranks or set num_stages to a divisor of {world_size}"
+        )
+    if num_layers is not None and k > num_layers:
+        problems.append(
+            f"num_stages {k} > {num_layers} decoder layers: every stage needs at least one; "
+            f"set num_stages <= {num_layers}"
+        )
+    if partition_method not in PARTITION_METHODS:
+        problems.append(f"partition_method {partition_method!r} unknown: choose one of {list(PARTITION_METHODS)}")
+    for name, value, minimum in (
+        ("micro_batch_size", layout.micro_batch, 1),
+        ("gradient_accumulation_steps", layout.grad_accum, 1),
+        ("loss_chunk_tokens", layout.loss_chunk, 0),
+    ):
+        if value < minimum:
+            problems.append(f"{name} {value} is out of range: set {name} >= {minimum}")
+    if layout.seq_len < 2:
+        problems.append(f"data.max_seq_length {layout.seq_len} < 2: a next-token loss needs 2 tokens or more")
+    if layout.zero not in range(4):
+        problems.append(
+            f"ZeRO stage {layout.zero} unknown: DeepSpeed has stages 0 to 3; set zero_optimization.stage in the "
+            "ds_config JSON"
+        )
+    elif layout.zero >= 2 and k > 1:
+        problems.append(
+            f"ZeRO stage {layout.zero} with num_stages={k}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only "
+            f"('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'); set num_stages=1 or ds_config=zero1"
+        )
+    if layout.offload_optimizer and layout.zero == 0:
+        problems.append(
+            "ds_config offloads the optimizer (zero_optimization.offload_optimizer) with ZeRO stage 0, where "
+            "DeepSpeed ignores it: use ds_config=zero1_offload, or remove offload_optimizer from the JSON"
+        )
+    if layout.offload_params and layout.zero != 3:
+        problems.append(
+            f"ds_config offloads the parameters (zero_optimization.offload_param) with ZeRO stage {layout.zero}, "
+            "where DeepSpeed ignores it (only ZeRO-3 offloads parameters): use ds_config=zero3_offload, or remove "
+            "offload_param from the JSON"
+        )
+    return problems
+
+
+def count_arg(minimum: float = 1, kind: type = int, strict: bool = False):
+    """An argparse ``type`` for a count or size: a ``kind`` number >= ``minimum`` (> with ``strict``), else
+    argparse's own error (``argument --dp: -1 is not >= 1``)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+        if value < minimum or (strict and value == minimum):
+            raise argparse.ArgumentTypeError(f"{text} is not {'>' if strict else '>='} {minimum}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse

@@ -17,6 +17,11 @@ import warnings
 HARMLESS_WARNINGS = [
     # DeepSpeed's ZeRO and pipeline collectives call the old name; same operation, same result.
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
+    # Pipelines with tied embeddings (pipe > 1): DeepSpeed's PipelineModule broadcasts the tied weight from its
+    # first stage at start (_synchronize_tied_weights) with grad mode on; c10d's in-place broadcast has no
+    # autograd kernel, so PyTorch warns at the first backward on every rank holding it. The broadcast copies
+    # values into the leaf parameter: its gradient is unchanged (tests/test_helper_tools.py checks both).
+    (UserWarning, r"c10d::broadcast_: an autograd kernel was not registered"),
 ]
 # Messages of DeepSpeed's logger, and of the other loggers named here.
 HARMLESS_LOG_RECORDS = [

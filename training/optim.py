@@ -11,7 +11,8 @@ from torch import nn
 
 from models.layer_files import full_shape
 from models.llama_pipe import model_parameters
-from training.config import Resolved, TrainConfig, accelerator_name
+from training.config import Resolved, TrainConfig
+from training.ds_json import accelerator_name
 from training.memory_plan import reduce_bucket_elements
 
 # DeepSpeed prints its own step line every steps_per_print steps; train.py logs its own line instead.

@@ -1,0 +1,41 @@
+"""The rules of the ``data.*`` settings, beside the code that reads the data: checked before start, with
+every other problem, by ``training.config.resolve``."""
+
+from __future__ import annotations
+
+import os
+
+LOADABLE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either lets AutoTokenizer load a tokenizer
+
+
+def default_packing(data) -> bool:
+    """``data.packing``, or its default: packing for raw text, one example per row otherwise."""
+    return data.packing if data.packing is not None else data.format == "text"
+
+
+def data_problems(cfg) -> list[str]:
+    """The data settings' problems (``cfg``: training.config.TrainConfig), named with the fix."""
+    d, problems = cfg.data, []
+    for key in ("train_file", "eval_file"):
+        path = getattr(d, key)
+        if key == "train_file" and not path:
+            problems.append("data.train_file is not set: set data.train_file=PATH")
+        elif path and not os.path.isfile(path):
+            problems.append(f"data.{key} {path} does not exist")
+    if not 0.0 <= d.eval_fraction < 1.0:
+        problems.append(f"data.eval_fraction {d.eval_fraction} must be in [0, 1)")
+    if d.eval_fraction > 0 and d.eval_file:
+        problems.append("data.eval_file and data.eval_fraction are both set: use one (set the other to its default)")
+    if d.order_check_steps < 0:
+        problems.append(f"data.order_check_steps {d.order_check_steps} < 0: set it >= 0 (0 = off)")
+    model_dir = cfg.model_name_or_path or cfg.model.tokenizer  # the tokenizer the run loads
+    if (
+        d.format in ("text", "sft")
+        and cfg.model_name_or_path
+        and not any(os.path.isfile(os.path.join(model_dir, f)) for f in LOADABLE_TOKENIZER_FILES)
+    ):
+        problems.append(
+            f"data.format={d.format} tokenizes with the model's tokenizer, but {model_dir} has none "
+            f"({' or '.join(LOADABLE_TOKENIZER_FILES)}): copy the tokenizer files there"
+        )
+    return problems

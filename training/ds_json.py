@@ -1,0 +1,125 @@
+"""The DeepSpeed JSON (``ds_config``): where it is found, and its rules against the Hydra config, beside
+``training.optim.fill_ds_config``, which writes the keys train.py owns. Checked before start, with every
+other problem, by ``training.config.resolve``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from training.config import TrainConfig
+    from training.layout import Layout
+
+DS_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
+
+
+def resolve_ds_config_path(name: str) -> str | None:
+    """``ds_config`` -> existing JSON path, or None. A bare name is looked up in ``ds_configs/``."""
+    candidates = [name] if name.endswith(".json") or os.sep in name else []
+    candidates.append(os.path.join(DS_CONFIG_DIR, f"{name}.json"))
+    return next((c for c in candidates if os.path.isfile(c)), None)
+
+
+def available_ds_configs() -> list[str]:
+    return sorted(f[: -len(".json")] for f in os.listdir(DS_CONFIG_DIR) if f.endswith(".json"))
+
+
+def accelerator_name() -> str:
+    """DeepSpeed's accelerator: "cuda", "cpu", ... (what train.py runs on)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
+def fp16_supported() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().is_fp16_supported()
+
+
+# The DeepSpeed JSON may leave these to train.py or say "auto" (Hugging Face's spelling of the same).
+AUTO = "auto"
+# Monitor sections that training.optim.fill_ds_config writes from monitor.* (enabled, output_path, job_name).
+MONITOR_SECTIONS = {"tensorboard": "monitor.tensorboard", "csv_monitor": "monitor.csv"}
+
+
+def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, layout: Layout) -> list[str]:
+    """Values in the DeepSpeed JSON that contradict the Hydra config, in either direction.
+
+    The Hydra config is the source of truth for every key ``training.optim.fill_ds_config`` writes;
+    the JSON may omit such a key, say "auto", or agree, but never say otherwise: a setting that one
+    side silently overrides is a setting the user believes in and does not get.
+    """
+    problems = []
+    train_batch = layout.global_batch
+    owned = {
+        "train_micro_batch_size_per_gpu": (cfg.micro_batch_size, "micro_batch_size"),
+        "gradient_accumulation_steps": (cfg.gradient_accumulation_steps, "gradient_accumulation_steps"),
+        "gradient_clipping": (cfg.optim.max_grad_norm, "optim.max_grad_norm"),
+    }
+    for key, (value, knob) in owned.items():
+        if ds_json.get(key, AUTO) not in (AUTO, value):
+            problems.append(
+                f"ds_config sets {key}={ds_json[key]} but {knob}={value}: remove {key} from the JSON or set {knob}"
+            )
+    if ds_json.get("train_batch_size", AUTO) not in (AUTO, train_batch):
+        b = ds_json["train_batch_size"]
+        fix = ""
+        per_step = layout.micro_batch * layout.dp
+        if isinstance(b, int) and b % per_step == 0:
+            fix = f": set gradient_accumulation_steps={b // per_step}"
+        problems.append(
+            f"train_batch {b} != micro {layout.micro_batch} x grad_acc {layout.grad_accum} x dp {layout.dp} "
+            f"(={train_batch}){fix}, or remove train_batch_size from the JSON"
+        )
+    for section in ("optimizer", "scheduler"):
+        if section in ds_json:
+            problems.append(f"ds_config has an '{section}' section: remove it, optim.* configures it")
+    for key in ("bf16", "fp16"):
+        enabled = ds_json.get(key, {}).get("enabled", AUTO)
+        if enabled != AUTO and bool(enabled) != (cfg.precision == key):
+            fix = f"set precision={key}" if enabled else "set precision to the one you mean (fp32, bf16 or fp16)"
+            problems.append(
+                f"ds_config sets {key}.enabled={str(enabled).lower()} but precision={cfg.precision}: "
+                f"remove {key}.enabled from the JSON (precision decides it) or {fix}"
+            )
+    if ds_json.get("amp", {}).get("enabled", False):
+        problems.append(
+            f"ds_config enables amp but precision={cfg.precision} decides the precision: remove the 'amp' section"
+        )
+    for section, knob in MONITOR_SECTIONS.items():
+        if section not in ds_json:
+            continue
+        value = getattr(cfg.monitor, knob.split(".")[1])
+        extra = sorted(set(ds_json[section]) - {"enabled"})
+        if ds_json[section].get("enabled", False) != value or extra:
+            problems.append(
+                f"ds_config has a '{section}' section ({json.dumps(ds_json[section])}) but "
+                f"{knob}={str(value).lower()}: "
+                f"remove the section and set {knob}=true (it writes to output_dir/monitor)"
+            )
+    zero = ds_json.get("zero_optimization", {})
+    if zero.get("zero_quantized_weights") and accelerator_name() == "cpu":
+        problems.append(
+            "ds_config uses ZeRO++ quantized weights (zero_quantized_weights), whose quantizer kernel the CPU "
+            "accelerator "
+            "lacks ('This op had not been implemented on CPU backend'): run on GPUs, or use ds=zero3 here"
+        )
+    return problems
+
+
+def load_ds_json(name: str) -> tuple[dict | None, str | None]:
+    """(parsed JSON, None) or (None, problem line) for the ``ds_config`` setting."""
+    path = resolve_ds_config_path(name)
+    if path is None:
+        return (
+            None,
+            f"ds_config {name!r} not found: choose one of {available_ds_configs()} or give a path to a JSON file",
+        )
+    try:
+        with open(path) as f:
+            return json.load(f), None
+    except json.JSONDecodeError as e:
+        return None, f"ds_config {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
