@@ -44,10 +44,11 @@ from data.guard import OrderMismatchError  # noqa: E402
 from models.families import family_of  # noqa: E402
 from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
 from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules  # noqa: E402
-from models.llama_pipe import LlamaStack, build_pipeline_model, flops_per_token, init_weights_, spec_layout  # noqa: E402
+from models.llama_pipe import LlamaStack, flops_per_token, init_weights_, spec_layout  # noqa: E402
 from models.lora import apply_lora, base_numel, base_record, load_adapter_, load_checkpoint_adapters_  # noqa: E402
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
 from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes  # noqa: E402
+from parallel.partition import build_pipeline_model  # noqa: E402
 from training import run_checkpoints  # noqa: E402
 from training.config import (  # noqa: E402
     ConfigError,

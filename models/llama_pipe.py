@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime.pipe.topology import ProcessTopology
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from models.families import FAMILIES, RMS_NORM_CLASSES, attention_type, family_of
-from models.loss import CausalLMLoss
 
 # Key under which the embedding and a tied LM head share one weight across stages.
 TIED_EMBEDDING_KEY = "embed_tokens"
@@ -292,10 +289,6 @@ def flops_per_token(config: PretrainedConfig, seq: int) -> tuple[float, float]:
     return 6.0 * n, 6.0 * config.num_hidden_layers * seq * config.num_attention_heads * head_dim
 
 
-# How train.py splits specs into stages by default (see LlamaPipelineModule and stage_boundaries).
-DEFAULT_PARTITION_METHOD = "compute"
-
-
 def spec_weights(config: PretrainedConfig, method: str) -> list[int]:
     """What the balanced partitioner weighs each spec by, for ``method`` ``parameters`` or ``compute``.
 
@@ -309,35 +302,6 @@ def spec_weights(config: PretrainedConfig, method: str) -> list[int]:
     elif method != "parameters":
         raise ValueError(f"spec weights are defined for 'parameters' and 'compute', not {method!r}")
     return counts
-
-
-def stage_boundaries(
-    config: PretrainedConfig, num_stages: int, method: str = DEFAULT_PARTITION_METHOD, layout=None
-) -> list[int]:
-    """First spec of every stage, plus the end: the split ``LlamaPipelineModule`` makes (it calls this
-    function), also computed without building it (the memory planner). ``uniform``, ``parameters`` and
-    ``type:`` are DeepSpeed's own methods on the same weights; ``compute`` is ``parameters`` over
-    :func:`spec_weights`; ``memory`` balances the planner's predicted per-GPU peak for ``layout`` (a
-    ``training.layout.Layout``: precision, ZeRO, micro-batch, sequence, grad_acc, recomputation, loss
-    chunk), see ``training.memory_plan.memory_boundaries``."""
-    from deepspeed.runtime.utils import partition_balanced, partition_uniform
-
-    method = method.lower()
-    if method == "uniform":
-        parts = partition_uniform(num_items=len(spec_layout(config)), num_parts=num_stages)
-    elif method.startswith("type:"):
-        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)  # DeepSpeed's _find_layer_type
-        weights = [int(bool(pattern.search(spec.typename.__name__))) for spec in build_specs(config)]
-        parts = partition_balanced(weights=weights, num_parts=num_stages)
-    elif method == "memory":
-        from training.memory_plan import memory_boundaries  # the planner's own estimate (no import cycle at load)
-
-        if layout is None or layout.stages != num_stages:
-            raise ValueError("partition_method 'memory' needs the run's layout with the same number of stages")
-        parts = memory_boundaries(config, layout)
-    else:
-        parts = partition_balanced(weights=spec_weights(config, method), num_parts=num_stages)
-    return [int(p) for p in parts]  # DeepSpeed returns numpy integers
 
 
 class LlamaPipelineModule(PipelineModule):
@@ -363,50 +327,21 @@ class LlamaPipelineModule(PipelineModule):
     balances stored parameters, ``memory`` the predicted per-GPU peak (docs/training.md#partitioning).
     """
 
-    def __init__(self, config: PretrainedConfig, *args, partition_method: str = "parameters", layout=None, **kwargs):
-        self._llama_config, self._layout = config, layout
-        super().__init__(*args, partition_method=partition_method, **kwargs)
+    def __init__(self, config: PretrainedConfig, *args, boundaries: list[int], **kwargs):
+        self._llama_config, self._boundaries = config, list(boundaries)
+        super().__init__(*args, **kwargs)
         for p in self.parameters():
             p.model_parallel = not p.ds_pipe_replicated
 
     def _partition_layers(self, method: str = "uniform") -> None:
-        self.parts = stage_boundaries(self._llama_config, self.num_stages, method, self._layout)
+        # The split is the caller's (parallel.partition.stage_boundaries), whatever DeepSpeed's method says.
+        self.parts = self._boundaries
+        if len(self.parts) != self.num_stages + 1:
+            raise ValueError(
+                f"{len(self.parts) - 1} stages in the boundaries {self.parts}, {self.num_stages} in the topology"
+            )
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
-
-def build_pipeline_model(
-    config: PretrainedConfig,
-    topology: ProcessTopology,
-    partition_method: str = DEFAULT_PARTITION_METHOD,
-    activation_checkpoint_interval: int = 0,
-    loss_fn: CausalLMLoss | None = None,
-    layout=None,
-    loss_chunk_tokens: int = 0,
-) -> LlamaPipelineModule:
-    """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
-
-    Must be called after ``deepspeed.init_distributed()``, with a topology whose axes are pipe and
-    data (``PipeDataParallelTopology``). With ``activation_checkpoint_interval`` N > 0, activations
-    are recomputed in chunks of N layers, but only chunks made of decoder layers: DeepSpeed's
-    reentrant checkpoint around the embedding (integer inputs) would get no gradient at all.
-    ``layout`` (a ``training.layout.Layout``) is what ``partition_method=memory`` balances for.
-    With ``loss_chunk_tokens`` > 0 the last stage computes the loss chunk by chunk (the stage contract
-    above build_specs); a given ``loss_fn`` must chunk the same.
-    """
-    loss_fn = loss_fn or CausalLMLoss(loss_chunk_tokens)
-    if loss_fn.chunk_tokens != loss_chunk_tokens:
-        raise ValueError(f"loss_fn chunks {loss_fn.chunk_tokens} tokens, the model {loss_chunk_tokens}")
-    return LlamaPipelineModule(
-        config,
-        layers=build_specs(config, loss_chunk_tokens),
-        topology=topology,
-        loss_fn=loss_fn,
-        partition_method=partition_method,
-        layout=layout,
-        activation_checkpoint_interval=activation_checkpoint_interval,
-        checkpointable_layers=[cls.__name__ for cls in DECODER_LAYER_CLASSES.values()],
-    )
 
 
 @torch.no_grad()

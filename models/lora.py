@@ -22,7 +22,7 @@ import shutil
 import torch
 from torch import nn
 
-from models.llama_pipe import SpecInfo, spec_layout, stage_boundaries
+from models.llama_pipe import SpecInfo, spec_layout
 from models.peft_targets import DECODER_LINEARS, SAVABLE_MODULES
 
 PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM's prefix of the wrapped model's keys
@@ -481,7 +481,7 @@ def export_adapter(
 
 
 # -- the peft.* settings' rules, checked before start by training.config.resolve (cfg: its TrainConfig,
-# layout: training.layout.Layout) --------------------------------------------------------------------------
+# layout: parallel.layout.Layout) --------------------------------------------------------------------------
 
 
 def peft_change_problems(cfg, changes) -> list[str]:
@@ -551,24 +551,4 @@ def peft_problems(cfg, model_config, layout) -> list[str]:
                 f"peft.init_from={p.init_from} differs from the peft settings: {'; '.join(differs)}: set peft.* "
                 "to the adapter's values"
             )
-    if model_config is not None and layout.stages >= 1 and not problems:
-        problems += frozen_stage_problems(cfg, model_config, layout)
     return problems
-
-
-def frozen_stage_problems(cfg, model_config, layout) -> list[str]:
-    """A pipeline stage with nothing to train (only the frozen embedding, norm or LM head) has no optimizer
-    group, which DeepSpeed's optimizers refuse: named here, with the knobs that move its boundaries."""
-    kinds = [info.kind for info in spec_layout(model_config)]
-    trained = {"decoder"} | {SAVABLE_MODULES[m] for m in cfg.peft.modules_to_save}
-    bounds = stage_boundaries(model_config, layout.stages, cfg.partition_method, layout)
-    empty = [s for s in range(layout.stages) if not trained & set(kinds[bounds[s] : bounds[s + 1]])]
-    if not empty:
-        return []
-    return [
-        f"with peft.method=lora, stage(s) {empty} of partition_method={cfg.partition_method} (specs "
-        + ", ".join(f"{bounds[s]}..{bounds[s + 1] - 1}" for s in empty)
-        + ") hold no decoder layer, hence nothing to train: "
-        + "".join(f"use partition_method={m}, " for m in ("compute", "uniform") if m != cfg.partition_method)
-        + "fewer num_stages, or train that module fully (peft.modules_to_save)"
-    ]

@@ -5,7 +5,7 @@
 For the reference layouts (Llama-3-8B on 4 and 8 stages, Llama-2-70B on 8 stages with the optimizer
 offloaded; sequence 4096 and 8192; bf16, micro-batch 1, grad_acc 16, activation checkpointing, the
 loss chunk on and off): the largest and smallest stage peak and their ratio, for partition_method
-compute, parameters and memory (training/memory_plan.py, the same functions train.py's split uses);
+compute, parameters and memory (parallel/memory_plan.py, the same functions train.py's split uses);
 and the pipeline's compute balance, the most loaded stage's FLOPs over the mean (the step time of a
 pipeline follows its slowest stage: 1.00 is perfect balance).
 """
@@ -17,10 +17,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.llama_pipe import spec_weights, stage_boundaries  # noqa: E402
+from models.llama_pipe import spec_weights  # noqa: E402
+from parallel.layout import Layout  # noqa: E402
+from parallel.memory_plan import GB, shape_of, splitter, stage_estimates  # noqa: E402
+from parallel.partition import stage_boundaries  # noqa: E402
 from training.config import TrainConfig, model_group_config  # noqa: E402
-from training.layout import Layout  # noqa: E402
-from training.memory_plan import GB, shape_of, splitter, stage_estimates  # noqa: E402
 
 CASES = [  # (model, stages, dp, zero, optimizer offloaded)
     ("llama3-8b", 4, 2, 1, False),

@@ -14,7 +14,7 @@ Each rank reports, from train.py's end-of-run lines:
   (``count_step_memory=true``: every tensor the step creates, counted as a GPU allocator would):
   the gradients, the saved activations of the micro-batches in flight, the loss buffer, temporaries.
 
-Predicted, for the same layout and the same split (training/memory_plan.py, as estimate_memory.py
+Predicted, for the same layout and the same split (parallel/memory_plan.py, as estimate_memory.py
 prints it): model states = weights + gradients + optimizer states; step peak = gradients + activations
 + loss buffer + one gradient of the stage's largest parameter (g.tmp).
 """
@@ -34,9 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.hf_io import hf_to_stages  # noqa: E402
 from models.tiny import save_random_model, tiny_config, write_random_tokens  # noqa: E402
+from parallel.layout import Layout  # noqa: E402
+from parallel.memory_plan import shape_of, splitter, stage_estimates  # noqa: E402
 from training.distributed import free_port  # noqa: E402
-from training.layout import Layout  # noqa: E402
-from training.memory_plan import shape_of, splitter, stage_estimates  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2**20

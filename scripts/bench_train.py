@@ -566,7 +566,8 @@ def split_bound_line(config, micro: int, stages: int = 2) -> str:
     (parameter counts, the input embedding 0; attention and the loss left out) and the best pipeline
     speed-up that split allows: 1 / (largest share x (M + K - 1) / M). The ideal 2M/(M+K-1) assumes
     equal stages, which whole layers may not allow."""
-    from models.llama_pipe import spec_weights, stage_boundaries
+    from models.llama_pipe import spec_weights
+    from parallel.partition import stage_boundaries
 
     work = spec_weights(config, "compute")
     parts = []

@@ -1,4 +1,4 @@
-"""Per-GPU memory of a layout, and the layouts that fit a cluster (formulas: training/memory_plan.py).
+"""Per-GPU memory of a layout, and the layouts that fit a cluster (formulas: parallel/memory_plan.py).
 
     python scripts/estimate_memory.py --model llama2-70b --stages 8 --dp 2 --zero 1 --offload optimizer \\
         --micro-batch 1 --seq-len 4096 --grad-accum 16 --checkpointing
@@ -24,11 +24,11 @@ from training.logs import quiet_dependencies  # noqa: E402
 
 quiet_dependencies("warning")  # before models.llama_pipe imports DeepSpeed (training/logs.py)
 
-from models.llama_pipe import DEFAULT_PARTITION_METHOD  # noqa: E402
 from models.peft_targets import DECODER_LINEARS  # noqa: E402
+from parallel.layout import Layout, count_arg, layout_problems  # noqa: E402
+from parallel.memory_plan import GB, fitting, shape_of, splitter, stage_estimates, stage_table  # noqa: E402
+from parallel.partition import DEFAULT_PARTITION_METHOD  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
-from training.layout import Layout, count_arg, layout_problems  # noqa: E402
-from training.memory_plan import GB, fitting, shape_of, splitter, stage_estimates, stage_table  # noqa: E402
 
 SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     # The layout's sizes (--stages, --micro-batch, --seq-len, --grad-accum, --loss-chunk-tokens) are checked by
-    # training.layout.layout_problems, which says train.py's line; the others by argparse.
+    # parallel.layout.layout_problems, which says train.py's line; the others by argparse.
     p.add_argument("--stages", type=int, default=1, help="pipeline stages")
     p.add_argument("--dp", type=count_arg(1), default=1, help="data-parallel degree")
     p.add_argument("--zero", type=int, default=0, choices=range(4))

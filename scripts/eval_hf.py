@@ -21,7 +21,7 @@ quiet_dependencies("warning")  # the known-harmless lines of its dependencies fi
 import torch  # noqa: E402
 
 from models.hf_dir import HFDirError, load_model_and_tokenizer  # noqa: E402
-from training.layout import count_arg  # noqa: E402
+from parallel.layout import count_arg  # noqa: E402
 
 
 def error(message: str) -> int:

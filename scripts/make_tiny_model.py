@@ -16,7 +16,7 @@ from training.logs import quiet_dependencies  # noqa: E402
 quiet_dependencies("warning")  # the known-harmless lines of its dependencies filtered, as train.py does
 
 from models.tiny import save_random_model, tiny_config, train_tokenizer, write_text_corpus  # noqa: E402
-from training.layout import count_arg  # noqa: E402
+from parallel.layout import count_arg  # noqa: E402
 
 
 def main() -> None:

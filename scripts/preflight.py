@@ -20,7 +20,7 @@ from training.logs import argv_log_level, quiet_dependencies  # noqa: E402
 
 quiet_dependencies(argv_log_level(sys.argv))  # as train.py does, before DeepSpeed is imported (training/logs.py)
 
-from training.layout import count_arg  # noqa: E402
+from parallel.layout import count_arg  # noqa: E402
 from training.preflight import check  # noqa: E402
 
 

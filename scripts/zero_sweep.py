@@ -23,9 +23,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from parallel.layout import count_arg, offloads  # noqa: E402
 from training.config import model_group_config  # noqa: E402
 from training.distributed import free_port  # noqa: E402
-from training.layout import count_arg, offloads  # noqa: E402
 
 PIPELINE_CONFIGS = ("zero0", "zero1", "zero1_offload")  # DeepSpeed's pipeline engine runs ZeRO 0/1 only
 PEAKS = re.compile(r"peak memory per rank \(MiB\): (.*)")
@@ -112,8 +112,8 @@ def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
 def estimate_states_mib(args, row: dict, zero: dict) -> float:
     """The planner's model-state bytes for the most loaded rank of this run, with the offloaded states
     (on CPU the host is the device, and the census counts them) and ZeRO-3's reduce bucket."""
-    from training.layout import Layout
-    from training.memory_plan import estimate, splitter
+    from parallel.layout import Layout
+    from parallel.memory_plan import estimate, splitter
 
     config = model_group_config(
         "tiny", hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75), num_hidden_layers=args.layers

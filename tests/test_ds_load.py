@@ -10,7 +10,7 @@ import pytest
 
 from models.families import load_config
 from models.hf_io import hf_to_stages
-from models.llama_pipe import stage_boundaries
+from parallel.partition import stage_boundaries
 from tests.conftest import make_hf_dir, run_deepspeed
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks

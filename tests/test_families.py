@@ -173,9 +173,9 @@ REFERENCE_PARAMS = {
 @pytest.mark.parametrize("name", sorted(REFERENCE_PARAMS))
 def test_reference_architectures_of_the_families(name, tmp_path, tokenizer_dir):
     """Exact published counts through the stage specs, and the planner and preflight on each entry."""
+    from parallel.layout import Layout
+    from parallel.memory_plan import splitter
     from training.config import model_group_config
-    from training.layout import Layout
-    from training.memory_plan import splitter
     from training.preflight import check
 
     config = model_group_config(name)

@@ -139,9 +139,9 @@ def test_resumed_run_continues_the_reference_exactly(runs):
 def test_each_run_used_the_layout_it_asked_for(runs):
     """The families, partition methods, recomputation and engines above really were used (a setting
     silently ignored would make the parity above prove less than it says)."""
-    from models.llama_pipe import stage_boundaries
+    from parallel.layout import Layout
+    from parallel.partition import stage_boundaries
     from training.config import TrainConfig
-    from training.layout import Layout
 
     for name, (model_type, _, overrides) in FAMILY_RUNS.items():
         log = (runs["root"] / f"{name}.log").read_text()

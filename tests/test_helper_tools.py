@@ -1,6 +1,6 @@
 """The helper tools refuse what train.py refuses, in train.py's words, and print no dependency noise.
 
-Layouts: scripts/estimate_memory.py and preflight share ``training.layout.layout_problems`` with train.py's
+Layouts: scripts/estimate_memory.py and preflight share ``parallel.layout.layout_problems`` with train.py's
 ``training.config.resolve``; each case compares the script's line with resolve's line for the same layout.
 Counts that train.py has no knob for are refused by argparse. The subprocesses (3) check what only a fresh
 process shows: the dependency lines filtered at start (training/logs.py).
@@ -16,10 +16,10 @@ import sys
 
 import pytest
 
+from parallel.layout import Layout, layout_problems
 from tests.conftest import REPO, load_entry_point
 from tests.test_config import good  # noqa: F401 (a fixture)
 from training.config import ConfigError, TrainConfig, resolve
-from training.layout import Layout, layout_problems
 from training.preflight import check
 
 # Known-harmless dependency lines that no entry point may print (training/logs.py filters them).

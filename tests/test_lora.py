@@ -179,8 +179,8 @@ def test_tied_model_refuses_modules_to_save(lora_cfg, tiny_tied_hf):
 def test_planner_counts_the_adapters_peft_makes(model_type):
     """The planner's adapter count per decoder layer equals what get_peft_model adds, GQA and Qwen3's
     explicit head_dim included; a LoRA layout's model states are below full fine-tuning's."""
-    from training.layout import Layout
-    from training.memory_plan import estimate, model_state_bytes, shape_of
+    from parallel.layout import Layout
+    from parallel.memory_plan import estimate, model_state_bytes, shape_of
 
     targets = ["q_proj", "v_proj", "down_proj"]
     config = tiny_config(model_type, head_dim=24) if model_type == "qwen3" else tiny_config(model_type)
@@ -200,7 +200,7 @@ def test_planner_counts_the_adapters_peft_makes(model_type):
     assert e_lora.model_states == 4 * psi[1] + sum(model_state_bytes(trained, full)[:3])
     assert e_lora.model_states < e_full.model_states / 3
     # QLoRA: the decoder's linear weights (the planner's count is the model's) at NF4_BYTES instead of 4.
-    from training.memory_plan import NF4_BYTES
+    from parallel.memory_plan import NF4_BYTES
 
     layer = model.get_base_model().model.layers[0]
     weights = [p for n, p in layer.named_parameters() if n.endswith("proj.weight") or n.endswith("base_layer.weight")]

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
+from parallel.layout import Layout
+from parallel.memory_plan import GB, estimate, fitting
 from tests.conftest import REPO
-from training.layout import Layout
-from training.memory_plan import GB, estimate, fitting
 
 
 def states_gb(psi: float, **layout) -> float:
@@ -84,7 +84,7 @@ def test_fit_list_worked_by_hand():
 
 
 def test_activations_grow_with_sequence_and_shrink_with_checkpointing():
-    from training.memory_plan import Shape
+    from parallel.memory_plan import Shape
 
     shape = Shape(hidden=4096, ffn=11008, layers=32, heads=32, kv_heads=32, vocab=32000)
     acts = lambda **kw: estimate([6.7e9], Layout(**kw), shape, [32]).activations  # noqa: E731
@@ -149,8 +149,8 @@ def test_census_counts_each_storage_once_by_role():
 def test_per_stage_estimates_sum_to_the_split_and_the_most_loaded_is_estimate():
     """Every stage is reported; their parameters add up to the model; ``estimate`` is the largest."""
     from models.llama_pipe import model_parameters
+    from parallel.memory_plan import shape_of, splitter, stage_estimates
     from training.config import model_group_config
-    from training.memory_plan import shape_of, splitter, stage_estimates
 
     config = model_group_config("llama3-8b")
     for method in ("compute", "parameters", "memory", "uniform"):
@@ -165,7 +165,7 @@ def test_per_stage_estimates_sum_to_the_split_and_the_most_loaded_is_estimate():
 
 
 def test_the_chunked_loss_shrinks_the_last_stages_loss_buffer():
-    from training.memory_plan import Shape, loss_bytes
+    from parallel.memory_plan import Shape, loss_bytes
 
     shape = Shape(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, vocab=128256)
     full = loss_bytes(shape, Layout(seq_len=8192))
@@ -180,9 +180,10 @@ def test_memory_partition_is_the_best_split_found_by_brute_force():
     stage peak, and among those the largest smallest one."""
     import itertools
 
-    from models.llama_pipe import spec_layout, spec_parameter_counts, stage_boundaries
+    from models.llama_pipe import spec_layout, spec_parameter_counts
     from models.tiny import tiny_config
-    from training.memory_plan import shape_of, stage_estimates
+    from parallel.memory_plan import shape_of, stage_estimates
+    from parallel.partition import stage_boundaries
 
     config = tiny_config(num_hidden_layers=7, vocab_size=4096, hidden_size=128, intermediate_size=352)
     counts, kinds = spec_parameter_counts(config), [i.kind for i in spec_layout(config)]
@@ -215,7 +216,7 @@ def test_backward_holds_one_gradient_of_the_largest_parameter_more():
     """The LM head's [V,H] gradient counts whole on the last stage (its backward runs first, beside the
     micro-batch's activations); the embedding's, on the first stage, only beyond the activations its
     micro-batch has freed by then; none with one micro-batch per step at ZeRO-0/1."""
-    from training.memory_plan import Shape, grad_temp_bytes, layer_activation_bytes
+    from parallel.memory_plan import Shape, grad_temp_bytes, layer_activation_bytes
 
     shape = Shape(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, vocab=128256)
     head = 128256 * 4096 * 2
@@ -228,7 +229,7 @@ def test_backward_holds_one_gradient_of_the_largest_parameter_more():
     assert grad_temp_bytes(shape, Layout(stages=4, grad_accum=1), 3, 8) == 0
     # ZeRO-1/2's optimizer step: the partition's gradients flattened and their fp32 copy (8 bytes per
     # parameter in fp32 at dp 1, the 564 MiB measured on an embedding-only stage of 49.3 M parameters).
-    from training.memory_plan import optimizer_step_bytes, stage_estimate
+    from parallel.memory_plan import optimizer_step_bytes, stage_estimate
 
     fp32_zero1 = Layout(stages=4, zero=1, grad_accum=4, seq_len=1024, dtype="fp32")
     assert optimizer_step_bytes(49.3e6, fp32_zero1) == 49.3e6 * 8
@@ -244,7 +245,7 @@ def test_the_pipeline_keeps_the_previous_micro_batchs_logits():
     """Without chunking, the last stage of a pipeline also holds the previous micro-batch's logits (its
     outputs, kept by DeepSpeed until the next forward replaces them): 20 bytes per logit in fp32,
     measured by scripts/bench_stage_memory.py."""
-    from training.memory_plan import Shape, loss_bytes
+    from parallel.memory_plan import Shape, loss_bytes
 
     shape = Shape(hidden=256, ffn=688, layers=4, heads=4, kv_heads=2, vocab=128256)
     assert loss_bytes(shape, Layout(stages=2, grad_accum=4, seq_len=1024, dtype="fp32")) == 1024 * 128256 * 20

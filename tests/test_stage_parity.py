@@ -12,16 +12,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from models.families import family_of
-from models.llama_pipe import (
-    DEFAULT_PARTITION_METHOD,
-    build_sequential,
-    model_parameters,
-    spec_layout,
-    spec_parameter_counts,
-    stage_boundaries,
-)
+from models.llama_pipe import build_sequential, model_parameters, spec_layout, spec_parameter_counts
 from models.loss import IGNORE_INDEX, causal_lm_loss
 from models.tiny import tiny_config
+from parallel.partition import DEFAULT_PARTITION_METHOD, stage_boundaries
 
 TOL = 1e-5  # max abs difference allowed on logits, loss and every gradient
 

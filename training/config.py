@@ -24,8 +24,8 @@ from hydra.core.config_store import ConfigStore
 
 from data.checks import LOADABLE_TOKENIZER_FILES, data_problems
 from models.peft_targets import DECODER_LINEARS
+from parallel.layout import Layout, layout_problems
 from training.ds_json import ds_json_conflicts, fp16_supported, load_ds_json
-from training.layout import Layout, layout_problems
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_CONF_DIR = os.path.join(REPO_ROOT, "conf", "model")  # the Hydra model group
@@ -170,7 +170,7 @@ class TrainConfig:
     # How specs are split into stages: compute (balance work; the embedding, a lookup, weighs nothing) |
     # parameters (balance stored parameters, DeepSpeed's default) | memory (balance the planner's
     # predicted per-GPU peak for this run's layout) | uniform | type:DecoderLayerPipe.
-    # The default equals models.llama_pipe.DEFAULT_PARTITION_METHOD (the planner's; a test checks).
+    # The default equals parallel.partition.DEFAULT_PARTITION_METHOD (the planner's; a test checks).
     partition_method: str = "compute"
     ds_config: str = "zero1"  # DeepSpeed JSON: a name in ds_configs/ (without .json) or a path
     precision: Precision = Precision.bf16  # fp32 | bf16 | fp16 (fp16 needs a device that supports it)
@@ -852,10 +852,14 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         if ds_json is not None:
             problems += ds_json_conflicts(cfg, ds_json, layout)
     from models.lora import peft_change_problems, peft_problems
+    from parallel.partition import frozen_stage_problems
 
     problems += peft_change_problems(cfg, resume_changes_)
     if cfg.peft.method != "none":
-        problems += peft_problems(cfg, model_config, layout)
+        peft = peft_problems(cfg, model_config, layout)
+        if model_config is not None and layout.stages >= 1 and not peft:
+            peft = frozen_stage_problems(cfg, model_config, layout)  # where the split leaves a stage nothing to train
+        problems += peft
     if problems:
         # dict.fromkeys: a rule two checks share (layout_problems and ds_json_conflicts or data_problems) said once
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(dict.fromkeys(problems)))

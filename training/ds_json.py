@@ -9,8 +9,8 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from parallel.layout import Layout
     from training.config import TrainConfig
-    from training.layout import Layout
 
 DS_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
 

@@ -1,5 +1,5 @@
 """Measured model-state memory of one rank: the bytes of the tensors that hold its weights,
-gradients and optimizer states, for comparison with the planner (training/memory_plan.py).
+gradients and optimizer states, for comparison with the planner (parallel/memory_plan.py).
 
 Host RSS cannot show this on CPU: the framework's ~380 MiB per rank dwarfs a tiny model's states.
 Instead the census walks what the engine holds (the module's parameters and gradients, ZeRO-3's

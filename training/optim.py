@@ -11,9 +11,9 @@ from torch import nn
 
 from models.layer_files import full_shape
 from models.llama_pipe import model_parameters
+from parallel.memory_plan import reduce_bucket_elements
 from training.config import Resolved, TrainConfig
 from training.ds_json import accelerator_name
-from training.memory_plan import reduce_bucket_elements
 
 # DeepSpeed prints its own step line every steps_per_print steps; train.py logs its own line instead.
 DS_STEPS_PER_PRINT = 2**31 - 1

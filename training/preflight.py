@@ -12,8 +12,8 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from parallel.memory_plan import GB, shape_of, splitter, stage_estimates, stage_table
 from training.config import REPO_ROOT, ConfigError, register_configs, resolve
-from training.memory_plan import GB, shape_of, splitter, stage_estimates, stage_table
 
 
 def check(world_size: int, overrides: list[str]) -> list[str]:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from training.layout import Layout
+from parallel.layout import Layout
 
 GB = 1e9  # the ZeRO paper and GPU vendors count decimal gigabytes
 DS_REDUCE_BUCKET_DEFAULT = 500_000_000  # elements: DeepSpeed's reduce_bucket_size when the JSON has none
@@ -361,13 +361,14 @@ def shape_of(config) -> Shape | None:
 
 def splitter(config, total: float | None, method: str | None = None):
     """layout -> (parameters per stage, decoder layers per stage), split as train.py's
-    ``partition_method`` splits (models.llama_pipe.stage_boundaries, which ``memory`` brings back here to
+    ``partition_method`` splits (parallel.partition.stage_boundaries, which ``memory`` brings back here to
     :func:`memory_boundaries`; ``method`` None: its default); a bare count (``config`` None, ``total``
     parameters) splits evenly. The ``split`` of ``fitting``."""
     if config is None:
         return lambda layout: ([total / layout.stages] * layout.stages, None)
     # Imported here: models.llama_pipe brings torch and DeepSpeed, which the planner's formulas do not need.
-    from models.llama_pipe import DEFAULT_PARTITION_METHOD, spec_layout, spec_parameter_counts, stage_boundaries
+    from models.llama_pipe import spec_layout, spec_parameter_counts
+    from parallel.partition import DEFAULT_PARTITION_METHOD, stage_boundaries
 
     if method is None:
         method = DEFAULT_PARTITION_METHOD

@@ -1,0 +1,98 @@
+"""How the specs are split into pipeline stages, and the pipeline module built with that split.
+
+The split is computed here, above ``models/`` (whose ``LlamaPipelineModule`` is given it), so the
+``memory`` method can use the planner without ``models/`` importing it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from deepspeed.runtime.pipe.topology import ProcessTopology
+from transformers import PretrainedConfig
+
+from models.llama_pipe import DECODER_LAYER_CLASSES, LlamaPipelineModule, build_specs, spec_layout, spec_weights
+from models.loss import CausalLMLoss
+from models.peft_targets import SAVABLE_MODULES
+from parallel.memory_plan import memory_boundaries
+
+# How train.py splits specs into stages by default (see stage_boundaries).
+DEFAULT_PARTITION_METHOD = "compute"
+
+
+def stage_boundaries(
+    config: PretrainedConfig, num_stages: int, method: str = DEFAULT_PARTITION_METHOD, layout=None
+) -> list[int]:
+    """First spec of every stage, plus the end: the split ``LlamaPipelineModule`` is built with
+    (:func:`build_pipeline_model`), also computed without building it (the memory planner).
+    ``uniform``, ``parameters`` and ``type:`` are DeepSpeed's own methods on the same weights;
+    ``compute`` is ``parameters`` over :func:`spec_weights`; ``memory`` balances the planner's
+    predicted per-GPU peak for ``layout`` (a ``parallel.layout.Layout``: precision, ZeRO, micro-batch,
+    sequence, grad_acc, recomputation, loss chunk), see ``parallel.memory_plan.memory_boundaries``."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    method = method.lower()
+    if method == "uniform":
+        parts = partition_uniform(num_items=len(spec_layout(config)), num_parts=num_stages)
+    elif method.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)  # DeepSpeed's _find_layer_type
+        weights = [int(bool(pattern.search(spec.typename.__name__))) for spec in build_specs(config)]
+        parts = partition_balanced(weights=weights, num_parts=num_stages)
+    elif method == "memory":
+        if layout is None or layout.stages != num_stages:
+            raise ValueError("partition_method 'memory' needs the run's layout with the same number of stages")
+        parts = memory_boundaries(config, layout)
+    else:
+        parts = partition_balanced(weights=spec_weights(config, method), num_parts=num_stages)
+    return [int(p) for p in parts]  # DeepSpeed returns numpy integers
+
+
+def build_pipeline_model(
+    config: PretrainedConfig,
+    topology: ProcessTopology,
+    partition_method: str = DEFAULT_PARTITION_METHOD,
+    activation_checkpoint_interval: int = 0,
+    loss_fn: CausalLMLoss | None = None,
+    layout=None,
+    loss_chunk_tokens: int = 0,
+) -> LlamaPipelineModule:
+    """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
+
+    Must be called after ``deepspeed.init_distributed()``, with a topology whose axes are pipe and
+    data (``PipeDataParallelTopology``). With ``activation_checkpoint_interval`` N > 0, activations
+    are recomputed in chunks of N layers, but only chunks made of decoder layers: DeepSpeed's
+    reentrant checkpoint around the embedding (integer inputs) would get no gradient at all.
+    ``layout`` (a ``parallel.layout.Layout``) is what ``partition_method=memory`` balances for.
+    With ``loss_chunk_tokens`` > 0 the last stage computes the loss chunk by chunk (the stage contract
+    above build_specs); a given ``loss_fn`` must chunk the same.
+    """
+    loss_fn = loss_fn or CausalLMLoss(loss_chunk_tokens)
+    if loss_fn.chunk_tokens != loss_chunk_tokens:
+        raise ValueError(f"loss_fn chunks {loss_fn.chunk_tokens} tokens, the model {loss_chunk_tokens}")
+    return LlamaPipelineModule(
+        config,
+        layers=build_specs(config, loss_chunk_tokens),
+        topology=topology,
+        loss_fn=loss_fn,
+        boundaries=stage_boundaries(config, topology.get_dim("pipe"), partition_method, layout),
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        checkpointable_layers=[cls.__name__ for cls in DECODER_LAYER_CLASSES.values()],
+    )
+
+
+def frozen_stage_problems(cfg, model_config, layout) -> list[str]:
+    """A pipeline stage with nothing to train (only the frozen embedding, norm or LM head) has no optimizer
+    group, which DeepSpeed's optimizers refuse: named here, with the knobs that move its boundaries."""
+    kinds = [info.kind for info in spec_layout(model_config)]
+    trained = {"decoder"} | {SAVABLE_MODULES[m] for m in cfg.peft.modules_to_save}
+    bounds = stage_boundaries(model_config, layout.stages, cfg.partition_method, layout)
+    empty = [s for s in range(layout.stages) if not trained & set(kinds[bounds[s] : bounds[s + 1]])]
+    if not empty:
+        return []
+    return [
+        f"with peft.method=lora, stage(s) {empty} of partition_method={cfg.partition_method} (specs "
+        + ", ".join(f"{bounds[s]}..{bounds[s + 1] - 1}" for s in empty)
+        + ") hold no decoder layer, hence nothing to train: "
+        + "".join(f"use partition_method={m}, " for m in ("compute", "uniform") if m != cfg.partition_method)
+        + "fewer num_stages, or train that module fully (peft.modules_to_save)"
+    ]
