@@ -34,7 +34,7 @@ import hydra  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E402
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
@@ -49,6 +49,7 @@ from models.lora import apply_lora, base_numel, base_record, load_adapter_, load
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
 from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes  # noqa: E402
 from parallel.partition import build_pipeline_model  # noqa: E402
+from parallel.tensor_parallel import replica_differences, split_stage_  # noqa: E402
 from training import run_checkpoints  # noqa: E402
 from training.config import (  # noqa: E402
     ConfigError,
@@ -101,7 +102,7 @@ def resolve_config(dict_cfg: DictConfig) -> Resolved:
 
 
 def init_topology(resolved: Resolved) -> PipeDataParallelTopology:
-    """Start the process group and lay ranks out as pipe x data (pipe is the outer axis).
+    """Start the process group and lay ranks out as pipe x data, or pipe x data x tensor (pipe is the outer axis).
 
     ``python train.py`` without the launcher runs as a 1-rank job. Until the process group exists no
     collective timeout applies, so a watchdog bounds the wait (``startup_timeout_s``) and says where it was.
@@ -118,6 +119,10 @@ def init_topology(resolved: Resolved) -> PipeDataParallelTopology:
         )
         # Every collective fails after dist_timeout_s instead of waiting forever for a hung or vanished rank.
         deepspeed.init_distributed(timeout=timedelta(seconds=resolved.cfg.dist_timeout_s))
+    if resolved.layout.tp > 1:  # the model axis varies fastest: a tensor-parallel group is consecutive ranks (a node)
+        return PipeModelDataParallelTopology(
+            num_pp=resolved.cfg.num_stages, num_mp=resolved.layout.tp, num_dp=resolved.dp
+        )
     return PipeDataParallelTopology(num_pp=resolved.cfg.num_stages, num_dp=resolved.dp)
 
 
@@ -357,7 +362,7 @@ def announce(
         )
     layout = resolved.layout
     log0(
-        f"world {layout.world_size} = pipe {layout.stages} x data {layout.dp} | {layout.batch_line()} (rows of "
+        f"world {layout.world_size} = {layout.axes()} | {layout.batch_line()} (rows of "
         f"{layout.seq_len}, padding included) | loss normalised per "
         f"{'label token of the global batch' if cfg.loss_normalization == 'tokens' else 'micro-batch'} "
         f"(loss_normalization={cfg.loss_normalization})"
@@ -394,10 +399,35 @@ def announce(
         log0(f"rank {rank}: data {d['role']} | peak RSS after data {d['peak_rss_mib']:.0f} MiB")
 
 
+def split_tensor_parallel(model, resolved: Resolved, loss_fn: CausalLMLoss) -> None:
+    """With tensor_parallel > 1, each rank keeps its slice of its stage's layers (parallel/tensor_parallel.py),
+    after the whole weights are loaded (or, resuming, before DeepSpeed loads the slices)."""
+    if resolved.layout.tp > 1:
+        on_all_ranks(
+            "splitting the stage over tensor-parallel ranks",
+            lambda: split_stage_(model, model._grid.get_slice_parallel_group(), loss_fn),
+        )
+
+
+def check_tensor_parallel_replicas(model, resolved: Resolved) -> None:
+    """At the end of a run with tensor_parallel > 1: every replicated parameter is the same on the TP peers."""
+    if resolved.layout.tp == 1:
+        return
+    differ = replica_differences(model, model._grid.get_slice_parallel_group())
+    reports = on_all_ranks("checking the tensor-parallel replicas", lambda: differ)
+    bad = sorted({d for r in reports for d in r})
+    if bad:
+        raise TrainingStopped("replicated parameters differ between tensor-parallel peers: " + ", ".join(bad[:5]))
+    log0("tensor-parallel peers hold identical replicated parameters (norms, row-parallel biases)")
+
+
 def counts_tokens(resolved: Resolved, engine) -> bool:
-    """Whether this rank counts its micro-batches' tokens: the last stage (it holds the labels), or
-    every rank of the data-parallel engine. Their sum over all ranks covers the global batch once."""
-    return not resolved.uses_pipeline or engine.is_last_stage()
+    """Whether this rank counts its micro-batches' tokens: the last stage (it holds the labels; of its
+    tensor-parallel peers, which hold the same micro-batch, the first), or every rank of the
+    data-parallel engine. Their sum over all ranks covers the global batch once."""
+    if not resolved.uses_pipeline:
+        return True
+    return engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0
 
 
 def global_sum(*values: int) -> list[int]:
@@ -512,7 +542,8 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
         data.guard.after_step(step)
         if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
             log0(
-                f"data order check passed: first and last stage of every pipeline loaded the same "
+                f"data order check passed: first and last stage of every pipeline"
+                f"{' (and their tensor-parallel peers)' if resolved.layout.tp > 1 else ''} loaded the same "
                 f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}"
             )
         grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
@@ -641,6 +672,7 @@ def main(dict_cfg: DictConfig) -> None:
         model = build_model(resolved, topology, loss_fn)
         init_reports = init_weights(model, resolved, rss_before_model)
         lora_reports = adapt(model, resolved)
+        split_tensor_parallel(model, resolved, loss_fn)
         data, data_reports = build_data(resolved, topology)
         total_steps, steps_per_epoch = plan_steps(resolved, data)
         engine = build_engine(resolved, model, total_steps)
@@ -649,6 +681,7 @@ def main(dict_cfg: DictConfig) -> None:
             resolved, engine, init_reports, lora_reports, data_reports, data, start_step, total_steps, steps_per_epoch
         )
         train(resolved, engine, data, loss_fn, start_step, total_steps)
+        check_tensor_parallel_replicas(model, resolved)
         dist.barrier()
     except (StartupError, OrderMismatchError, TrainingStopped) as e:  # raised on every rank alike
         fail(str(e))

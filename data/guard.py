@@ -1,8 +1,9 @@
 """Order guard: the first and last stage of every pipeline must load the same micro-batches.
 
 The first stage reads the inputs and the last stage the labels, each from its own iterator; if they
-ever disagree, the model silently trains on wrong labels. Both stages fingerprint every micro-batch
-they load; after each of the first ``check_steps`` steps, all ranks exchange the fingerprints and
+ever disagree, the model silently trains on wrong labels. With tensor parallelism every rank of those
+stages reads them, and its TP peers must agree too. Every reading rank fingerprints each micro-batch
+it loads; after each of the first ``check_steps`` steps, all ranks exchange the fingerprints and
 compare them per pipeline. A mismatch stops training on every rank, naming the step, the ranks and
 both fingerprints.
 """
@@ -63,11 +64,18 @@ class OrderGuard:
     """
 
     def __init__(
-        self, iterator: FingerprintingIterator | None, check_steps: int, num_stages: int, pipeline: int, stage: int
+        self,
+        iterator: FingerprintingIterator | None,
+        check_steps: int,
+        num_stages: int,
+        pipeline: int,
+        stage: int,
+        tensor_parallel: int = 1,
     ):
         self.iterator, self.check_steps, self.num_stages = iterator, check_steps, num_stages
         self.pipeline, self.stage = pipeline, stage
-        self.enabled = check_steps > 0 and num_stages > 1  # one stage reads inputs and labels together
+        # One stage on one rank reads inputs and labels together: nothing to compare.
+        self.enabled = check_steps > 0 and (num_stages > 1 or tensor_parallel > 1)
         self.compared = 0  # micro-batches compared so far, over all pipelines
         if iterator is not None:
             iterator.active = self.enabled
@@ -83,21 +91,26 @@ class OrderGuard:
             self.iterator.pending.clear()
             self.iterator.active = step < self.check_steps
         problems = []
+        ends = (0, self.num_stages - 1)
         for pipeline in sorted({g[0] for g in gathered}):
-            first = next(g for g in gathered if g[0] == pipeline and g[1] == 0)
-            last = next(g for g in gathered if g[0] == pipeline and g[1] == self.num_stages - 1)
-            self.compared += min(len(first[3]), len(last[3]))
-            for i, (a, b) in enumerate(zip(first[3], last[3])):
-                if a != b:
+            readers = [g for g in gathered if g[0] == pipeline and g[1] in ends]  # their tensor-parallel peers too
+            first = readers[0]
+            counted = next(g for g in readers[1:] if g[1] == self.num_stages - 1)  # micro-batches: first vs last
+            for other in readers[1:]:
+                where = "last stage" if other[1] == self.num_stages - 1 else "first stage"
+                if other is counted:
+                    self.compared += min(len(first[3]), len(other[3]))
+                for i, (a, b) in enumerate(zip(first[3], other[3])):
+                    if a != b:
+                        problems.append(
+                            f"step {step}, micro-batch {i}: first stage (rank {first[2]}) loaded {a}, "
+                            f"{where} (rank {other[2]}) loaded {b}"
+                        )
+                        break
+                if len(first[3]) != len(other[3]):
                     problems.append(
-                        f"step {step}, micro-batch {i}: first stage (rank {first[2]}) loaded {a}, "
-                        f"last stage (rank {last[2]}) loaded {b}"
+                        f"step {step}: first stage (rank {first[2]}) loaded {len(first[3])} micro-batches, "
+                        f"{where} (rank {other[2]}) {len(other[3])}"
                     )
-                    break
-            if len(first[3]) != len(last[3]):
-                problems.append(
-                    f"step {step}: first stage (rank {first[2]}) loaded {len(first[3])} micro-batches, "
-                    f"last stage (rank {last[2]}) {len(last[3])}"
-                )
         if problems:
             raise OrderMismatchError("first and last stage disagree on the data order:\n  " + "\n  ".join(problems))

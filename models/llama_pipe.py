@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
@@ -75,7 +77,14 @@ def prepare_config(config: PretrainedConfig) -> PretrainedConfig:
 
 
 class EmbeddingPipe(nn.Embedding):
-    """Spec 0: token embedding (``model.embed_tokens``)."""
+    """Spec 0: token embedding (``model.embed_tokens``).
+
+    Split over tensor-parallel ranks (parallel/tensor_parallel.py) it holds the rows ``vocab_range`` of
+    the vocabulary: each rank looks up the tokens of its slice, zeros for the others, and ``tp_reduce``
+    sums the ranks' lookups."""
+
+    vocab_range: tuple[int, int] | None = None
+    tp_reduce = None
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config.vocab_size, config.hidden_size, config.pad_token_id)
@@ -84,9 +93,15 @@ class EmbeddingPipe(nn.Embedding):
         self, inputs: tuple[torch.Tensor, torch.Tensor] | torch.Tensor, tied_head: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if tied_head:  # the tied LM head of the chunked loss (tied_lm_head_chunked_forward)
-            return inputs, handed_out(self.weight)  # hidden [B,S,H], [V,H]
+            return inputs, handed_out(self.weight)  # hidden [B,S,H], [V,H] (or this rank's [V/tp,H])
         input_ids, position_ids = inputs  # [B,S] int64, [B,S] int64
-        return super().forward(input_ids), position_ids  # hidden [B,S,H]
+        if self.vocab_range is None:
+            return super().forward(input_ids), position_ids  # hidden [B,S,H]
+        start, end = self.vocab_range
+        outside = (input_ids < start) | (input_ids >= end)  # [B,S] bool
+        padding = self.padding_idx - start if self.padding_idx is not None and start <= self.padding_idx < end else None
+        local = F.embedding((input_ids - start).masked_fill(outside, 0), self.weight, padding)  # [B,S,H]
+        return self.tp_reduce(local.masked_fill(outside[..., None], 0.0)), position_ids
 
 
 def handed_out(weight: nn.Parameter) -> torch.Tensor:
@@ -332,6 +347,59 @@ class LlamaPipelineModule(PipelineModule):
         super().__init__(*args, **kwargs)
         for p in self.parameters():
             p.model_parallel = not p.ds_pipe_replicated
+
+    def _tp_group(self):
+        """The tensor-parallel group when this stage was split over one (parallel/tensor_parallel.py), else None."""
+        split = any(hasattr(p, "tp_split") for p in self.parameters())
+        return self._grid.get_slice_parallel_group() if split else None
+
+    def ckpt_layer_path(self, ckpt_dir: str, local_layer_idx: int) -> str:
+        # One file per layer whatever the tensor-parallel rank: save_state_dict writes whole tensors.
+        return os.path.join(ckpt_dir, layer_file_name(local_layer_idx + self._local_start))
+
+    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+        """DeepSpeed's save, except that a stage split over tensor-parallel ranks gathers each split tensor
+        and writes it whole, from TP rank 0: layer files keep Hugging Face's names and shapes."""
+        group = self._tp_group()
+        if group is None:
+            return super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
+        if self._grid.data_parallel_id != 0:
+            return None
+        checkpoint_engine.makedirs(save_dir, exist_ok=True)
+        for idx, layer in enumerate(self.forward_funcs):
+            if not hasattr(layer, "state_dict"):
+                continue
+            state, params = {}, dict(layer.named_parameters())
+            for key, t in layer.state_dict().items():
+                split = getattr(params.get(key), "tp_split", None)
+                if split:
+                    dim, _, world = split
+                    pieces = [torch.empty_like(t) for _ in range(world)]
+                    dist.all_gather(pieces, t.contiguous(), group=group)
+                    t = torch.cat(pieces, dim)  # the whole tensor, as Hugging Face names and shapes it
+                state[key] = t.clone()
+            if dist.get_rank(group) == 0:
+                checkpoint_engine.save(state_dict=state, path=self.ckpt_layer_path(save_dir, idx))
+        return None
+
+    def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
+        """DeepSpeed's load, except that a split stage reads the whole tensors and keeps its pieces."""
+        if self._tp_group() is None:
+            return super().load_state_dir(load_dir, checkpoint_engine, strict)
+        from models.layer_files import load_layer_file
+
+        for idx, layer in enumerate(self.forward_funcs):
+            if not hasattr(layer, "load_state_dict"):
+                continue
+            params = dict(layer.named_parameters())
+            state = load_layer_file(self.ckpt_layer_path(load_dir, idx))
+            for key, t in state.items():
+                split = getattr(params.get(key), "tp_split", None)
+                if split:
+                    dim, rank, world = split
+                    state[key] = t.chunk(world, dim)[rank]
+            layer.load_state_dict(state, strict=strict)
+        return None
 
     def _partition_layers(self, method: str = "uniform") -> None:
         # The split is the caller's (parallel.partition.stage_boundaries), whatever DeepSpeed's method says.

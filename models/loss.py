@@ -16,6 +16,7 @@ never holding the [B,S,V] logits (docs/training.md#chunked-loss).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 # Label value that the loss ignores (prompt tokens, padding); the same value Hugging Face uses.
@@ -61,60 +62,94 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     whole [B,S,V] logits, so bf16 training sees the same numbers to fp32 rounding; the head weight's
     gradient is accumulated over chunks in its own dtype (an fp32 accumulator would be as large as the
     weight, V x H x 4 bytes, more than the logits it saves for a short sequence and a large H).
+
+    Vocabulary-parallel (``group`` given): ``weight`` is this rank's rows ``vocab_start ..`` of the head; the
+    max, the sum of exponentials and the target's logit are all-reduced over the group per chunk, so each
+    rank holds [chunk, V/tp] logits and gets the same loss; the hidden states' gradient (each rank's part,
+    from its vocabulary slice) is summed over the group once, at the end of backward.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, rows, targets, chunk):
-        # hidden [N,H], weight [V,H], rows [M] int64 (the rows of hidden that have a label), targets [M] int64
+    def forward(ctx, hidden, weight, rows, targets, chunk, group=None, vocab_start=0):
+        # hidden [N,H], weight [V,H] (or [V/tp,H]), rows [M] int64 (the rows of hidden that have a label),
+        # targets [M] int64 (global vocabulary ids)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         lse = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)  # [M]
+        local, inside = _local_targets(targets, weight.shape[0], group, vocab_start)  # [M], [M] bool or None
         for start in range(0, rows.numel(), chunk):
             end = min(start + chunk, rows.numel())
             logits = F.linear(hidden[rows[start:end]], weight).float()  # [C,V] fp32, this chunk only
-            target_logits = logits.gather(1, targets[start:end, None]).squeeze(1)  # [C]
+            target_logits = logits.gather(1, local[start:end, None]).squeeze(1)  # [C]
             # torch.logsumexp, in place: one [C,V] buffer instead of two (half the loss side's peak)
             top = logits.amax(dim=-1)  # [C]
-            lse[start:end] = logits.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top)  # [C]
+            if group is not None:
+                target_logits = target_logits.masked_fill(~inside[start:end], 0.0)
+                dist.all_reduce(target_logits, group=group)  # the one rank holding each target's logit
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            sums = logits.sub_(top[:, None]).exp_().sum(dim=-1)  # [C]
+            if group is not None:
+                dist.all_reduce(sums, group=group)
+            lse[start:end] = sums.log_().add_(top)  # [C]
             total += (lse[start:end] - target_logits).sum()
             del logits  # before the next chunk's logits exist, or two chunks are alive at once
-        ctx.save_for_backward(hidden, weight, rows, targets, lse)
-        ctx.chunk = chunk
+        ctx.save_for_backward(hidden, weight, rows, local, lse)
+        ctx.chunk, ctx.group, ctx.inside = chunk, group, inside
         return total
 
     @staticmethod
     def backward(ctx, grad_output):
-        hidden, weight, rows, targets, lse = ctx.saved_tensors
+        hidden, weight, rows, local, lse = ctx.saved_tensors
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None  # [N,H]: unlabelled rows 0
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # [V,H]
         for start in range(0, rows.numel(), ctx.chunk):
             end = min(start + ctx.chunk, rows.numel())
             h = hidden[rows[start:end]]  # [C,H]
             grad = F.linear(h, weight).float().sub_(lse[start:end, None]).exp_()  # [C,V] softmax, fp32
-            grad[torch.arange(end - start, device=grad.device), targets[start:end]] -= 1.0  # - one-hot
+            one_hot = -1.0 if ctx.inside is None else -ctx.inside[start:end].float()  # the target in this slice
+            grad[torch.arange(end - start, device=grad.device), local[start:end]] += one_hot  # - one-hot
             grad = grad.mul_(grad_output).to(hidden.dtype)  # [C,V] d loss / d logits
             if grad_hidden is not None:
                 grad_hidden[rows[start:end]] = grad @ weight  # [C,V] x [V,H] -> [C,H]
             if grad_weight is not None:
                 grad_weight.addmm_(grad.t(), h)  # [V,C] x [C,H] -> [V,H]
             del grad  # as in forward: one chunk of logits alive at a time
-        return grad_hidden, grad_weight, None, None, None
+        if grad_hidden is not None and ctx.group is not None:
+            dist.all_reduce(grad_hidden, group=ctx.group)  # each rank's part comes from its vocabulary slice
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _local_targets(targets: torch.Tensor, rows: int, group, vocab_start: int):
+    """(index of each target in this rank's weight rows, whether it is there): every target is local
+    without vocabulary parallelism; with it, targets outside the slice point at row 0, masked out."""
+    if group is None:
+        return targets, None
+    local = targets - vocab_start  # [M]
+    inside = (local >= 0) & (local < rows)  # [M] bool
+    return local.masked_fill(~inside, 0), inside
 
 
 def chunked_causal_lm_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, reduction: str = "mean"
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    reduction: str = "mean",
+    tensor_parallel: tuple | None = None,
 ) -> torch.Tensor:
     """``causal_lm_loss(F.linear(hidden, weight), labels, reduction)`` without the [B,S,V] logits.
 
     ``hidden`` [B,S,H] (after the final norm), ``weight`` [V,H] (the LM head, or the tied embedding).
     Only label tokens reach the LM head, ``chunk_tokens`` of them at a time: prompt and padding
-    positions cost no logits at all.
+    positions cost no logits at all. ``tensor_parallel`` (group, first vocabulary id of ``weight``): the
+    head is this rank's vocabulary slice (:class:`ChunkedLMHeadLoss`).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, not {chunk_tokens}")
     targets = shifted_targets(labels)  # [B*S]
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M] int64
+    group, vocab_start = tensor_parallel or (None, 0)
     total = ChunkedLMHeadLoss.apply(
-        hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens
+        hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens, group, vocab_start
     )  # scalar fp32: the summed token losses
     if reduction == "sum":
         return total
@@ -138,6 +173,7 @@ class CausalLMLoss:
     def __init__(self, chunk_tokens: int = 0) -> None:
         self.scale: float | None = None
         self.chunk_tokens = chunk_tokens
+        self.tensor_parallel: tuple | None = None  # (group, first vocabulary id of this rank's LM head slice)
 
     def __call__(self, outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         reduction = "mean" if self.scale is None else "sum"
@@ -150,5 +186,5 @@ class CausalLMLoss:
             )
         else:
             hidden, weight = outputs
-            loss = chunked_causal_lm_loss(hidden, weight, labels, self.chunk_tokens, reduction)
+            loss = chunked_causal_lm_loss(hidden, weight, labels, self.chunk_tokens, reduction, self.tensor_parallel)
         return loss if self.scale is None else loss * self.scale

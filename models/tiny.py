@@ -129,3 +129,16 @@ def write_text_corpus(path: str) -> int:
         for doc in docs:
             f.write(json.dumps({"text": doc}) + "\n")
     return len(docs)
+
+
+def converted_random_model(work: str, **shape) -> str:
+    """A random Llama of ``shape`` (tiny_config's fields) in ``work/hf``, converted once to ``work/ckpt``
+    (the benchmark scripts' model; the tokenizer files are side files only: their data are token ids)."""
+    from models.hf_io import hf_to_stages
+
+    hf, ckpt = os.path.join(work, "hf"), os.path.join(work, "ckpt")
+    if not os.path.isdir(ckpt):
+        save_random_model(tiny_config(**shape), hf, seed=0)
+        train_tokenizer(hf, vocab_size=512)
+        hf_to_stages(hf, ckpt)
+    return ckpt

@@ -22,7 +22,7 @@ def offloads(zero: dict) -> tuple[bool, bool]:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run the job: pipe x data over ``stages * dp`` ranks, and what each step holds."""
+    """One way to run the job: pipe x tensor x data over ``stages * tp * dp`` ranks, and what each step holds."""
 
     stages: int = 1
     dp: int = 1
@@ -38,16 +38,18 @@ class Layout:
     lora_rank: int = 0  # LoRA (peft.method=lora): the adapters' rank; 0 = every weight trained
     lora_targets: tuple[str, ...] = ()  # the decoder linear layers that get adapters (peft.target_modules)
     nf4: bool = False  # QLoRA (peft.quantize=nf4): the decoder's frozen linear weights stored in 4 bits
+    tp: int = 1  # tensor parallelism inside each stage (tensor_parallel): ranks one layer is split over
 
     @classmethod
     def of(cls, cfg, world_size: int, ds_json: dict) -> Layout:
         """The layout of a training config on ``world_size`` ranks (dp 0 when they do not divide)."""
         zero = ds_json.get("zero_optimization", {})
         offload_opt, offload_par = offloads(zero)
-        k = cfg.num_stages
+        k, tp = cfg.num_stages, cfg.tensor_parallel
         return cls(
             stages=k,
-            dp=world_size // k if k >= 1 and world_size % k == 0 else 0,
+            dp=world_size // (k * tp) if k >= 1 and tp >= 1 and world_size % (k * tp) == 0 else 0,
+            tp=tp,
             zero=zero.get("stage", 0),
             offload_optimizer=offload_opt,
             offload_params=offload_par,
@@ -64,7 +66,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.stages * self.dp
+        return self.stages * self.tp * self.dp
 
     @property
     def global_batch(self) -> int:
@@ -85,6 +87,10 @@ class Layout:
     def engine(self) -> str:
         return "pipeline engine" if self.uses_pipeline else "data-parallel engine"
 
+    def axes(self) -> str:
+        """``pipe P x data D``, or ``pipe P x tensor T x data D`` with tensor parallelism."""
+        return f"pipe {self.stages}{f' x tensor {self.tp}' if self.tp > 1 else ''} x data {self.dp}"
+
     def batch_line(self) -> str:
         return (
             f"global batch {self.global_batch} samples = micro {self.micro_batch} x grad_acc {self.grad_accum} "
@@ -95,7 +101,7 @@ class Layout:
         off = "+offload(opt" + ("+params" if self.offload_params else "") + ")" if self.offload_optimizer else ""
         chunk = f", loss chunk {self.loss_chunk}" if self.loss_chunk else ""
         return (
-            f"pipe {self.stages} x data {self.dp}, ZeRO-{self.zero}{off}, micro {self.micro_batch} x seq {self.seq_len}"
+            f"{self.axes()}, ZeRO-{self.zero}{off}, micro {self.micro_batch} x seq {self.seq_len}"
             f"{', act. ckpt' if self.checkpointing else ''}{chunk}, {self.dtype}"
             + (f", {'QLoRA (NF4)' if self.nf4 else 'LoRA'} r={self.lora_rank}" if self.lora_rank else "")
         )
@@ -107,15 +113,23 @@ def layout_problems(layout: Layout, world_size: int, partition_method: str, num_
     scripts/estimate_memory.py refuse the same layouts with the same lines. ``world_size``: the ranks
     launched (``layout.dp`` is 0 where they do not divide); ``num_layers``: the model's decoder layers,
     None for a bare parameter count."""
-    problems, k = [], layout.stages
+    problems, k, tp = [], layout.stages, layout.tp
     if k < 1:
         problems.append(f"num_stages {k} < 1: set num_stages to 1 or more")
+    elif tp < 1:
+        problems.append(f"tensor_parallel {tp} < 1: set tensor_parallel to 1 or more")
     elif world_size < 1:
         problems.append(f"world size {world_size} < 1: launch 1 rank or more")
-    elif world_size % k:
+    elif world_size % (k * tp) and tp == 1:
         problems.append(
             f"world size {world_size} is not divisible by num_stages {k}: "
             f"launch a multiple of {k} ranks or set num_stages to a divisor of {world_size}"
+        )
+    elif world_size % (k * tp):
+        problems.append(
+            f"world size {world_size} is not divisible by num_stages {k} x tensor_parallel {tp} = {k * tp}: "
+            f"launch a multiple of {k * tp} ranks, or set num_stages and tensor_parallel so that their product "
+            f"divides {world_size}"
         )
     if num_layers is not None and k > num_layers:
         problems.append(

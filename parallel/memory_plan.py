@@ -147,10 +147,13 @@ def model_state_bytes(psi: float, layout: Layout) -> tuple[float, float, float, 
 
 
 def layer_activation_bytes(shape: Shape, layout: Layout) -> float:
-    """Saved activations of one decoder layer for one micro-batch (see the module's docstring)."""
+    """Saved activations of one decoder layer for one micro-batch (see the module's docstring). With
+    tensor parallelism the norms' inputs and outputs (4 H per token) stay whole on every rank; q, the
+    attention output, k/v and the SwiGLU tensors are split over the tp ranks (Megatron's count)."""
     tokens = layout.micro_batch * layout.seq_len
     elem = 4 if layout.dtype == "fp32" else 2
-    return ((6 + 2 * shape.kv_heads / shape.heads) * shape.hidden + 4 * shape.ffn) * tokens * elem
+    split = (2 + 2 * shape.kv_heads / shape.heads) * shape.hidden + 4 * shape.ffn
+    return (4 * shape.hidden + split / layout.tp) * tokens * elem
 
 
 def micro_batch_activation_bytes(shape: Shape, layout: Layout, layers_on_stage: int) -> float:
@@ -190,8 +193,8 @@ def loss_bytes(shape: Shape, layout: Layout) -> float:
     """
     tokens = layout.micro_batch * layout.seq_len
     elem = 4 if layout.dtype == "fp32" else 2
-    if layout.loss_chunk and layout.loss_chunk < tokens:
-        return layout.loss_chunk * shape.vocab * (4 + (0 if elem == 4 else elem))
+    if layout.loss_chunk and layout.loss_chunk < tokens:  # with tensor parallelism, this rank's vocabulary slice
+        return layout.loss_chunk * shape.vocab / layout.tp * (4 + (0 if elem == 4 else elem))
     kept = elem if layout.stages > 1 and layout.grad_accum > 1 else 0
     return tokens * shape.vocab * (elem + 12 + kept)
 
@@ -209,7 +212,7 @@ def grad_temp_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: i
     scripts/bench_stage_memory.py)."""
     if layout.zero < 2 and layout.grad_accum == 1:
         return 0.0
-    elem = 4 if layout.dtype == "fp32" else 2
+    elem = (4 if layout.dtype == "fp32" else 2) / layout.tp  # every large matrix is split over the tp ranks
     if stage == layout.stages - 1:
         return shape.vocab * shape.hidden * elem
     largest = shape.vocab * shape.hidden * elem if stage == 0 else shape.ffn * shape.hidden * elem
@@ -233,7 +236,9 @@ def stage_estimate(
     stage: int, psi: float, layers: int | None, layout: Layout, shape: Shape | None, total_params: float
 ) -> Estimate:
     """Per-GPU memory of stage ``stage`` holding ``psi`` parameters and ``layers`` decoder layers (with
-    LoRA, ``psi`` counts the frozen base; the adapters come on top, from the shape)."""
+    LoRA, ``psi`` counts the frozen base; the adapters come on top, from the shape). With tensor
+    parallelism each GPU holds psi / tp (the whole RMSNorm weights it also keeps are a rounding error)."""
+    psi = psi / layout.tp
     trained, frozen_bytes = psi, 0.0
     if layout.lora_rank and shape is not None and layers is not None:
         trained = float(layers * shape.lora_params_per_layer(layout.lora_rank, layout.lora_targets))
@@ -286,23 +291,28 @@ def layouts_for(
     dtype: str,
     loss_chunk: int = 0,
     lora: tuple = (0, (), False),
+    tp_values: tuple[int, ...] = (1,),
 ):
     """Every layout worth trying on ``gpus`` GPUs, cheapest in communication and compute first; with
     ``lora`` (rank, target modules, nf4) LoRA layouts, on the pipeline engine only (as train.py runs LoRA).
 
     Order: no offload before optimizer offload before parameter offload; no activation checkpointing
-    before checkpointing; lower ZeRO stage first; fewer pipeline stages first.
+    before checkpointing; lower ZeRO stage first; a smaller 1F1B bubble (fewer pipeline stages) first;
+    less tensor parallelism (``tp_values``, each within a node) first.
     """
     candidates = []
     for stages in (s for s in range(1, gpus + 1) if gpus % s == 0 and (num_layers is None or s <= num_layers)):
-        for zero, opt_off, par_off, ckpt in itertools.product(range(4), (False, True), (False, True), (False, True)):
-            if (stages > 1 or lora[0]) and zero > 1:
+        options = itertools.product(tp_values, range(4), (False, True), (False, True), (False, True))
+        for tp, zero, opt_off, par_off, ckpt in options:
+            if gpus % (stages * tp) or (tp > 1 and (lora[0] or not loss_chunk)):
+                continue  # train.py: tensor parallelism without LoRA, with the chunked loss
+            if (stages > 1 or tp > 1 or lora[0]) and zero > 1:
                 continue  # DeepSpeed's pipeline engine: ZeRO 0 and 1 only
             if (opt_off and zero == 0) or (par_off and (zero != 3 or not opt_off)):
                 continue  # offload needs ZeRO; parameter offload needs ZeRO-3 with optimizer offload
             layout = Layout(
                 stages,
-                gpus // stages,
+                gpus // (stages * tp),
                 zero,
                 opt_off,
                 par_off,
@@ -313,9 +323,24 @@ def layouts_for(
                 dtype,
                 loss_chunk,
                 *lora,
+                tp=tp,
             )
-            candidates.append(((par_off + opt_off, ckpt, zero, stages), layout))
+            candidates.append(((par_off + opt_off, ckpt, zero, bubble_fraction(layout), tp), layout))
     return [layout for _, layout in sorted(candidates, key=lambda c: c[0])]
+
+
+def bubble_fraction(layout: Layout) -> float:
+    """The share of a step a stage idles in DeepSpeed's 1F1B schedule: (p - 1) / (m + p - 1)."""
+    return (layout.stages - 1) / (layout.grad_accum + layout.stages - 1)
+
+
+def tensor_parallel_sizes(shape: Shape | None, node_gpus: int = 8) -> tuple[int, ...]:
+    """The tensor_parallel values a model allows within one node: each divides its heads, KV heads,
+    intermediate size and vocabulary (parallel.tensor_parallel.model_problems); any, for a bare count."""
+    sizes = [t for t in (1, 2, 4, 8, 16) if t <= node_gpus]
+    if shape is None:
+        return tuple(sizes)
+    return tuple(t for t in sizes if not any(n % t for n in (shape.heads, shape.kv_heads, shape.ffn, shape.vocab)))
 
 
 def fitting(
@@ -336,7 +361,8 @@ def fitting(
     ``split(layout)`` gives (parameters per stage, decoder layers per stage or None).
     """
     out = []
-    for layout in layouts_for(gpus, num_layers, micro_batch, seq_len, grad_accum, dtype, loss_chunk, lora):
+    tp_values = tensor_parallel_sizes(shape)
+    for layout in layouts_for(gpus, num_layers, micro_batch, seq_len, grad_accum, dtype, loss_chunk, lora, tp_values):
         params, layers = split(layout)
         e = estimate(params, layout, shape, layers)
         if e.total <= gpu_mem_gb * GB:

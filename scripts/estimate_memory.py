@@ -26,7 +26,15 @@ quiet_dependencies("warning")  # before models.llama_pipe imports DeepSpeed (tra
 
 from models.peft_targets import DECODER_LINEARS  # noqa: E402
 from parallel.layout import Layout, count_arg, layout_problems  # noqa: E402
-from parallel.memory_plan import GB, fitting, shape_of, splitter, stage_estimates, stage_table  # noqa: E402
+from parallel.memory_plan import (  # noqa: E402
+    GB,
+    bubble_fraction,
+    fitting,
+    shape_of,
+    splitter,
+    stage_estimates,
+    stage_table,
+)
 from parallel.partition import DEFAULT_PARTITION_METHOD  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 
@@ -92,9 +100,12 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
         args.loss_chunk_tokens,
         lora(args),
     )
-    print(f"layouts that fit {gpus} x {gpu_mem:g} GB, cheapest first (estimate incl. activations, GB per GPU):")
+    print(
+        f"layouts that fit {gpus} x {gpu_mem:g} GB, cheapest first (estimate incl. activations, GB per GPU; the "
+        "1F1B bubble: the share of a step each stage idles):"
+    )
     for layout, e in found[: args.top]:
-        print(f"  {e.total / GB:7.1f}  {layout.describe()}")
+        print(f"  {e.total / GB:7.1f}  bubble {bubble_fraction(layout):4.0%}  {layout.describe()}")
     if not found:
         print("  none: add GPUs, shorten sequences or use a smaller micro-batch")
 
@@ -126,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     # parallel.layout.layout_problems, which says train.py's line; the others by argparse.
     p.add_argument("--stages", type=int, default=1, help="pipeline stages")
     p.add_argument("--dp", type=count_arg(1), default=1, help="data-parallel degree")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism inside each stage (tensor_parallel)")
     p.add_argument("--zero", type=int, default=0, choices=range(4))
     p.add_argument(
         "--offload",
@@ -182,8 +194,13 @@ def main(argv: list[str] | None = None) -> None:
         args.dtype,
         args.loss_chunk_tokens,
         *lora(args),
+        tp=1 if fit else args.tp,  # --gpus: every tensor_parallel the model allows within a node is tried
     )
     refuse(layout_problems(layout, layout.world_size, args.partition_method, num_layers))
+    if layout.tp > 1:
+        from parallel.tensor_parallel import model_problems
+
+        refuse(model_problems(config, layout.tp) if config is not None else [])
     if layout.lora_rank and not layout.uses_pipeline:
         refuse(
             [

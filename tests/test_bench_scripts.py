@@ -186,15 +186,26 @@ def test_peak_memory_is_read_from_train_py_s_line_gpu_first():
     assert bench_train.peak_memory_mib("no such line") is None
 
 
-def test_bench_lora_reads_train_py_s_memory_lines():
-    """scripts/bench_lora.py's parsing of train.py's last lines (the runs themselves launch DeepSpeed: run
-    the script for those, about 2 minutes)."""
-    bench_lora = load_entry_point("scripts/bench_lora.py")
+def test_bench_runs_read_train_py_s_memory_lines():
+    """training/bench_runs.py's parsing of train.py's last lines, for scripts/bench_lora.py and
+    scripts/bench_layouts.py (the runs themselves launch DeepSpeed: run the scripts for those, minutes)."""
+    from training.bench_runs import per_rank
+
     log = (
         "[train] peak memory per rank (MiB): rank 0 host 955 / GPU 9120, rank 1 host 938 / GPU 9312\n"
         "[train] model states per rank (MiB, tensors held: weights + grads + optimizer = total): "
         "rank 0 72.30 + 0.00 + 8.60 = 80.90, rank 1 72.30 + 0.00 + 8.60 = 80.90\n"
     )
-    assert bench_lora.per_rank(log, "model states per rank", r"= ([\d.]+)") == [80.9, 80.9]
-    assert bench_lora.per_rank(log, "peak memory per rank", r"GPU (\d+)") == [9120, 9312]
-    assert bench_lora.per_rank(log, "peak memory per rank", r"host (\d+)") == [955, 938]
+    assert per_rank(log, "model states per rank", r"= ([\d.]+)") == [80.9, 80.9]
+    assert per_rank(log, "peak memory per rank", r"GPU (\d+)") == [9120, 9312]
+    assert per_rank(log, "peak memory per rank", r"host (\d+)") == [955, 938]
+
+
+def test_bench_layouts_refuses_a_layout_the_ranks_cannot_hold():
+    bench_layouts = load_entry_point("scripts/bench_layouts.py")
+    args = bench_layouts.parse_args(["--gpus", "4", "--layouts", "4x1,2x2,1x1"])
+    assert bench_layouts.layouts(args) == [(4, 1, 1), (2, 2, 1), (1, 1, 4)]
+    for bad in ("3x1", "2x", "1x1"):  # 3 stages on 4 ranks; no tp; dp 4 does not divide a global batch of 6
+        argv = ["--gpus", "4", "--layouts", bad] + (["--global-batch", "6"] if bad == "1x1" else [])
+        with pytest.raises(SystemExit, match="bench_layouts.py: error: --layouts"):
+            bench_layouts.layouts(bench_layouts.parse_args(argv))

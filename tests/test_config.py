@@ -653,7 +653,7 @@ def test_a_harmless_inert_setting_is_named_in_one_warning(good):
         4,
     )
     assert resolved.warnings == [
-        "data.order_check_steps=3: the order check compares the first and last stages' batches; with one stage it "
-        "has nothing to compare"
+        "data.order_check_steps=3: the order check compares the batches of the first and last stages (and their "
+        "tensor-parallel peers); with one stage and one rank per layer it has nothing to compare"
     ]
     assert resolve(dataclasses.replace(good, num_stages=1, ds_config="zero0"), 4).warnings == []

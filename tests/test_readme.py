@@ -97,13 +97,13 @@ def stage(tmp_path_factory, tiny_hf, tokenizer_dir):
         capture_output=True,
     )
     configs = {}
-    for name in ("llama2-70b", "llama3-8b"):
+    for name in ("llama2-70b", "llama3-8b", "llama3-70b"):
         path = str(root / name)
         model_group_config(name).save_pretrained(path)
         for tok in os.listdir(tokenizer_dir):
             with open(os.path.join(tokenizer_dir, tok), "rb") as src, open(os.path.join(path, tok), "wb") as dst:
                 dst.write(src.read())
-        configs[name.replace(".", "").replace("llama", "")] = path  # "2-70b", "3-8b"
+        configs[name.replace(".", "").replace("llama", "")] = path  # "2-70b", "3-8b", "3-70b"
     data = str(root / "train.jsonl")
     with open(data, "w") as f:
         f.write('{"text": "a document", "input_ids": [1, 5, 6, 2]}\n')
@@ -152,8 +152,10 @@ def substitute_overrides(words: list[str], stage: dict) -> list[str]:
 
 
 def adapter_for(words: list[str], stage: dict) -> str:
-    """A PEFT adapter directory (its adapter_config.json) with the command's own peft.* settings."""
+    """A PEFT adapter directory with the command's own peft.* settings, made on the stand-in model."""
     from omegaconf import OmegaConf
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from models.lora import lora_config
     from training.config import PeftConfig
@@ -162,7 +164,8 @@ def adapter_for(words: list[str], stage: dict) -> str:
     settings = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PeftConfig), OmegaConf.from_dotlist(dotlist)))
     stage["n"] += 1
     path = str(stage["root"] / f"adapter{stage['n']}")
-    lora_config(settings).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(stage["hf"]))
+    get_peft_model(model, lora_config(settings)).save_pretrained(path)
     return path
 
 

@@ -41,6 +41,18 @@ TRAINED_CONFIGS = ("zero0", "zero1", "zero1_offload", *DATA_PARALLEL_CONFIGS)
 OPTIM = dict(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, warmup_steps=2)
 
 
+# Trained weights against the reference's: Adam turns fp32 reduction-order noise into weight differences
+# where a gradient element is near eps (update sensitivity ~ lr / 4 eps), so almost every weight agrees
+# within 5% of one step's lr and a rare element (a rarely seen token's embedding) by up to a step's lr.
+WEIGHT_BOUND = 0.05 * OPTIM["lr"]
+
+
+def beyond_bound(state: dict, ref_state: dict) -> tuple[float, int, int]:
+    """(largest difference, weights differing by more than WEIGHT_BOUND, weights) of ``state`` against ``ref_state``."""
+    diffs = torch.cat([(state[k] - ref_state[k]).abs().flatten() for k in ref_state])
+    return diffs.max().item(), int((diffs > WEIGHT_BOUND).sum()), diffs.numel()
+
+
 def train_args(ckpt: str, data: str, out: str, **overrides) -> list[str]:
     return parity_args(ckpt, data, out, SEQ, MICRO, STEPS, OPTIM, **overrides)
 
@@ -236,13 +248,8 @@ def test_hf_export_holds_exactly_the_trained_weights(runs):
 
     model = LlamaForCausalLM.from_pretrained(hf_out, dtype=torch.float32)
     ref_state = runs["ref_model"].state_dict()
-    bound = 0.05 * OPTIM["lr"]
-
-    def beyond_bound(state: dict) -> tuple[float, int, int]:
-        diffs = torch.cat([(state[k] - ref_state[k]).abs().flatten() for k in ref_state])
-        return diffs.max().item(), int((diffs > bound).sum()), diffs.numel()
-
-    worst, off, total = beyond_bound(model.state_dict())
+    bound = WEIGHT_BOUND
+    worst, off, total = beyond_bound(model.state_dict(), ref_state)
     print(
         f"exported pipe2xdata2 model vs reference loop: max abs weight difference {worst:.2e}, "
         f"{off} of {total} weights beyond 5% of lr"
@@ -257,5 +264,6 @@ def test_hf_export_holds_exactly_the_trained_weights(runs):
     # a step's lr. A missing, misscaled or misrouted update moves most weights by ~lr: the untrained
     # model, 5 updates short, fails the same criterion.
     assert off <= total // 10_000 and worst < OPTIM["lr"], (worst, off)
-    _, untrained_off, _ = beyond_bound(LlamaForCausalLM.from_pretrained(runs["hf"], dtype=torch.float32).state_dict())
+    untrained = LlamaForCausalLM.from_pretrained(runs["hf"], dtype=torch.float32).state_dict()
+    _, untrained_off, _ = beyond_bound(untrained, ref_state)
     assert untrained_off > total // 2, untrained_off

@@ -172,6 +172,10 @@ class TrainConfig:
     # predicted per-GPU peak for this run's layout) | uniform | type:DecoderLayerPipe.
     # The default equals parallel.partition.DEFAULT_PARTITION_METHOD (the planner's; a test checks).
     partition_method: str = "compute"
+    # Tensor parallelism inside each stage: every decoder layer's q/k/v/gate/up split by columns and o/down
+    # by rows over this many ranks (one node's GPUs), the embedding and LM head by vocabulary (DeepSpeed's
+    # TP layers, parallel/tensor_parallel.py). World size = num_stages x tensor_parallel x data-parallel.
+    tensor_parallel: int = 1
     ds_config: str = "zero1"  # DeepSpeed JSON: a name in ds_configs/ (without .json) or a path
     precision: Precision = Precision.bf16  # fp32 | bf16 | fp16 (fp16 needs a device that supports it)
     micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
@@ -450,6 +454,7 @@ def find_resume(cfg: TrainConfig, model_config) -> tuple[Optional[str], ResumeCh
 RESUME_KEY_CLASSES = {
     "layout": (
         "num_stages",
+        "tensor_parallel",
         "partition_method",
         "ds_config",
         "precision",
@@ -482,7 +487,7 @@ RESUME_KEY_CLASSES = {
 ACCEPTABLE_CHANGES = ("optim", "data", "model")
 # Layout keys that change how optimizer states are cut into files: with any of them (or the world size)
 # changed, resume reads the saved states per parameter instead of DeepSpeed's own load.
-RESHARD_KEYS = ("num_stages", "partition_method", "ds_config", "precision")
+RESHARD_KEYS = ("num_stages", "tensor_parallel", "partition_method", "ds_config", "precision")
 
 
 @dataclass
@@ -560,6 +565,13 @@ def reshard_reason(
             reasons.append(f"world size {saved['world_size']} -> {world_size}")
     if not reasons:
         return "", []
+    saved_tp = (saved.get("tensor_parallel") or 1) if not saved.get("portable") else 1
+    if max(saved_tp, cfg.tensor_parallel) > 1:
+        return ", ".join(reasons), [
+            f"cannot resume {cfg.output_dir}/{tag} on another layout ({', '.join(reasons)}): with tensor parallelism "
+            f"(saved {saved_tp}, now {cfg.tensor_parallel}) only the saved layout resumes in this version; resume with "
+            "it, or start a new run from its weights (model_name_or_path: its layer files are whole)"
+        ]
     from training.reshard import SavedOptimizerState  # heavy import (torch), only when resharding
 
     saved_states = SavedOptimizerState(os.path.join(cfg.output_dir, tag))
@@ -838,6 +850,10 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         if not resume_problems
         else []
     )
+    from parallel.tensor_parallel import tensor_parallel_problems, tensor_parallel_warnings
+
+    problems += tensor_parallel_problems(cfg, model_config, layout)
+    warnings += tensor_parallel_warnings(layout, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     inert, harmless = inert_settings(cfg, layout)
     problems += inert + noop_value_problems(cfg)
     warnings += harmless
@@ -907,8 +923,9 @@ INERT_RULES = (
 HARMLESS_RULES = (
     (
         ("data.order_check_steps",),
-        lambda cfg, layout: layout.stages > 1,
-        "the order check compares the first and last stages' batches; with one stage it has nothing to compare",
+        lambda cfg, layout: layout.stages > 1 or layout.tp > 1,
+        "the order check compares the batches of the first and last stages (and their tensor-parallel peers); with "
+        "one stage and one rank per layer it has nothing to compare",
     ),
 )
 

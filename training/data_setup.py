@@ -136,7 +136,7 @@ def _open_rank_data(
             PlaceholderDataset(built[0]["num_train"]),
             None,
             None,
-            OrderGuard(None, cfg.data.order_check_steps, k, coord.data, coord.pipe),
+            OrderGuard(None, cfg.data.order_check_steps, k, coord.data, coord.pipe, cfg.tensor_parallel),
             "placeholder",
             **shape,
         )
@@ -149,5 +149,5 @@ def _open_rank_data(
     iterator = FingerprintingIterator(
         MicroBatchIterator(train, cfg.micro_batch_size, coord.data, dp_size, cfg.data.shuffle, cfg.seed)
     )
-    guard = OrderGuard(iterator, cfg.data.order_check_steps, k, coord.data, coord.pipe)
+    guard = OrderGuard(iterator, cfg.data.order_check_steps, k, coord.data, coord.pipe, cfg.tensor_parallel)
     return RankData(train, evaluation, iterator, guard, "builds + reads" if is_builder else "reads", **shape)

@@ -51,7 +51,7 @@ def on_all_ranks(step: str, fn: Callable[[], Any]) -> list[Any]:
     try:
         outcome = (fn(), None)
     except Exception as e:  # any failure must reach the other ranks, not leave them waiting
-        known = type(e).__module__.split(".")[0] in ("models", "data", "training")
+        known = type(e).__module__.split(".")[0] in ("models", "parallel", "data", "training")
         outcome = (None, f"{e}" if known else traceback.format_exc().rstrip())
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, outcome)

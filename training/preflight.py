@@ -29,7 +29,7 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
     lines = [f"warning: {w}" for w in resolved.warnings]
     layout = resolved.layout
     lines.append(
-        f"config OK for {world_size} ranks: pipe {layout.stages} x data {layout.dp}, {layout.engine}, "
+        f"config OK for {world_size} ranks: {layout.axes()}, {layout.engine}, "
         f"ds_config {cfg.ds_config} (ZeRO-{layout.zero}), {cfg.precision}"
     )
     lines.append(

@@ -1,0 +1,94 @@
+"""One train.py run as the benchmark scripts measure it (scripts/bench_lora.py, scripts/bench_layouts.py):
+launched with DeepSpeed's runner, then its step time and real tokens per second from metrics.jsonl and, per
+rank, the model-state bytes and peak memory train.py reports at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def per_rank(log: str, marker: str, pattern: str) -> list[float]:
+    """The per-rank numbers of train.py's line holding ``marker``."""
+    line = next((x for x in log.splitlines() if marker in x), "")
+    return [float(v) for v in re.findall(pattern, line)]
+
+
+def measure_train(ranks: int, overrides: list[str], output_dir: str, warmup: int, name: str = "train.py") -> dict:
+    """Run ``deepspeed --num_gpus ranks train.py overrides`` (one thread per CPU rank) and measure it: the
+    median step time and tokens/s after ``warmup`` steps, model states and peak memory per rank (MiB)."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "train.py", *overrides]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False
+    )
+    if proc.returncode:
+        raise SystemExit(f"{name}: train.py failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        steps = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    timed = steps[warmup:] or steps
+    log = proc.stdout
+    gpu = per_rank(log, "peak memory per rank", r"GPU (\d+)")
+    return {
+        "step_s": statistics.median(r["step_s"] for r in timed),
+        "tokens_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "states": per_rank(log, "model states per rank", r"= ([\d.]+)"),
+        "peak": gpu or per_rank(log, "peak memory per rank", r"host (\d+)"),
+        "peak_kind": "GPU" if gpu else "host RSS",
+        "loss": steps[-1]["loss"],
+        "log": log,
+    }
+
+
+def add_model_args(p) -> None:
+    """The random model's shape, as the benchmark scripts take it (defaults: 41 M parameters, 8 layers)."""
+    for name, default in (
+        ("hidden-size", 512),
+        ("intermediate-size", 1408),
+        ("num-hidden-layers", 8),
+        ("num-attention-heads", 8),
+        ("num-key-value-heads", 4),
+        ("vocab-size", 8192),
+    ):
+        p.add_argument(f"--{name}", type=int, default=default)
+
+
+def bench_model(args, work: str) -> str:
+    """The converted checkpoint of the random model ``add_model_args`` describes, made once in ``work``."""
+    from models.tiny import converted_random_model
+
+    return converted_random_model(
+        work,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads,
+        max_position_embeddings=max(512, args.seq),
+    )
+
+
+def run_overrides(args, ckpt: str, data: str, work: str, out: str) -> list[str]:
+    """train.py's overrides every benchmark run shares: the model, data and its cache, a fresh ``out``, the
+    precision, ZeRO config, micro-batch and step count of ``args``, no checkpoint before the end."""
+    shutil.rmtree(out, ignore_errors=True)
+    return [
+        f"model_name_or_path={ckpt}",
+        f"output_dir={out}",
+        f"data.train_file={data}",
+        f"data.max_seq_length={args.seq}",
+        f"data.cache_dir={os.path.join(work, 'cache')}",
+        f"ds={args.ds}",
+        f"precision={args.precision}",
+        f"micro_batch_size={args.micro_batch}",
+        f"max_steps={args.steps}",
+        "save_steps=0",
+        "min_free_disk_gb=0",
+    ]
