@@ -7,8 +7,9 @@ activation checkpointing (ZeRO-0), pipe 2 x tensor 2 x data 2 on 8 ranks (ZeRO-1
 its family's ForCausalLM + torch AdamW on the same global batches (Llama; Qwen3 and Qwen2 pipe 2 x tensor 2
 for the per-head q/k norms and the q/k/v biases): per-step loss, the logged gradient norm, and the
 exported weights (TP peers that each counted the last stage's label tokens would halve the loss, 5e5
-times the tolerance); the replicated parameters equal on the TP peers at the end; a same-layout resume
-continues exactly; the layer files hold whole tensors.
+times the tolerance); the replicated parameters equal on the TP peers at the end; step 3's checkpoint
+resumed on the same layout, on tensor 1 and (from a run without TP) on tensor 2 continues exactly; the
+layer files hold whole tensors.
 """
 
 from __future__ import annotations
@@ -167,6 +168,9 @@ def tp_runs(tmp_path_factory, tiny_hf, tiny_tied_hf, tokenizer_dir):
         ),
         "3d": launch("3d", 8, num_stages=2, tensor_parallel=2, gradient_accumulation_steps=2, ds_config="zero1"),
     }
+    runs["pipe2_dp2"] = launch(
+        "pipe2_dp2", 4, num_stages=2, gradient_accumulation_steps=2, ds_config="zero1", save_steps=3
+    )  # no TP: what resumes onto tensor_parallel=2 below
     for t in FAMILY_RUNS:
         runs[t] = launch(
             t, 4, f"ckpt_{t}", num_stages=2, tensor_parallel=2, gradient_accumulation_steps=4, ds_config="zero1"
@@ -213,17 +217,31 @@ def test_tensor_parallel_trains_what_hugging_face_trains(tp_runs, name):
 
 
 @pytest.mark.multirank
-def test_a_tensor_parallel_run_resumes_exactly(tp_runs, tmp_path):
+@pytest.mark.parametrize(
+    "source, changes",
+    [
+        ("pipe2_tp2", {}),  # the same layout: DeepSpeed's own load, slices from the whole layer files
+        ("pipe2_tp2", dict(tensor_parallel=1, gradient_accumulation_steps=2)),  # pipe 2 x data 2, states joined
+        ("pipe2_dp2", dict(tensor_parallel=2, gradient_accumulation_steps=4, ds_config="zero0")),  # states cut
+    ],
+    ids=["same-layout", "tp2-to-tp1", "tp1-to-tp2-zero0"],
+)
+def test_a_tensor_parallel_run_resumes_exactly(tp_runs, tmp_path, source, changes):
+    """Step 3's checkpoint resumed (on 4 ranks, the global batch kept) continues as the run did."""
     root = tp_runs["root"]
-    args, _ = tp_runs["runs"]["pipe2_tp2"]
+    args, _ = tp_runs["runs"][source]
     out = tmp_path / "resumed"
-    shutil.copytree(root / "pipe2_tp2", out, ignore=shutil.ignore_patterns("global_step5"))
+    shutil.copytree(root / source, out, ignore=shutil.ignore_patterns("global_step5"))
     (out / "latest").write_text("global_step3")
-    args = [a if not a.startswith("output_dir=") else f"output_dir={out}" for a in args]
+    changes = {**changes, "output_dir": out, "save_steps": 0}
+    args = [a for a in args if a.split("=")[0] not in changes] + [f"{k}={v}" for k, v in changes.items()]
     proc = run_deepspeed(4, "train.py", args, str(tmp_path / "resume.log"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    straight = {m["step"]: m["loss"] for m in read_metrics(str(root / "pipe2_tp2"))}
+    assert ("read per parameter" in proc.stdout) == bool(changes.keys() - {"output_dir", "save_steps"})
+    straight = {m["step"]: m["loss"] for m in read_metrics(str(root / source))}
     resumed = [m for m in read_metrics(str(out)) if m["step"] > 3]
-    assert [m["step"] for m in resumed[-2:]] == [4, 5] and all(m["loss"] == straight[m["step"]] for m in resumed[-2:])
-    names = sorted(f for f in os.listdir(root / "pipe2_tp2" / "global_step5") if f.startswith("layer_"))
+    diffs = [rel(m["loss"], straight[m["step"]]) for m in resumed]
+    print(f"{source} -> {changes}: steps 4-5 vs the straight run: {max(diffs):.2e}")
+    assert [m["step"] for m in resumed] == [4, 5] and max(diffs) < REL_TOL
+    names = sorted(f for f in os.listdir(out / "global_step5") if f.startswith("layer_"))
     assert names == [f"layer_{i:02d}-model_states.pt" for i in range(len(names))]  # whole tensors, no -model_XX

@@ -565,13 +565,6 @@ def reshard_reason(
             reasons.append(f"world size {saved['world_size']} -> {world_size}")
     if not reasons:
         return "", []
-    saved_tp = (saved.get("tensor_parallel") or 1) if not saved.get("portable") else 1
-    if max(saved_tp, cfg.tensor_parallel) > 1:
-        return ", ".join(reasons), [
-            f"cannot resume {cfg.output_dir}/{tag} on another layout ({', '.join(reasons)}): with tensor parallelism "
-            f"(saved {saved_tp}, now {cfg.tensor_parallel}) only the saved layout resumes in this version; resume with "
-            "it, or start a new run from its weights (model_name_or_path: its layer files are whole)"
-        ]
     from training.reshard import SavedOptimizerState  # heavy import (torch), only when resharding
 
     saved_states = SavedOptimizerState(os.path.join(cfg.output_dir, tag))

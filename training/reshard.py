@@ -13,6 +13,9 @@ into files:
 - ZeRO-0 in fp32 (``mp_rank_<s>_model_states.pt``, key ``optimizer``): torch AdamW's state by position in
   the groups train.py built; their names are in the trainer state (``optimizer_param_names``), and the
   layer files hold the masters.
+- With tensor parallelism, the ZeRO and ZeRO-0 files above per model-parallel rank (stage x tp + TP rank),
+  each holding its pieces of the split parameters: joined along the dimension each was cut
+  (``tp_split_dims`` in the trainer state), and cut again for a split rank of the new layout.
 - The portable form (``convert2ckpt.py --reshard``): ``optimizer_XX.safetensors`` per layer file, the
   same keys as the layer file with ``.exp_avg``, ``.exp_avg_sq`` and, where kept, ``.fp32`` appended.
 
@@ -97,7 +100,11 @@ class SavedOptimizerState:
         self._numel: dict[Key, int] = {}
         self._zero0: dict[Key, tuple[str, int]] = {}  # key -> (engine file, state index)
         self._portable: dict[Key, str] = {}
+        # Tensor parallelism: each TP rank's files hold its piece of a split parameter, cut along this dim.
+        self.tp, self._split_dims = 1, {}
+        self._pieces: dict[Key, list] = {}  # key -> per TP rank: its fragments (ZeRO) or (file, index) (ZeRO-0)
         names = sorted(os.listdir(tag_dir)) if os.path.isdir(tag_dir) else []
+        self._read_tensor_parallel(names)
         try:
             if any(PORTABLE_FILE.match(n) for n in names):
                 self._scan_portable(names)
@@ -116,6 +123,18 @@ class SavedOptimizerState:
 
     # -- reading the saved layouts -------------------------------------------------------------
 
+    def _read_tensor_parallel(self, names: list[str]) -> None:
+        for n in names:
+            if TRAINER_STATE.match(n):
+                with open(os.path.join(self.tag_dir, n)) as f:
+                    state = json.load(f)
+                self.tp = state.get("tensor_parallel", 1)
+                self._split_dims.update({spec_key(k): d for k, d in state.get("tp_split_dims", {}).items()})
+
+    def _stage_and_tp_rank(self, mp_rank: int) -> tuple[int, int]:
+        """DeepSpeed's model-parallel rank of a file: stage x tp + TP rank (the tensor axis varies fastest)."""
+        return divmod(mp_rank, self.tp)
+
     def _load(self, path: str) -> dict:
         from training.run_checkpoints import load_deepspeed_file
 
@@ -124,7 +143,7 @@ class SavedOptimizerState:
         return self._files[path]
 
     def _scan_zero(self, names: list[str]) -> None:
-        files: dict[int, dict[int, str]] = {}  # stage -> dp rank -> path
+        files: dict[int, dict[int, str]] = {}  # model-parallel rank (stage x tp + TP rank) -> dp rank -> path
         for n in names:
             m = ZERO_FILE.match(n)
             if m:
@@ -135,18 +154,23 @@ class SavedOptimizerState:
             return self._scan_zero3(files)
         self.format = "ZeRO-1/2" if "zero_stage" in first else "bf16 ZeRO-0"
         self.problems += [
-            f"{self.tag_dir}: no optimizer states of stage {stage} (of {max(files) + 1}): the checkpoint is incomplete"
-            for stage in range(max(files) + 1)
-            if stage not in files
+            f"{self.tag_dir}: no optimizer states of stage {stage}"
+            + (f", tensor-parallel rank {t}" if self.tp > 1 else "")
+            + f" (of {(max(files) + 1) // self.tp}): the checkpoint is incomplete"
+            for stage, t in map(self._stage_and_tp_rank, range(max(files) + 1))
+            if stage * self.tp + t not in files
         ]
         owner: dict[Key, int] = {}  # a tied weight is on two stages: its first stage's copy is read
-        for stage in sorted(files):
-            ranks = files[stage]
+        for mp in sorted(files):
+            ranks = files[mp]
+            stage, t = self._stage_and_tp_rank(mp)
             dp = self._load(ranks[min(ranks)])["optimizer_state_dict"]["partition_count"][0]
             missing = [d for d in range(dp) if d not in ranks]
             if missing:
                 self.problems += [
-                    f"{self.tag_dir}: the optimizer states of data-parallel rank {d} of stage {stage} are missing "
+                    f"{self.tag_dir}: the optimizer states of data-parallel rank {d} of stage {stage}"
+                    + (f", tensor-parallel rank {t}," if self.tp > 1 else "")
+                    + " are missing "
                     f"(of {dp}): the checkpoint is incomplete"
                     for d in missing
                 ]
@@ -157,12 +181,12 @@ class SavedOptimizerState:
                 for g, mapping in enumerate(state["param_slice_mappings"]):
                     for name, address in mapping.items():
                         key = spec_key(name)
-                        if owner.setdefault(key, stage) != stage:
-                            continue
-                        fragments = self._fragments.setdefault(key, [])
+                        if owner.setdefault(key, stage) != stage or (t and key not in self._split_dims):
+                            continue  # a tied copy; a replicated parameter's copy on another TP rank
+                        fragments = self._pieces.setdefault(key, [[] for _ in range(self.tp)])[t]
                         offset = sum(f.numel for f in fragments)
                         fragments.append(Fragment(ranks[d], g, address.start, address.numel, offset))
-        self._numel = {k: sum(f.numel for f in fs) for k, fs in self._fragments.items()}
+        self._numel = {k: sum(f.numel for fs in pieces for f in fs) for k, pieces in self._pieces.items()}
 
     def _scan_zero3(self, files: dict[int, dict[int, str]]) -> None:
         ranks = files[0]
@@ -208,9 +232,10 @@ class SavedOptimizerState:
 
     def _scan_zero0(self, names: list[str]) -> None:
         self.format = "fp32 ZeRO-0"
-        stages: dict[int, list[list[str]]] = {}
+        stages: dict[tuple[int, int], list[list[str]]] = {}  # (stage, TP rank) -> its optimizer's parameter names
         for n in names:
-            if TRAINER_STATE.match(n):
+            m = TRAINER_STATE.match(n)
+            if m:
                 with open(os.path.join(self.tag_dir, n)) as f:
                     state = json.load(f)
                 if "optimizer_param_names" not in state:
@@ -219,9 +244,9 @@ class SavedOptimizerState:
                         "names: it resumes on its own layout only"
                     )
                     return
-                stages.setdefault(state["stage"], state["optimizer_param_names"])
-        for stage, groups in sorted(stages.items()):
-            path = os.path.join(self.tag_dir, f"mp_rank_{stage:02d}_model_states.pt")
+                stages.setdefault((state["stage"], int(m.group(1)) % self.tp), state["optimizer_param_names"])
+        for (stage, t), groups in sorted(stages.items()):
+            path = os.path.join(self.tag_dir, f"mp_rank_{stage * self.tp + t:02d}_model_states.pt")
             if not os.path.isfile(path):
                 self.problems.append(f"{path} is missing: the checkpoint is incomplete")
                 continue
@@ -232,9 +257,10 @@ class SavedOptimizerState:
             self._note_step(optimizer["state"])
             for index, name in enumerate(n for group in groups for n in group):
                 key = spec_key(name)
-                if key not in self._zero0:
-                    self._zero0[key] = (path, index)
-                    self._numel[key] = optimizer["state"][index]["exp_avg"].numel()
+                if (t and key not in self._split_dims) or key in self._zero0 and self._zero0[key][t]:
+                    continue  # a replicated parameter's copy on another TP rank; a tied copy
+                self._zero0.setdefault(key, [None] * self.tp)[t] = (path, index)
+                self._numel[key] = self._numel.get(key, 0) + optimizer["state"][index]["exp_avg"].numel()
 
     def _scan_portable(self, names: list[str]) -> None:
         self.format = "portable"
@@ -285,18 +311,34 @@ class SavedOptimizerState:
                 suffixes = [s for s in ("fp32", *MOMENTS) if f"{key[1]}.{s}" in f.keys()]
                 return {s: f.get_tensor(f"{key[1]}.{s}").flatten() for s in suffixes}
         if key in self._zero0:
-            path, index = self._zero0[key]
-            state = self._load(path)["optimizer"]["state"][index]
-            # The weights are the masters: the layer file's (fp32, as this layout trains).
+            # The weights are the masters: the layer file's (fp32, as this layout trains), whole.
             weight = load_layer_file(os.path.join(self.tag_dir, layer_file_name(key[0])))[key[1]]
-            return {"fp32": weight.flatten().float(), **{s: state[s].flatten().float() for s in MOMENTS}}
-        fragments = self._fragments[key]
-        out = {s: torch.empty(self._numel[key], dtype=torch.float32) for s in ("fp32", *MOMENTS)}
+            pieces = []
+            for path, index in filter(None, self._zero0[key]):
+                state = self._load(path)["optimizer"]["state"][index]
+                pieces.append({s: state[s].flatten().float() for s in MOMENTS})
+            return {"fp32": weight.flatten().float(), **self._joined(key, pieces)}
+        if key in self._pieces:
+            return self._joined(key, [self._assemble(fs) for fs in self._pieces[key] if fs])
+        return self._assemble(self._fragments[key])
+
+    def _assemble(self, fragments: list[Fragment]) -> dict[str, torch.Tensor]:
+        """One parameter's (or TP piece's) flat states from the fragments that hold it."""
+        out = {s: torch.empty(sum(f.numel for f in fragments), dtype=torch.float32) for s in ("fp32", *MOMENTS)}
         for f in fragments:
             flat = self._flat(f.path, f.group)
             for s, t in flat.items():
                 out[s][f.offset : f.offset + f.numel].copy_(t[f.start : f.start + f.numel])
         return out
+
+    def _joined(self, key: Key, pieces: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """A split parameter's TP pieces joined along its dim (the layer file gives the whole shape)."""
+        if len(pieces) == 1:
+            return pieces[0]
+        whole = list(load_layer_file(os.path.join(self.tag_dir, layer_file_name(key[0])))[key[1]].shape)
+        dim = self._split_dims[key]
+        shape = [n // len(pieces) if i == dim else n for i, n in enumerate(whole)]
+        return {s: torch.cat([p[s].view(shape) for p in pieces], dim).flatten() for s in pieces[0]}
 
     def _flat(self, path: str, group: int) -> dict[str, torch.Tensor]:
         state = self._load(path)["optimizer_state_dict"]
@@ -320,14 +362,23 @@ def load_problems(saved: SavedOptimizerState, module) -> list[str]:
     problems = []
     for name, p in trainable_parameters(module):
         key = spec_key(name)
+        whole = full_numel(p) * (p.tp_split[2] if hasattr(p, "tp_split") else 1)  # a TP piece: the whole tensor's
         if saved.numel(key) is None:
             problems.append(f"{saved.tag_dir} holds no optimizer state for {name} (layer file {key[0]}, {key[1]})")
-        elif saved.numel(key) != full_numel(p):
+        elif saved.numel(key) != whole:
             problems.append(
-                f"{saved.tag_dir}: the optimizer state of {name} has {saved.numel(key)} elements, the model "
-                f"{full_numel(p)}"
+                f"{saved.tag_dir}: the optimizer state of {name} has {saved.numel(key)} elements, the model {whole}"
             )
     return problems
+
+
+def this_piece(p: torch.nn.Parameter, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A whole parameter's flat states cut to the piece a tensor-parallel rank holds (``p.tp_split``)."""
+    if not hasattr(p, "tp_split"):
+        return values
+    dim, rank, world = p.tp_split
+    whole = [n * world if i == dim else n for i, n in enumerate(p.shape)]
+    return {s: v.view(whole).chunk(world, dim)[rank].contiguous().flatten() for s, v in values.items()}
 
 
 @torch.no_grad()
@@ -367,7 +418,7 @@ def load_into_engine(engine, saved: SavedOptimizerState) -> None:
         if spec_key(name)[0] != last_file:  # one layer file's parameters mapped at a time
             saved.release()
             last_file = spec_key(name)[0]
-        values = saved.get(spec_key(name))
+        values = this_piece(p, saved.get(spec_key(name)))
         if hasattr(p, "ds_id"):  # ZeRO-3: this rank's piece of each, padding left as it is
             rank = optimizer._get_param_partition_rank(p)
             for s, value in values.items():

@@ -107,6 +107,8 @@ def save(resolved: Resolved, engine, step: int, iterator) -> str:
         "global_samples": engine.global_samples,
         "skipped_steps": engine.skipped_steps,
         "optimizer_param_names": optimizer_param_names(engine.module, resolved.cfg.optim.weight_decay),
+        # Tensor parallelism: the dimension each split parameter is cut along (training/reshard.py joins them)
+        "tp_split_dims": {n: p.tp_split[0] for n, p in engine.module.named_parameters() if hasattr(p, "tp_split")},
         "peft_base": getattr(engine.module, "lora_base", None),
         "rng": rng_state(),
         "iterator": iterator.state_dict() if iterator is not None else None,
