@@ -224,6 +224,16 @@ def full_numel(t: torch.Tensor) -> int:
     return getattr(t, "ds_numel", t.numel())
 
 
+def tp_piece(whole: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+    """The piece of ``whole`` a tensor-parallel rank holds of parameter ``p`` (its ``tp_split = (dim, rank,
+    world)``, parallel/tensor_parallel.py), or ``whole`` for a parameter that is not split."""
+    split = getattr(p, "tp_split", None)
+    if split is None:
+        return whole
+    dim, rank, world = split
+    return whole.chunk(world, dim)[rank]
+
+
 def is_partitioned(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ZeRO-3 parameter (made by ``deepspeed.zero.Init``): each rank holds one slice."""
     return hasattr(t, "ds_id")

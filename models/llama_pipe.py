@@ -386,19 +386,14 @@ class LlamaPipelineModule(PipelineModule):
         """DeepSpeed's load, except that a split stage reads the whole tensors and keeps its pieces."""
         if self._tp_group() is None:
             return super().load_state_dir(load_dir, checkpoint_engine, strict)
-        from models.layer_files import load_layer_file
+        from models.layer_files import load_layer_file, tp_piece
 
         for idx, layer in enumerate(self.forward_funcs):
             if not hasattr(layer, "load_state_dict"):
                 continue
             params = dict(layer.named_parameters())
             state = load_layer_file(self.ckpt_layer_path(load_dir, idx))
-            for key, t in state.items():
-                split = getattr(params.get(key), "tp_split", None)
-                if split:
-                    dim, rank, world = split
-                    state[key] = t.chunk(world, dim)[rank]
-            layer.load_state_dict(state, strict=strict)
+            layer.load_state_dict({k: tp_piece(t, params.get(k)) for k, t in state.items()}, strict=strict)
         return None
 
     def _partition_layers(self, method: str = "uniform") -> None:

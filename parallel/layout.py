@@ -15,6 +15,13 @@ from dataclasses import dataclass
 PARTITION_METHODS = ("parameters", "compute", "memory", "uniform", "type:DecoderLayerPipe")
 
 
+def tp_dividing(sizes, candidates) -> list[int]:
+    """The tensor_parallel values of ``candidates`` that divide every size in ``sizes`` (a model's attention
+    heads, KV heads, intermediate size and vocabulary: each rank keeps an equal share of each)."""
+    sizes = list(sizes)
+    return [t for t in candidates if all(n % t == 0 for n in sizes)]
+
+
 def offloads(zero: dict) -> tuple[bool, bool]:
     """(optimizer offloaded, parameters offloaded) for a DeepSpeed JSON's ``zero_optimization`` section."""
     return tuple(zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))

@@ -49,7 +49,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from parallel.layout import Layout
+from parallel.layout import Layout, tp_dividing
 
 GB = 1e9  # the ZeRO paper and GPU vendors count decimal gigabytes
 DS_REDUCE_BUCKET_DEFAULT = 500_000_000  # elements: DeepSpeed's reduce_bucket_size when the JSON has none
@@ -340,7 +340,7 @@ def tensor_parallel_sizes(shape: Shape | None, node_gpus: int = 8) -> tuple[int,
     sizes = [t for t in (1, 2, 4, 8, 16) if t <= node_gpus]
     if shape is None:
         return tuple(sizes)
-    return tuple(t for t in sizes if not any(n % t for n in (shape.heads, shape.kv_heads, shape.ffn, shape.vocab)))
+    return tuple(tp_dividing((shape.heads, shape.kv_heads, shape.ffn, shape.vocab), sizes))
 
 
 def fitting(

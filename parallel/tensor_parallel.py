@@ -19,17 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.layer_files import local_modules
+from models.layer_files import local_modules, tp_piece
 from models.llama_pipe import EmbeddingPipe, LMHeadPipe
 from models.loss import CausalLMLoss
+from parallel.layout import tp_dividing
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output features (rows of weight)
 ROW = ("o_proj", "down_proj")  # split by input features (columns of weight), all-reduced after
 PER_HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3: one weight shared by all heads, each rank sees its own heads
-
-
-def _divisors_dividing(*numbers: int, limit: int = 64) -> list[int]:
-    return [t for t in range(1, limit + 1) if all(n % t == 0 for n in numbers)]
 
 
 def model_problems(config, tp: int) -> list[str]:
@@ -46,7 +43,7 @@ def model_problems(config, tp: int) -> list[str]:
     bad = {k: v for k, v in sizes.items() if v % tp}
     if not bad:
         return []
-    works = _divisors_dividing(*sizes.values())
+    works = tp_dividing(sizes.values(), range(1, 65))
     return [
         f"tensor_parallel {tp} does not divide the model's "
         + ", ".join(f"{k} {v}" for k, v in bad.items())
@@ -120,11 +117,10 @@ class _Reduce:
 
 def _split_vocab_(module: nn.Module, group, rank: int, world: int) -> int:
     """Keep this rank's rows of an embedding or LM head weight [V, H]; returns its first vocabulary id."""
-    rows = module.weight.shape[0] // world
-    module.weight.data = module.weight.data[rank * rows : (rank + 1) * rows].clone()  # [V/tp, H]
     mark_split(module.weight, 0, rank, world)
+    module.weight.data = tp_piece(module.weight.data, module.weight).clone()  # [V/tp, H]
     module.weight.tensor_model_parallel = True
-    return rank * rows
+    return rank * module.weight.shape[0]
 
 
 def split_stage_(model, group, loss_fn: CausalLMLoss) -> None:

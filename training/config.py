@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import importlib.util
 import json
 import os
@@ -875,10 +874,6 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
     return Resolved(cfg, layout, ds_json, model_config, warnings, resume_tag, resume_changes_, reshard)
 
 
-def _value(cfg, key: str):
-    return functools.reduce(getattr, key.split("."), cfg)
-
-
 # Settings that act only in some configurations: (keys, whether they act in ``cfg``, why not and the fix).
 # A key set away from its default where it cannot act is refused before start: the user believes in a
 # setting they would not get (QLoRA settings without peft.method=lora train the full model, or run out of
@@ -925,14 +920,14 @@ HARMLESS_RULES = (
 
 def inert_settings(cfg: TrainConfig, layout: Layout) -> tuple[list[str], list[str]]:
     """(problems, warnings): settings given a non-default value where they cannot take effect."""
-    default = TrainConfig()
+    now, default = dataclasses.asdict(cfg), dataclasses.asdict(TrainConfig())
     out = []
     for rules in (INERT_RULES, HARMLESS_RULES):
         found = []
         for keys, acts, why in rules:
-            given = [k for k in keys if _plain(_value(cfg, k)) != _plain(_value(default, k))]
+            given = [k for k in keys if _plain(_dotted(now, k)) != _plain(_dotted(default, k))]
             if given and not acts(cfg, layout):
-                found.append(", ".join(f"{k}={_plain(_value(cfg, k))}" for k in given) + f": {why}")
+                found.append(", ".join(f"{k}={_plain(_dotted(now, k))}" for k in given) + f": {why}")
         out.append(found)
     return out[0], out[1]
 

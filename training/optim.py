@@ -33,9 +33,8 @@ def fill_ds_config(resolved: Resolved) -> dict:
     # Written even when 0: DeepSpeed 0.19.8 clips at 1.0 when the key is absent.
     ds["gradient_clipping"] = cfg.optim.max_grad_norm
     if resolved.layout.tp > 1:
-        # DeepSpeed would cut each tensor sent between stages over the TP group (pipe_partitioned), which
-        # needs every element of the tuple but the first to be gradient-free and an activation layout it
-        # assumes; whole sends are what the parity tests check.
+        # DeepSpeed would cut each tensor sent between stages over the TP group (pipe_partitioned); the
+        # stages send them whole, as the parity tests run them.
         ds["pipeline"] = {**ds.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": cfg.precision == "bf16"}
     ds["fp16"] = {**ds.get("fp16", {}), "enabled": cfg.precision == "fp16"}

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from models.layer_files import SIDE_FILES, CheckpointError, first_line, full_numel, load_layer_file
+from models.layer_files import SIDE_FILES, CheckpointError, first_line, full_numel, load_layer_file, tp_piece
 from models.llama_pipe import layer_file_name
 
 ZERO_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -376,9 +376,9 @@ def this_piece(p: torch.nn.Parameter, values: dict[str, torch.Tensor]) -> dict[s
     """A whole parameter's flat states cut to the piece a tensor-parallel rank holds (``p.tp_split``)."""
     if not hasattr(p, "tp_split"):
         return values
-    dim, rank, world = p.tp_split
+    dim, _, world = p.tp_split
     whole = [n * world if i == dim else n for i, n in enumerate(p.shape)]
-    return {s: v.view(whole).chunk(world, dim)[rank].contiguous().flatten() for s, v in values.items()}
+    return {s: tp_piece(v.view(whole), p).contiguous().flatten() for s, v in values.items()}
 
 
 @torch.no_grad()
