@@ -49,7 +49,7 @@ from models.lora import apply_lora, base_numel, base_record, load_adapter_, load
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
 from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes  # noqa: E402
 from parallel.partition import build_pipeline_model  # noqa: E402
-from parallel.tensor_parallel import replica_differences, split_stage_  # noqa: E402
+from parallel.tensor_parallel import replica_differences  # noqa: E402
 from training import run_checkpoints  # noqa: E402
 from training.config import (  # noqa: E402
     ConfigError,
@@ -399,16 +399,6 @@ def announce(
         log0(f"rank {rank}: data {d['role']} | peak RSS after data {d['peak_rss_mib']:.0f} MiB")
 
 
-def split_tensor_parallel(model, resolved: Resolved, loss_fn: CausalLMLoss) -> None:
-    """With tensor_parallel > 1, each rank keeps its slice of its stage's layers (parallel/tensor_parallel.py),
-    after the whole weights are loaded (or, resuming, before DeepSpeed loads the slices)."""
-    if resolved.layout.tp > 1:
-        on_all_ranks(
-            "splitting the stage over tensor-parallel ranks",
-            lambda: split_stage_(model, model._grid.get_slice_parallel_group(), loss_fn),
-        )
-
-
 def check_tensor_parallel_replicas(model, resolved: Resolved) -> None:
     """At the end of a run with tensor_parallel > 1: every replicated parameter is the same on the TP peers."""
     if resolved.layout.tp == 1:
@@ -527,6 +517,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
         start_step,
         flops_per_token=six_n + attention,
         peak_flops=peak * 1e12 * resolved.world_size if peak else None,
+        layout={"pipe": resolved.layout.stages, "tensor": resolved.layout.tp, "data": resolved.layout.dp},
     )
     eval_labels = eval_label_count(resolved, engine, data) if data.eval_batches else 0
     last_saved = start_step if resolved.resume_tag else None
@@ -672,7 +663,6 @@ def main(dict_cfg: DictConfig) -> None:
         model = build_model(resolved, topology, loss_fn)
         init_reports = init_weights(model, resolved, rss_before_model)
         lora_reports = adapt(model, resolved)
-        split_tensor_parallel(model, resolved, loss_fn)
         data, data_reports = build_data(resolved, topology)
         total_steps, steps_per_epoch = plan_steps(resolved, data)
         engine = build_engine(resolved, model, total_steps)

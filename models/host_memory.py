@@ -52,12 +52,14 @@ def release_mapped_pages(t: torch.Tensor) -> None:
     this, copying a 125 MiB embedding out of its file held both copies at once (measured: 1.34 x the
     stage's bytes at load, first stage of 4). ``MADV_DONTNEED`` on a private file mapping that was
     only read is safe: the pages stay in the page cache and fault in again from the file if touched.
-    The range is widened to whole pages, which may release a neighbour's page early: it is re-read.
+    The range is widened to whole pages, which may release a neighbour's page early: it is re-read. A
+    strided view (a tensor-parallel rank's columns) releases the whole span from its first to its last element.
     """
     if _MADVISE is None or t.device.type != "cpu" or t.numel() == 0:
         return
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))  # elements past the first
     start = t.data_ptr() // PAGE_SIZE * PAGE_SIZE
-    end = t.data_ptr() + t.numel() * t.element_size()
+    end = t.data_ptr() + (last + 1) * t.element_size()
     _MADVISE(start, end - start, mmap.MADV_DONTNEED)
 
 

@@ -200,16 +200,18 @@ def is_pipeline_checkpoint(path: str) -> bool:
 @torch.no_grad()
 def copy_from_mapped(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for ``src`` in a mapped layer file, ``LOAD_CHUNK`` bytes at a time, releasing
-    each chunk's pages once copied: the load then holds the stage plus one chunk, not plus one file."""
-    if not (dst.is_contiguous() and src.is_contiguous()) or dst.shape != src.shape:
+    each chunk's pages once copied: the load then holds the stage plus one chunk, not plus one file. A
+    strided ``src`` (a tensor-parallel rank's columns of a weight) goes by blocks of rows."""
+    if dst.shape != src.shape or src.dim() == 0:
         dst.copy_(src)
         release_mapped_pages(src)
         return
-    flat_dst, flat_src = dst.view(-1), src.view(-1)  # (numel,) views, no copy
-    step = max(1, LOAD_CHUNK // src.element_size())
-    for start in range(0, flat_src.numel(), step):
-        chunk = flat_src[start : start + step]
-        flat_dst[start : start + step].copy_(chunk)
+    if dst.is_contiguous() and src.is_contiguous():
+        dst, src = dst.view(-1), src.view(-1)  # (numel,) views, no copy
+    step = max(1, LOAD_CHUNK // (src[0].numel() * src.element_size()))  # rows per chunk
+    for start in range(0, src.shape[0], step):
+        chunk = src[start : start + step]
+        dst[start : start + step].copy_(chunk)
         release_mapped_pages(chunk)
 
 
@@ -222,6 +224,16 @@ def full_shape(t: torch.Tensor) -> torch.Size:
 def full_numel(t: torch.Tensor) -> int:
     """The element count of :func:`full_shape`."""
     return getattr(t, "ds_numel", t.numel())
+
+
+def whole_shape(t: torch.Tensor) -> torch.Size:
+    """The shape of the whole tensor in a layer file that parameter ``t`` holds (a piece of, for a
+    tensor-parallel rank: ``tp_split = (dim, rank, world)``, parallel/tensor_parallel.py)."""
+    shape = list(full_shape(t))
+    if hasattr(t, "tp_split"):
+        dim, _, world = t.tp_split
+        shape[dim] *= world
+    return torch.Size(shape)
 
 
 def tp_piece(whole: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
@@ -364,23 +376,36 @@ def load_stage_weights(model: PipelineModule, config, ckpt_dir: str, tag: str | 
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        targets = module.state_dict(keep_vars=True)  # the live parameters and buffers, by name
-        found = check_state_dict(path, state, {k: full_shape(v) for k, v in targets.items()})
+        found = fill_module_(module, state, path)
         problems += found
         if not found:
-            for key, t in state.items():
-                if is_partitioned(targets[key]):
-                    assign_partitioned(targets[key], t, copy=copy_from_mapped)
-                    release_mapped_pages(t)
-                else:
-                    copy_from_mapped(targets[key], t)
             files.append(path)
             num_tensors += len(state)
-            nbytes += sum(t.numel() * t.element_size() for t in state.values())
+            targets = module.state_dict(keep_vars=True)
+            nbytes += sum(tp_piece(t, targets[k]).numel() * t.element_size() for k, t in state.items())  # read
         del state
     if problems:
         raise CheckpointError("cannot load stage weights:\n  " + "\n  ".join(problems))
     return StageLoadReport(files, num_tensors, nbytes, peak_rss_mb())
+
+
+@torch.no_grad()
+def fill_module_(module: nn.Module, state: dict[str, torch.Tensor], path: str) -> list[str]:
+    """Copy a layer file's tensors (``state``, mapped from ``path``) into ``module``'s parameters and
+    buffers, or return the problems (file, tensor, both shapes) and copy nothing. A tensor-parallel
+    rank copies only its piece of each split tensor, so only the piece's pages are read from disk; a
+    ZeRO-3 partitioned parameter keeps only its partition (``assign_partitioned``)."""
+    targets = module.state_dict(keep_vars=True)  # the live parameters and buffers, by name
+    problems = check_state_dict(path, state, {k: whole_shape(v) for k, v in targets.items()})
+    if problems:
+        return problems
+    for key, t in state.items():
+        if is_partitioned(targets[key]):
+            assign_partitioned(targets[key], t, copy=copy_from_mapped)
+            release_mapped_pages(t)
+        else:
+            copy_from_mapped(targets[key], tp_piece(t, targets[key]))
+    return []
 
 
 def stage_file_problems(model: PipelineModule, config, ckpt_dir: str, tag: str) -> list[str]:

@@ -340,13 +340,28 @@ class LlamaPipelineModule(PipelineModule):
     its last stage 57% of the work (measured: 2.71 vs 2.07 CPU s per step); by compute, 5 | 3 + head.
     The price is memory: the first stage stores the embedding on top of its share; ``parameters``
     balances stored parameters, ``memory`` the predicted per-GPU peak (docs/training.md#partitioning).
+
+    With ``shard_stage`` (tensor parallelism, parallel/tensor_parallel.py) the stage's layers are built
+    with their parameters on the meta device (buffers, e.g. rotary frequencies, built as usual),
+    ``shard_stage(self)`` cuts them into this rank's pieces, and only the pieces get memory, zeros until
+    the caller loads or initialises them: no rank ever allocates a whole layer.
     """
 
-    def __init__(self, config: PretrainedConfig, *args, boundaries: list[int], **kwargs):
-        self._llama_config, self._boundaries = config, list(boundaries)
+    def __init__(self, config: PretrainedConfig, *args, boundaries: list[int], shard_stage=None, **kwargs):
+        self._llama_config, self._boundaries, self._shard_stage = config, list(boundaries), shard_stage
         super().__init__(*args, **kwargs)
         for p in self.parameters():
             p.model_parallel = not p.ds_pipe_replicated
+
+    def _build(self) -> None:
+        if self._shard_stage is None:
+            return super()._build()
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            super()._build()
+        self._shard_stage(self)
+        materialize_(self)
 
     def _tp_group(self):
         """The tensor-parallel group when this stage was split over one (parallel/tensor_parallel.py), else None."""
@@ -366,6 +381,7 @@ class LlamaPipelineModule(PipelineModule):
         if self._grid.data_parallel_id != 0:
             return None
         checkpoint_engine.makedirs(save_dir, exist_ok=True)
+        writer = dist.get_rank(group) == 0  # the only rank that holds a whole layer, to write it
         for idx, layer in enumerate(self.forward_funcs):
             if not hasattr(layer, "state_dict"):
                 continue
@@ -374,11 +390,11 @@ class LlamaPipelineModule(PipelineModule):
                 split = getattr(params.get(key), "tp_split", None)
                 if split:
                     dim, _, world = split
-                    pieces = [torch.empty_like(t) for _ in range(world)]
-                    dist.all_gather(pieces, t.contiguous(), group=group)
-                    t = torch.cat(pieces, dim)  # the whole tensor, as Hugging Face names and shapes it
+                    pieces = [torch.empty_like(t) for _ in range(world)] if writer else None
+                    dist.gather(t.contiguous(), pieces, dst=dist.get_global_rank(group, 0), group=group)
+                    t = torch.cat(pieces, dim) if writer else t  # whole, as Hugging Face names and shapes it
                 state[key] = t.clone()
-            if dist.get_rank(group) == 0:
+            if writer:
                 checkpoint_engine.save(state_dict=state, path=self.ckpt_layer_path(save_dir, idx))
         return None
 
@@ -386,14 +402,15 @@ class LlamaPipelineModule(PipelineModule):
         """DeepSpeed's load, except that a split stage reads the whole tensors and keeps its pieces."""
         if self._tp_group() is None:
             return super().load_state_dir(load_dir, checkpoint_engine, strict)
-        from models.layer_files import load_layer_file, tp_piece
+        from models.layer_files import CheckpointError, fill_module_, load_layer_file
 
         for idx, layer in enumerate(self.forward_funcs):
             if not hasattr(layer, "load_state_dict"):
                 continue
-            params = dict(layer.named_parameters())
-            state = load_layer_file(self.ckpt_layer_path(load_dir, idx))
-            layer.load_state_dict({k: tp_piece(t, params.get(k)) for k, t in state.items()}, strict=strict)
+            path = self.ckpt_layer_path(load_dir, idx)
+            problems = fill_module_(layer, load_layer_file(path), path)
+            if problems:
+                raise CheckpointError("cannot load the stage's pieces:\n  " + "\n  ".join(problems))
         return None
 
     def _partition_layers(self, method: str = "uniform") -> None:
@@ -408,6 +425,19 @@ class LlamaPipelineModule(PipelineModule):
 
 
 @torch.no_grad()
+def materialize_(module: nn.Module) -> None:
+    """Give every parameter left on the meta device memory of its shape, zeros: a new ``Parameter``
+    carrying the old one's attributes (``tp_split``, DeepSpeed's flags), since torch cannot move a
+    parameter off the meta device in place."""
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.is_meta:
+                real = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                real.__dict__.update(p.__dict__)
+                m._parameters[name] = real
+
+
+@torch.no_grad()
 def init_weights_(module: nn.Module, config: PretrainedConfig, seed: int) -> None:
     """Hugging Face's initialisation (``LlamaPreTrainedModel._init_weights``, the same for every family
     here), from its own seed.
@@ -415,24 +445,30 @@ def init_weights_(module: nn.Module, config: PretrainedConfig, seed: int) -> Non
     Linear and embedding weights ~ N(0, initializer_range), biases 0, the padding row 0, RMSNorm 1
     (the q/k norms of Qwen3 included).
     Seeding per spec (not per rank) gives every data-parallel replica, and both ends of a tied
-    embedding, the same weights, whatever the partitioning.
+    embedding, the same weights, whatever the partitioning. A tensor-parallel rank draws each whole
+    weight (the same numbers as without tensor parallelism) and keeps its piece.
     """
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    from models.layer_files import tp_piece, whole_shape
+
     g = torch.Generator().manual_seed(seed)
     std = config.initializer_range
 
-    def normal_(w: torch.Tensor) -> None:
+    def normal_(w: torch.Tensor, zero_row: int | None = None) -> None:
         # drawn on the CPU generator whatever the device: the same weights on a GPU as on CPU ranks
-        w.copy_(torch.empty_like(w, device="cpu").normal_(0.0, std, generator=g))
+        whole = torch.empty(whole_shape(w), dtype=w.dtype).normal_(0.0, std, generator=g)
+        if zero_row is not None:
+            whole[zero_row] = 0.0
+        w.copy_(tp_piece(whole, w))
 
     for m in module.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, TensorParallel_Layer)):  # DeepSpeed's split q/k/v/o/gate/up/down
             normal_(m.weight)
             if m.bias is not None:
                 m.bias.zero_()
         elif isinstance(m, nn.Embedding):
-            normal_(m.weight)
-            if m.padding_idx is not None:
-                m.weight[m.padding_idx].zero_()
+            normal_(m.weight, zero_row=m.padding_idx)
         elif isinstance(m, RMS_NORM_CLASSES):
             m.weight.fill_(1.0)
 

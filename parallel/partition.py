@@ -15,6 +15,7 @@ from models.llama_pipe import DECODER_LAYER_CLASSES, LlamaPipelineModule, build_
 from models.loss import CausalLMLoss
 from models.peft_targets import SAVABLE_MODULES
 from parallel.memory_plan import memory_boundaries
+from parallel.tensor_parallel import finish_split_, split_stage_
 
 # How train.py splits specs into stages by default (see stage_boundaries).
 DEFAULT_PARTITION_METHOD = "compute"
@@ -59,9 +60,11 @@ def build_pipeline_model(
     """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
 
     Must be called after ``deepspeed.init_distributed()``, with a topology whose axes are pipe and
-    data (``PipeDataParallelTopology``). With ``activation_checkpoint_interval`` N > 0, activations
-    are recomputed in chunks of N layers, but only chunks made of decoder layers: DeepSpeed's
-    reentrant checkpoint around the embedding (integer inputs) would get no gradient at all.
+    data (``PipeDataParallelTopology``), or pipe, data and model (``PipeModelDataParallelTopology``):
+    with a model axis over 1 each rank builds only its tensor-parallel pieces (parallel/tensor_parallel.py).
+    With ``activation_checkpoint_interval`` N > 0, activations are recomputed in chunks of N layers, but
+    only chunks made of decoder layers: DeepSpeed's reentrant checkpoint around the embedding (integer
+    inputs) would get no gradient at all.
     ``layout`` (a ``parallel.layout.Layout``) is what ``partition_method=memory`` balances for.
     With ``loss_chunk_tokens`` > 0 the last stage computes the loss chunk by chunk (the stage contract
     above build_specs); a given ``loss_fn`` must chunk the same.
@@ -69,7 +72,8 @@ def build_pipeline_model(
     loss_fn = loss_fn or CausalLMLoss(loss_chunk_tokens)
     if loss_fn.chunk_tokens != loss_chunk_tokens:
         raise ValueError(f"loss_fn chunks {loss_fn.chunk_tokens} tokens, the model {loss_chunk_tokens}")
-    return LlamaPipelineModule(
+    split = "model" in topology.get_axis_names() and topology.get_dim("model") > 1
+    model = LlamaPipelineModule(
         config,
         layers=build_specs(config, loss_chunk_tokens),
         topology=topology,
@@ -77,7 +81,11 @@ def build_pipeline_model(
         boundaries=stage_boundaries(config, topology.get_dim("pipe"), partition_method, layout),
         activation_checkpoint_interval=activation_checkpoint_interval,
         checkpointable_layers=[cls.__name__ for cls in DECODER_LAYER_CLASSES.values()],
+        shard_stage=(lambda m: split_stage_(m, m._grid.get_slice_parallel_group(), loss_fn)) if split else None,
     )
+    if split:
+        finish_split_(model, model._grid.get_slice_parallel_group())
+    return model
 
 
 def frozen_stage_problems(cfg, model_config, layout) -> list[str]:

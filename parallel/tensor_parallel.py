@@ -1,16 +1,18 @@
 """Tensor parallelism inside each pipeline stage (``tensor_parallel=N``), on DeepSpeed's own TP layers.
 
-Megatron's split, applied to the Hugging Face modules a stage is built from, after its whole weights are
-loaded: in every decoder layer q/k/v/gate/up become DeepSpeed ``LinearLayer`` (column-parallel: each rank
-keeps its rows of the weight, i.e. its attention heads and its share of the MLP) and o/down
-``LinearAllreduce`` (row-parallel, one all-reduce after each); Hugging Face's attention reshapes with -1,
-so it runs on the local heads unchanged. The embedding and the LM head keep a slice of the vocabulary:
-``EmbeddingPipe`` looks up the tokens in its slice and all-reduces, and the loss takes a vocabulary-parallel
-cross entropy (models/loss.py) that never gathers the logits. RMSNorms, Qwen3's per-head q/k norms and the
+Megatron's split, applied to the Hugging Face modules a stage is built from while their parameters are
+still on the meta device (models.llama_pipe.LlamaPipelineModule): in every decoder layer q/k/v/gate/up
+become DeepSpeed ``LinearLayer`` (column-parallel: each rank keeps its rows of the weight, i.e. its
+attention heads and its share of the MLP) and o/down ``LinearAllreduce`` (row-parallel, one all-reduce
+after each); Hugging Face's attention reshapes with -1, so it runs on the local heads unchanged. The
+embedding and the LM head keep a slice of the vocabulary: ``EmbeddingPipe`` looks up the tokens in its
+slice and all-reduces, and the loss takes a vocabulary-parallel cross entropy (models/loss.py) that never
+gathers the logits. RMSNorms, Qwen3's per-head q/k norms and the
 row-parallel biases stay whole on every rank.
 
 Each split parameter carries ``tp_split = (dim, rank, world)``: the layer files stay whole tensors with
-Hugging Face's names, and ``LlamaPipelineModule`` gathers (save) or slices (load) them by it.
+Hugging Face's names, and ``LlamaPipelineModule`` gathers (save) or slices (load) them by it: a rank reads
+only its piece of each tensor from the mapped file (models.layer_files.fill_module_).
 """
 
 from __future__ import annotations
@@ -124,9 +126,9 @@ def _split_vocab_(module: nn.Module, group, rank: int, world: int) -> int:
 
 
 def split_stage_(model, group, loss_fn: CausalLMLoss) -> None:
-    """Split this rank's stage over the TP ``group`` in place (after its whole weights are loaded), and
-    flag each parameter for DeepSpeed's gradient norm: a split one counts on every TP rank, a replicated
-    one on TP rank 0 only, the tied LM head's copy of the embedding nowhere (the first stage counts it)."""
+    """Cut this rank's stage into its TP pieces in place: LlamaPipelineModule calls it while the stage's
+    parameters are still on the meta device, so no whole layer is ever allocated (the pieces get memory
+    and their values from the layer files afterwards)."""
     from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode
 
     set_autotp_mode(training=True)  # otherwise DeepSpeed's TP layers freeze their weights
@@ -152,8 +154,17 @@ def split_stage_(model, group, loss_fn: CausalLMLoss) -> None:
                     layer = LinearAllreduce(child, group)
                     mark_split(layer.weight, 1, rank, world)
                     setattr(parent, name, layer)
-                elif name in PER_HEAD_NORMS:
-                    child.weight.register_hook(_sum_over(group))
+
+
+def finish_split_(model, group) -> None:
+    """Once the split stage has its memory: sum Qwen3's per-head norm gradients over the TP group, and
+    flag each parameter for DeepSpeed's gradient norm: a split one counts on every TP rank, a replicated
+    one on TP rank 0 only, the tied LM head's copy of the embedding nowhere (the first stage counts it)."""
+    rank = dist.get_rank(group)
+    for _, module in local_modules(model):
+        for name, child in module.named_modules():
+            if name.rsplit(".", 1)[-1] in PER_HEAD_NORMS:
+                child.weight.register_hook(_sum_over(group))
     for p in model.parameters():
         split = hasattr(p, "tp_split")
         if getattr(p, "ds_pipe_replicated", False):

@@ -1,11 +1,12 @@
 """Per-rank peak host memory when loading one pipeline stage, for 1, 2 and 4 stages of one model.
 
     python scripts/bench_load.py [--hidden 1024 --layers 24 --vocab 32000] [--work work/bench_load]
+    python scripts/bench_load.py --layouts 1x2,1x4,2x2    # stages x tensor_parallel
 
-Builds a random Llama of that shape (fp32), converts it, then for each stage count K launches
-`deepspeed --num_gpus K train.py num_stages=K max_steps=0` (data parallel 1: one rank per stage) and
-reads every rank's load report: stage parameters, RSS before the stage was built (imports + process
-group) and peak RSS after loading.
+Builds a random Llama of that shape (fp32), converts it, then for each layout K x T launches
+`deepspeed --num_gpus K*T train.py num_stages=K tensor_parallel=T max_steps=0` (data parallel 1) and
+reads every rank's load report: the parameters it holds (its stage, or its tensor-parallel piece of
+it), RSS before the stage was built (imports + process group) and peak RSS after loading.
 
 The framework's own share is measured on an "empty" rank: the same launch (same K, same command) with
 a tiny model (hidden 64, vocabulary 512: under 1 MiB of parameters per stage), whose peak RSS at load
@@ -53,17 +54,20 @@ def make_checkpoint(work: str, config) -> str:
     return ckpt
 
 
-def load_reports(ckpt: str, k: int, data: str, out: str) -> dict[int, tuple]:
-    """rank -> (stage, M params, stage MiB, RSS before stage MiB, peak RSS at load MiB) for K stages."""
+def load_reports(ckpt: str, k: int, data: str, out: str, tp: int = 1) -> dict[int, tuple]:
+    """rank -> (stage, M params, stage MiB, RSS before stage MiB, peak RSS at load MiB) for K stages
+    (each split over ``tp`` ranks)."""
     cmd = [
         os.path.join(os.path.dirname(sys.executable), "deepspeed"),
         "--num_gpus",
-        str(k),
+        str(k * tp),
         "--master_port",
         str(free_port()),
         "train.py",
         f"model_name_or_path={ckpt}",
         f"num_stages={k}",
+        f"tensor_parallel={tp}",
+        "loss_chunk_tokens=64",
         "max_steps=0",
         f"data.train_file={data}",
         "data.max_seq_length=64",
@@ -73,13 +77,13 @@ def load_reports(ckpt: str, k: int, data: str, out: str) -> dict[int, tuple]:
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
-        sys.exit(f"{ckpt}, num_stages={k} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        sys.exit(f"{ckpt}, num_stages={k} tensor_parallel={tp} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     reports = {}
     for m in REPORT.finditer(proc.stdout):
         rank, stage, mparams, peak, before, param_mib = m.groups()
         reports[int(rank)] = (int(stage), float(mparams), int(param_mib), int(before), int(peak))
-    if len(reports) != k:
-        sys.exit(f"{ckpt}, num_stages={k}: found {len(reports)} load reports, expected {k}:\n{proc.stdout[-3000:]}")
+    if len(reports) != k * tp:
+        sys.exit(f"{ckpt}, {k} x {tp}: found {len(reports)} load reports, expected {k * tp}:\n{proc.stdout[-3000:]}")
     return reports
 
 
@@ -88,14 +92,14 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--stages", default="1,2,4", help="comma-separated stage counts")
+    p.add_argument("--layouts", default="1,2,4", help="comma-separated stage counts, or STAGESxTP")
     p.add_argument("--work", default=os.path.join(ROOT, "work", "bench_load"))
     args = p.parse_args()
 
     from models.llama_pipe import model_parameters
     from models.tiny import tiny_config
 
-    stage_counts = [int(s) for s in args.stages.split(",")]
+    layouts = [tuple(int(n) for n in (x + "x1").split("x")[:2]) for x in args.layouts.split(",")]
     config = tiny_config(
         hidden_size=args.hidden,
         intermediate_size=int(args.hidden * 2.75),
@@ -104,7 +108,8 @@ def main() -> None:
         num_attention_heads=args.hidden // 64,
         num_key_value_heads=args.hidden // 64,
     )
-    empty_config = tiny_config(num_hidden_layers=max(4, *stage_counts))  # hidden 64, vocabulary 512
+    # hidden 64, vocabulary 512, 4 KV heads: splits over up to 4 tensor-parallel ranks
+    empty_config = tiny_config(num_hidden_layers=max(4, *(k for k, _ in layouts)), num_key_value_heads=4)
     ckpt = make_checkpoint(args.work, config)
     empty_ckpt = make_checkpoint(os.path.join(args.work, "empty"), empty_config)
     data = os.path.join(args.work, "train.jsonl")
@@ -113,12 +118,12 @@ def main() -> None:
             f.write(json.dumps({"input_ids": list(range(3, 67))}) + "\n")
 
     rows = []
-    for k in stage_counts:
-        empty = load_reports(empty_ckpt, k, data, os.path.join(args.work, "out_empty"))
-        full = load_reports(ckpt, k, data, os.path.join(args.work, "out"))
+    for k, tp in layouts:
+        empty = load_reports(empty_ckpt, k, data, os.path.join(args.work, "out_empty"), tp)
+        full = load_reports(ckpt, k, data, os.path.join(args.work, "out"), tp)
         for rank in sorted(full):
             stage, mparams, param_mib, before, peak = full[rank]
-            rows.append((k, rank, stage, mparams, param_mib, before, empty[rank][4], empty[rank][2], peak))
+            rows.append((f"{k} x {tp}", rank, stage, mparams, param_mib, before, empty[rank][4], peak))
 
     total = model_parameters(config)
     print(
@@ -127,16 +132,16 @@ def main() -> None:
         f"hidden-{empty_config.hidden_size} model"
     )
     print(
-        f"| stages | rank | stage | params (M) | stage params (MiB) | RSS before stage (MiB) | empty-rank peak (MiB) "
-        f"| peak RSS at load (MiB) | limit {TARGET} x stage + empty (MiB) | (peak - empty) / stage bytes | target |"
+        "| stages x tensor | rank | stage | params (M) | rank's params (MiB) | RSS before stage (MiB) | "
+        f"empty-rank peak (MiB) | peak RSS at load (MiB) | limit {TARGET} x params + empty (MiB) | "
+        "(peak - empty) / param bytes | target |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for k, rank, stage, mparams, param_mib, before, empty_peak, empty_mib, peak in rows:
+    for layout, rank, stage, mparams, param_mib, before, empty_peak, peak in rows:
         limit = TARGET * param_mib + empty_peak
         print(
-            f"| {k} | {rank} | {stage} | {mparams:.1f} | {param_mib} | {before} | {empty_peak} | {peak} | "
-            f"{limit:.0f} | "
-            f"{(peak - empty_peak) / param_mib:.2f} | {'met' if peak <= limit else 'MISSED'} |"
+            f"| {layout} | {rank} | {stage} | {mparams:.1f} | {param_mib} | {before} | {empty_peak} | {peak} | "
+            f"{limit:.0f} | {(peak - empty_peak) / param_mib:.2f} | {'met' if peak <= limit else 'MISSED'} |"
         )
 
 

@@ -8,7 +8,9 @@
 #    there are 4 GPUs or more (they launch 4 ranks);
 # 3. the GPU benchmark: llama3.2-1b, bf16, seq 2048 (scripts/bench_train.py: a plain Hugging Face loop and
 #    train.py with num_stages=1; num_stages=2 with 2 GPUs or more): one table with tokens/s, MFU and the
-#    largest rank's peak GPU memory per case.
+#    largest rank's peak GPU memory per case;
+# 4. with 2 GPUs or more, scripts/bench_layouts.py: pipe x tensor x data layouts of the same GPUs (tensor
+#    parallelism's GPU rows: s/step, tokens/s, memory per rank).
 # Without a CUDA GPU it stops at once with exit code 2.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -54,4 +56,12 @@ cases="a,b"
 echo "[gpu_check] benchmark: llama3.2-1b, bf16, seq 2048, cases $cases"
 "$PY" scripts/bench_train.py --model llama3.2-1b --precision bf16 --seq 2048 --micro-batches 8 --cases "$cases" \
   --rounds 1 --json work/gpu_check/bench.json --work work/gpu_check | tee work/gpu_check.log || status=1
+if [ "$GPUS" -ge 2 ]; then  # tensor parallelism's GPU rows: pipe x tensor x data layouts of the same GPUs
+  n=2 layouts="2x1,1x2,1x1"
+  [ "$GPUS" -ge 4 ] && n=4 layouts="4x1,2x2,1x4,1x1"
+  echo "[gpu_check] layouts on $n GPUs: $layouts (bf16, 1.3 B parameters, seq 2048)"
+  "$PY" scripts/bench_layouts.py --gpus "$n" --layouts "$layouts" --precision bf16 --hidden-size 2048 \
+    --intermediate-size 8192 --num-hidden-layers 16 --num-attention-heads 16 --num-key-value-heads 8 \
+    --vocab-size 32000 --seq 2048 --global-batch 16 | tee -a work/gpu_check.log || status=1
+fi
 exit $status

@@ -50,6 +50,8 @@ class StepLogger:
     ``tokens`` and ``tokens/s`` count the real (non-padding) tokens of the global batch, and
     ``label_tokens`` the tokens the loss was taken over (its denominator with loss_normalization=tokens).
     ``mfu`` is written and printed where the job's peak FLOP/s is known (``peak_flops``, all devices).
+    Each train record carries the run's ``layout`` (``{"pipe": P, "tensor": T, "data": D}``): a run resumed
+    on another layout shows where it changed.
 
     Only the rank created with ``active=True`` (global rank 0) writes anything. When resuming from
     ``start_step``, records of later steps (written after that checkpoint) are dropped first.
@@ -64,8 +66,9 @@ class StepLogger:
         start_step: int = 0,
         flops_per_token: float = 0.0,
         peak_flops: float | None = None,
+        layout: dict[str, int] | None = None,
     ):
-        self.active, self.max_steps, self.log_steps = active, max_steps, log_steps
+        self.active, self.max_steps, self.log_steps, self.layout = active, max_steps, log_steps, layout
         self.start_step, self.flops_per_token, self.peak_flops = start_step, flops_per_token, peak_flops
         self.start = self.last = time.time()
         self.file = None
@@ -99,6 +102,8 @@ class StepLogger:
             "tokens_per_s": round(tokens / step_s, 1),
             "peak_rss_mb": round(peak_rss_mb(), 1),
         }
+        if self.layout:
+            record["layout"] = self.layout
         if self.peak_flops:
             record["mfu"] = round(mfu(tokens / step_s, self.flops_per_token, self.peak_flops), 4)
         self._write(record)
