@@ -162,6 +162,7 @@ def build_model(resolved: Resolved, topology: PipeDataParallelTopology, loss_fn:
         loss_fn,
         layout=resolved.layout,
         loss_chunk_tokens=cfg.loss_chunk_tokens,
+        dynamic_shape=cfg.data.pad_to_multiple_of > 0,
     )
 
 
@@ -361,16 +362,22 @@ def announce(
             + ("; its decoder linear layers quantised to NF4 (bitsandbytes)" if p.quantize == "nf4" else "")
         )
     layout = resolved.layout
+    rows = "at most" if cfg.data.pad_to_multiple_of else "padding included, rows of"
     log0(
-        f"world {layout.world_size} = {layout.axes()} | {layout.batch_line()} (rows of "
-        f"{layout.seq_len}, padding included) | loss normalised per "
+        f"world {layout.world_size} = {layout.axes()} | {layout.batch_line()} ({rows} "
+        f"{layout.seq_len}) | loss normalised per "
         f"{'label token of the global batch' if cfg.loss_normalization == 'tokens' else 'micro-batch'} "
         f"(loss_normalization={cfg.loss_normalization})"
     )
     if dist.get_rank() == 0:  # the rank that prints; a first stage, so it reads the data
         padding = 1 - data.train.total_tokens() / (len(data.train) * cfg.data.max_seq_length)
-        hint = ": consider data.packing=true" if not default_packing(cfg.data) and padding >= PADDING_HINT else ""
-        log0(f"data: rows of {cfg.data.max_seq_length} tokens, {100 * padding:.1f}% padding{hint}")
+        many = not default_packing(cfg.data) and padding >= PADDING_HINT
+        if cfg.data.pad_to_multiple_of:
+            fed = f"each micro-batch cut to its longest row, up to a multiple of {cfg.data.pad_to_multiple_of}"
+            hint = " (data.group_by_length=true pads less)" if many and not cfg.data.group_by_length else ""
+        else:
+            fed, hint = "every row fed whole", " (consider data.packing=true or data.pad_to_multiple_of=8)" * many
+        log0(f"data: rows of {cfg.data.max_seq_length} tokens, {100 * padding:.1f}% padding; {fed}{hint}")
     if not resolved.resume_tag and total_steps == 0:
         plan = "no step to train (max_steps=0): the weights are loaded and checked only"
     elif start_step >= total_steps:
@@ -440,15 +447,16 @@ def normalise_loss(resolved: Resolved, loss_fn: CausalLMLoss, micro_batches: int
         loss_fn.scale = micro_batches * resolved.dp / label_count
 
 
-def train_step(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss) -> tuple[float, int, int]:
-    """One optimizer step: (loss, real tokens, label tokens) of the global batch, identical on every rank.
+def train_step(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss) -> tuple[float, int, int, int]:
+    """One optimizer step: (loss, real tokens, label tokens, tokens computed on: the micro-batches' rows with
+    their padding) of the global batch, identical on every rank.
 
     The ranks that count tokens take the step's micro-batches from their iterator first, so the global
     label count is known before the first micro-batch's loss is computed; the engine then reads them
     from that list (the first stage of a longer pipeline reads its own iterator as before).
     """
     gas = resolved.cfg.gradient_accumulation_steps
-    batches, label_count, real_tokens = None, 0, 0
+    batches, label_count, real_tokens, fed = None, 0, 0, 0
     if counts_tokens(resolved, engine):
         before = data.iterator.tokens_read
         batches = [next(data.iterator) for _ in range(gas)]
@@ -456,18 +464,19 @@ def train_step(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss
             sum(label_tokens(labels) for _, labels in batches),
             data.iterator.tokens_read - before,
         )
-    label_count, real_tokens = global_sum(label_count, real_tokens)
+        fed = sum(labels.numel() for _, labels in batches)
+    label_count, real_tokens, fed = global_sum(label_count, real_tokens, fed)
     normalise_loss(resolved, loss_fn, gas, label_count)
     if resolved.uses_pipeline:
         loss = engine.train_batch(data_iter=iter(batches) if batches is not None else data.iterator).item()
-        return loss, real_tokens, label_count
+        return loss, real_tokens, label_count, fed
     losses = []
     for (input_ids, position_ids), labels in batches:
         loss = loss_fn(engine(input_ids, position_ids), labels)
         engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
         engine.step()  # applies the optimizer at the accumulation boundary only
         losses.append(loss.detach())
-    return mean_over_ranks(torch.stack(losses).mean()), real_tokens, label_count
+    return mean_over_ranks(torch.stack(losses).mean()), real_tokens, label_count, fed
 
 
 def eval_label_count(resolved: Resolved, engine, data: RankData) -> int:
@@ -528,7 +537,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside the step
         skipped_before = engine.skipped_steps
         step_peak.before(step)
-        loss, tokens, label_count = train_step(resolved, engine, data, loss_fn)
+        loss, tokens, label_count, fed = train_step(resolved, engine, data, loss_fn)
         step_peak.after(step)
         data.guard.after_step(step)
         if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
@@ -538,7 +547,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
                 f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}"
             )
         grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
-        logger.log(step, loss, lr, None if grad_norm is None else float(grad_norm), tokens, label_count)
+        logger.log(step, loss, lr, None if grad_norm is None else float(grad_norm), tokens, label_count, fed)
         check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
         if data.eval_batches and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
             evaluate(resolved, engine, data, step, logger, loss_fn, eval_labels)

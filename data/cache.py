@@ -1,6 +1,7 @@
 """Tokenize once, store on disk, memory-map when training.
 
-A cache entry is a directory named by a key: the SHA-256 of the data file's bytes, of the tokenizer's
+A cache entry is a directory named by a key: the SHA-256 of the data's bytes (every file a directory, a
+glob or a saved dataset holds), of the tokenizer's
 files and of the data settings (and of this module's format version). A changed file, tokenizer or
 setting gives a new key, hence a rebuild; the same inputs reuse the entry. Entries are written to a
 temporary directory and renamed, so a crash never leaves a half-written entry that looks complete.
@@ -34,7 +35,15 @@ import torch
 from torch.utils.data import Dataset
 
 from data.packing import Row, pack_rows, pad_rows
-from data.sources import DataError, SourceStats, read_examples
+from data.sources import (
+    DataError,
+    SourceStats,
+    examples_of,
+    is_prepared,
+    read_records,
+    source_bytes,
+    source_digest_files,
+)
 from models.layer_files import TOKENIZER_FILES
 from models.loss import IGNORE_INDEX
 
@@ -56,6 +65,7 @@ class DataSettings:
     skip_bad_lines: bool
     pad_id: int
     vocab_size: int
+    fields: tuple[tuple[str, str], ...] = ()  # data.fields: (our name, the source's column) pairs, sorted
 
 
 def file_sha256(path: str) -> str:
@@ -67,15 +77,62 @@ def file_sha256(path: str) -> str:
 
 
 def cache_key(path: str, settings: DataSettings, tokenizer_dir: str | None) -> str:
+    """The entry's name: the source's bytes (every file it names, by name and content), the settings, the
+    tokenizer's files and the format version."""
     h = hashlib.sha256()
     h.update(f"v{CACHE_VERSION}|{json.dumps(dataclasses.asdict(settings), sort_keys=True)}|".encode())
-    h.update(file_sha256(path).encode())
+    files = source_digest_files(path)
+    for f in files:
+        h.update((os.path.relpath(f, path) if len(files) > 1 else "").encode() + file_sha256(f).encode())
     if settings.format != "tokens" and tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            p = os.path.join(tokenizer_dir, name)
-            if os.path.isfile(p):
-                h.update(name.encode() + file_sha256(p).encode())
+        h.update(tokenizer_digest(tokenizer_dir).encode())
     return h.hexdigest()[:24]
+
+
+def tokenizer_digest(tokenizer_dir: str) -> str:
+    """SHA-256 over the tokenizer's files (names and bytes): what a prepared directory records."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        p = os.path.join(tokenizer_dir, name)
+        if os.path.isfile(p):
+            h.update(name.encode() + file_sha256(p).encode())
+    return h.hexdigest()
+
+
+def load_tokenizer(settings: DataSettings, tokenizer_dir: str | None):
+    """The tokenizer a format needs (None for ``tokens``), checked against the model's embedding size."""
+    if settings.format == "tokens":
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if len(tokenizer) > settings.vocab_size:
+        raise DataError(
+            f"the tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens but the model's embedding has "
+            f"{settings.vocab_size} rows: use the model's own tokenizer, or resize the model"
+        )
+    return tokenizer
+
+
+def tokenized_rows(records: Iterator, settings: DataSettings, tokenizer, stats: SourceStats) -> Iterator[Row]:
+    """``(where, record)`` pairs (data.sources.read_records, part_records) -> the training rows of ``settings``."""
+    examples = examples_of(
+        records,
+        settings.format,
+        tokenizer,
+        settings.max_seq_length,
+        settings.vocab_size,
+        settings.skip_bad_lines,
+        stats,
+    )
+    return rows_of(examples, settings, stats)
+
+
+def rows_of(examples: Iterator, settings: DataSettings, stats: SourceStats) -> Iterator[Row]:
+    """Examples -> rows of ``max_seq_length``: packed (text documents may continue in the next row) or one each."""
+    if settings.packing:
+        return pack_rows(examples, settings.max_seq_length, settings.pad_id, settings.format == "text", stats)
+    return pad_rows(examples, settings.max_seq_length, settings.pad_id, stats)
 
 
 def build_or_reuse(
@@ -83,6 +140,8 @@ def build_or_reuse(
 ) -> tuple[str, dict]:
     """(entry directory, meta) for ``path``; tokenizes only if no entry with this key exists."""
     start = time.time()
+    if is_prepared(path):
+        return path, check_prepared(path, settings, tokenizer_dir, log)
     entry = os.path.join(cache_dir, cache_key(path, settings, tokenizer_dir))
     if os.path.isfile(os.path.join(entry, "meta.json")):
         with open(os.path.join(entry, "meta.json")) as f:
@@ -93,33 +152,16 @@ def build_or_reuse(
         )
         return entry, meta
 
-    tokenizer = None
-    if settings.format != "tokens":
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        if len(tokenizer) > settings.vocab_size:
-            raise DataError(
-                f"the tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens but the model's embedding has "
-                f"{settings.vocab_size} rows: use the model's own tokenizer, or resize the model"
-            )
+    tokenizer = load_tokenizer(settings, tokenizer_dir)
     stats = SourceStats()
-    examples = read_examples(
-        path, settings.format, tokenizer, settings.max_seq_length, settings.vocab_size, settings.skip_bad_lines, stats
-    )
-    if settings.packing:
-        rows = pack_rows(
-            examples, settings.max_seq_length, settings.pad_id, split=settings.format == "text", stats=stats
-        )
-    else:
-        rows = pad_rows(examples, settings.max_seq_length, settings.pad_id, stats)
-
+    records = read_records(path, settings.format, settings.skip_bad_lines, stats, dict(settings.fields))
+    rows = tokenized_rows(records, settings, tokenizer, stats)
     os.makedirs(cache_dir, exist_ok=True)
     tmp = f"{entry}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        num = _write_rows(tmp, rows, stats, _progress(path, stats, log))
+        num = write_rows(tmp, rows, stats, _progress(path, stats, log))
         if num == 0:
             raise DataError(_nothing_left(path, stats))
         elapsed = time.time() - start
@@ -152,6 +194,47 @@ def build_or_reuse(
     return entry, meta
 
 
+def check_prepared(path: str, settings: DataSettings, tokenizer_dir: str | None, log) -> dict:
+    """The meta of a directory made by scripts/prepare_data.py, refused (DataError) when it was made with other
+    settings or another tokenizer than this run's, each difference named."""
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    made, wanted = meta["settings"], dataclasses.asdict(settings)
+    wanted["fields"] = [list(f) for f in wanted["fields"]]  # as JSON holds it
+    differ = [
+        f"{PREPARED_KNOBS.get(k, k)} {made.get(k)!r} there, {wanted[k]!r} here"
+        for k in wanted
+        if k != "skip_bad_lines" and made.get(k) != wanted[k]
+    ]
+    if (
+        settings.format != "tokens"
+        and tokenizer_dir is not None
+        and meta["tokenizer"] != tokenizer_digest(tokenizer_dir)
+    ):
+        differ.append(f"the tokenizer ({tokenizer_dir} here: other files)")
+    if differ:
+        raise DataError(
+            f"{path} was prepared for another run: " + "; ".join(differ) + ". Prepare it again with this run's "
+            "settings (python scripts/prepare_data.py with the same overrides), or set these to the prepared ones"
+        )
+    log(
+        f"reading prepared data {path}: {meta['num_samples']} samples of {meta['seq_len']} in {len(meta['shards'])} "
+        f"shards, {meta['tokens']} tokens (no tokenizing)"
+    )
+    return meta
+
+
+# What each setting is called in the config, for the refusal of a prepared directory.
+PREPARED_KNOBS = {
+    "format": "data.format",
+    "max_seq_length": "data.max_seq_length",
+    "packing": "data.packing",
+    "pad_id": "the pad id (the model's pad_token_id)",
+    "vocab_size": "the model's vocab_size",
+    "fields": "data.*_field",
+}
+
+
 def _nothing_left(path: str, stats: SourceStats) -> str:
     # The first skipped line's reason: without it, "every line skipped" hides why.
     first = f"; first skipped: {stats.bad_line_examples[0]}" if stats.bad_line_examples else ""
@@ -163,7 +246,7 @@ def _nothing_left(path: str, stats: SourceStats) -> str:
 
 
 def _progress(path: str, stats: SourceStats, log):
-    total = max(os.path.getsize(path), 1)
+    total = source_bytes(path)  # 0 for a saved dataset; dataset files are not counted in bytes
     state = {"last": time.time(), "start": time.time()}
 
     def report(rows: int) -> None:
@@ -171,15 +254,16 @@ def _progress(path: str, stats: SourceStats, log):
         if now - state["last"] >= PROGRESS_EVERY_S:
             state["last"] = now
             rate = stats.tokens / (now - state["start"])
+            done = f"{100 * stats.bytes_read / total:.1f}% | " if stats.bytes_read and total else ""
             log(
-                f"tokenizing {os.path.basename(path)}: {100 * stats.bytes_read / total:.1f}% | {stats.lines} records | "
+                f"tokenizing {os.path.basename(path)}: {done}{stats.lines} records | "
                 f"{stats.tokens} tokens | {rows} samples | {rate:,.0f} tokens/s"
             )
 
     return report
 
 
-def _write_rows(directory: str, rows: Iterator[Row], stats: SourceStats, progress) -> int:
+def write_rows(directory: str, rows: Iterator[Row], stats: SourceStats, progress) -> int:
     files = {name: open(os.path.join(directory, f"{name}.bin"), "wb") for name in (*ARRAYS, NUM_TOKENS)}
     count, buffer = 0, []
     try:
@@ -211,32 +295,53 @@ def _flush(files, buffer: list[Row]) -> int:
 
 
 class TokenBlocks(Dataset):
-    """A cache entry, memory-mapped; optionally a subset of its rows (an eval split)."""
+    """A cache entry, or a prepared directory of such entries (shards, scripts/prepare_data.py), memory-mapped;
+    optionally a subset of its rows (an eval split). Rows are numbered across the shards in their order."""
 
     def __init__(self, entry: str, indices: np.ndarray | None = None):
         self.entry = entry
         with open(os.path.join(entry, "meta.json")) as f:
             self.meta = json.load(f)
-        shape = (self.meta["num_samples"], self.meta["seq_len"])
-        self.arrays = {
-            n: np.memmap(os.path.join(entry, f"{n}.bin"), dtype=np.int32, mode="r", shape=shape) for n in ARRAYS
-        }
-        self.num_tokens = np.memmap(os.path.join(entry, f"{NUM_TOKENS}.bin"), dtype=np.int32, mode="r", shape=shape[:1])
+        shards = [os.path.join(entry, s["dir"]) for s in self.meta["shards"]] if "shards" in self.meta else [entry]
+        self.shards = [_open_entry(d, self.meta["seq_len"]) for d in shards]
+        self.offsets = np.cumsum([0] + [len(nt) for _, nt in self.shards])  # first row of each shard, then the end
         self.indices = indices
+
+    @property
+    def arrays(self) -> dict[str, np.memmap]:
+        """The one shard's arrays (a cache entry; a prepared directory has one set per shard)."""
+        if len(self.shards) != 1:
+            raise ValueError(f"{self.entry} holds {len(self.shards)} shards: index rows instead")
+        return self.shards[0][0]
 
     def subset(self, indices: np.ndarray) -> TokenBlocks:
         """The same entry restricted to ``indices`` (rows of the whole entry)."""
         return TokenBlocks(self.entry, indices)
 
     def __len__(self) -> int:
-        return self.meta["num_samples"] if self.indices is None else len(self.indices)
+        return int(self.offsets[-1]) if self.indices is None else len(self.indices)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         row = int(i if self.indices is None else self.indices[i])
-        sample = {n: torch.from_numpy(a[row].astype(np.int64)) for n, a in self.arrays.items()}  # each [S]
-        return {**sample, NUM_TOKENS: int(self.num_tokens[row])}
+        shard = int(np.searchsorted(self.offsets, row, side="right")) - 1
+        arrays, num_tokens = self.shards[shard]
+        row -= int(self.offsets[shard])
+        sample = {n: torch.from_numpy(a[row].astype(np.int64)) for n, a in arrays.items()}  # each [S]
+        return {**sample, NUM_TOKENS: int(num_tokens[row])}
+
+    def lengths(self) -> np.ndarray:
+        """Real (non-padding) tokens of each of these rows, int32 [N] (data.group_by_length sorts by it)."""
+        every = np.concatenate([np.asarray(nt) for _, nt in self.shards])
+        return every if self.indices is None else every[self.indices]
 
     def total_tokens(self) -> int:
         """Real (non-padding) tokens in these rows."""
-        rows = self.num_tokens if self.indices is None else self.num_tokens[self.indices]
-        return int(rows.sum(dtype=np.int64))
+        return int(self.lengths().sum(dtype=np.int64))
+
+
+def _open_entry(directory: str, seq_len: int) -> tuple[dict[str, np.memmap], np.memmap]:
+    """One cache entry's arrays, mapped: (input_ids, labels, position_ids [N, seq_len]), num_tokens [N]."""
+    num_tokens = np.memmap(os.path.join(directory, f"{NUM_TOKENS}.bin"), dtype=np.int32, mode="r")
+    shape = (len(num_tokens), seq_len)
+    arrays = {n: np.memmap(os.path.join(directory, f"{n}.bin"), dtype=np.int32, mode="r", shape=shape) for n in ARRAYS}
+    return arrays, num_tokens

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import os
 
+from data.sources import FIELD_NAMES, source_problems
+
 LOADABLE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either lets AutoTokenizer load a tokenizer
 
 
 def default_packing(data) -> bool:
     """``data.packing``, or its default: packing for raw text, one example per row otherwise."""
     return data.packing if data.packing is not None else data.format == "text"
+
+
+def field_names(data) -> dict[str, str]:
+    """Each field the formats read -> the source's column holding it (``data.<field>_field``)."""
+    return {name: getattr(data, f"{name}_field") for name in FIELD_NAMES if name != "conversations"}
 
 
 def data_problems(cfg) -> list[str]:
@@ -20,12 +27,27 @@ def data_problems(cfg) -> list[str]:
         path = getattr(d, key)
         if key == "train_file" and not path:
             problems.append("data.train_file is not set: set data.train_file=PATH")
-        elif path and not os.path.isfile(path):
-            problems.append(f"data.{key} {path} does not exist")
+        elif path:
+            problems += [f"data.{key} {p}" for p in source_problems(path)]
+    columns = field_names(d)
+    empty = [f"data.{ours}_field" for ours, theirs in columns.items() if not theirs.strip()]
+    if empty:
+        problems.append(f"{', '.join(empty)} empty: set each to the source's column name (or leave its default)")
+    taken = [theirs for theirs in columns.values() if list(columns.values()).count(theirs) > 1]
+    if taken:
+        problems.append(
+            f"data.*_field: the column {taken[0]!r} is named for two fields: "
+            + ", ".join(f"data.{ours}_field={theirs}" for ours, theirs in columns.items())
+        )
     if not 0.0 <= d.eval_fraction < 1.0:
         problems.append(f"data.eval_fraction {d.eval_fraction} must be in [0, 1)")
     if d.eval_fraction > 0 and d.eval_file:
         problems.append("data.eval_file and data.eval_fraction are both set: use one (set the other to its default)")
+    if d.pad_to_multiple_of < 0:
+        problems.append(
+            f"data.pad_to_multiple_of {d.pad_to_multiple_of} < 0: set it to 8 or 64 (each micro-batch padded to its "
+            "longest row, rounded up), or 0 (every row max_seq_length long)"
+        )
     if d.order_check_steps < 0:
         problems.append(f"data.order_check_steps {d.order_check_steps} < 0: set it >= 0 (0 = off)")
     model_dir = cfg.model_name_or_path or cfg.model.tokenizer  # the tokenizer the run loads

@@ -2,17 +2,22 @@
 
 A batch is ``((input_ids [B,S] int64, position_ids [B,S] int64), labels [B,S] int64)``: the first
 stage consumes the inputs tuple, the last stage the labels (see the stage contract in
-``models/llama_pipe.py``).
+``models/llama_pipe.py``). S is the rows' length (max_seq_length), or with ``pad_multiple`` the
+micro-batch's longest row rounded up to that multiple: rows are right-padded, so cutting the common
+padding off the end changes no real token (the pipeline then sends shapes with every micro-batch,
+``PipelineModule(dynamic_shape=True)``).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from data.sources import DataError
 
 Batch = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
+GROUP_WINDOW = 4096  # data.group_by_length: samples of the shuffled order sorted by length together
 
 
 class PlaceholderDataset(Dataset):
@@ -31,10 +36,27 @@ class PlaceholderDataset(Dataset):
         raise RuntimeError("a middle pipeline stage tried to read data: only the first and last stage read data")
 
 
-def collate(samples: list[dict[str, torch.Tensor]]) -> Batch:
-    """Samples -> ``((input_ids, position_ids), labels)``, each [B,S] int64."""
-    stack = lambda name: torch.stack([s[name] for s in samples])  # noqa: E731  [B,S]
+def collate(samples: list[dict[str, torch.Tensor]], pad_multiple: int = 0) -> Batch:
+    """Samples -> ``((input_ids, position_ids), labels)``, each [B,S] int64; with ``pad_multiple`` > 0, S is
+    the longest row's real tokens rounded up to a multiple of it (at most the rows' length)."""
+    length = samples[0]["input_ids"].shape[0]
+    if pad_multiple:
+        longest = max(s["num_tokens"] for s in samples)
+        length = min(length, -(-longest // pad_multiple) * pad_multiple)
+    stack = lambda name: torch.stack([s[name][:length] for s in samples])  # noqa: E731  [B,S]
     return (stack("input_ids"), stack("position_ids")), stack("labels")
+
+
+def group_by_length(order: np.ndarray, lengths: np.ndarray, window: int = GROUP_WINDOW) -> np.ndarray:
+    """``order`` with each run of ``window`` samples sorted by length, longest first (stable: ties keep
+    their shuffled order), as Hugging Face's ``LengthGroupedSampler`` sorts its mega-batches: consecutive
+    samples, hence every micro-batch and the data-parallel ranks' micro-batches of one step, are of similar
+    length. A function of the order alone, so a resumed or re-laid-out run draws the same samples."""
+    out = np.empty_like(order)
+    for start in range(0, len(order), window):
+        run = order[start : start + window]
+        out[start : start + len(run)] = run[np.argsort(-lengths[run], kind="stable")]
+    return out
 
 
 class MicroBatchIterator:
@@ -49,12 +71,24 @@ class MicroBatchIterator:
     The position is global, the samples of the epoch that all ranks together have consumed: a step takes
     the same samples whatever dp (micro x grad_acc x dp kept equal), and a run resumed on another layout
     continues at the next unseen sample. ``state_dict()`` / ``load_state_dict()`` save and restore it.
-    ``tokens_read`` counts the real (non-padding) tokens of every micro-batch taken so far.
+    ``tokens_read`` counts the real (non-padding) tokens of every micro-batch taken so far, ``rows_read``
+    the tokens of the rows as they were fed, padding included. ``pad_multiple``: see :func:`collate`;
+    ``by_length``: each epoch's order grouped by :func:`group_by_length` (the dataset's ``lengths()``).
     """
 
-    def __init__(self, dataset: Dataset, micro_batch_size: int, dp_rank: int, dp_size: int, shuffle: bool, seed: int):
+    def __init__(
+        self,
+        dataset: Dataset,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        shuffle: bool,
+        seed: int,
+        pad_multiple: int = 0,
+        by_length: bool = False,
+    ):
         self.dataset, self.micro, self.dp_rank, self.dp = dataset, micro_batch_size, dp_rank, dp_size
-        self.shuffle, self.seed = shuffle, seed
+        self.shuffle, self.seed, self.pad_multiple, self.by_length = shuffle, seed, pad_multiple, by_length
         self.per_epoch = len(dataset) // dp_size // micro_batch_size  # micro-batches per epoch on this rank
         if self.per_epoch == 0:
             raise DataError(
@@ -63,29 +97,33 @@ class MicroBatchIterator:
             )
         self.stride = micro_batch_size * dp_size  # samples all data-parallel ranks take per micro-batch
         self.epoch, self.consumed = 0, 0  # consumed: samples of this epoch taken by all ranks together
-        self.tokens_read = 0
-        self._order: list[int] | None = None
+        self.tokens_read = self.rows_read = 0
+        self._order: np.ndarray | None = None
 
     def __iter__(self) -> MicroBatchIterator:
         return self
 
-    def _epoch_order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(len(self.dataset)))
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)  # DistributedSampler's permutation, the same on every rank
-        return torch.randperm(len(self.dataset), generator=g).tolist()
+    def _epoch_order(self) -> np.ndarray:
+        """This epoch's sample order, int64 [N]: 8 bytes a sample, however many tokens each holds."""
+        order = np.arange(len(self.dataset))
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)  # DistributedSampler's permutation, the same on every rank
+            order = torch.randperm(len(self.dataset), generator=g).numpy()
+        return group_by_length(order, self.dataset.lengths()) if self.by_length else order
 
     def __next__(self) -> Batch:
         if self.consumed + self.stride > self.per_epoch * self.stride:
             self.epoch, self.consumed, self._order = self.epoch + 1, 0, None
         if self._order is None:
             self._order = self._epoch_order()
-        indices = [self._order[self.consumed + self.dp * j + self.dp_rank] for j in range(self.micro)]
+        indices = [int(self._order[self.consumed + self.dp * j + self.dp_rank]) for j in range(self.micro)]
         self.consumed += self.stride
         samples = [self.dataset[i] for i in indices]
         self.tokens_read += sum(s["num_tokens"] for s in samples)
-        return collate(samples)
+        batch = collate(samples, self.pad_multiple)
+        self.rows_read += batch[1].numel()
+        return batch
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed}

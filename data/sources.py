@@ -12,6 +12,7 @@ Formats (``data.format``):
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from collections.abc import Iterator
@@ -63,8 +64,42 @@ class SourceStats:
     bad_line_examples: list[str] = field(default_factory=list)  # first few skipped lines, for the log
 
 
-def read_records(path: str, fmt: str, skip_bad_lines: bool, stats: SourceStats) -> Iterator[tuple[int, object]]:
-    """(line number, record) for each record: a parsed JSON object, or a document string for .txt."""
+def read_records(
+    spec: str, fmt: str, skip_bad_lines: bool, stats: SourceStats, fields: dict[str, str] | None = None
+) -> Iterator[tuple[str, object]]:
+    """(where, record) for each record of every file ``spec`` names (:func:`source_files`): a parsed JSON
+    object or a dataset row (a dict), or a document string for .txt; ``where`` is ``FILE:LINE`` (JSONL,
+    .txt) or ``FILE row N`` (parquet, arrow, JSON, a saved dataset). ``fields`` renames columns: ``{"text":
+    "content"}`` reads a row's ``content`` as its ``text`` (data.text_field=content)."""
+    rename = {theirs: ours for ours, theirs in (fields or {}).items() if theirs != ours}
+    for where, record in _raw_records(spec, fmt, skip_bad_lines, stats, rename):
+        if rename and isinstance(record, dict):
+            record = {rename.get(k, k): v for k, v in record.items()}
+        yield where, record
+
+
+def _raw_records(
+    spec: str, fmt: str, skip_bad_lines: bool, stats: SourceStats, rename, rows: Part | None = None
+) -> Iterator[tuple[str, object]]:
+    if is_saved_dataset(spec):
+        dataset = saved_dataset(spec)
+        _check_columns(spec, dataset.column_names, fmt, rename)
+        start = 0
+        if rows is not None and rows.end >= 0:
+            start, dataset = rows.start, dataset.select(range(rows.start, rows.end))
+        for i, row in enumerate(dataset, start):
+            yield f"{spec} row {i}", row
+        return
+    for path in source_files(spec):
+        if path.endswith((".jsonl", ".txt")):
+            yield from _jsonl_or_txt_records(path, fmt, skip_bad_lines, stats)
+        else:
+            yield from _dataset_file_records(path, fmt, rename)
+
+
+def _jsonl_or_txt_records(
+    path: str, fmt: str, skip_bad_lines: bool, stats: SourceStats, part: Part | None = None
+) -> Iterator[tuple[str, object]]:
     if os.path.getsize(path) == 0:
         raise DataError(f"{path}: file is empty")
     with open(path, "rb") as f:
@@ -73,17 +108,141 @@ def read_records(path: str, fmt: str, skip_bad_lines: bool, stats: SourceStats) 
                 raise DataError(f"{path}: .txt files hold raw text; use data.format=text or a .jsonl file")
             yield from _txt_documents(path, f, skip_bad_lines, stats)
             return
-        for lineno, raw in enumerate(f, 1):
+        lines = f
+        if part is not None:  # a byte range of whole lines (data/prepare.py's units)
+            f.seek(part.start)
+            lines = iter(lambda: f.readline() if f.tell() < part.end else b"", b"")
+        for lineno, raw in enumerate(lines, part.first_line if part else 1):
             stats.bytes_read += len(raw)
             if not raw.strip():
                 continue
             try:
-                yield lineno, json.loads(_decode(path, lineno, raw))
+                yield f"{path}:{lineno}", json.loads(_decode(path, lineno, raw))
             except DataError as e:
                 _bad_line(e, skip_bad_lines, stats)
             except json.JSONDecodeError as e:
                 error = DataError(f"{path}:{lineno}: malformed JSON ({e.msg}, column {e.colno})")
                 _bad_line(error, skip_bad_lines, stats)
+
+
+def _dataset_file_records(path: str, fmt: str, rename) -> Iterator[tuple[str, dict]]:
+    """Rows of a parquet, arrow or JSON file through Hugging Face ``datasets``, streamed (nothing converted
+    or cached on disk, nothing held whole in memory)."""
+    from datasets import load_dataset
+
+    kind = DATASET_SUFFIXES[os.path.splitext(path)[1]]
+    try:
+        rows = load_dataset(kind, data_files=[path], split="train", streaming=True)
+        first = True
+        for i, row in enumerate(rows):
+            if first:
+                _check_columns(path, list(row), fmt, rename)
+                first = False
+            yield f"{path} row {i}", row
+    except (DataError, GeneratorExit):
+        raise
+    except Exception as e:  # pyarrow's and datasets' own errors name neither the file nor the cause plainly
+        raise WholeFileError(f"{path}: cannot be read as {kind} ({type(e).__name__}: {first_line(e)})") from None
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:300]
+
+
+FIELD_NAMES = ("text", "prompt", "response", "messages", "conversations", "input_ids")  # data.<name>_field
+# The fields each format reads (sft: one of the layouts), for the column check of dataset sources.
+FORMAT_FIELDS = {"tokens": ("input_ids",), "text": ("text",), "sft": ("prompt", "messages", "conversations")}
+
+
+def _check_columns(where: str, columns: list[str], fmt: str, rename: dict[str, str]) -> None:
+    """A dataset source whose columns hold none of the format's fields is refused before any row is read."""
+    ours = {rename.get(c, c) for c in columns}
+    if not ours & set(FORMAT_FIELDS[fmt]):
+        mapped = {v: k for k, v in rename.items()}
+        wanted = " or ".join(f"'{mapped.get(f, f)}'" for f in FORMAT_FIELDS[fmt])
+        raise WholeFileError(
+            f"{where}: data.format={fmt} reads a {wanted} column, and its columns are {', '.join(columns)}: name "
+            f"the column with data.{FORMAT_FIELDS[fmt][0]}_field (e.g. data.{FORMAT_FIELDS[fmt][0]}_field={columns[0]})"
+        )
+
+
+DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".json": "json"}
+DATA_SUFFIXES = (".jsonl", ".txt", *DATASET_SUFFIXES)
+
+
+def saved_dataset(spec: str):
+    """The ``datasets.Dataset`` a ``save_to_disk`` directory holds, memory-mapped (a DatasetDict's train split)."""
+    from datasets import load_from_disk
+
+    dataset = load_from_disk(spec)
+    if hasattr(dataset, "keys"):
+        if "train" not in dataset:
+            raise WholeFileError(f"{spec}: a saved DatasetDict without a 'train' split (it has {list(dataset)})")
+        dataset = dataset["train"]
+    return dataset
+
+
+def is_prepared(spec: str) -> bool:
+    """A directory made by scripts/prepare_data.py (data/prepare.py): tokenized shards, read as they are."""
+    meta = os.path.join(spec, "meta.json")
+    if not os.path.isfile(meta):
+        return False
+    with open(meta) as f:
+        return bool(json.load(f).get("prepared"))
+
+
+def is_saved_dataset(spec: str) -> bool:
+    """A directory written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return os.path.isdir(spec) and any(
+        os.path.isfile(os.path.join(spec, f)) for f in ("state.json", "dataset_dict.json")
+    )
+
+
+def source_files(spec: str) -> list[str]:
+    """The data files ``data.train_file`` names, sorted: a file, a directory's files (.jsonl, .txt, .json,
+    .parquet, .arrow; not its subdirectories), or a glob's matches; DataError when it names none."""
+    if os.path.isfile(spec):
+        return [spec]
+    if os.path.isdir(spec):
+        files = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(DATA_SUFFIXES))
+        if not files:
+            raise WholeFileError(f"{spec}: a directory without data files ({', '.join(DATA_SUFFIXES)})")
+        return files
+    if glob.has_magic(spec):
+        files = sorted(f for f in glob.glob(spec) if os.path.isfile(f))
+        if not files:
+            raise WholeFileError(f"{spec}: the pattern matches no file")
+        return files
+    raise WholeFileError(f"{spec} does not exist")
+
+
+def source_problems(spec: str) -> list[str]:
+    """What is wrong with a ``data.train_file``/``eval_file`` before anything is read: nothing there, or
+    files of a kind no format reads (named with the kinds that are read)."""
+    if is_saved_dataset(spec) or (os.path.isdir(spec) and is_prepared(spec)):
+        return []
+    try:
+        files = source_files(spec)
+    except DataError as e:
+        return [str(e)]
+    odd = [f for f in files if not f.endswith(DATA_SUFFIXES)]
+    if odd:
+        return [f"{odd[0]}: not a data file this reads ({', '.join(DATA_SUFFIXES)}, or a saved dataset directory)"]
+    return []
+
+
+def source_bytes(spec: str) -> int:
+    """Bytes of the files ``spec`` names (progress through the JSONL and .txt ones is counted in bytes)."""
+    if is_saved_dataset(spec):
+        return 0
+    return sum(os.path.getsize(f) for f in source_files(spec))
+
+
+def source_digest_files(spec: str) -> list[str]:
+    """Every file whose bytes make the source: the cache key hashes them."""
+    if is_saved_dataset(spec):
+        return sorted(os.path.join(root, f) for root, _, names in os.walk(spec) for f in names)
+    return source_files(spec)
 
 
 def _decode(path: str, lineno: int, raw: bytes) -> str:
@@ -95,7 +254,7 @@ def _decode(path: str, lineno: int, raw: bytes) -> str:
         ) from None
 
 
-def _txt_documents(path: str, f, skip_bad_lines: bool, stats: SourceStats) -> Iterator[tuple[int, str]]:
+def _txt_documents(path: str, f, skip_bad_lines: bool, stats: SourceStats) -> Iterator[tuple[str, str]]:
     """Documents of a .txt file: runs of non-empty lines, separated by blank lines."""
     lines, start = [], 0
     for lineno, raw in enumerate(f, 1):
@@ -110,10 +269,10 @@ def _txt_documents(path: str, f, skip_bad_lines: bool, stats: SourceStats) -> It
                 start = lineno
             lines.append(text)
         elif lines:
-            yield start, "".join(lines).strip("\n")
+            yield f"{path}:{start}", "".join(lines).strip("\n")
             lines = []
     if lines:
-        yield start, "".join(lines).strip("\n")
+        yield f"{path}:{start}", "".join(lines).strip("\n")
 
 
 def _bad_line(error: DataError, skip: bool, stats: SourceStats) -> None:
@@ -127,34 +286,76 @@ def _bad_line(error: DataError, skip: bool, stats: SourceStats) -> None:
         stats.bad_line_examples.append(message)
 
 
-def _field(path: str, lineno: int, record, name: str, kind: type):
+def _field(where: str, record, name: str, kind: type):
     """record[name] checked for presence and type; DataError naming file, line and field otherwise."""
     if not isinstance(record, dict) or name not in record:
-        raise DataError(f"{path}:{lineno}: missing field '{name}'")
+        raise DataError(f"{where}: missing field '{name}'")
     value = record[name]
     if not isinstance(value, kind):
-        raise DataError(f"{path}:{lineno}: field '{name}' must be a {kind.__name__}, got {type(value).__name__}")
+        raise DataError(f"{where}: field '{name}' must be a {kind.__name__}, got {type(value).__name__}")
     return value
 
 
+@dataclass(frozen=True)
+class Part:
+    """A piece of a source that one tokenizing worker reads (data/prepare.py): a JSONL file's lines from byte
+    ``start`` (line ``first_line``) to byte ``end``, a saved dataset's rows ``start``..``end``, or a whole file
+    (``end`` -1)."""
+
+    path: str
+    start: int = 0
+    end: int = -1
+    first_line: int = 1
+
+
+def part_records(
+    part: Part, fmt: str, skip_bad_lines: bool, stats: SourceStats, fields: dict[str, str] | None = None
+) -> Iterator[tuple[str, object]]:
+    """:func:`read_records` of one :class:`Part`."""
+    rename = {theirs: ours for ours, theirs in (fields or {}).items() if theirs != ours}
+    if is_saved_dataset(part.path):
+        records = (r for r in _raw_records(part.path, fmt, skip_bad_lines, stats, rename, rows=part))
+    elif part.path.endswith(".jsonl") and part.end >= 0:
+        records = _jsonl_or_txt_records(part.path, fmt, skip_bad_lines, stats, part)
+    else:
+        records = _raw_records(part.path, fmt, skip_bad_lines, stats, rename)
+    for where, record in records:
+        if rename and isinstance(record, dict):
+            record = {rename.get(k, k): v for k, v in record.items()}
+        yield where, record
+
+
 def read_examples(
-    path: str, fmt: str, tokenizer, max_seq_length: int, vocab_size: int, skip_bad_lines: bool, stats: SourceStats
+    path: str,
+    fmt: str,
+    tokenizer,
+    max_seq_length: int,
+    vocab_size: int,
+    skip_bad_lines: bool,
+    stats: SourceStats,
+    fields: dict[str, str] | None = None,
 ) -> Iterator[Example]:
-    """Tokenized examples of ``path``, in file order. ``tokenizer`` is None for ``tokens``."""
-    for example in _examples(path, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_lines, stats):
+    """Tokenized examples of ``path`` (any source :func:`read_records` reads), in file order. ``tokenizer``
+    is None for ``tokens``."""
+    records = read_records(path, fmt, skip_bad_lines, stats, fields)
+    return examples_of(records, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_lines, stats)
+
+
+def examples_of(records, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_lines, stats) -> Iterator[Example]:
+    """Tokenized examples of ``(where, record)`` pairs (:func:`read_records`, :func:`part_records`)."""
+    for example in _examples(records, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_lines, stats):
         stats.examples += 1
         yield example
 
 
-def _examples(path, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_lines, stats) -> Iterator[Example]:
-    records = read_records(path, fmt, skip_bad_lines, stats)
+def _examples(records, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_lines, stats) -> Iterator[Example]:
     if fmt == "tokens":
-        parse = _tokens_example(path, vocab_size)
+        parse = _tokens_example(vocab_size)
         yield from _checked(records, parse, skip_bad_lines, stats)
     elif fmt == "text":
-        yield from _text_examples(path, records, tokenizer, skip_bad_lines, stats)
+        yield from _text_examples(records, tokenizer, skip_bad_lines, stats)
     else:
-        sft = SFTRenderer(path, tokenizer, max_seq_length, stats)
+        sft = SFTRenderer(tokenizer, max_seq_length, stats)
         for example in _checked(records, sft.example, skip_bad_lines, stats):
             if example is None:
                 stats.dropped_no_trainable += 1
@@ -163,25 +364,25 @@ def _examples(path, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_lines, 
 
 
 def _checked(records, parse, skip_bad_lines: bool, stats: SourceStats) -> Iterator:
-    for lineno, record in records:
+    for where, record in records:
         stats.lines += 1
         try:
-            yield parse(lineno, record)
+            yield parse(where, record)
         except DataError as e:
             _bad_line(e, skip_bad_lines, stats)
 
 
-def _tokens_example(path: str, vocab_size: int):
-    def parse(lineno: int, record) -> Example:
-        ids = _field(path, lineno, record, "input_ids", list)
+def _tokens_example(vocab_size: int):
+    def parse(where: str, record) -> Example:
+        ids = _field(where, record, "input_ids", list)
         if not ids or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
-            raise DataError(f"{path}:{lineno}: input_ids must be a non-empty list of ints in [0, {vocab_size})")
+            raise DataError(f"{where}: input_ids must be a non-empty list of ints in [0, {vocab_size})")
         return Example(ids, list(ids))
 
     return parse
 
 
-def _text_examples(path: str, records, tokenizer, skip_bad_lines: bool, stats: SourceStats) -> Iterator[Example]:
+def _text_examples(records, tokenizer, skip_bad_lines: bool, stats: SourceStats) -> Iterator[Example]:
     """Batched tokenization: [BOS] + tokens + [EOS] per document."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -193,10 +394,10 @@ def _text_examples(path: str, records, tokenizer, skip_bad_lines: bool, stats: S
             yield Example(ids, list(ids))
         batch.clear()
 
-    for lineno, record in records:
+    for where, record in records:
         stats.lines += 1
         try:
-            text = record if isinstance(record, str) else _field(path, lineno, record, "text", str)
+            text = record if isinstance(record, str) else _field(where, record, "text", str)
         except DataError as e:
             _bad_line(e, skip_bad_lines, stats)
             continue
@@ -217,47 +418,47 @@ class SFTRenderer:
     left gives None, and the caller counts it as dropped.
     """
 
-    def __init__(self, path: str, tokenizer, max_seq_length: int, stats: SourceStats):
-        self.path, self.tok, self.max_len, self.stats = path, tokenizer, max_seq_length, stats
+    def __init__(self, tokenizer, max_seq_length: int, stats: SourceStats):
+        self.tok, self.max_len, self.stats = tokenizer, max_seq_length, stats
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
-    def example(self, lineno: int, record) -> Example | None:
+    def example(self, where: str, record) -> Example | None:
         if isinstance(record, dict) and ("messages" in record or "conversations" in record):
-            self._check_chat_tokenizer(lineno)
-            return self._truncate(self._chat_example(lineno, _chat_messages(self.path, lineno, record)))
+            self._check_chat_tokenizer(where)
+            return self._truncate(self._chat_example(where, _chat_messages(where, record)))
         if not isinstance(record, dict) or ("prompt" not in record and "response" not in record):
             raise DataError(
-                f"{self.path}:{lineno}: no SFT fields (found {_describe(record)}): expected 'prompt' and "
+                f"{where}: no SFT fields (found {_describe(record)}): expected 'prompt' and "
                 f"'response', or a chat: {CHAT_LAYOUTS}"
             )
-        prompt = _field(self.path, lineno, record, "prompt", str)
-        response = _field(self.path, lineno, record, "response", str)
+        prompt = _field(where, record, "prompt", str)
+        response = _field(where, record, "response", str)
         prompt_ids = self.bos + (self.tok(prompt, add_special_tokens=False)["input_ids"] if prompt else [])
         response_ids = self.tok(response, add_special_tokens=False)["input_ids"] + self.eos if response else []
         return self._truncate(Example(prompt_ids + response_ids, [IGNORE_INDEX] * len(prompt_ids) + response_ids))
 
-    def _check_chat_tokenizer(self, lineno: int) -> None:
+    def _check_chat_tokenizer(self, where: str) -> None:
         """Chats need a template and character offsets; a tokenizer lacking either fails every chat row."""
         name = getattr(self.tok, "name_or_path", "")
         tokenizer = f"the tokenizer in {name}" if name else "this tokenizer"
         if not getattr(self.tok, "chat_template", None):
             raise WholeFileError(
-                f"{self.path}:{lineno}: chat rows are rendered with the tokenizer's chat template, and {tokenizer} "
+                f"{where}: chat rows are rendered with the tokenizer's chat template, and {tokenizer} "
                 f"has none (a base model's usually has none): use a tokenizer with a chat template, e.g. copy "
                 f"the instruct model's tokenizer files there, or write the data as prompt/response rows"
             )
         if not getattr(self.tok, "is_fast", False):
             raise WholeFileError(
-                f"{self.path}:{lineno}: chat rows need a fast tokenizer (for character offsets), and {tokenizer} "
+                f"{where}: chat rows need a fast tokenizer (for character offsets), and {tokenizer} "
                 f"loads as a slow one: add the model's tokenizer.json there"
             )
 
-    def _chat_example(self, lineno: int, messages: list[dict]) -> Example:
+    def _chat_example(self, where: str, messages: list[dict]) -> Example:
         """The whole rendering tokenized at once (segment-wise tokenization would differ at the
         boundaries); a token is trained when its first character lies in an assistant's content."""
         text, spans = "", []
-        for piece, trainable in self._chat_segments(lineno, messages):
+        for piece, trainable in self._chat_segments(where, messages):
             if trainable:
                 spans.append((len(text), len(text) + len(piece)))
             text += piece
@@ -282,7 +483,7 @@ class SFTRenderer:
         # Position 0's label is never a target (the loss predicts token t+1 from t).
         return ex if any(label != IGNORE_INDEX for label in ex.labels[1:]) else None
 
-    def _chat_segments(self, lineno: int, messages: list) -> list[tuple[str, bool]]:
+    def _chat_segments(self, where: str, messages: list) -> list[tuple[str, bool]]:
         """Chat template rendering split into (text, is_assistant_content) pieces.
 
         Each message's text is the difference between the template rendered with and without it, so
@@ -291,7 +492,7 @@ class SFTRenderer:
         """
         if messages[0]["role"] == "assistant":  # its header would be the rendering of an empty chat
             raise DataError(
-                f"{self.path}:{lineno}: the chat opens with an assistant turn, which has no prompt to answer: "
+                f"{where}: the chat opens with an assistant turn, which has no prompt to answer: "
                 f"start it with a user (or system) turn"
             )
 
@@ -303,8 +504,7 @@ class SFTRenderer:
             except Exception as e:  # templates raise what they like (raise_exception, TypeError, ...)
                 roles = ", ".join(m["role"] for m in messages)
                 raise DataError(
-                    f"{self.path}:{lineno}: the chat template cannot render this chat (roles {roles}): "
-                    f"{type(e).__name__}: {e}"
+                    f"{where}: the chat template cannot render this chat (roles {roles}): {type(e).__name__}: {e}"
                 ) from None
 
         segments, done = [], ""
@@ -313,33 +513,29 @@ class SFTRenderer:
                 header = render(messages[:i], generation_prompt=True)
                 full = render(messages[: i + 1])
                 if not header.startswith(done) or not full.startswith(header):
-                    raise DataError(
-                        f"{self.path}:{lineno}: the chat template does not render conversations incrementally"
-                    )
+                    raise DataError(f"{where}: the chat template does not render conversations incrementally")
                 segments += [(header[len(done) :], False), (full[len(header) :], True)]
             else:
                 full = render(messages[: i + 1])
                 if not full.startswith(done):
-                    raise DataError(
-                        f"{self.path}:{lineno}: the chat template does not render conversations incrementally"
-                    )
+                    raise DataError(f"{where}: the chat template does not render conversations incrementally")
                 segments.append((full[len(done) :], False))
             done = full
         return segments
 
 
-def _chat_messages(path: str, lineno: int, record: dict) -> list[dict]:
+def _chat_messages(where: str, record: dict) -> list[dict]:
     """The record's chat as role/content messages: ``messages`` checked, ShareGPT ``conversations`` mapped.
 
     Anything else is refused: a role the labels do not know would train nothing, or the wrong turns.
     """
     if "messages" in record and "conversations" in record:
-        raise DataError(f"{path}:{lineno}: both 'messages' and 'conversations': keep one of them")
+        raise DataError(f"{where}: both 'messages' and 'conversations': keep one of them")
     key = "messages" if "messages" in record else "conversations"
     entries = record[key]
     if not isinstance(entries, list) or not entries:
         found = "an empty list" if entries == [] else f"a {type(entries).__name__}"
-        raise DataError(f"{path}:{lineno}: '{key}' is {found}: expected {CHAT_LAYOUTS}")
+        raise DataError(f"{where}: '{key}' is {found}: expected {CHAT_LAYOUTS}")
     role_key, text_key = ("role", "content") if key == "messages" else ("from", "value")
     messages = []
     for i, entry in enumerate(entries, 1):
@@ -348,7 +544,7 @@ def _chat_messages(path: str, lineno: int, record: dict) -> list[dict]:
         role = role if key == "messages" else SHAREGPT_ROLES.get(role)
         if role not in ROLES:
             found = ("has " if isinstance(entry, dict) else "is ") + _describe(entry, role_key, text_key)
-            raise DataError(f"{path}:{lineno}: '{key}' entry {i} {found}: expected {CHAT_LAYOUTS}")
+            raise DataError(f"{where}: '{key}' entry {i} {found}: expected {CHAT_LAYOUTS}")
         messages.append({"role": role, "content": entry[text_key]})
     return messages
 

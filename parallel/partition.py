@@ -56,6 +56,7 @@ def build_pipeline_model(
     loss_fn: CausalLMLoss | None = None,
     layout=None,
     loss_chunk_tokens: int = 0,
+    dynamic_shape: bool = False,
 ) -> LlamaPipelineModule:
     """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
 
@@ -67,7 +68,8 @@ def build_pipeline_model(
     inputs) would get no gradient at all.
     ``layout`` (a ``parallel.layout.Layout``) is what ``partition_method=memory`` balances for.
     With ``loss_chunk_tokens`` > 0 the last stage computes the loss chunk by chunk (the stage contract
-    above build_specs); a given ``loss_fn`` must chunk the same.
+    above build_specs); a given ``loss_fn`` must chunk the same. ``dynamic_shape``: micro-batches of
+    varying length (data.pad_to_multiple_of), their shapes sent with each one.
     """
     loss_fn = loss_fn or CausalLMLoss(loss_chunk_tokens)
     if loss_fn.chunk_tokens != loss_chunk_tokens:
@@ -81,6 +83,7 @@ def build_pipeline_model(
         boundaries=stage_boundaries(config, topology.get_dim("pipe"), partition_method, layout),
         activation_checkpoint_interval=activation_checkpoint_interval,
         checkpointable_layers=[cls.__name__ for cls in DECODER_LAYER_CLASSES.values()],
+        dynamic_shape=dynamic_shape,
         shard_stage=(lambda m: split_stage_(m, m._grid.get_slice_parallel_group(), loss_fn)) if split else None,
     )
     if split:

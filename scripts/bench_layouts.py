@@ -21,23 +21,13 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from parallel.layout import count_arg  # noqa: E402
-from training.bench_runs import add_model_args, bench_model, measure_train, run_overrides  # noqa: E402
+from training.bench_runs import add_run_args, bench_model, measure_train, run_overrides  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=count_arg(1), default=4, help="ranks (CPU processes here, GPUs elsewhere)")
+    add_run_args(p, seq=256, micro_batch=1, global_batch=8, steps=8)
     p.add_argument("--layouts", default="4x1,2x2,1x4,1x1", help="comma-separated STAGESxTP (data parallel: the rest)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--ds", default="zero1")
-    add_model_args(p)
-    p.add_argument("--seq", type=count_arg(2), default=256)
-    p.add_argument("--micro-batch", type=count_arg(1), default=1)
-    p.add_argument("--global-batch", type=count_arg(1), default=8, help="samples per optimizer step, every layout")
-    p.add_argument("--steps", type=count_arg(1), default=8)
-    p.add_argument("--warmup", type=count_arg(0), default=2, help="steps left out of the median")
-    p.add_argument("--work-dir", default=None, help="where the model and runs go (default: a temporary directory)")
     return p.parse_args(argv)
 
 

@@ -1,5 +1,5 @@
 """Smoke tests of the benchmark scripts at tiny sizes (scripts/bench_train.py, bench_convert.py, bench_load.py,
-bench_lora.py).
+bench_lora.py, bench_prepare.py, bench_padding.py).
 
 They check that each script runs end to end and that its arithmetic is right; the numbers themselves
 are in BENCHMARKS.md. About 20 s on the 2-core CPU machine (start-up of the subprocesses, mostly).
@@ -209,3 +209,30 @@ def test_bench_layouts_refuses_a_layout_the_ranks_cannot_hold():
         argv = ["--gpus", "4", "--layouts", bad] + (["--global-batch", "6"] if bad == "1x1" else [])
         with pytest.raises(SystemExit, match="bench_layouts.py: error: --layouts"):
             bench_layouts.layouts(bench_layouts.parse_args(argv))
+
+
+def test_bench_prepare_writes_a_prepared_directory_a_run_accepts(tmp_path):
+    """The start-up benchmark's synthetic corpus is what data/prepare.py writes: train.py's reader takes it."""
+    from data.cache import DataSettings, TokenBlocks, build_or_reuse
+
+    bench_prepare = load_entry_point("scripts/bench_prepare.py")
+    out = str(tmp_path / "prepared")
+    bench_prepare.synthetic_prepared(out, tokens=64 * bench_prepare.SEQ, vocab=512)
+    s = DataSettings(
+        format="tokens", max_seq_length=bench_prepare.SEQ, packing=False, skip_bad_lines=False, pad_id=0, vocab_size=512
+    )
+    entry, meta = build_or_reuse(out, s, None, str(tmp_path / "cache"), print)
+    rows = TokenBlocks(entry)
+    assert len(rows) == meta["num_samples"] == 64 and rows[0]["position_ids"].tolist() == list(range(bench_prepare.SEQ))
+    assert rows.total_tokens() == 64 * bench_prepare.SEQ
+
+
+def test_bench_padding_writes_long_tailed_sft_pairs(tmp_path):
+    bench_padding = load_entry_point("scripts/bench_padding.py")
+    path = tmp_path / "chat.jsonl"
+    bench_padding.write_chat_sft(str(path), 400, median_words=60)
+    import json
+    import statistics
+
+    words = [len((r["prompt"] + " " + r["response"]).split()) for r in map(json.loads, path.read_text().splitlines())]
+    assert 45 <= statistics.median(words) <= 75 and max(words) > 5 * 60 and min(words) < 30  # a long tail both ways

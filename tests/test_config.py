@@ -657,3 +657,8 @@ def test_a_harmless_inert_setting_is_named_in_one_warning(good):
         "tensor-parallel peers); with one stage and one rank per layer it has nothing to compare"
     ]
     assert resolve(dataclasses.replace(good, num_stages=1, ds_config="zero0"), 4).warnings == []
+    whole_rows = dataclasses.replace(good.data, group_by_length=True, pad_to_multiple_of=0)
+    assert resolve(dataclasses.replace(good, data=whole_rows), 4).warnings == [
+        "data.group_by_length=True: groups rows of similar length so micro-batches are cut short, but "
+        "data.pad_to_multiple_of=0 feeds every row whole (it only reorders the samples): set data.pad_to_multiple_of=8"
+    ]

@@ -390,6 +390,53 @@ def test_collate_gives_the_stage_contract_layout(tmp_path, tokenizer_dir):
     assert input_ids.dtype == position_ids.dtype == labels.dtype == torch.long  # no float crosses stages
 
 
+def varied_blocks(tmp_path, tokenizer_dir, lengths: list[int], seq: int = 64) -> TokenBlocks:
+    rows = [{"input_ids": [(i + j) % 500 + 3 for j in range(n)]} for i, n in enumerate(lengths)]
+    path = write_jsonl(tmp_path / "varied.jsonl", rows)
+    entry, _ = build_or_reuse(
+        path, settings("tokens", seq=seq, packing=False), tokenizer_dir, str(tmp_path / "c"), print
+    )
+    return TokenBlocks(entry)
+
+
+def test_a_micro_batch_is_padded_to_its_longest_row_rounded_up(tmp_path, tokenizer_dir):
+    ds = varied_blocks(tmp_path, tokenizer_dir, [5, 17, 64, 3])
+    (ids, pos), labels = collate([ds[0], ds[1]], pad_multiple=8)
+    assert ids.shape == pos.shape == labels.shape == (2, 24)  # 17 real tokens -> 24
+    (whole, whole_pos), whole_labels = collate([ds[0], ds[1]])  # 0: every row as long as the rows (64)
+    assert whole.shape == (2, 64) and torch.equal(whole[:, :24], ids) and torch.equal(whole_labels[:, :24], labels)
+    assert (whole_labels[:, 24:] == -100).all()  # only padding was cut: no label lost
+    assert collate([ds[2], ds[3]], pad_multiple=8)[1].shape == (2, 64)  # a full row: never beyond the rows
+    assert collate([ds[3]], pad_multiple=64)[1].shape == (1, 64)
+    it = MicroBatchIterator(ds, 2, 0, 1, shuffle=False, seed=0, pad_multiple=8)
+    next(it), next(it)
+    assert (it.tokens_read, it.rows_read) == (5 + 17 + 64 + 3, 2 * 24 + 2 * 64)
+
+
+def test_group_by_length_gives_micro_batches_of_similar_rows_and_resumes(tmp_path, tokenizer_dir):
+    import random
+
+    lengths = [random.Random(i).randint(2, 64) for i in range(96)]
+    ds = varied_blocks(tmp_path, tokenizer_dir, lengths)
+    assert ds.lengths().tolist() == lengths
+
+    def padded(it, n):  # the tokens the model computes on for n micro-batches
+        return sum(b[1].numel() for b in itertools.islice(it, n))
+
+    plain = padded(MicroBatchIterator(ds, 4, 0, 1, True, 3, pad_multiple=8), 24)
+    grouped_it = MicroBatchIterator(ds, 4, 0, 1, True, 3, pad_multiple=8, by_length=True)
+    grouped = padded(grouped_it, 24)
+    print(f"one epoch of 96 rows, micro-batches of 4: {plain} tokens computed unsorted, {grouped} grouped")
+    assert grouped < 0.8 * plain and grouped_it.tokens_read == sum(lengths)  # every sample once, less padding
+    # Deterministic, the samples of a plain epoch, and resumable mid-epoch (a function of seed and epoch only).
+    first = [fingerprint(b) for b in itertools.islice(MicroBatchIterator(ds, 4, 1, 2, True, 3, 8, True), 15)]
+    it = MicroBatchIterator(ds, 4, 1, 2, True, 3, 8, True)
+    seen = [fingerprint(b) for b in itertools.islice(it, 5)]
+    resumed = MicroBatchIterator(ds, 4, 1, 2, True, 3, 8, True)
+    resumed.load_state_dict(json.loads(json.dumps(it.state_dict())))
+    assert seen + [fingerprint(b) for b in itertools.islice(resumed, 10)] == first
+
+
 def test_eval_split_is_deterministic_and_disjoint():
     train, evaluation = split_eval(100, 0.1)
     assert len(evaluation) == 10 and len(train) == 90 and not set(train) & set(evaluation)

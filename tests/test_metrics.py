@@ -27,12 +27,13 @@ def test_peak_is_the_knob_or_a_known_gpu_and_none_on_cpu():
 
 def test_step_records_carry_real_tokens_label_tokens_and_mfu(tmp_path, capsys):
     logger = StepLogger(str(tmp_path), max_steps=2, log_steps=1, active=True, flops_per_token=1e9, peak_flops=1e12)
-    logger.log(1, 2.5, 1e-3, 0.7, tokens=900, label_tokens=300)
+    logger.log(1, 2.5, 1e-3, 0.7, tokens=900, label_tokens=300, fed_tokens=1200)
     plain = StepLogger(str(tmp_path / "cpu"), max_steps=2, log_steps=1, active=False)  # inactive ranks write nothing
     plain.log(1, 2.5, 1e-3, 0.7, tokens=900, label_tokens=300)
     logger.close()
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert record["tokens"] == 900 and record["label_tokens"] == 300
     assert record["mfu"] == pytest.approx(record["tokens_per_s"] * 1e9 / 1e12, rel=1e-2)
-    assert f"| MFU {100 * record['mfu']:.1f}% |" in capsys.readouterr().out
+    assert record["padding"] == 0.25  # 300 of the 1200 tokens fed were padding
+    assert f" tokens/s (25% padding) | MFU {100 * record['mfu']:.1f}% |" in capsys.readouterr().out
     assert not (tmp_path / "cpu").exists()

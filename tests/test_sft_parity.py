@@ -54,16 +54,20 @@ def cached_rows(cache_dir: str, source: str) -> TokenBlocks:
     raise FileNotFoundError(source)
 
 
-def global_batches(rows: TokenBlocks, dp: int, gas: int, steps: int) -> tuple[list[list], list[int]]:
-    """Per step, the micro-batches every data-parallel rank trains on (shuffle off), rank by rank, and
-    the real (non-padding) tokens among them."""
+def global_batches(rows: TokenBlocks, dp: int, gas: int, steps: int) -> tuple[list[list], list[int], list[int]]:
+    """Per step, the micro-batches every data-parallel rank trains on (shuffle off), rank by rank, as
+    whole rows of SEQ tokens (the reference runs on those: train.py cuts each micro-batch's common padding
+    off, which must not change the loss), the real (non-padding) tokens among them, and the tokens train.py
+    computes on (each micro-batch cut to its longest row, a multiple of 8: data.pad_to_multiple_of)."""
     iterators = [MicroBatchIterator(rows, MICRO, r, dp, shuffle=False, seed=0) for r in range(dp)]
-    batches, tokens = [], []
+    cut = [MicroBatchIterator(rows, MICRO, r, dp, False, 0, pad_multiple=8) for r in range(dp)]
+    batches, tokens, fed = [], [], []
     for _ in range(steps):
         before = sum(it.tokens_read for it in iterators)
         batches.append([next(it) for it in iterators for _ in range(gas)])
         tokens.append(sum(it.tokens_read for it in iterators) - before)
-    return batches, tokens
+        fed.append(sum(next(it)[1].numel() for it in cut for _ in range(gas)))
+    return batches, tokens, fed
 
 
 def hf_loss(model, batch, num_items_in_batch=None) -> torch.Tensor:
@@ -170,7 +174,7 @@ def runs(tmp_path_factory, tiny_hf):
     launch("zero2", 4, num_stages=1, gradient_accumulation_steps=2, ds="zero2")
 
     rows = cached_rows(str(root / "cache"), data)
-    steps, step_tokens = global_batches(rows, dp=2, gas=4, steps=STEPS)
+    steps, step_tokens, step_fed = global_batches(rows, dp=2, gas=4, steps=STEPS)
     token_losses, token_model = reference_run(tiny_hf, steps, "tokens")
     micro_losses, micro_model = reference_run(tiny_hf, steps, "micro_batch")
     eval_rows = cached_rows(str(root / "cache"), eval_data)
@@ -179,6 +183,7 @@ def runs(tmp_path_factory, tiny_hf):
         config=token_model.config,
         steps=steps,
         step_tokens=step_tokens,
+        step_fed={"tokens": step_fed, "tokens_unchunked": step_fed, "zero2": global_batches(rows, 4, 2, STEPS)[2]},
         token_losses=token_losses,
         token_model=token_model,
         micro_losses=micro_losses,
@@ -213,16 +218,20 @@ def test_token_normalised_loss_and_weights_equal_trainer_semantics(runs, name):
     )
     assert loss_diff < REL_TOL and weight_diff < REL_TOL
     # Honest throughput: real tokens and label tokens of the global batch, counted on the ranks that read it.
-    for m, step, tokens in zip(metrics, runs["steps"], runs["step_tokens"]):
+    for m, step, tokens, fed in zip(metrics, runs["steps"], runs["step_tokens"], runs["step_fed"][name]):
         assert m["label_tokens"] == sum(label_tokens(labels) for _, labels in step)
         assert m["tokens"] == tokens < GLOBAL_BATCH * SEQ  # padding is not counted
         assert m["tokens_per_s"] == pytest.approx(tokens / m["step_s"], rel=1e-2)
+        assert tokens < fed < GLOBAL_BATCH * SEQ and m["padding"] == round(1 - tokens / fed, 4)  # rows were cut
 
 
 def test_padding_share_and_normalisation_are_announced(runs):
     log = (runs["root"] / "tokens.log").read_text()
     assert "loss normalised per label token of the global batch (loss_normalization=tokens)" in log
-    assert f"data: rows of {SEQ} tokens, " in log and "% padding: consider data.packing=true" in log
+    assert f"data: rows of {SEQ} tokens, " in log and (
+        "% padding; each micro-batch cut to its longest row, up to a multiple of 8 (data.group_by_length=true pads "
+        "less)" in log
+    )
     assert (
         "loss normalised per micro-batch (loss_normalization=micro_batch)"
         in (runs["root"] / "micro_batch.log").read_text()

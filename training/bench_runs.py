@@ -46,6 +46,23 @@ def measure_train(ranks: int, overrides: list[str], output_dir: str, warmup: int
     }
 
 
+def add_run_args(p, seq: int, micro_batch: int, global_batch: int, steps: int) -> None:
+    """The options every train.py benchmark takes (bench_layouts.py, bench_padding.py): ranks, precision, ZeRO
+    config, the model's shape, sequence, batch, steps, warm-up and the work directory."""
+    from parallel.layout import count_arg
+
+    p.add_argument("--gpus", type=count_arg(1), default=4, help="ranks (CPU processes here, GPUs elsewhere)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--ds", default="zero1")
+    add_model_args(p)
+    p.add_argument("--seq", type=count_arg(2), default=seq)
+    p.add_argument("--micro-batch", type=count_arg(1), default=micro_batch)
+    p.add_argument("--global-batch", type=count_arg(1), default=global_batch, help="samples per optimizer step")
+    p.add_argument("--steps", type=count_arg(1), default=steps)
+    p.add_argument("--warmup", type=count_arg(0), default=2, help="steps left out of the median")
+    p.add_argument("--work-dir", default=None, help="where the model and runs go (default: a temporary directory)")
+
+
 def add_model_args(p) -> None:
     """The random model's shape, as the benchmark scripts take it (defaults: 41 M parameters, 8 layers)."""
     for name, default in (

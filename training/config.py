@@ -145,18 +145,31 @@ class PeftConfig:
 class DataConfig:
     """Training data: formats and rules in ``data/sources.py`` and ``data/packing.py``."""
 
-    train_file: str = ""  # path of the training data file (.jsonl, or .txt for format=text)
+    # The training data: a .jsonl file (.txt for format=text), a .parquet/.arrow/.json file, a directory of
+    # such files, a glob ("shards/*.parquet"), or a directory written by datasets' save_to_disk.
+    train_file: str = ""
     format: DataFormat = (
         DataFormat.tokens
     )  # tokens: {"input_ids"} | text: {"text"} or .txt | sft: {"prompt","response"} or {"messages"}
     max_seq_length: int = 512  # tokens per sample row
     packing: Optional[bool] = None  # pack examples into rows with per-document attention; None: true for text only
     shuffle: bool = True  # reshuffle the samples each epoch (seeded with `seed`)
-    eval_file: str = ""  # separate eval data (same format); exclusive with eval_fraction
+    # The source's column names, where they differ from the formats' (data.text_field=content reads each
+    # row's "content" as its text); a ShareGPT "conversations" column is found as it is.
+    text_field: str = "text"  # format=text: the document
+    prompt_field: str = "prompt"  # format=sft: the prompt of a prompt/response pair
+    response_field: str = "response"  # format=sft: its response (trained)
+    messages_field: str = "messages"  # format=sft: a chat's list of {role, content}
+    input_ids_field: str = "input_ids"  # format=tokens: the token ids
+    eval_file: str = ""  # separate eval data (same format and sources as train_file); exclusive with eval_fraction
     eval_fraction: float = 0.0  # fraction of the training samples split off for eval (fixed seed), 0 = none
     cache_dir: str = ""  # tokenized cache location; empty: $XDG_CACHE_HOME or ~/.cache, then llama-pipe/tokenized
     skip_bad_lines: bool = False  # skip and count malformed lines instead of stopping with their file:line
     order_check_steps: int = 10  # steps during which first and last stage compare batch fingerprints; 0 = off
+    # Pad each micro-batch only to its longest row, rounded up to a multiple of this (64 suits GPU kernels),
+    # not every row to max_seq_length: compute follows the real tokens. 0 = every row max_seq_length long.
+    pad_to_multiple_of: int = 8
+    group_by_length: bool = False  # sort each run of 4096 shuffled samples by length: micro-batches of similar rows
 
 
 @dataclass
@@ -479,6 +492,7 @@ RESUME_KEY_CLASSES = {
         "data.shuffle",
         "data.eval_fraction",
         "data.skip_bad_lines",
+        "data.group_by_length",
         "seed",
     ),
     "model": ("model_name_or_path", "model.name", "model.architecture", "model.tokenizer"),
@@ -909,6 +923,12 @@ INERT_RULES = (
 )
 # Harmless where they cannot act (a check or a report with nothing to do): one warning line each.
 HARMLESS_RULES = (
+    (
+        ("data.group_by_length",),
+        lambda cfg, layout: cfg.data.pad_to_multiple_of > 0,
+        "groups rows of similar length so micro-batches are cut short, but data.pad_to_multiple_of=0 feeds every "
+        "row whole (it only reorders the samples): set data.pad_to_multiple_of=8",
+    ),
     (
         ("data.order_check_steps",),
         lambda cfg, layout: layout.stages > 1 or layout.tp > 1,

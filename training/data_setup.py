@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from data.cache import DataSettings, TokenBlocks, build_or_reuse
-from data.checks import default_packing
+from data.checks import default_packing, field_names
 from data.guard import FingerprintingIterator, OrderGuard
 from data.sampling import MicroBatchIterator, PlaceholderDataset
 from data.sources import DataError
@@ -42,12 +42,15 @@ class RankData:
     micro_batch_size: int
     dp_rank: int
     dp_size: int
+    pad_multiple: int  # data.pad_to_multiple_of
 
     def eval_iterator(self) -> MicroBatchIterator | None:
         """A fresh, unshuffled pass over this rank's eval shard (None on middle stages)."""
         if self.eval is None:
             return None
-        return MicroBatchIterator(self.eval, self.micro_batch_size, self.dp_rank, self.dp_size, shuffle=False, seed=0)
+        return MicroBatchIterator(
+            self.eval, self.micro_batch_size, self.dp_rank, self.dp_size, False, 0, pad_multiple=self.pad_multiple
+        )
 
 
 def data_settings(cfg: TrainConfig, model_config) -> DataSettings:
@@ -59,6 +62,7 @@ def data_settings(cfg: TrainConfig, model_config) -> DataSettings:
         skip_bad_lines=cfg.data.skip_bad_lines,
         pad_id=pad if pad is not None else 0,  # any id works: padding has label -100 and sits at the row's end
         vocab_size=model_config.vocab_size,
+        fields=tuple(sorted((k, v) for k, v in field_names(cfg.data).items() if k != v)),
     )
 
 
@@ -130,6 +134,7 @@ def _open_rank_data(
         micro_batch_size=cfg.micro_batch_size,
         dp_rank=coord.data,
         dp_size=dp_size,
+        pad_multiple=cfg.data.pad_to_multiple_of,
     )
     if not reads:
         return RankData(
@@ -147,7 +152,16 @@ def _open_rank_data(
         train_rows, eval_rows = split_eval(len(train), cfg.data.eval_fraction)
         train, evaluation = train.subset(train_rows), train.subset(eval_rows)
     iterator = FingerprintingIterator(
-        MicroBatchIterator(train, cfg.micro_batch_size, coord.data, dp_size, cfg.data.shuffle, cfg.seed)
+        MicroBatchIterator(
+            train,
+            cfg.micro_batch_size,
+            coord.data,
+            dp_size,
+            cfg.data.shuffle,
+            cfg.seed,
+            pad_multiple=cfg.data.pad_to_multiple_of,
+            by_length=cfg.data.group_by_length,
+        )
     )
     guard = OrderGuard(iterator, cfg.data.order_check_steps, k, coord.data, coord.pipe, cfg.tensor_parallel)
     return RankData(train, evaluation, iterator, guard, "builds + reads" if is_builder else "reads", **shape)

@@ -48,7 +48,8 @@ class StepLogger:
     ``log_steps`` steps and writes every step to ``metrics.jsonl`` (``kind``: train or eval).
 
     ``tokens`` and ``tokens/s`` count the real (non-padding) tokens of the global batch, and
-    ``label_tokens`` the tokens the loss was taken over (its denominator with loss_normalization=tokens).
+    ``label_tokens`` the tokens the loss was taken over (its denominator with loss_normalization=tokens);
+    ``padding`` is the share of the tokens computed on (``fed_tokens``, the rows as fed) that were padding.
     ``mfu`` is written and printed where the job's peak FLOP/s is known (``peak_flops``, all devices).
     Each train record carries the run's ``layout`` (``{"pipe": P, "tensor": T, "data": D}``): a run resumed
     on another layout shows where it changed.
@@ -85,7 +86,16 @@ class StepLogger:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
-    def log(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, label_tokens: int) -> None:
+    def log(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float | None,
+        tokens: int,
+        label_tokens: int,
+        fed_tokens: int = 0,
+    ) -> None:
         now = time.time()
         step_s, self.last = now - self.last, now
         if not self.active:
@@ -98,6 +108,7 @@ class StepLogger:
             "grad_norm": grad_norm,
             "tokens": tokens,
             "label_tokens": label_tokens,
+            "padding": round(1 - tokens / fed_tokens, 4) if fed_tokens else None,
             "step_s": round(step_s, 4),
             "tokens_per_s": round(tokens / step_s, 1),
             "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -112,9 +123,10 @@ class StepLogger:
         eta = (now - self.start) / (step - self.start_step) * (self.max_steps - step)
         gn = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
         util = f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
+        pad = "" if record["padding"] is None else f" ({100 * record['padding']:.0f}% padding)"
         print(
             f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {gn} | "
-            f"{record['tokens_per_s']:.0f} tokens/s{util} | {step_s:.2f} s/step | ETA {eta:.0f} s | "
+            f"{record['tokens_per_s']:.0f} tokens/s{pad}{util} | {step_s:.2f} s/step | ETA {eta:.0f} s | "
             f"peak RSS {record['peak_rss_mb']:.0f} MiB",
             flush=True,
         )

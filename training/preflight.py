@@ -16,14 +16,22 @@ from parallel.memory_plan import GB, shape_of, splitter, stage_estimates, stage_
 from training.config import REPO_ROOT, ConfigError, register_configs, resolve
 
 
-def check(world_size: int, overrides: list[str]) -> list[str]:
-    """The report's lines for a valid config; raises ValueError with train.py's message otherwise."""
+def composed(overrides: list[str]):
+    """train.py's config (a training.config.TrainConfig) from its Hydra overrides, without starting anything;
+    raises ValueError with Hydra's message for an override it cannot apply."""
     register_configs()
     try:
         with initialize_config_dir(config_dir=os.path.join(REPO_ROOT, "conf"), version_base="1.3"):
-            dict_cfg = compose(config_name="config", overrides=overrides)
-        resolved = resolve(OmegaConf.to_object(dict_cfg), world_size=world_size)
-    except (ConfigError, HydraException, OmegaConfBaseException) as e:
+            return OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(str(e)) from e
+
+
+def check(world_size: int, overrides: list[str]) -> list[str]:
+    """The report's lines for a valid config; raises ValueError with train.py's message otherwise."""
+    try:
+        resolved = resolve(composed(overrides), world_size=world_size)
+    except ConfigError as e:
         raise ValueError(str(e)) from e
     cfg, config = resolved.cfg, resolved.model_config
     lines = [f"warning: {w}" for w in resolved.warnings]
