@@ -60,7 +60,7 @@ from training.config import (  # noqa: E402
     resolve,
     unknown_key_problems,
 )
-from training.data_setup import RankData, prepare_rank_data  # noqa: E402
+from training.data_setup import EvalSet, RankData, prepare_rank_data  # noqa: E402
 from training.distributed import (  # noqa: E402
     StartupError,
     TrainingStopped,
@@ -389,10 +389,17 @@ def announce(
         plan = f"steps {start_step + 1}..{total_steps}" + (
             f" (resumed from {resolved.resume_tag})" if start_step else ""
         )
-    log0(
-        f"data: {len(data.train)} training samples ({steps_per_epoch:.1f} steps/epoch), {data.eval_samples} eval "
-        f"samples | {plan}"
-    )
+    evals = ", ".join(f"{e.samples}{f' ({e.name})' if e.name else ''}" for e in data.evals) or "0"
+    log0(f"data: {len(data.train)} training samples ({steps_per_epoch:.1f} steps/epoch), {evals} eval samples | {plan}")
+    if data.sources and dist.get_rank() == 0:  # a first stage: it holds the mixture
+        mix = data.train
+        log0(
+            "data: a mixture of "
+            + ", ".join(
+                f"{name} (weight {w:g}: {n} of each epoch's {len(mix)} samples, {size} rows)"
+                for name, w, n, size in zip(mix.names, mix.weights, mix.counts, mix.sizes)
+            )
+        )
     for rank, (info, d) in enumerate(zip(init_reports, data_reports)):
         log0(
             f"rank {rank}: stage {info['stage']} specs {info['specs'][0]}..{info['specs'][-1]} "
@@ -447,63 +454,74 @@ def normalise_loss(resolved: Resolved, loss_fn: CausalLMLoss, micro_batches: int
         loss_fn.scale = micro_batches * resolved.dp / label_count
 
 
-def train_step(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss) -> tuple[float, int, int, int]:
-    """One optimizer step: (loss, real tokens, label tokens, tokens computed on: the micro-batches' rows with
-    their padding) of the global batch, identical on every rank.
+def train_step(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss) -> tuple[float, list[int]]:
+    """One optimizer step: the loss and the global batch's counts, identical on every rank: real tokens, label
+    tokens, tokens computed on (the micro-batches' rows with their padding), then real tokens per source of a
+    mixture (data.sources).
 
     The ranks that count tokens take the step's micro-batches from their iterator first, so the global
     label count is known before the first micro-batch's loss is computed; the engine then reads them
     from that list (the first stage of a longer pipeline reads its own iterator as before).
     """
     gas = resolved.cfg.gradient_accumulation_steps
-    batches, label_count, real_tokens, fed = None, 0, 0, 0
+    batches, counts = None, [0] * (3 + len(data.sources))
     if counts_tokens(resolved, engine):
-        before = data.iterator.tokens_read
+        before, by_source = data.iterator.tokens_read, dict(data.iterator.tokens_by_source)
         batches = [next(data.iterator) for _ in range(gas)]
-        label_count, real_tokens = (
-            sum(label_tokens(labels) for _, labels in batches),
+        counts[:3] = (
             data.iterator.tokens_read - before,
+            sum(label_tokens(labels) for _, labels in batches),
+            sum(labels.numel() for _, labels in batches),
         )
-        fed = sum(labels.numel() for _, labels in batches)
-    label_count, real_tokens, fed = global_sum(label_count, real_tokens, fed)
-    normalise_loss(resolved, loss_fn, gas, label_count)
+        for i in range(len(data.sources)):
+            counts[3 + i] = data.iterator.tokens_by_source.get(i, 0) - by_source.get(i, 0)
+    counts = global_sum(*counts)
+    normalise_loss(resolved, loss_fn, gas, counts[1])
     if resolved.uses_pipeline:
         loss = engine.train_batch(data_iter=iter(batches) if batches is not None else data.iterator).item()
-        return loss, real_tokens, label_count, fed
+        return loss, counts
     losses = []
     for (input_ids, position_ids), labels in batches:
         loss = loss_fn(engine(input_ids, position_ids), labels)
         engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
         engine.step()  # applies the optimizer at the accumulation boundary only
         losses.append(loss.detach())
-    return mean_over_ranks(torch.stack(losses).mean()), real_tokens, label_count, fed
+    return mean_over_ranks(torch.stack(losses).mean()), counts
 
 
-def eval_label_count(resolved: Resolved, engine, data: RankData) -> int:
+def eval_label_count(resolved: Resolved, engine, data: RankData, evaluation: EvalSet) -> int:
     """Label tokens of the whole eval set (every rank's shard): the eval loss's denominator."""
     local = 0
     if counts_tokens(resolved, engine):
-        local = sum(label_tokens(labels) for _, labels in itertools.islice(data.eval_iterator(), data.eval_batches))
+        batches = itertools.islice(data.eval_iterator(evaluation), evaluation.batches)
+        local = sum(label_tokens(labels) for _, labels in batches)
     return global_sum(local)[0]
 
 
 def evaluate(
-    resolved: Resolved, engine, data: RankData, step: int, logger: StepLogger, loss_fn: CausalLMLoss, label_count: int
+    resolved: Resolved,
+    engine,
+    data: RankData,
+    evaluation: EvalSet,
+    step: int,
+    logger: StepLogger,
+    loss_fn: CausalLMLoss,
+    label_count: int,
 ) -> None:
-    """One pass over the eval data (every rank's shard), without gradients; with loss_normalization=tokens
-    the loss is the mean over every label token of the eval set."""
-    start = time.time()
-    normalise_loss(resolved, loss_fn, data.eval_batches, label_count)
+    """One pass over an eval set (every rank's shard), without gradients; with loss_normalization=tokens
+    the loss is the mean over every label token of the set."""
+    start, n = time.time(), evaluation.batches
+    normalise_loss(resolved, loss_fn, n, label_count)
     if resolved.uses_pipeline:
-        loss = engine.eval_batch(data_iter=data.eval_iterator(), num_micro_batches=data.eval_batches).item()
+        loss = engine.eval_batch(data_iter=data.eval_iterator(evaluation), num_micro_batches=n).item()
     else:
         engine.eval()
         with torch.no_grad():
-            batches = itertools.islice(data.eval_iterator(), data.eval_batches)
+            batches = itertools.islice(data.eval_iterator(evaluation), n)
             losses = [loss_fn(engine(ids, pos), labels) for (ids, pos), labels in batches]
         engine.train()
         loss = mean_over_ranks(torch.stack(losses).mean())
-    logger.log_eval(step, loss, time.time() - start)
+    logger.log_eval(step, loss, time.time() - start, evaluation.name)
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -527,8 +545,9 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
         flops_per_token=six_n + attention,
         peak_flops=peak * 1e12 * resolved.world_size if peak else None,
         layout={"pipe": resolved.layout.stages, "tensor": resolved.layout.tp, "data": resolved.layout.dp},
+        sources=data.sources,
     )
-    eval_labels = eval_label_count(resolved, engine, data) if data.eval_batches else 0
+    eval_labels = [eval_label_count(resolved, engine, data, e) for e in data.evals]
     last_saved = start_step if resolved.resume_tag else None
     census = CensusAtStep(engine)  # model-state bytes per rank, measured before the second optimizer step
     step_peak = StepPeak(start_step + 2, cfg.count_step_memory)  # what the second step allocates beyond the states
@@ -537,7 +556,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside the step
         skipped_before = engine.skipped_steps
         step_peak.before(step)
-        loss, tokens, label_count, fed = train_step(resolved, engine, data, loss_fn)
+        loss, counts = train_step(resolved, engine, data, loss_fn)
         step_peak.after(step)
         data.guard.after_step(step)
         if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
@@ -547,10 +566,11 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
                 f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}"
             )
         grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
-        logger.log(step, loss, lr, None if grad_norm is None else float(grad_norm), tokens, label_count, fed)
+        logger.log(step, loss, lr, None if grad_norm is None else float(grad_norm), *counts[:3], counts[3:])
         check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
-        if data.eval_batches and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
-            evaluate(resolved, engine, data, step, logger, loss_fn, eval_labels)
+        if data.evals and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
+            for evaluation, labels in zip(data.evals, eval_labels):
+                evaluate(resolved, engine, data, evaluation, step, logger, loss_fn, labels)
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps:
             tag = run_checkpoints.save(resolved, engine, step, data.iterator)
             last_saved = step

@@ -49,6 +49,10 @@ class FingerprintingIterator:
     def tokens_read(self) -> int:
         return self.iterator.tokens_read
 
+    @property
+    def tokens_by_source(self) -> dict[int, int]:
+        return self.iterator.tokens_by_source
+
     def state_dict(self) -> dict:
         return self.iterator.state_dict()
 

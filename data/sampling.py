@@ -73,7 +73,8 @@ class MicroBatchIterator:
     continues at the next unseen sample. ``state_dict()`` / ``load_state_dict()`` save and restore it.
     ``tokens_read`` counts the real (non-padding) tokens of every micro-batch taken so far, ``rows_read``
     the tokens of the rows as they were fed, padding included. ``pad_multiple``: see :func:`collate`;
-    ``by_length``: each epoch's order grouped by :func:`group_by_length` (the dataset's ``lengths()``).
+    ``by_length``: each epoch's order grouped by :func:`group_by_length` (the dataset's ``lengths()``). A
+    dataset with an ``epoch_order`` (a mixture, data/mixture.py) gives each epoch's order itself.
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class MicroBatchIterator:
         self.stride = micro_batch_size * dp_size  # samples all data-parallel ranks take per micro-batch
         self.epoch, self.consumed = 0, 0  # consumed: samples of this epoch taken by all ranks together
         self.tokens_read = self.rows_read = 0
+        self.tokens_by_source: dict[int, int] = {}  # real tokens read per source of a mixture
         self._order: np.ndarray | None = None
 
     def __iter__(self) -> MicroBatchIterator:
@@ -105,11 +107,14 @@ class MicroBatchIterator:
 
     def _epoch_order(self) -> np.ndarray:
         """This epoch's sample order, int64 [N]: 8 bytes a sample, however many tokens each holds."""
-        order = np.arange(len(self.dataset))
-        if self.shuffle:
+        if hasattr(self.dataset, "epoch_order"):  # a mixture draws its sources by weight (data/mixture.py)
+            order = self.dataset.epoch_order(self.epoch, self.seed, self.shuffle)
+        elif self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)  # DistributedSampler's permutation, the same on every rank
             order = torch.randperm(len(self.dataset), generator=g).numpy()
+        else:
+            order = np.arange(len(self.dataset))
         return group_by_length(order, self.dataset.lengths()) if self.by_length else order
 
     def __next__(self) -> Batch:
@@ -121,6 +126,9 @@ class MicroBatchIterator:
         self.consumed += self.stride
         samples = [self.dataset[i] for i in indices]
         self.tokens_read += sum(s["num_tokens"] for s in samples)
+        for s in samples:  # a mixture's samples name their source
+            if "source" in s:
+                self.tokens_by_source[s["source"]] = self.tokens_by_source.get(s["source"], 0) + s["num_tokens"]
         batch = collate(samples, self.pad_multiple)
         self.rows_read += batch[1].numel()
         return batch

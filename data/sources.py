@@ -154,14 +154,18 @@ FIELD_NAMES = ("text", "prompt", "response", "messages", "conversations", "input
 FORMAT_FIELDS = {"tokens": ("input_ids",), "text": ("text",), "sft": ("prompt", "messages", "conversations")}
 
 
-def _check_columns(where: str, columns: list[str], fmt: str, rename: dict[str, str]) -> None:
+def _check_columns(
+    where: str, columns: list[str], fmt: str, rename: dict[str, str], found: str = "its columns are"
+) -> None:
     """A dataset source whose columns hold none of the format's fields is refused before any row is read."""
     ours = {rename.get(c, c) for c in columns}
     if not ours & set(FORMAT_FIELDS[fmt]):
         mapped = {v: k for k, v in rename.items()}
         wanted = " or ".join(f"'{mapped.get(f, f)}'" for f in FORMAT_FIELDS[fmt])
+        other = next((f for f, names in FORMAT_FIELDS.items() if f != fmt and ours & set(names)), None)
+        fix = f"set data.format={other}, or name" if other else "name"
         raise WholeFileError(
-            f"{where}: data.format={fmt} reads a {wanted} column, and its columns are {', '.join(columns)}: name "
+            f"{where}: data.format={fmt} reads a {wanted} column, and {found} {', '.join(columns)}: {fix} "
             f"the column with data.{FORMAT_FIELDS[fmt][0]}_field (e.g. data.{FORMAT_FIELDS[fmt][0]}_field={columns[0]})"
         )
 
@@ -228,6 +232,39 @@ def source_problems(spec: str) -> list[str]:
     odd = [f for f in files if not f.endswith(DATA_SUFFIXES)]
     if odd:
         return [f"{odd[0]}: not a data file this reads ({', '.join(DATA_SUFFIXES)}, or a saved dataset directory)"]
+    return []
+
+
+def first_record_problems(spec: str, fmt: str, fields: dict[str, str] | None = None) -> list[str]:
+    """A source whose first file is empty, or whose first record (a dataset's columns) holds none of the
+    format's fields: found before start by reading one record, not after tokenizing on one rank."""
+    rename = {theirs: ours for ours, theirs in (fields or {}).items() if theirs != ours}
+    if is_prepared(spec) or source_problems(spec):
+        return []  # nothing to peek at: read as it is, or already refused
+    try:
+        if is_saved_dataset(spec):
+            _check_columns(spec, saved_dataset(spec).column_names, fmt, rename)
+            return []
+        path = source_files(spec)[0]
+        if os.path.getsize(path) == 0:
+            return [f"{path}: file is empty"]
+        if path.endswith(".txt"):
+            return []
+        if path.endswith(".jsonl"):
+            with open(path, "rb") as f:
+                line = next((raw for raw in f if raw.strip()), b"")
+            if not line:
+                return [f"{path}: holds no record (only blank lines)"]
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return []  # a malformed line: the reader names it with its line number
+            if isinstance(record, dict):
+                _check_columns(path, list(record), fmt, rename, "its first record's keys are")
+            return []
+        next(iter(_dataset_file_records(path, fmt, rename)), None)
+    except WholeFileError as e:
+        return [str(e)]
     return []
 
 

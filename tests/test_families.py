@@ -187,7 +187,13 @@ def test_reference_architectures_of_the_families(name, tmp_path, tokenizer_dir):
     assert sum(params) == REFERENCE_PARAMS[name] and sum(layers) == config.num_hidden_layers
     data = tmp_path / "train.jsonl"
     data.write_text('{"text": "a"}\n')
-    overrides = [f"model={name}", f"model.tokenizer={tokenizer_dir}", f"data.train_file={data}", "num_stages=4"]
+    overrides = [
+        f"model={name}",
+        f"model.tokenizer={tokenizer_dir}",
+        "data=text",
+        f"data.train_file={data}",
+        "num_stages=4",
+    ]
     lines = check(16, [*overrides, f"output_dir={tmp_path / 'out'}", "min_free_disk_gb=0"])
     assert any(line.startswith("planner (scripts/estimate_memory.py), most loaded GPU") for line in lines), lines
 

@@ -142,6 +142,16 @@ class PeftConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One source of a weighted mixture (data.sources, data.eval_sources)."""
+
+    path: str = ""  # a file, directory, glob, saved dataset or prepared directory, as data.train_file takes
+    weight: float = 1.0  # this source's share of the samples drawn: weight / the sum of the weights
+    name: str = ""  # in the logs and metrics.jsonl; empty: the path's file name
+    format: Optional[DataFormat] = None  # empty: data.format
+
+
+@dataclass
 class DataConfig:
     """Training data: formats and rules in ``data/sources.py`` and ``data/packing.py``."""
 
@@ -161,7 +171,11 @@ class DataConfig:
     response_field: str = "response"  # format=sft: its response (trained)
     messages_field: str = "messages"  # format=sft: a chat's list of {role, content}
     input_ids_field: str = "input_ids"  # format=tokens: the token ids
+    # A weighted mixture instead of train_file: [{path: a.jsonl, weight: 3}, {path: 'b/*.parquet', weight: 1}];
+    # each step draws samples by weight (exact proportions over each epoch of the mixture), deterministic.
+    sources: list[SourceConfig] = field(default_factory=list)
     eval_file: str = ""  # separate eval data (same format and sources as train_file); exclusive with eval_fraction
+    eval_sources: list[SourceConfig] = field(default_factory=list)  # an eval loss for each (their weights unused)
     eval_fraction: float = 0.0  # fraction of the training samples split off for eval (fixed seed), 0 = none
     cache_dir: str = ""  # tokenized cache location; empty: $XDG_CACHE_HOME or ~/.cache, then llama-pipe/tokenized
     skip_bad_lines: bool = False  # skip and count malformed lines instead of stopping with their file:line
@@ -486,6 +500,12 @@ RESUME_KEY_CLASSES = {
     ),
     "data": (
         "data.train_file",
+        "data.sources",
+        "data.text_field",
+        "data.prompt_field",
+        "data.response_field",
+        "data.messages_field",
+        "data.input_ids_field",
         "data.format",
         "data.max_seq_length",
         "data.packing",
@@ -912,8 +932,9 @@ INERT_RULES = (
     ),
     (
         ("eval_steps",),
-        lambda cfg, layout: bool(cfg.data.eval_file or cfg.data.eval_fraction),
-        "evaluation needs eval data, and there is none: set data.eval_file or data.eval_fraction, or drop eval_steps",
+        lambda cfg, layout: bool(cfg.data.eval_file or cfg.data.eval_fraction or cfg.data.eval_sources),
+        "evaluation needs eval data, and there is none: set data.eval_file, data.eval_fraction or data.eval_sources, "
+        "or drop eval_steps",
     ),
     (
         ("resume_allow_changes",),

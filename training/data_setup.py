@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from data.cache import DataSettings, TokenBlocks, build_or_reuse
-from data.checks import default_packing, field_names
+from data.checks import field_names
 from data.guard import FingerprintingIterator, OrderGuard
+from data.mixture import MixtureDataset
 from data.sampling import MicroBatchIterator, PlaceholderDataset
 from data.sources import DataError
 from training.config import TrainConfig, tokenizer_dir
@@ -29,36 +30,53 @@ EVAL_SPLIT_SEED = 1234  # fixed, so the eval split does not move when the traini
 
 
 @dataclass
+class EvalSet:
+    """One eval set: data.eval_file or the data.eval_fraction split (name ""), or one of data.eval_sources."""
+
+    name: str
+    dataset: Dataset | None  # None on middle stages
+    samples: int  # known on every rank
+    batches: int  # eval micro-batches per data-parallel rank (one pass, drop_last)
+
+
+@dataclass
 class RankData:
     """This rank's view of the data."""
 
-    train: Dataset  # TokenBlocks on end stages, PlaceholderDataset in the middle
-    eval: Dataset | None  # None on middle stages and without eval data
+    train: Dataset  # TokenBlocks (a MixtureDataset for data.sources) on end stages, PlaceholderDataset in the middle
+    evals: list[EvalSet]  # empty without eval data
     iterator: FingerprintingIterator | None  # None on middle stages: DeepSpeed never asks them
     guard: OrderGuard
     role: str  # "builds + reads", "reads" or "placeholder"
-    eval_samples: int  # known on every rank
-    eval_batches: int  # eval micro-batches per data-parallel rank (one pass, drop_last); 0 = no eval
     micro_batch_size: int
     dp_rank: int
     dp_size: int
     pad_multiple: int  # data.pad_to_multiple_of
+    sources: list[str]  # data.sources' names (empty for data.train_file), known on every rank
 
-    def eval_iterator(self) -> MicroBatchIterator | None:
-        """A fresh, unshuffled pass over this rank's eval shard (None on middle stages)."""
-        if self.eval is None:
+    def eval_iterator(self, evaluation: EvalSet) -> MicroBatchIterator | None:
+        """A fresh, unshuffled pass over this rank's shard of ``evaluation`` (None on middle stages)."""
+        if evaluation.dataset is None:
             return None
         return MicroBatchIterator(
-            self.eval, self.micro_batch_size, self.dp_rank, self.dp_size, False, 0, pad_multiple=self.pad_multiple
+            evaluation.dataset,
+            self.micro_batch_size,
+            self.dp_rank,
+            self.dp_size,
+            False,
+            0,
+            pad_multiple=self.pad_multiple,
         )
 
 
-def data_settings(cfg: TrainConfig, model_config) -> DataSettings:
+def data_settings(cfg: TrainConfig, model_config, fmt: str | None = None) -> DataSettings:
+    """The settings a source is tokenized with (``fmt``: a source's own format, default data.format)."""
     pad = model_config.pad_token_id
+    fmt = fmt or cfg.data.format
     return DataSettings(
-        format=cfg.data.format,
+        format=fmt,
         max_seq_length=cfg.data.max_seq_length,
-        packing=default_packing(cfg.data),
+        packing=cfg.data.packing if cfg.data.packing is not None else fmt == "text",
         skip_bad_lines=cfg.data.skip_bad_lines,
         pad_id=pad if pad is not None else 0,  # any id works: padding has label -100 and sits at the row's end
         vocab_size=model_config.vocab_size,
@@ -80,32 +98,51 @@ def split_eval(num_samples: int, fraction: float) -> tuple[np.ndarray, np.ndarra
     return np.sort(perm[n_eval:]), np.sort(perm[:n_eval])
 
 
+def source_name(source) -> str:
+    """A mixture source's name in logs and metrics: its own, or its path's last part."""
+    return source.name or os.path.basename(source.path.rstrip("/")) or source.path
+
+
+def training_sources(cfg: TrainConfig) -> list[tuple[str, str, float, str | None]]:
+    """(name, path, weight, format) of each training source: data.sources, or data.train_file alone."""
+    if not cfg.data.sources:
+        return [("", cfg.data.train_file, 1.0, None)]
+    return [(source_name(s), s.path, s.weight, s.format) for s in cfg.data.sources]
+
+
+def eval_sources(cfg: TrainConfig) -> list[tuple[str, str, str | None]]:
+    """(name, path, format) of each eval file: data.eval_sources, or data.eval_file (the fraction is a split)."""
+    if cfg.data.eval_sources:
+        return [(source_name(s), s.path, s.format) for s in cfg.data.eval_sources]
+    return [("", cfg.data.eval_file, None)] if cfg.data.eval_file else []
+
+
 def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> RankData:
     """Collective: every rank calls it. ``coord`` is this rank's (pipe, data) topology coordinate."""
-    rank, k = dist.get_rank(), cfg.num_stages
-    reads = coord.pipe in (0, k - 1)
+    rank = dist.get_rank()
+    reads = coord.pipe in (0, cfg.num_stages - 1)
     host = socket.gethostname()
     peers: list = [None] * dist.get_world_size()
     dist.all_gather_object(peers, (host, rank, reads))
     builder = min(r for h, r, rd in peers if h == host and rd) if reads else None
-    settings = data_settings(cfg, model_config)
 
     def build() -> dict | None:
         if rank != builder:
             return None
         log = lambda msg: print(f"[data] rank {rank}: {msg}", flush=True)  # noqa: E731
-        train_entry, meta = build_or_reuse(cfg.data.train_file, settings, tokenizer_dir(cfg), cache_dir(cfg), log)
-        eval_entry, n_eval = None, 0
-        if cfg.data.eval_file:
-            eval_entry, eval_meta = build_or_reuse(
-                cfg.data.eval_file, settings, tokenizer_dir(cfg), cache_dir(cfg), log
-            )
-            n_eval = eval_meta["num_samples"]
-        n = meta["num_samples"]
-        n_train = len(split_eval(n, cfg.data.eval_fraction)[0]) if cfg.data.eval_fraction > 0 else n
-        if cfg.data.eval_fraction > 0:
-            n_eval = n - n_train
-        return {"host": host, "train": train_entry, "eval": eval_entry, "num_train": n_train, "num_eval": n_eval}
+
+        def entry(path: str, fmt: str | None) -> tuple[str, int]:
+            settings = data_settings(cfg, model_config, fmt)
+            built, meta = build_or_reuse(path, settings, tokenizer_dir(cfg), cache_dir(cfg), log)
+            return built, meta["num_samples"]
+
+        train = [entry(path, fmt) for _, path, _, fmt in training_sources(cfg)]
+        evals = [(name, *entry(path, fmt)) for name, path, fmt in eval_sources(cfg)]
+        n = sum(count for _, count in train)
+        if cfg.data.eval_fraction > 0:  # a split of data.train_file
+            n_eval = len(split_eval(n, cfg.data.eval_fraction)[1])
+            n, evals = n - n_eval, [("", None, n_eval)]
+        return {"host": host, "train": train, "evals": evals, "num_train": n}
 
     results = on_all_ranks("preparing data", build)
     built = [r for r in results if r is not None]
@@ -121,40 +158,45 @@ def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> Ra
 def _open_rank_data(
     cfg: TrainConfig, coord, dp_size: int, reads: bool, is_builder: bool, host: str, built: list
 ) -> RankData:
-    k = cfg.num_stages
-    n_eval = built[0]["num_eval"]
-    if n_eval and n_eval < dp_size * cfg.micro_batch_size:
-        raise DataError(
-            f"the eval set has {n_eval} samples, fewer than one micro-batch per data-parallel rank "
-            f"(micro_batch_size {cfg.micro_batch_size} x dp {dp_size}): add eval data or raise data.eval_fraction"
-        )
+    k, micro = cfg.num_stages, cfg.micro_batch_size
+    for name, _, count in built[0]["evals"]:
+        if count < dp_size * micro:
+            raise DataError(
+                f"the eval set{f' {name}' if name else ''} has {count} samples, fewer than one micro-batch per "
+                f"data-parallel rank (micro_batch_size {micro} x dp {dp_size}): add eval data or raise "
+                "data.eval_fraction"
+            )
     shape = dict(
-        eval_samples=n_eval,
-        eval_batches=n_eval // dp_size // cfg.micro_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
+        micro_batch_size=micro,
         dp_rank=coord.data,
         dp_size=dp_size,
         pad_multiple=cfg.data.pad_to_multiple_of,
+        sources=[name for name, *_ in training_sources(cfg)] if cfg.data.sources else [],
     )
+    guard = lambda it: OrderGuard(it, cfg.data.order_check_steps, k, coord.data, coord.pipe, cfg.tensor_parallel)  # noqa: E731
     if not reads:
-        return RankData(
-            PlaceholderDataset(built[0]["num_train"]),
-            None,
-            None,
-            OrderGuard(None, cfg.data.order_check_steps, k, coord.data, coord.pipe, cfg.tensor_parallel),
-            "placeholder",
-            **shape,
-        )
+        evals = [EvalSet(name, None, count, count // dp_size // micro) for name, _, count in built[0]["evals"]]
+        return RankData(PlaceholderDataset(built[0]["num_train"]), evals, None, guard(None), "placeholder", **shape)
     mine = next(r for r in built if r["host"] == host)
-    train = TokenBlocks(mine["train"])
-    evaluation = TokenBlocks(mine["eval"]) if mine["eval"] else None
+    parts = [TokenBlocks(entry) for entry, _ in mine["train"]]
+    if cfg.data.sources:
+        names = [name for name, *_ in training_sources(cfg)]
+        train = MixtureDataset(parts, [w for _, _, w, _ in training_sources(cfg)], names)
+    else:
+        train = parts[0]
+    evals = [
+        EvalSet(name, TokenBlocks(entry), count, count // dp_size // micro)
+        for name, entry, count in mine["evals"]
+        if entry is not None
+    ]
     if cfg.data.eval_fraction > 0:
         train_rows, eval_rows = split_eval(len(train), cfg.data.eval_fraction)
-        train, evaluation = train.subset(train_rows), train.subset(eval_rows)
+        train, held_out = train.subset(train_rows), train.subset(eval_rows)
+        evals = [EvalSet("", held_out, len(eval_rows), len(eval_rows) // dp_size // micro)]
     iterator = FingerprintingIterator(
         MicroBatchIterator(
             train,
-            cfg.micro_batch_size,
+            micro,
             coord.data,
             dp_size,
             cfg.data.shuffle,
@@ -163,5 +205,4 @@ def _open_rank_data(
             by_length=cfg.data.group_by_length,
         )
     )
-    guard = OrderGuard(iterator, cfg.data.order_check_steps, k, coord.data, coord.pipe, cfg.tensor_parallel)
-    return RankData(train, evaluation, iterator, guard, "builds + reads" if is_builder else "reads", **shape)
+    return RankData(train, evals, iterator, guard(iterator), "builds + reads" if is_builder else "reads", **shape)

@@ -49,7 +49,8 @@ class StepLogger:
 
     ``tokens`` and ``tokens/s`` count the real (non-padding) tokens of the global batch, and
     ``label_tokens`` the tokens the loss was taken over (its denominator with loss_normalization=tokens);
-    ``padding`` is the share of the tokens computed on (``fed_tokens``, the rows as fed) that were padding.
+    ``padding`` is the share of the tokens computed on (``fed_tokens``, the rows as fed) that were padding;
+    with a mixture (``sources``), ``source_tokens`` gives the step's real tokens per source.
     ``mfu`` is written and printed where the job's peak FLOP/s is known (``peak_flops``, all devices).
     Each train record carries the run's ``layout`` (``{"pipe": P, "tensor": T, "data": D}``): a run resumed
     on another layout shows where it changed.
@@ -68,8 +69,10 @@ class StepLogger:
         flops_per_token: float = 0.0,
         peak_flops: float | None = None,
         layout: dict[str, int] | None = None,
+        sources: list[str] | None = None,
     ):
         self.active, self.max_steps, self.log_steps, self.layout = active, max_steps, log_steps, layout
+        self.sources = sources or []  # a mixture's source names (data.sources)
         self.start_step, self.flops_per_token, self.peak_flops = start_step, flops_per_token, peak_flops
         self.start = self.last = time.time()
         self.file = None
@@ -95,6 +98,7 @@ class StepLogger:
         tokens: int,
         label_tokens: int,
         fed_tokens: int = 0,
+        source_tokens: list[int] | None = None,
     ) -> None:
         now = time.time()
         step_s, self.last = now - self.last, now
@@ -115,6 +119,8 @@ class StepLogger:
         }
         if self.layout:
             record["layout"] = self.layout
+        if self.sources:  # the step's real tokens per source of the mixture
+            record["source_tokens"] = dict(zip(self.sources, source_tokens))
         if self.peak_flops:
             record["mfu"] = round(mfu(tokens / step_s, self.flops_per_token, self.peak_flops), 4)
         self._write(record)
@@ -131,13 +137,16 @@ class StepLogger:
             flush=True,
         )
 
-    def log_eval(self, step: int, loss: float, seconds: float) -> None:
+    def log_eval(self, step: int, loss: float, seconds: float, source: str = "") -> None:
+        """One eval set's loss; ``source`` names one of data.eval_sources."""
         self.last += seconds  # eval time is not the next step's time
         if not self.active:
             return
         ppl = math.exp(min(loss, 50.0))  # exp overflows past ~709; 50 is already meaningless as a perplexity
-        self._write({"kind": "eval", "step": step, "eval_loss": loss, "eval_ppl": ppl, "eval_s": round(seconds, 3)})
-        print(f"eval @ step {step} | eval loss {loss:.4f} | perplexity {ppl:.2f} | {seconds:.2f} s", flush=True)
+        record = {"kind": "eval", "step": step, "eval_loss": loss, "eval_ppl": ppl, "eval_s": round(seconds, 3)}
+        self._write({**record, "source": source} if source else record)
+        name = f" ({source})" if source else ""
+        print(f"eval @ step {step}{name} | eval loss {loss:.4f} | perplexity {ppl:.2f} | {seconds:.2f} s", flush=True)
 
     def close(self) -> None:
         if self.file:
