@@ -42,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         model_config, problems = resolve_model(cfg)
         problems += data_problems(cfg)
         source = cfg.data.train_file if args.split == "train" else cfg.data.eval_file
-        if args.split == "eval" and not source:
+        if cfg.data.sources or cfg.data.eval_sources:
+            problems.append(
+                "a mixture is prepared one source at a time: run this once per source with data.train_file=PATH "
+                "(and its format), then list the prepared directories in data.sources / data.eval_sources"
+            )
+        elif args.split == "eval" and not source:
             problems.append("--split eval prepares data.eval_file, which is not set")
         if problems:
             raise ValueError("\n  ".join(["the overrides cannot be prepared for:", *problems]))

@@ -93,7 +93,7 @@ def runs(tmp_path_factory, tokenizer_dir):
     # Qwen3 on DeepSpeed's data-parallel engine: dp 2 x grad_acc 2, the same global batches.
     launch("qwen3_zero2", 2, str(root / "qwen3-ckpt"), num_stages=1, gradient_accumulation_steps=GAS, ds="zero2")
 
-    steps, _ = global_batches(cached_rows(str(root / "cache"), data), dp=DP, gas=GAS, steps=STEPS)
+    steps, *_ = global_batches(cached_rows(str(root / "cache"), data), dp=DP, gas=GAS, steps=STEPS)
     out["steps"] = steps
     for name in FAMILY_RUNS:
         out[f"{name}_ref"] = reference_run(out[name], steps, "tokens")

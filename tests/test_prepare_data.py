@@ -111,3 +111,13 @@ def test_prepare_data_then_train_on_it(tmp_path, tiny_hf):
     assert "reading prepared data" in log and "(no tokenizing)" in log and "tokenized " not in log
     # One piece here (the corpus is under PIECE_BYTES): the same packed rows as the in-job cache.
     assert losses["prepared"] == losses["cached"]
+
+
+def test_a_mixture_is_prepared_one_source_at_a_time(tmp_path, tiny_hf, capsys):
+    script = load_entry_point("scripts/prepare_data.py")
+    a = write_jsonl(tmp_path / "a.jsonl", [{"input_ids": [1, 2, 3]}])
+    mixture = f"data.sources=[{{path:{a}}}]"
+    args = ["--output", str(tmp_path / "out"), f"model_name_or_path={tiny_hf}", mixture]
+    assert script.main(args) == 1
+    assert "a mixture is prepared one source at a time: run this once per source" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
