@@ -115,7 +115,7 @@ def load_tokenizer(settings: DataSettings, tokenizer_dir: str | None):
 
 
 def tokenized_rows(records: Iterator, settings: DataSettings, tokenizer, stats: SourceStats) -> Iterator[Row]:
-    """``(where, record)`` pairs (data.sources.read_records, part_records) -> the training rows of ``settings``."""
+    """``(where, record)`` pairs (data.sources.read_records) -> the training rows of ``settings``."""
     examples = examples_of(
         records,
         settings.format,

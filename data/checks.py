@@ -20,6 +20,11 @@ def field_names(data) -> dict[str, str]:
     return {name: getattr(data, f"{name}_field") for name in FIELD_NAMES if name != "conversations"}
 
 
+def usable_source_problems(path: str, fmt: str, fields: dict[str, str]) -> list[str]:
+    """A source that names no data, or whose first record cannot be read as ``fmt``."""
+    return source_problems(path) or first_record_problems(path, fmt, fields)
+
+
 def mixture_problems(d, fields: dict[str, str]) -> list[str]:
     """data.sources and data.eval_sources: every source usable, weights > 0, names distinct, and no other
     eval setting beside eval_sources."""
@@ -32,8 +37,7 @@ def mixture_problems(d, fields: dict[str, str]) -> list[str]:
                 problems.append(f"{where} has no path: give each source its path (a file, directory, glob or dataset)")
                 continue
             names.append(source.name or os.path.basename(source.path.rstrip("/")) or source.path)
-            problems += [f"{where} {p}" for p in source_problems(source.path)]
-            problems += [f"{where} {p}" for p in first_record_problems(source.path, source.format or d.format, fields)]
+            problems += [f"{where} {p}" for p in usable_source_problems(source.path, source.format or d.format, fields)]
             if key == "sources" and not source.weight > 0:
                 problems.append(
                     f"{where} ({names[-1]}) has weight {source.weight}: weights must be > 0 (drop the source)"
@@ -61,8 +65,7 @@ def data_problems(cfg) -> list[str]:
     for key in ("train_file", "eval_file"):
         path = getattr(d, key)
         if path:
-            problems += [f"data.{key} {p}" for p in source_problems(path)]
-            problems += [f"data.{key} {p}" for p in first_record_problems(path, d.format, fields)]
+            problems += [f"data.{key} {p}" for p in usable_source_problems(path, d.format, fields)]
     problems += mixture_problems(d, fields)
     empty = [f"data.{ours}_field" for ours, theirs in fields.items() if not theirs.strip()]
     if empty:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -33,7 +34,7 @@ from data.sources import (
     Part,
     SourceStats,
     is_saved_dataset,
-    part_records,
+    read_records,
     saved_dataset,
     source_files,
 )
@@ -81,12 +82,18 @@ def weight(part: Part) -> int:
     return part.end - part.start if part.end >= 0 else os.path.getsize(part.path)
 
 
+@functools.lru_cache(maxsize=1)
+def _tokenizer(settings, tokenizer_dir: str | None):
+    """A worker's tokenizer, loaded once for all the pieces it tokenizes."""
+    return load_tokenizer(settings, tokenizer_dir)
+
+
 def _prepare_piece(task: tuple) -> dict:
     """Worker: tokenize one piece into OUT/shard-<index>; returns its row count and statistics."""
     index, part, settings, tokenizer_dir, out = task
-    tokenizer = load_tokenizer(settings, tokenizer_dir)
+    tokenizer = _tokenizer(settings, tokenizer_dir)
     stats = SourceStats()
-    records = part_records(part, settings.format, settings.skip_bad_lines, stats, dict(settings.fields))
+    records = read_records(part.path, settings.format, settings.skip_bad_lines, stats, dict(settings.fields), part)
     name = f"shard-{index:05d}"
     directory = os.path.join(out, name)
     os.makedirs(directory, exist_ok=True)

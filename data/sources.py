@@ -65,17 +65,32 @@ class SourceStats:
 
 
 def read_records(
-    spec: str, fmt: str, skip_bad_lines: bool, stats: SourceStats, fields: dict[str, str] | None = None
+    spec: str,
+    fmt: str,
+    skip_bad_lines: bool,
+    stats: SourceStats,
+    fields: dict[str, str] | None = None,
+    part: Part | None = None,
 ) -> Iterator[tuple[str, object]]:
     """(where, record) for each record of every file ``spec`` names (:func:`source_files`): a parsed JSON
     object or a dataset row (a dict), or a document string for .txt; ``where`` is ``FILE:LINE`` (JSONL,
     .txt) or ``FILE row N`` (parquet, arrow, JSON, a saved dataset). ``fields`` renames columns: ``{"text":
-    "content"}`` reads a row's ``content`` as its ``text`` (data.text_field=content)."""
-    rename = {theirs: ours for ours, theirs in (fields or {}).items() if theirs != ours}
-    for where, record in _raw_records(spec, fmt, skip_bad_lines, stats, rename):
+    "content"}`` reads a row's ``content`` as its ``text`` (data.text_field=content). ``part``: only that
+    piece of ``spec`` (data/prepare.py's pieces)."""
+    rename = _renames(fields)
+    if part is not None and spec.endswith(".jsonl") and part.end >= 0:
+        records = _jsonl_or_txt_records(spec, fmt, skip_bad_lines, stats, part)
+    else:
+        records = _raw_records(spec, fmt, skip_bad_lines, stats, rename, rows=part)
+    for where, record in records:
         if rename and isinstance(record, dict):
             record = {rename.get(k, k): v for k, v in record.items()}
         yield where, record
+
+
+def _renames(fields: dict[str, str] | None) -> dict[str, str]:
+    """The source's column -> the field it holds, for the columns ``fields`` names otherwise."""
+    return {theirs: ours for ours, theirs in (fields or {}).items() if theirs != ours}
 
 
 def _raw_records(
@@ -237,10 +252,11 @@ def source_problems(spec: str) -> list[str]:
 
 def first_record_problems(spec: str, fmt: str, fields: dict[str, str] | None = None) -> list[str]:
     """A source whose first file is empty, or whose first record (a dataset's columns) holds none of the
-    format's fields: found before start by reading one record, not after tokenizing on one rank."""
-    rename = {theirs: ours for ours, theirs in (fields or {}).items() if theirs != ours}
-    if is_prepared(spec) or source_problems(spec):
-        return []  # nothing to peek at: read as it is, or already refused
+    format's fields: found before start by reading one record, not after tokenizing on one rank. For a source
+    :func:`source_problems` accepts."""
+    rename = _renames(fields)
+    if is_prepared(spec):
+        return []  # read as it is
     try:
         if is_saved_dataset(spec):
             _check_columns(spec, saved_dataset(spec).column_names, fmt, rename)
@@ -345,23 +361,6 @@ class Part:
     first_line: int = 1
 
 
-def part_records(
-    part: Part, fmt: str, skip_bad_lines: bool, stats: SourceStats, fields: dict[str, str] | None = None
-) -> Iterator[tuple[str, object]]:
-    """:func:`read_records` of one :class:`Part`."""
-    rename = {theirs: ours for ours, theirs in (fields or {}).items() if theirs != ours}
-    if is_saved_dataset(part.path):
-        records = (r for r in _raw_records(part.path, fmt, skip_bad_lines, stats, rename, rows=part))
-    elif part.path.endswith(".jsonl") and part.end >= 0:
-        records = _jsonl_or_txt_records(part.path, fmt, skip_bad_lines, stats, part)
-    else:
-        records = _raw_records(part.path, fmt, skip_bad_lines, stats, rename)
-    for where, record in records:
-        if rename and isinstance(record, dict):
-            record = {rename.get(k, k): v for k, v in record.items()}
-        yield where, record
-
-
 def read_examples(
     path: str,
     fmt: str,
@@ -379,7 +378,7 @@ def read_examples(
 
 
 def examples_of(records, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_lines, stats) -> Iterator[Example]:
-    """Tokenized examples of ``(where, record)`` pairs (:func:`read_records`, :func:`part_records`)."""
+    """Tokenized examples of ``(where, record)`` pairs (:func:`read_records`)."""
     for example in _examples(records, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_lines, stats):
         stats.examples += 1
         yield example

@@ -159,6 +159,7 @@ def _open_rank_data(
     cfg: TrainConfig, coord, dp_size: int, reads: bool, is_builder: bool, host: str, built: list
 ) -> RankData:
     k, micro = cfg.num_stages, cfg.micro_batch_size
+    names, _, weights, _ = zip(*training_sources(cfg))
     for name, _, count in built[0]["evals"]:
         if count < dp_size * micro:
             raise DataError(
@@ -171,7 +172,7 @@ def _open_rank_data(
         dp_rank=coord.data,
         dp_size=dp_size,
         pad_multiple=cfg.data.pad_to_multiple_of,
-        sources=[name for name, *_ in training_sources(cfg)] if cfg.data.sources else [],
+        sources=list(names) if cfg.data.sources else [],
     )
     guard = lambda it: OrderGuard(it, cfg.data.order_check_steps, k, coord.data, coord.pipe, cfg.tensor_parallel)  # noqa: E731
     if not reads:
@@ -180,8 +181,7 @@ def _open_rank_data(
     mine = next(r for r in built if r["host"] == host)
     parts = [TokenBlocks(entry) for entry, _ in mine["train"]]
     if cfg.data.sources:
-        names = [name for name, *_ in training_sources(cfg)]
-        train = MixtureDataset(parts, [w for _, _, w, _ in training_sources(cfg)], names)
+        train = MixtureDataset(parts, list(weights), list(names))
     else:
         train = parts[0]
     evals = [
