@@ -38,6 +38,16 @@ def device_peak_tflops(precision: str, override: float = 0.0) -> float | None:
     return None
 
 
+def peak_gpu_mb() -> float | None:
+    """This rank's peak of allocated GPU memory (MiB, the caching allocator's count) since start; None without
+    CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: the model's training FLOPs per second over the peak of every device used."""
     return tokens_per_s * flops_per_token / peak_flops
@@ -51,7 +61,8 @@ class StepLogger:
     ``label_tokens`` the tokens the loss was taken over (its denominator with loss_normalization=tokens);
     ``padding`` is the share of the tokens computed on (``fed_tokens``, the rows as fed) that were padding;
     with a mixture (``sources``), ``source_tokens`` gives the step's real tokens per source.
-    ``mfu`` is written and printed where the job's peak FLOP/s is known (``peak_flops``, all devices).
+    ``mfu`` is written and printed where the job's peak FLOP/s is known (``peak_flops``, all devices), and
+    ``peak_gpu_mb`` (rank 0's peak of allocated GPU memory) on a CUDA device.
     Each train record carries the run's ``layout`` (``{"pipe": P, "tensor": T, "data": D}``): a run resumed
     on another layout shows where it changed.
 
@@ -117,6 +128,9 @@ class StepLogger:
             "tokens_per_s": round(tokens / step_s, 1),
             "peak_rss_mb": round(peak_rss_mb(), 1),
         }
+        gpu_mb = peak_gpu_mb()
+        if gpu_mb is not None:
+            record["peak_gpu_mb"] = round(gpu_mb, 1)
         if self.layout:
             record["layout"] = self.layout
         if self.sources:  # the step's real tokens per source of the mixture
@@ -130,10 +144,11 @@ class StepLogger:
         gn = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
         util = f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
         pad = "" if record["padding"] is None else f" ({100 * record['padding']:.0f}% padding)"
+        gpu = f"peak GPU {record['peak_gpu_mb']:.0f} MiB | " if "peak_gpu_mb" in record else ""
         print(
             f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {gn} | "
             f"{record['tokens_per_s']:.0f} tokens/s{pad}{util} | {step_s:.2f} s/step | ETA {eta:.0f} s | "
-            f"peak RSS {record['peak_rss_mb']:.0f} MiB",
+            f"{gpu}peak RSS {record['peak_rss_mb']:.0f} MiB",
             flush=True,
         )
 
