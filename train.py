@@ -44,7 +44,7 @@ from data.guard import OrderMismatchError  # noqa: E402
 from models.families import family_of  # noqa: E402
 from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
 from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules  # noqa: E402
-from models.llama_pipe import LlamaStack, flops_per_token, init_weights_, spec_layout  # noqa: E402
+from models.llama_pipe import ATTENTION_IMPLEMENTATIONS, LlamaStack, flops_per_token, init_weights_, spec_layout  # noqa: E402
 from models.lora import apply_lora, base_numel, base_record, load_adapter_, load_checkpoint_adapters_  # noqa: E402
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
 from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes  # noqa: E402
@@ -119,11 +119,13 @@ def init_topology(resolved: Resolved) -> PipeDataParallelTopology:
         )
         # Every collective fails after dist_timeout_s instead of waiting forever for a hung or vanished rank.
         deepspeed.init_distributed(timeout=timedelta(seconds=resolved.cfg.dist_timeout_s))
+    # DeepSpeed's data axis holds the sequence groups (parallel/sequence_parallel.py) and the data-parallel ranks
+    data_axis = resolved.layout.data_axis
     if resolved.layout.tp > 1:  # the model axis varies fastest: a tensor-parallel group is consecutive ranks (a node)
         return PipeModelDataParallelTopology(
-            num_pp=resolved.cfg.num_stages, num_mp=resolved.layout.tp, num_dp=resolved.dp
+            num_pp=resolved.cfg.num_stages, num_mp=resolved.layout.tp, num_dp=data_axis
         )
-    return PipeDataParallelTopology(num_pp=resolved.cfg.num_stages, num_dp=resolved.dp)
+    return PipeDataParallelTopology(num_pp=resolved.cfg.num_stages, num_dp=data_axis)
 
 
 def lock_output_dir(resolved: Resolved) -> RunLock | None:
@@ -149,6 +151,7 @@ def build_model(resolved: Resolved, topology: PipeDataParallelTopology, loss_fn:
         stack_args = dict(
             activation_checkpointing=cfg.activation_checkpoint_interval > 0,
             loss_chunk_tokens=cfg.loss_chunk_tokens,
+            attention=ATTENTION_IMPLEMENTATIONS[cfg.attention],
         )
         ds_config = fill_ds_config(resolved)
         if builds_partitioned(ds_config):
@@ -163,6 +166,8 @@ def build_model(resolved: Resolved, topology: PipeDataParallelTopology, loss_fn:
         layout=resolved.layout,
         loss_chunk_tokens=cfg.loss_chunk_tokens,
         dynamic_shape=cfg.data.pad_to_multiple_of > 0,
+        attention=ATTENTION_IMPLEMENTATIONS[cfg.attention],
+        sequence_parallel=resolved.layout.sp,
     )
 
 
@@ -245,7 +250,10 @@ def adapt(model, resolved: Resolved) -> list[str]:
 def build_data(resolved: Resolved, topology: PipeDataParallelTopology) -> tuple[RankData, list[dict]]:
     """This rank's data (who tokenizes, who reads, placeholders: training/data_setup.py) and every
     rank's data report, for the announcement."""
-    data = prepare_rank_data(resolved.cfg, resolved.model_config, topology.get_coord(dist.get_rank()), resolved.dp)
+    coord = topology.get_coord(dist.get_rank())
+    # the ranks of a sequence group read the same samples: their data coordinate is the group's
+    coord = coord._replace(data=coord.data // resolved.layout.sp)
+    data = prepare_rank_data(resolved.cfg, resolved.model_config, coord, resolved.dp)
     reports = on_all_ranks("reporting data", lambda: {"role": data.role, "peak_rss_mib": peak_rss_mb()})
     return data, reports
 
@@ -427,11 +435,12 @@ def check_tensor_parallel_replicas(model, resolved: Resolved) -> None:
 
 def counts_tokens(resolved: Resolved, engine) -> bool:
     """Whether this rank counts its micro-batches' tokens: the last stage (it holds the labels; of its
-    tensor-parallel peers, which hold the same micro-batch, the first), or every rank of the
-    data-parallel engine. Their sum over all ranks covers the global batch once."""
+    tensor-parallel and sequence-parallel peers, which hold the same micro-batch, the first), or every rank
+    of the data-parallel engine. Their sum over all ranks covers the global batch once."""
     if not resolved.uses_pipeline:
         return True
-    return engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0
+    first_of_sequence_group = engine.grid.get_data_parallel_rank() % resolved.layout.sp == 0
+    return engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0 and first_of_sequence_group
 
 
 def global_sum(*values: int) -> list[int]:
@@ -444,14 +453,15 @@ def global_sum(*values: int) -> list[int]:
 def normalise_loss(resolved: Resolved, loss_fn: CausalLMLoss, micro_batches: int, label_count: int) -> None:
     """Set the loss scale for the next step or eval pass: ``micro_batches`` per data-parallel rank
     whose ``label_count`` label tokens (all ranks) make the denominator. DeepSpeed divides each
-    micro-batch's loss by ``micro_batches`` and averages over dp, so scaling by their product over the
-    count gives the token mean of the whole global batch."""
+    micro-batch's loss by ``micro_batches`` and averages over its data axis (dp x sequence_parallel: each
+    rank of a sequence group sums its slice's token losses), so scaling by their product over the count gives
+    the token mean of the whole global batch."""
     if resolved.cfg.loss_normalization == "micro_batch":
         loss_fn.scale = None
     elif label_count == 0:  # the data cache drops rows without a label token: a bug if ever seen
         raise TrainingStopped("a global batch without a label token reached the loss: nothing to normalise by")
     else:
-        loss_fn.scale = micro_batches * resolved.dp / label_count
+        loss_fn.scale = micro_batches * resolved.layout.data_axis / label_count
 
 
 def train_step(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss) -> tuple[float, list[int]]:
@@ -544,7 +554,12 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
         start_step,
         flops_per_token=six_n + attention,
         peak_flops=peak * 1e12 * resolved.world_size if peak else None,
-        layout={"pipe": resolved.layout.stages, "tensor": resolved.layout.tp, "data": resolved.layout.dp},
+        layout={
+            "pipe": resolved.layout.stages,
+            "tensor": resolved.layout.tp,
+            "sequence": resolved.layout.sp,
+            "data": resolved.layout.dp,
+        },
         sources=data.sources,
     )
     eval_labels = [eval_label_count(resolved, engine, data, e) for e in data.evals]

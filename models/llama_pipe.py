@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from models.attention import DOCUMENT_ATTENTION
 from models.families import FAMILIES, RMS_NORM_CLASSES, attention_type, family_of
 
 # Key under which the embedding and a tied LM head share one weight across stages.
@@ -68,10 +69,15 @@ def spec_layout(config: PretrainedConfig) -> list[SpecInfo]:
     return layout
 
 
-def prepare_config(config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of ``config`` with the settings every stage needs: SDPA attention, no KV cache."""
+# attention= values: the attention function each decoder layer calls (transformers' AttentionInterface name)
+ATTENTION_IMPLEMENTATIONS = {"documents": DOCUMENT_ATTENTION, "dense_mask": "sdpa"}
+
+
+def prepare_config(config: PretrainedConfig, attention: str = DOCUMENT_ATTENTION) -> PretrainedConfig:
+    """A copy of ``config`` with the settings every stage needs: the attention function (``attention``, a
+    registered name: per-document SDPA without a mask by default, models/attention.py), no KV cache."""
     config = copy.deepcopy(config)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention
     config.use_cache = False
     return config
 
@@ -81,10 +87,13 @@ class EmbeddingPipe(nn.Embedding):
 
     Split over tensor-parallel ranks (parallel/tensor_parallel.py) it holds the rows ``vocab_range`` of
     the vocabulary: each rank looks up the tokens of its slice, zeros for the others, and ``tp_reduce``
-    sums the ranks' lookups."""
+    sums the ranks' lookups. With sequence parallelism (``seq_slice`` = (rank, ranks) of the sequence group,
+    parallel/sequence_parallel.py) it keeps this rank's contiguous slice of every row, positions included:
+    everything after it runs on S / ranks tokens."""
 
     vocab_range: tuple[int, int] | None = None
     tp_reduce = None
+    seq_slice: tuple[int, int] | None = None
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config.vocab_size, config.hidden_size, config.pad_token_id)
@@ -95,6 +104,8 @@ class EmbeddingPipe(nn.Embedding):
         if tied_head:  # the tied LM head of the chunked loss (tied_lm_head_chunked_forward)
             return inputs, handed_out(self.weight)  # hidden [B,S,H], [V,H] (or this rank's [V/tp,H])
         input_ids, position_ids = inputs  # [B,S] int64, [B,S] int64
+        if self.seq_slice is not None:
+            input_ids, position_ids = (sequence_slice(t, *self.seq_slice) for t in (input_ids, position_ids))
         if self.vocab_range is None:
             return super().forward(input_ids), position_ids  # hidden [B,S,H]
         start, end = self.vocab_range
@@ -102,6 +113,14 @@ class EmbeddingPipe(nn.Embedding):
         padding = self.padding_idx - start if self.padding_idx is not None and start <= self.padding_idx < end else None
         local = F.embedding((input_ids - start).masked_fill(outside, 0), self.weight, padding)  # [B,S,H]
         return self.tp_reduce(local.masked_fill(outside[..., None], 0.0)), position_ids
+
+
+def sequence_slice(t: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+    """[B,S,...] -> [B,S/ranks,...]: the ``rank``-th contiguous slice of every row (sequence parallelism)."""
+    seq = t.shape[1]
+    if seq % ranks:
+        raise ValueError(f"a micro-batch of {seq} tokens per row does not split over {ranks} sequence-parallel ranks")
+    return t[:, rank * seq // ranks : (rank + 1) * seq // ranks].contiguous()  # sent to the next stage as is
 
 
 def handed_out(weight: nn.Parameter) -> torch.Tensor:
@@ -146,27 +165,33 @@ class DecoderLayerPipe(nn.Module):
 
     - cos/sin from its own rotary embedding, whatever ``rope_parameters`` say (its buffers are
       non-persistent, so the state dict stays that of the Hugging Face decoder layer);
-    - the mask from ``create_causal_mask``, or ``create_sliding_window_causal_mask`` on a layer with a
-      sliding window: None (SDPA's causal kernel) when positions count up from 0 in every row and no
-      window cuts in, and a per-document mask when they restart (packed documents), so attention never
-      crosses a document boundary, and within a document never reaches past the window.
+    - no mask by default: the attention function (models/attention.py, or Ulysses around it with sequence
+      parallelism) finds the documents of packed rows in ``position_ids`` and keeps each layer's window;
+    - with ``attention=dense_mask`` (transformers' ``sdpa``), the mask from ``create_causal_mask``, or
+      ``create_sliding_window_causal_mask`` on a layer with a sliding window: None (SDPA's causal kernel)
+      when positions count up from 0 in every row and no window cuts in, and a per-document [B,1,S,S] mask
+      when they restart (packed documents), so attention never crosses a document boundary, and within a
+      document never reaches past the window.
     """
 
     def __init__(self, config: PretrainedConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.rotary_emb = family_of(config).rotary_embedding(config)
-        self.make_mask = MASK_FUNCTIONS[attention_type(config, layer_idx)]
+        dense = config._attn_implementation == "sdpa"
+        self.make_mask = MASK_FUNCTIONS[attention_type(config, layer_idx)] if dense else None
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, position_ids = inputs  # [B,S,H], [B,S] int64
+        hidden, position_ids = inputs  # [B,S,H], [B,S] int64 (with sequence parallelism: this rank's slice)
         cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B,S,head_dim]
-        mask = self.make_mask(  # None, or bool [B,1,S,S] (packed documents, sliding window)
-            config=self.self_attn.config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
+        mask = None
+        if self.make_mask is not None:
+            mask = self.make_mask(  # None, or bool [B,1,S,S] (packed documents, sliding window)
+                config=self.self_attn.config,
+                inputs_embeds=hidden,
+                attention_mask=None,
+                past_key_values=None,
+                position_ids=position_ids,
+            )
         hidden = super().forward(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
         return hidden, position_ids
 
@@ -243,10 +268,18 @@ class LMHeadPipe(nn.Linear):
 # DeepSpeed hands the last stage's output to loss_fn untouched; the weight's gradient comes from the loss.
 #
 # The first stage's data iterator yields ((input_ids, position_ids), labels); the last stage reads labels.
-def build_specs(config: PretrainedConfig, loss_chunk_tokens: int = 0) -> list[LayerSpec]:
+#
+# With sequence parallelism (sequence_parallel N) spec 0 takes whole rows and keeps this rank's slice: every
+# later spec sees S/N tokens (position_ids the slice of the global positions), the attention of each decoder
+# layer exchanges heads for tokens with its N - 1 peers (Ulysses), and the loss takes its slice of the
+# labels shifted over the whole row (models/loss.py).
+def build_specs(
+    config: PretrainedConfig, loss_chunk_tokens: int = 0, attention: str = DOCUMENT_ATTENTION
+) -> list[LayerSpec]:
     """The ``LayerSpec`` list of a Llama-family model, in the order of :func:`spec_layout`; with
-    ``loss_chunk_tokens`` > 0 the head hands (hidden, weight) to the chunked loss (stage contract above)."""
-    config = prepare_config(config)
+    ``loss_chunk_tokens`` > 0 the head hands (hidden, weight) to the chunked loss (stage contract above);
+    ``attention``: the attention function's registered name (prepare_config)."""
+    config = prepare_config(config, attention)
     specs: list[LayerSpec] = []
     for info in spec_layout(config):
         if info.kind == "embed":
@@ -482,10 +515,16 @@ class LlamaStack(nn.Module):
     initialisation and layer-file export are the pipeline's code paths.
     """
 
-    def __init__(self, config: PretrainedConfig, activation_checkpointing: bool = False, loss_chunk_tokens: int = 0):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        activation_checkpointing: bool = False,
+        loss_chunk_tokens: int = 0,
+        attention: str = DOCUMENT_ATTENTION,
+    ):
         super().__init__()
-        self._layer_specs = build_specs(config, loss_chunk_tokens)
-        self.forward_funcs = build_sequential(config, loss_chunk_tokens)
+        self._layer_specs = build_specs(config, loss_chunk_tokens, attention)
+        self.forward_funcs = build_sequential(config, loss_chunk_tokens, attention)
         self._local_start, self._local_stop, self.stage_id = 0, len(self._layer_specs), 0
         # Registered once each (a tied head is a partial over the embedding module).
         self.layers = nn.ModuleList([f for f in self.forward_funcs if isinstance(f, nn.Module)])
@@ -504,7 +543,9 @@ class LlamaStack(nn.Module):
         return x  # logits [B,S,V], or (hidden [B,S,H], head weight [V,H]) for the chunked loss
 
 
-def build_sequential(config: PretrainedConfig, loss_chunk_tokens: int = 0) -> list[nn.Module | partial]:
+def build_sequential(
+    config: PretrainedConfig, loss_chunk_tokens: int = 0, attention: str = DOCUMENT_ATTENTION
+) -> list[nn.Module | partial]:
     """All specs built in one process and chained like ``PipelineModule.forward`` (tests, debugging).
 
     Tied specs share one module, as on a single pipeline stage. The chain ends in logits, or with
@@ -512,7 +553,7 @@ def build_sequential(config: PretrainedConfig, loss_chunk_tokens: int = 0) -> li
     """
     tied: dict[str, nn.Module] = {}
     funcs: list[nn.Module | partial] = []
-    for spec in build_specs(config, loss_chunk_tokens):
+    for spec in build_specs(config, loss_chunk_tokens, attention):
         if isinstance(spec, TiedLayerSpec):
             module = tied.setdefault(spec.key, spec.build())
             funcs.append(module if spec.forward_fn is None else partial(spec.forward_fn, module))

@@ -44,12 +44,19 @@ def label_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
-def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+def shifted_targets(labels: torch.Tensor, seq_slice: tuple[int, int] | None = None) -> torch.Tensor:
     """[B,S] -> [B*S]: the label each position predicts (t -> t+1), ``IGNORE_INDEX`` at each row's end.
 
     Shifting the labels instead of the hidden states keeps ``hidden.reshape(B*S, H)`` a view (no copy).
+    ``seq_slice`` (rank, ranks) of sequence parallelism: the whole row is shifted first, then this rank's
+    slice taken ([B*S/ranks]), so the last token of slice k predicts the first of slice k+1.
     """
-    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)  # [B*S]
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # [B,S]
+    if seq_slice is not None:
+        rank, ranks = seq_slice
+        seq = targets.shape[1]
+        targets = targets[:, rank * seq // ranks : (rank + 1) * seq // ranks]  # [B,S/ranks]
+    return targets.reshape(-1)
 
 
 class ChunkedLMHeadLoss(torch.autograd.Function):
@@ -135,17 +142,19 @@ def chunked_causal_lm_loss(
     chunk_tokens: int,
     reduction: str = "mean",
     tensor_parallel: tuple | None = None,
+    seq_slice: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``causal_lm_loss(F.linear(hidden, weight), labels, reduction)`` without the [B,S,V] logits.
 
     ``hidden`` [B,S,H] (after the final norm), ``weight`` [V,H] (the LM head, or the tied embedding).
     Only label tokens reach the LM head, ``chunk_tokens`` of them at a time: prompt and padding
     positions cost no logits at all. ``tensor_parallel`` (group, first vocabulary id of ``weight``): the
-    head is this rank's vocabulary slice (:class:`ChunkedLMHeadLoss`).
+    head is this rank's vocabulary slice (:class:`ChunkedLMHeadLoss`). ``seq_slice``: ``hidden`` is this
+    rank's slice [B,S/ranks,H] of rows whose whole ``labels`` [B,S] are given (:func:`shifted_targets`).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, not {chunk_tokens}")
-    targets = shifted_targets(labels)  # [B*S]
+    targets = shifted_targets(labels, seq_slice)  # [B*S] (or this rank's [B*S/ranks])
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M] int64
     group, vocab_start = tensor_parallel or (None, 0)
     total = ChunkedLMHeadLoss.apply(
@@ -174,10 +183,20 @@ class CausalLMLoss:
         self.scale: float | None = None
         self.chunk_tokens = chunk_tokens
         self.tensor_parallel: tuple | None = None  # (group, first vocabulary id of this rank's LM head slice)
+        # Sequence parallelism: (rank, ranks) of the sequence group; the outputs are this rank's slice of
+        # each row, the labels whole (parallel/sequence_parallel.py)
+        self.seq_slice: tuple[int, int] | None = None
 
     def __call__(self, outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         reduction = "mean" if self.scale is None else "sum"
-        if isinstance(outputs, torch.Tensor):
+        if isinstance(outputs, torch.Tensor) and self.seq_slice is not None:
+            loss = F.cross_entropy(  # logits [B,S/ranks,V] against this slice's targets
+                outputs.float().reshape(-1, outputs.size(-1)),
+                shifted_targets(labels, self.seq_slice),
+                ignore_index=IGNORE_INDEX,
+                reduction=reduction,
+            )
+        elif isinstance(outputs, torch.Tensor):
             loss = causal_lm_loss(outputs, labels, reduction)
         elif self.chunk_tokens < 1:
             raise ValueError(
@@ -186,5 +205,7 @@ class CausalLMLoss:
             )
         else:
             hidden, weight = outputs
-            loss = chunked_causal_lm_loss(hidden, weight, labels, self.chunk_tokens, reduction, self.tensor_parallel)
+            loss = chunked_causal_lm_loss(
+                hidden, weight, labels, self.chunk_tokens, reduction, self.tensor_parallel, self.seq_slice
+            )
         return loss if self.scale is None else loss * self.scale

@@ -29,7 +29,12 @@ def offloads(zero: dict) -> tuple[bool, bool]:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run the job: pipe x tensor x data over ``stages * tp * dp`` ranks, and what each step holds."""
+    """One way to run the job: pipe x tensor x sequence x data over ``stages * tp * sp * dp`` ranks, and what
+    each step holds.
+
+    ``dp`` counts the groups that read different samples; each group is ``sp`` ranks that split every sample's
+    sequence (sequence parallelism). DeepSpeed sees both as its data axis (``data_axis = sp * dp`` replicas
+    of the weights, whose gradients it averages)."""
 
     stages: int = 1
     dp: int = 1
@@ -46,17 +51,20 @@ class Layout:
     lora_targets: tuple[str, ...] = ()  # the decoder linear layers that get adapters (peft.target_modules)
     nf4: bool = False  # QLoRA (peft.quantize=nf4): the decoder's frozen linear weights stored in 4 bits
     tp: int = 1  # tensor parallelism inside each stage (tensor_parallel): ranks one layer is split over
+    sp: int = 1  # sequence parallelism (sequence_parallel): ranks each sample's sequence is split over
 
     @classmethod
     def of(cls, cfg, world_size: int, ds_json: dict) -> Layout:
         """The layout of a training config on ``world_size`` ranks (dp 0 when they do not divide)."""
         zero = ds_json.get("zero_optimization", {})
         offload_opt, offload_par = offloads(zero)
-        k, tp = cfg.num_stages, cfg.tensor_parallel
+        k, tp, sp = cfg.num_stages, cfg.tensor_parallel, cfg.sequence_parallel
+        n = k * tp * sp
         return cls(
             stages=k,
-            dp=world_size // (k * tp) if k >= 1 and tp >= 1 and world_size % (k * tp) == 0 else 0,
+            dp=world_size // n if k >= 1 and tp >= 1 and sp >= 1 and world_size % n == 0 else 0,
             tp=tp,
+            sp=sp,
             zero=zero.get("stage", 0),
             offload_optimizer=offload_opt,
             offload_params=offload_par,
@@ -73,7 +81,17 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.stages * self.tp * self.dp
+        return self.stages * self.tp * self.sp * self.dp
+
+    @property
+    def data_axis(self) -> int:
+        """DeepSpeed's data-parallel degree: the ranks holding the same weights (sequence groups x dp)."""
+        return self.sp * self.dp
+
+    @property
+    def ds_train_batch(self) -> int:
+        """DeepSpeed's ``train_batch_size``: it counts a sample once per rank of its sequence group."""
+        return self.global_batch * self.sp
 
     @property
     def global_batch(self) -> int:
@@ -95,8 +113,10 @@ class Layout:
         return "pipeline engine" if self.uses_pipeline else "data-parallel engine"
 
     def axes(self) -> str:
-        """``pipe P x data D``, or ``pipe P x tensor T x data D`` with tensor parallelism."""
-        return f"pipe {self.stages}{f' x tensor {self.tp}' if self.tp > 1 else ''} x data {self.dp}"
+        """``pipe P x data D``, with ``x tensor T`` and ``x sequence S`` where those are used."""
+        tensor = f" x tensor {self.tp}" if self.tp > 1 else ""
+        sequence = f" x sequence {self.sp}" if self.sp > 1 else ""
+        return f"pipe {self.stages}{tensor}{sequence} x data {self.dp}"
 
     def batch_line(self) -> str:
         return (
@@ -120,23 +140,29 @@ def layout_problems(layout: Layout, world_size: int, partition_method: str, num_
     scripts/estimate_memory.py refuse the same layouts with the same lines. ``world_size``: the ranks
     launched (``layout.dp`` is 0 where they do not divide); ``num_layers``: the model's decoder layers,
     None for a bare parameter count."""
-    problems, k, tp = [], layout.stages, layout.tp
+    problems, k, tp, sp = [], layout.stages, layout.tp, layout.sp
+    axes = [("num_stages", k), ("tensor_parallel", tp), ("sequence_parallel", sp)]
+    used = [(name, n) for name, n in axes if n > 1 or name == "num_stages"]
+    product = k * tp * sp
     if k < 1:
         problems.append(f"num_stages {k} < 1: set num_stages to 1 or more")
     elif tp < 1:
         problems.append(f"tensor_parallel {tp} < 1: set tensor_parallel to 1 or more")
+    elif sp < 1:
+        problems.append(f"sequence_parallel {sp} < 1: set sequence_parallel to 1 or more")
     elif world_size < 1:
         problems.append(f"world size {world_size} < 1: launch 1 rank or more")
-    elif world_size % (k * tp) and tp == 1:
+    elif world_size % product and len(used) == 1:
         problems.append(
             f"world size {world_size} is not divisible by num_stages {k}: "
             f"launch a multiple of {k} ranks or set num_stages to a divisor of {world_size}"
         )
-    elif world_size % (k * tp):
+    elif world_size % product:
+        names = " x ".join(f"{name} {n}" for name, n in used)
+        knobs = " and ".join(name for name, _ in used)
         problems.append(
-            f"world size {world_size} is not divisible by num_stages {k} x tensor_parallel {tp} = {k * tp}: "
-            f"launch a multiple of {k * tp} ranks, or set num_stages and tensor_parallel so that their product "
-            f"divides {world_size}"
+            f"world size {world_size} is not divisible by {names} = {product}: launch a multiple of {product} "
+            f"ranks, or set {knobs} so that their product divides {world_size}"
         )
     if num_layers is not None and k > num_layers:
         problems.append(

@@ -2,7 +2,9 @@
 
 Model states follow the ZeRO paper (Rajbhandari et al. 2020, section 3/5): with mixed-precision Adam
 every parameter costs 2 bytes (bf16/fp16 weights) + 2 (gradients) + K=12 (fp32 master weights,
-momentum, variance). Per GPU, for the parameters Psi of its pipeline stage and data-parallel degree Nd:
+momentum, variance). Per GPU, for the parameters Psi of its pipeline stage and DeepSpeed's data-parallel
+degree Nd (``Layout.data_axis`` = sequence_parallel x dp: every rank of a sequence group holds the same
+weights, so ZeRO shards over the groups' ranks too):
 
     ZeRO-0   (2 + 2 + K) Psi            ZeRO-2   2 Psi + (2 + K) Psi / Nd
     ZeRO-1   (2 + 2) Psi + K Psi / Nd   ZeRO-3   (2 + 2 + K) Psi / Nd
@@ -29,6 +31,24 @@ holds min(stages - p, micro-batches) micro-batches in flight; a layer's backward
 layer's activations more as working memory. The last stage also holds the loss
 buffers of one micro-batch (see loss_bytes): the logits of B*S tokens, or of ``loss_chunk_tokens`` of
 them with the chunked loss.
+
+Sequence parallelism (DeepSpeed Ulysses, ``Layout.sp`` = N ranks per sample): every tensor outside the
+attention core (norms, q/k/v projections, MLP, loss) holds S/N tokens of each sample; the core runs on
+the whole sequence for heads/N of the heads, the same bytes. So a layer's saved activations, the
+checkpointed layer inputs and the unchunked logits are those of B*S/N tokens (a loss chunk stays a chunk).
+With tensor parallelism the heads are first divided by tp: per rank q has h = heads/tp heads and k, v
+have kv = max(kv_heads/tp, N) (DeepSpeed replicates the KV heads up to N when there are fewer). Around
+each attention the all-to-all of q, k, v (forward) and of the output makes temporary copies: each rank
+holds, as one layer's working memory, about
+
+    2 (send + receive) x (2 h + 2 kv) x head_dim x B*S/N elements          (ulysses_buffer_bytes)
+
+and sends, per layer and micro-batch, the (N-1)/N of its q, k, v and output that other ranks take:
+
+    (h + 2 kv + h) x head_dim x B*S/N x elem x (N-1)/N bytes  forward      (all_to_all_bytes)
+
+as much again in backward (the gradients go back the same way), and again in the recomputed forward
+with activation checkpointing (all_to_all_step_bytes).
 
 LoRA (``Layout.lora_rank`` > 0) trains adapters only: the frozen base costs its weights alone, in the
 training precision (with QLoRA, ``Layout.nf4``, the decoder's linear weights in NF4: NF4_BYTES each),
@@ -131,7 +151,7 @@ def model_state_bytes(psi: float, layout: Layout) -> tuple[float, float, float, 
     """(weights, gradients, optimizer states) bytes per GPU, and offloaded bytes per rank on the host,
     for ``psi`` parameters of one stage."""
     w, g, k = (4, 4, 8 if layout.zero == 0 else 12) if layout.dtype == "fp32" else (2, 2, 12)
-    nd = layout.dp
+    nd = layout.data_axis  # DeepSpeed's data-parallel degree: sequence groups' ranks x dp
     shard = {0: (1, 1, 1), 1: (1, 1, nd), 2: (1, nd, nd), 3: (nd, nd, nd)}[layout.zero]
     if layout.dtype == "bf16" and layout.zero == 0:
         g, shard = g + 2, (1, 1, nd)  # DeepSpeed's BF16_Optimizer: + accumulation buffer, states sharded
@@ -146,23 +166,68 @@ def model_state_bytes(psi: float, layout: Layout) -> tuple[float, float, float, 
     return params, grads, optim, host
 
 
+def elem_bytes(layout: Layout) -> int:
+    """Bytes of one activation element: fp32, or 16-bit in mixed precision."""
+    return 4 if layout.dtype == "fp32" else 2
+
+
+def local_tokens(layout: Layout) -> float:
+    """Tokens of one micro-batch on each rank: B*S, or B*S/N with sequence parallelism."""
+    return layout.micro_batch * layout.seq_len / layout.sp
+
+
+def ulysses_heads(shape: Shape, layout: Layout) -> tuple[float, float, int]:
+    """(q heads, k/v heads, head_dim) of one rank before Ulysses' all-to-all: heads/tp and kv_heads/tp,
+    the KV heads replicated up to sp where there are fewer (DeepSpeed's UlyssesSPAttentionHF)."""
+    kv = shape.kv_heads / layout.tp
+    return (
+        shape.heads / layout.tp,
+        max(kv, layout.sp) if layout.sp > 1 else kv,
+        shape.head_dim or shape.hidden // shape.heads,
+    )
+
+
 def layer_activation_bytes(shape: Shape, layout: Layout) -> float:
     """Saved activations of one decoder layer for one micro-batch (see the module's docstring). With
     tensor parallelism the norms' inputs and outputs (4 H per token) stay whole on every rank; q, the
-    attention output, k/v and the SwiGLU tensors are split over the tp ranks (Megatron's count)."""
-    tokens = layout.micro_batch * layout.seq_len
-    elem = 4 if layout.dtype == "fp32" else 2
-    split = (2 + 2 * shape.kv_heads / shape.heads) * shape.hidden + 4 * shape.ffn
-    return (4 * shape.hidden + split / layout.tp) * tokens * elem
+    attention output, k/v and the SwiGLU tensors are split over the tp ranks (Megatron's count). With
+    sequence parallelism every term is that of B*S/sp tokens (k/v with DeepSpeed's replicated KV heads)."""
+    kv = ulysses_heads(shape, layout)[1] * layout.tp  # kv_heads, or as many as DeepSpeed's replicas make
+    split = (2 + 2 * kv / shape.heads) * shape.hidden + 4 * shape.ffn
+    return (4 * shape.hidden + split / layout.tp) * local_tokens(layout) * elem_bytes(layout)
+
+
+def ulysses_buffer_bytes(shape: Shape, layout: Layout) -> float:
+    """One layer's all-to-all working memory with sequence parallelism (0 without): send and receive
+    copies of q, k, v and the attention output, 2 (2 h + 2 kv) head_dim B*S/sp elements."""
+    if layout.sp == 1:
+        return 0.0
+    q, kv, head_dim = ulysses_heads(shape, layout)
+    return 2 * (2 * q + 2 * kv) * head_dim * local_tokens(layout) * elem_bytes(layout)
+
+
+def all_to_all_bytes(shape: Shape, layout: Layout) -> float:
+    """Bytes each rank sends in Ulysses' all-to-alls for one decoder layer and one micro-batch, forward
+    (q, k, v and the output; the (sp-1)/sp of them other ranks take); backward sends as much again.
+    0 without sequence parallelism."""
+    q, kv, head_dim = ulysses_heads(shape, layout)
+    sp = layout.sp
+    return (q + 2 * kv + q) * head_dim * local_tokens(layout) * elem_bytes(layout) * (sp - 1) / sp
+
+
+def all_to_all_step_bytes(shape: Shape, layout: Layout, layers_on_stage: int) -> float:
+    """Bytes each rank of a stage with ``layers_on_stage`` decoder layers sends in Ulysses' all-to-alls
+    per optimizer step: every micro-batch's forward and backward, and with activation checkpointing the
+    recomputed forward."""
+    passes = 3 if layout.checkpointing else 2
+    return all_to_all_bytes(shape, layout) * layers_on_stage * layout.grad_accum * passes
 
 
 def micro_batch_activation_bytes(shape: Shape, layout: Layout, layers_on_stage: int) -> float:
     """What one micro-batch in flight keeps on a stage of ``layers_on_stage`` decoder layers: every saved
     activation, or with activation checkpointing only the layer inputs."""
     if layout.checkpointing:
-        return (
-            layers_on_stage * shape.hidden * layout.micro_batch * layout.seq_len * (4 if layout.dtype == "fp32" else 2)
-        )
+        return layers_on_stage * shape.hidden * local_tokens(layout) * elem_bytes(layout)
     return layers_on_stage * layer_activation_bytes(shape, layout)
 
 
@@ -170,13 +235,14 @@ def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: 
     """Peak activation memory of stage ``stage``: the micro-batches it holds in flight (1F1B: min(stages -
     stage, grad_accum)), plus one layer's backward working memory (the gradients of its activations,
     measured about one layer's saved activations), plus with activation checkpointing the one layer
-    being recomputed."""
+    being recomputed, plus with sequence parallelism one layer's all-to-all buffers."""
     if layers_on_stage == 0:
         return 0.0
     in_flight = min(layout.stages - stage, layout.grad_accum)
     layer = layer_activation_bytes(shape, layout)
     recompute = layer if layout.checkpointing else 0.0
-    return in_flight * micro_batch_activation_bytes(shape, layout, layers_on_stage) + recompute + layer
+    work = layer + ulysses_buffer_bytes(shape, layout)
+    return in_flight * micro_batch_activation_bytes(shape, layout, layers_on_stage) + recompute + work
 
 
 def loss_bytes(shape: Shape, layout: Layout) -> float:
@@ -190,9 +256,10 @@ def loss_bytes(shape: Shape, layout: Layout) -> float:
     one chunk of fp32 logits, worked in place, plus its 16-bit matmul output in bf16: 4 + elem bytes (4
     in fp32). Measured in fp32: 16.1 and 4.5 bytes per logit for the loss alone
     (scripts/bench_loss_memory.py), 20 and 4 on a pipeline's last stage (scripts/bench_stage_memory.py).
+    With sequence parallelism each rank takes the logits of its B*S/sp tokens.
     """
-    tokens = layout.micro_batch * layout.seq_len
-    elem = 4 if layout.dtype == "fp32" else 2
+    tokens = local_tokens(layout)
+    elem = elem_bytes(layout)
     if layout.loss_chunk and layout.loss_chunk < tokens:  # with tensor parallelism, this rank's vocabulary slice
         return layout.loss_chunk * shape.vocab / layout.tp * (4 + (0 if elem == 4 else elem))
     kept = elem if layout.stages > 1 and layout.grad_accum > 1 else 0
@@ -229,7 +296,7 @@ def optimizer_step_bytes(psi: float, layout: Layout) -> float:
     optimizer offloaded the fp32 gradient partition is the host's (``model_state_bytes``)."""
     if layout.zero not in (1, 2) or layout.offload_optimizer:
         return 0.0
-    return psi / layout.dp * ((4 if layout.dtype == "fp32" else 2) + 4)
+    return psi / layout.data_axis * ((4 if layout.dtype == "fp32" else 2) + 4)
 
 
 def stage_estimate(
@@ -292,27 +359,33 @@ def layouts_for(
     loss_chunk: int = 0,
     lora: tuple = (0, (), False),
     tp_values: tuple[int, ...] = (1,),
+    sp_values: tuple[int, ...] = (1,),
+    shape: Shape | None = None,
 ):
     """Every layout worth trying on ``gpus`` GPUs, cheapest in communication and compute first; with
     ``lora`` (rank, target modules, nf4) LoRA layouts, on the pipeline engine only (as train.py runs LoRA).
 
     Order: no offload before optimizer offload before parameter offload; no activation checkpointing
-    before checkpointing; lower ZeRO stage first; a smaller 1F1B bubble (fewer pipeline stages) first;
-    less tensor parallelism (``tp_values``, each within a node) first.
+    before checkpointing (sequence parallelism saves the recomputation: its all-to-alls move less than tensor
+    parallelism's all-reduces); lower ZeRO stage first; a smaller 1F1B bubble (fewer pipeline stages) first;
+    less tensor parallelism (``tp_values``, each within a node) first; less sequence parallelism
+    (``sp_values``, those :func:`sequence_parallel_fits` allows for ``shape``; none without one) first.
     """
     candidates = []
     for stages in (s for s in range(1, gpus + 1) if gpus % s == 0 and (num_layers is None or s <= num_layers)):
-        options = itertools.product(tp_values, range(4), (False, True), (False, True), (False, True))
-        for tp, zero, opt_off, par_off, ckpt in options:
-            if gpus % (stages * tp) or (tp > 1 and (lora[0] or not loss_chunk)):
+        options = itertools.product(tp_values, sp_values, range(4), (False, True), (False, True), (False, True))
+        for tp, sp, zero, opt_off, par_off, ckpt in options:
+            if gpus % (stages * tp * sp) or (tp > 1 and (lora[0] or not loss_chunk)):
                 continue  # train.py: tensor parallelism without LoRA, with the chunked loss
-            if (stages > 1 or tp > 1 or lora[0]) and zero > 1:
-                continue  # DeepSpeed's pipeline engine: ZeRO 0 and 1 only
+            if sp > 1 and (shape is None or lora[0] or not sequence_parallel_fits(shape, tp, sp, seq_len)):
+                continue  # Ulysses: whole heads per rank, equal slices of the sequence; not with LoRA (train.py)
+            if (stages > 1 or tp > 1 or sp > 1 or lora[0]) and zero > 1:
+                continue  # DeepSpeed's pipeline engine (where sequence parallelism runs): ZeRO 0 and 1 only
             if (opt_off and zero == 0) or (par_off and (zero != 3 or not opt_off)):
                 continue  # offload needs ZeRO; parameter offload needs ZeRO-3 with optimizer offload
             layout = Layout(
                 stages,
-                gpus // (stages * tp),
+                gpus // (stages * tp * sp),
                 zero,
                 opt_off,
                 par_off,
@@ -324,8 +397,9 @@ def layouts_for(
                 loss_chunk,
                 *lora,
                 tp=tp,
+                sp=sp,
             )
-            candidates.append(((par_off + opt_off, ckpt, zero, bubble_fraction(layout), tp), layout))
+            candidates.append(((par_off + opt_off, ckpt, zero, bubble_fraction(layout), tp, sp), layout))
     return [layout for _, layout in sorted(candidates, key=lambda c: c[0])]
 
 
@@ -343,6 +417,18 @@ def tensor_parallel_sizes(shape: Shape | None, node_gpus: int = 8) -> tuple[int,
     return tuple(tp_dividing((shape.heads, shape.kv_heads, shape.ffn, shape.vocab), sizes))
 
 
+SEQUENCE_PARALLEL_SIZES = (1, 2, 4, 8)  # what the fit search tries (tensor x sequence may span nodes)
+
+
+def sequence_parallel_fits(shape: Shape, tp: int, sp: int, seq_len: int) -> bool:
+    """Whether Ulysses can split ``seq_len`` tokens over ``sp`` ranks after tensor parallelism ``tp``:
+    each rank gets whole attention heads (sp divides heads/tp), the KV heads split or are replicated (sp
+    and kv_heads/tp, one divides the other) and the sequence splits evenly: the model-side rules of
+    parallel.sequence_parallel.sequence_parallel_problems, which also has train.py's lines for them."""
+    heads, kv = shape.heads // tp, shape.kv_heads // tp
+    return heads % sp == 0 and (kv % sp == 0 or sp % kv == 0) and seq_len % sp == 0
+
+
 def fitting(
     split,
     shape: Shape | None,
@@ -355,14 +441,28 @@ def fitting(
     dtype: str,
     loss_chunk: int = 0,
     lora: tuple = (0, (), False),
+    max_sp: int = SEQUENCE_PARALLEL_SIZES[-1],
 ) -> list[tuple[Layout, Estimate]]:
     """Layouts whose most loaded GPU fits ``gpu_mem_gb``, cheapest first (see layouts_for).
 
-    ``split(layout)`` gives (parameters per stage, decoder layers per stage or None).
+    ``split(layout)`` gives (parameters per stage, decoder layers per stage or None); ``max_sp``: the largest
+    sequence parallelism tried (1: none).
     """
     out = []
     tp_values = tensor_parallel_sizes(shape)
-    for layout in layouts_for(gpus, num_layers, micro_batch, seq_len, grad_accum, dtype, loss_chunk, lora, tp_values):
+    for layout in layouts_for(
+        gpus,
+        num_layers,
+        micro_batch,
+        seq_len,
+        grad_accum,
+        dtype,
+        loss_chunk,
+        lora,
+        tp_values,
+        tuple(n for n in SEQUENCE_PARALLEL_SIZES if n <= max_sp) if shape is not None else (1,),
+        shape,
+    ):
         params, layers = split(layout)
         e = estimate(params, layout, shape, layers)
         if e.total <= gpu_mem_gb * GB:
@@ -399,12 +499,17 @@ def splitter(config, total: float | None, method: str | None = None):
     if method is None:
         method = DEFAULT_PARTITION_METHOD
     counts, kinds = spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
+    known: dict = {}  # the split of every stage count seen (of every layout, for ``memory``): the fit search asks often
 
     def split(layout: Layout):
-        parts = stage_boundaries(config, layout.stages, method, layout)
-        params = [float(sum(counts[parts[p] : parts[p + 1]])) for p in range(layout.stages)]
-        layers = [kinds[parts[p] : parts[p + 1]].count("decoder") for p in range(layout.stages)]
-        return params, layers
+        key = layout if method.lower() == "memory" else layout.stages
+        if key not in known:
+            parts = stage_boundaries(config, layout.stages, method, layout)
+            params = [float(sum(counts[parts[p] : parts[p + 1]])) for p in range(layout.stages)]
+            layers = [kinds[parts[p] : parts[p + 1]].count("decoder") for p in range(layout.stages)]
+            known[key] = params, layers
+        params, layers = known[key]
+        return list(params), list(layers)
 
     return split
 

@@ -11,10 +11,12 @@ import re
 from deepspeed.runtime.pipe.topology import ProcessTopology
 from transformers import PretrainedConfig
 
+from models.attention import DOCUMENT_ATTENTION
 from models.llama_pipe import DECODER_LAYER_CLASSES, LlamaPipelineModule, build_specs, spec_layout, spec_weights
 from models.loss import CausalLMLoss
 from models.peft_targets import SAVABLE_MODULES
 from parallel.memory_plan import memory_boundaries
+from parallel.sequence_parallel import sequence_group, split_sequence_, ulysses_attention
 from parallel.tensor_parallel import finish_split_, split_stage_
 
 # How train.py splits specs into stages by default (see stage_boundaries).
@@ -57,6 +59,8 @@ def build_pipeline_model(
     layout=None,
     loss_chunk_tokens: int = 0,
     dynamic_shape: bool = False,
+    attention: str = DOCUMENT_ATTENTION,
+    sequence_parallel: int = 1,
 ) -> LlamaPipelineModule:
     """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
 
@@ -69,15 +73,21 @@ def build_pipeline_model(
     ``layout`` (a ``parallel.layout.Layout``) is what ``partition_method=memory`` balances for.
     With ``loss_chunk_tokens`` > 0 the last stage computes the loss chunk by chunk (the stage contract
     above build_specs); a given ``loss_fn`` must chunk the same. ``dynamic_shape``: micro-batches of
-    varying length (data.pad_to_multiple_of), their shapes sent with each one.
+    varying length (data.pad_to_multiple_of), their shapes sent with each one. ``attention``: the decoder
+    layers' attention function (models.llama_pipe.ATTENTION_IMPLEMENTATIONS). With ``sequence_parallel`` N > 1
+    the data axis's consecutive ranks form groups of N that split each row (parallel/sequence_parallel.py).
     """
     loss_fn = loss_fn or CausalLMLoss(loss_chunk_tokens)
     if loss_fn.chunk_tokens != loss_chunk_tokens:
         raise ValueError(f"loss_fn chunks {loss_fn.chunk_tokens} tokens, the model {loss_chunk_tokens}")
-    split = "model" in topology.get_axis_names() and topology.get_dim("model") > 1
+    tp = topology.get_dim("model") if "model" in topology.get_axis_names() else 1
+    split = tp > 1
+    if sequence_parallel > 1:  # the groups before the model's own (every rank creates groups in the same order)
+        group, group_rank = sequence_group(topology, sequence_parallel)
+        attention = ulysses_attention(config, tp, group)
     model = LlamaPipelineModule(
         config,
-        layers=build_specs(config, loss_chunk_tokens),
+        layers=build_specs(config, loss_chunk_tokens, attention),
         topology=topology,
         loss_fn=loss_fn,
         boundaries=stage_boundaries(config, topology.get_dim("pipe"), partition_method, layout),
@@ -88,6 +98,8 @@ def build_pipeline_model(
     )
     if split:
         finish_split_(model, model._grid.get_slice_parallel_group())
+    if sequence_parallel > 1:
+        split_sequence_(model, group_rank, sequence_parallel, loss_fn)
     return model
 
 

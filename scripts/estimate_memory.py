@@ -3,6 +3,7 @@
     python scripts/estimate_memory.py --model llama2-70b --stages 8 --dp 2 --zero 1 --offload optimizer \\
         --micro-batch 1 --seq-len 4096 --grad-accum 16 --checkpointing
     python scripts/estimate_memory.py --model llama2-70b --gpus 16 --gpu-mem 80 --seq-len 4096
+    python scripts/estimate_memory.py --model llama3-8b --stages 2 --sp 4 --zero 1 --seq-len 131072 --checkpointing
     python scripts/estimate_memory.py --model 7.5e9 --dp 64 --zero 3        # a bare parameter count
     python scripts/estimate_memory.py --model llama2-70b --gpus 16 --gpu-mem 80 --seq-len 4096 --lora-rank 16 [--nf4]
 
@@ -28,6 +29,8 @@ from models.peft_targets import DECODER_LINEARS  # noqa: E402
 from parallel.layout import Layout, count_arg, layout_problems  # noqa: E402
 from parallel.memory_plan import (  # noqa: E402
     GB,
+    all_to_all_bytes,
+    all_to_all_step_bytes,
     bubble_fraction,
     fitting,
     shape_of,
@@ -83,6 +86,15 @@ def report(config, total, layout: Layout, method: str) -> None:
         print(f"most loaded GPU: stage {e.stage}, {e.total / GB:.2f} GB")
     if e.host:
         print(f"host memory per rank (offloaded states, not in the GPU totals): up to {e.host / GB:.2f} GB")
+    if layout.sp > 1 and layers is not None:
+        shape, most = shape_of(config), max(range(layout.stages), key=lambda p: layers[p])
+        print(
+            f"sequence parallelism (Ulysses all-to-all of q, k, v and the output): each rank sends "
+            f"{all_to_all_bytes(shape, layout) / 1e6:.1f} MB per layer per micro-batch forward, "
+            f"{all_to_all_step_bytes(shape, layout, layers[most]) / GB:.2f} GB per step on stage {most} "
+            f"({layers[most]} layers x {layout.grad_accum} micro-batches x forward, backward"
+            f"{', recomputation' if layout.checkpointing else ''})"
+        )
 
 
 def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
@@ -99,6 +111,7 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
         args.dtype,
         args.loss_chunk_tokens,
         lora(args),
+        args.max_sp,
     )
     print(
         f"layouts that fit {gpus} x {gpu_mem:g} GB, cheapest first (estimate incl. activations, GB per GPU; the "
@@ -106,6 +119,10 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
     )
     for layout, e in found[: args.top]:
         print(f"  {e.total / GB:7.1f}  bubble {bubble_fraction(layout):4.0%}  {layout.describe()}")
+    if any(layout.sp > 1 for layout, _ in found[: args.top]):
+        print(
+            "  (x sequence N: Ulysses sequence parallelism; --sp N with the layout's sizes shows its all-to-all bytes)"
+        )
     if not found:
         print("  none: add GPUs, shorten sequences or use a smaller micro-batch")
 
@@ -123,6 +140,16 @@ def lora(args) -> tuple[int, tuple[str, ...], bool]:
     return (args.lora_rank, targets, args.nf4)
 
 
+def sequence_problems(config, layout: Layout, args) -> list[str]:
+    """train.py's lines for --sp with this layout (parallel.sequence_parallel.sequence_parallel_problems,
+    given the training config the other flags stand for)."""
+    from parallel.sequence_parallel import sequence_parallel_problems
+
+    cfg = TrainConfig()
+    cfg.data.max_seq_length, cfg.ds_config = args.seq_len, f"zero{args.zero}"
+    return sequence_parallel_problems(cfg, config, layout)
+
+
 def refuse(problems: list[str]) -> None:
     """Exit with train.py's lines for a layout it would refuse: no plan is printed for it."""
     if problems:
@@ -136,8 +163,22 @@ def main(argv: list[str] | None = None) -> None:
     # The layout's sizes (--stages, --micro-batch, --seq-len, --grad-accum, --loss-chunk-tokens) are checked by
     # parallel.layout.layout_problems, which says train.py's line; the others by argparse.
     p.add_argument("--stages", type=int, default=1, help="pipeline stages")
-    p.add_argument("--dp", type=count_arg(1), default=1, help="data-parallel degree")
+    p.add_argument(
+        "--dp", type=count_arg(1), default=1, help="data-parallel degree (sample groups; with --sp, each of sp ranks)"
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism inside each stage (tensor_parallel)")
+    p.add_argument(
+        "--sp",
+        type=int,
+        default=1,
+        help="sequence parallelism (sequence_parallel, DeepSpeed Ulysses): ranks each sample's sequence is split over",
+    )
+    p.add_argument(
+        "--max-sp",
+        type=count_arg(1),
+        default=8,
+        help="with --gpus: the largest sequence_parallel the search tries (1: layouts without it)",
+    )
     p.add_argument("--zero", type=int, default=0, choices=range(4))
     p.add_argument(
         "--offload",
@@ -195,12 +236,15 @@ def main(argv: list[str] | None = None) -> None:
         args.loss_chunk_tokens,
         *lora(args),
         tp=1 if fit else args.tp,  # --gpus: every tensor_parallel the model allows within a node is tried
+        sp=1 if fit else args.sp,  # --gpus: and every sequence_parallel (parallel.memory_plan.SEQUENCE_PARALLEL_SIZES)
     )
     refuse(layout_problems(layout, layout.world_size, args.partition_method, num_layers))
     if layout.tp > 1:
         from parallel.tensor_parallel import model_problems
 
         refuse(model_problems(config, layout.tp) if config is not None else [])
+    if layout.sp > 1:
+        refuse(sequence_problems(config, layout, args))
     if layout.lora_rank and not layout.uses_pipeline:
         refuse(
             [

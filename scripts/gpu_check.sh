@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command to run on a GPU machine:
-#   bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh [parity] [bench] [layouts] [attention]    (no step named: all of them)
 # 1. set-up: .venv-gpu on top of a python3 whose torch sees CUDA (a CUDA torch is installed where it does
 #    not); on a machine without a package index, the wheels in .whl/ (scripts/gpu_wheels.sh, run where
 #    pip reaches PyPI, then carried there) are installed as they are;
@@ -10,7 +10,9 @@
 #    train.py with num_stages=1; num_stages=2 with 2 GPUs or more): one table with tokens/s, MFU and the
 #    largest rank's peak GPU memory per case;
 # 4. with 2 GPUs or more, scripts/bench_layouts.py: pipe x tensor x data layouts of the same GPUs (tensor
-#    parallelism's GPU rows: s/step, tokens/s, memory per rank).
+#    parallelism's GPU rows: s/step, tokens/s, memory per rank);
+# 5. attention over packed rows, one decoder layer at 8k and 32k tokens in bf16: the dense per-document mask
+#    against attention=documents (torch's varlen flash attention), memory and time (scripts/bench_attention.py).
 # Without a CUDA GPU it stops at once with exit code 2.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -45,23 +47,35 @@ fi
 
 mkdir -p work/gpu_check
 status=0
-echo "[gpu_check] stage parity on the GPU (fp32, bf16)"
+STEPS="${*:-parity bench layouts attention}"
+step() { [[ " $STEPS " == *" $1 "* ]]; }
+if step parity; then
+echo "[gpu_check] stage parity on the GPU (fp32, bf16), attention=documents against the dense mask"
 "$PY" -m pytest tests/test_gpu_parity.py -q -m gpu || status=1
-if [ "$GPUS" -ge 4 ]; then
+fi
+if step parity && [ "$GPUS" -ge 4 ]; then
   echo "[gpu_check] multi-rank tests on $GPUS GPUs"
   "$PY" -m pytest tests -q -m multirank || status=1
 fi
 cases="a,b"
 [ "$GPUS" -ge 2 ] && cases="a,b,c"
+if step bench; then
 echo "[gpu_check] benchmark: llama3.2-1b, bf16, seq 2048, cases $cases"
 "$PY" scripts/bench_train.py --model llama3.2-1b --precision bf16 --seq 2048 --micro-batches 8 --cases "$cases" \
   --rounds 1 --json work/gpu_check/bench.json --work work/gpu_check | tee work/gpu_check.log || status=1
-if [ "$GPUS" -ge 2 ]; then  # tensor parallelism's GPU rows: pipe x tensor x data layouts of the same GPUs
+fi
+if step layouts && [ "$GPUS" -ge 2 ]; then  # tensor parallelism's GPU rows: pipe x tensor x data layouts of the same GPUs
   n=2 layouts="2x1,1x2,1x1"
   [ "$GPUS" -ge 4 ] && n=4 layouts="4x1,2x2,1x4,1x1"
   echo "[gpu_check] layouts on $n GPUs: $layouts (bf16, 1.3 B parameters, seq 2048)"
   "$PY" scripts/bench_layouts.py --gpus "$n" --layouts "$layouts" --precision bf16 --hidden-size 2048 \
     --intermediate-size 8192 --num-hidden-layers 16 --num-attention-heads 16 --num-key-value-heads 8 \
     --vocab-size 32000 --seq 2048 --global-batch 16 | tee -a work/gpu_check.log || status=1
+fi
+if step attention; then
+  echo "[gpu_check] attention over packed rows (one layer, bf16, documents of 1024 tokens)"
+  "$PY" scripts/bench_attention.py --seqs 8192,32768 --dtype bf16 --hidden 1024 --heads 16 | tee -a work/gpu_check.log || status=1
+  "$PY" scripts/bench_attention.py --seqs 32768 --dtype bf16 --hidden 1024 --heads 16 --doc 8192 --window 4096 \
+    | tee -a work/gpu_check.log || status=1
 fi
 exit $status

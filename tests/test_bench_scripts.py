@@ -1,5 +1,5 @@
 """Smoke tests of the benchmark scripts at tiny sizes (scripts/bench_train.py, bench_convert.py, bench_load.py,
-bench_lora.py, bench_prepare.py, bench_padding.py).
+bench_lora.py, bench_prepare.py, bench_padding.py, bench_attention.py, bench_long_context.py).
 
 They check that each script runs end to end and that its arithmetic is right; the numbers themselves
 are in BENCHMARKS.md. About 20 s on the 2-core CPU machine (start-up of the subprocesses, mostly).
@@ -7,6 +7,7 @@ are in BENCHMARKS.md. About 20 s on the 2-core CPU machine (start-up of the subp
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -236,3 +237,23 @@ def test_bench_padding_writes_long_tailed_sft_pairs(tmp_path):
 
     words = [len((r["prompt"] + " " + r["response"]).split()) for r in map(json.loads, path.read_text().splitlines())]
     assert 45 <= statistics.median(words) <= 75 and max(words) > 5 * 60 and min(words) < 30  # a long tail both ways
+
+
+def test_bench_attention_measures_both_attentions_on_one_layer():
+    """scripts/bench_attention.py's case, in this process at a tiny size (the script runs each in a fresh one)."""
+    bench_attention = load_entry_point("scripts/bench_attention.py")
+    spec = dict(seq=256, doc=64, window=0, hidden=32, heads=4, dtype="fp32", repeats=1, device="cpu")
+    for attention in ("dense_mask", "documents"):
+        for window in (0, 48):
+            r = bench_attention.run_case(dict(spec, attention=attention, window=window))
+            assert r["s"] > 0 and isinstance(r["peak_mib"], float)  # in this process the RSS peak is a past one
+
+
+def test_bench_long_context_packs_its_documents_into_whole_rows(tmp_path):
+    bench_long_context = load_entry_point("scripts/bench_long_context.py")
+    path = str(tmp_path / "docs.jsonl")
+    bench_long_context.write_documents(path, rows=3, seq=512, doc=128, vocab_size=100)
+    lines = open(path).read().splitlines()
+    assert len(lines) == 12 and all(len(json.loads(x)["input_ids"]) == 128 for x in lines)
+    args = bench_long_context.parse_args([])
+    assert (args.seqs, args.sps, args.gpus, args.global_batch) == ("4096,8192,16384", "1,2,4", 4, 4)

@@ -65,3 +65,44 @@ def test_chained_stages_match_hf_on_the_gpu(dtype, name):
                 torch.testing.assert_close(
                     param.grad.float(), ref_grad, rtol=0, atol=grad_tol * scale, msg=info.hf_prefix + key
                 )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [0, 64], ids=["llama", "mistral_window_64"])
+def test_document_attention_matches_the_dense_mask_on_the_gpu(dtype, window, monkeypatch):
+    """attention=documents against attention=dense_mask on one GPU, same weights and dtype, packed rows of 512
+    tokens: in bf16 through torch's variable-length flash attention (asserted used), in fp32 per document."""
+    from models import attention
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model_type, overrides = ("mistral", dict(sliding_window=window)) if window else ("llama", {})
+    config = tiny_config(model_type, vocab_size=300, hidden_size=64, intermediate_size=96, **overrides)
+    weights = family_of(config).causal_lm._from_config(config, dtype=torch.float32).state_dict()
+    seq = 512
+    input_ids = torch.randint(3, config.vocab_size, (2, seq), device="cuda")
+    position_ids = torch.arange(seq, device="cuda").repeat(2, 1)
+    for start, end in ((100, 300), (300, 301), (301, seq)):  # row 1: four documents, one of a single token
+        position_ids[1, start:end] = torch.arange(end - start, device="cuda")
+    used = []
+    varlen = attention._varlen
+    monkeypatch.setattr(attention, "_varlen", lambda w: used.append(varlen(w)) or varlen(w))
+
+    def run(name: str):
+        funcs = build_sequential(config, attention=name)
+        copy_hf_weights(funcs, config, weights)
+        for f in funcs:
+            module_of(f).to("cuda", dtype)
+        logits = run_chain(funcs, input_ids, position_ids)
+        causal_lm_loss(logits, input_ids).backward()
+        grads = {f"{i}.{n}": p.grad.float() for i, f in enumerate(funcs) for n, p in module_of(f).named_parameters()}
+        return logits.float(), grads
+
+    dense, documents = run("sdpa"), run("sdpa_documents")
+    if dtype == torch.bfloat16:
+        assert used and used[0] is not None, "torch's varlen flash attention is not available here"
+    logit_tol, _, grad_tol = TOLERANCES[dtype]
+    torch.testing.assert_close(documents[0], dense[0], rtol=0, atol=logit_tol)
+    for name, grad in dense[1].items():
+        scale = grad.abs().max().item() or 1.0
+        torch.testing.assert_close(documents[1][name], grad, rtol=0, atol=grad_tol * scale, msg=name)

@@ -81,6 +81,8 @@ CASES = [
     (["--partition-method", "bogus"], ({"partition_method": "bogus"}, 1), "'bogus'"),
     (["--zero", "1", "--offload", "params"], ({"ds_config": ("offload", 1, True)}, 1), "offload_param"),
     (["--zero", "0", "--offload", "optimizer"], ({"ds_config": ("offload", 0, False)}, 1), "offload_optimizer"),
+    (["--sp", "2", "--zero", "2"], ({"sequence_parallel": 2, "ds_config": "zero2"}, 2), "pipeline engine"),
+    (["--sp", "2", "--seq-len", "2047"], ({"sequence_parallel": 2, "data.max_seq_length": 2047}, 2), "2047"),
 ]
 
 

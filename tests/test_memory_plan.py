@@ -287,3 +287,97 @@ def test_planner_predicts_every_measured_stage_within_20_percent(saved, capsys):
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     ratios = [(float(r[7]), float(r[10])) for r in rows[1:]]  # model states, step peak: predicted / measured
     assert len(ratios) >= 4 and all(0.8 <= x <= 1.2 for pair in ratios for x in pair), ratios
+
+
+LLAMA3_8B = dict(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, vocab=128256)
+
+
+def test_zero_shards_over_deepspeeds_data_axis_sequence_groups_included():
+    """Every rank of a sequence group holds the same weights: ZeRO shards over sp x dp, not dp."""
+    from parallel.memory_plan import optimizer_step_bytes
+
+    for zero in range(4):
+        assert states_gb(7.5e9, dp=16, sp=4, zero=zero) == states_gb(7.5e9, dp=64, zero=zero)
+    assert states_gb(1e9, dp=2, sp=4, zero=1) == 2 + 2 + 12 / 8
+    offloaded = lambda **kw: estimate([1e9], Layout(zero=1, offload_optimizer=True, **kw)).host  # noqa: E731
+    assert offloaded(dp=2, sp=4) == offloaded(dp=8) == (12 + 4) * 1e9 / 8
+    assert optimizer_step_bytes(1e9, Layout(zero=1, dp=2, sp=4)) == optimizer_step_bytes(1e9, Layout(zero=1, dp=8))
+
+
+def test_sequence_parallelism_divides_activations_by_sp_and_adds_the_all_to_all_buffers():
+    """Ulysses: each rank's tensors hold S/sp tokens (the attention core: all of S for heads/sp heads, the
+    same bytes); one layer's all-to-all copies of q, k, v and the output come on top, send and receive."""
+    from parallel.memory_plan import Shape, activation_bytes, layer_activation_bytes, loss_bytes, ulysses_buffer_bytes
+
+    shape = Shape(**LLAMA3_8B)
+    seq = dict(seq_len=131072, grad_accum=8)
+    for sp in (2, 4, 8):
+        assert layer_activation_bytes(shape, Layout(sp=sp, **seq)) == layer_activation_bytes(shape, Layout(**seq)) / sp
+        assert loss_bytes(shape, Layout(sp=sp, **seq)) == loss_bytes(shape, Layout(**seq)) / sp  # logits of S/sp
+        ckpt = estimate([8e9], Layout(sp=sp, checkpointing=True, **seq), shape, [32]).activations
+        whole = estimate([8e9], Layout(checkpointing=True, **seq), shape, [32]).activations
+        buffers = ulysses_buffer_bytes(shape, Layout(sp=sp, **seq))
+        assert buffers == 2 * (2 * 32 + 2 * 8) * 128 * 131072 / sp * 2  # 2 (2 h + 2 kv) head_dim B*S/sp x bf16
+        assert ckpt == pytest.approx(whole / sp + buffers, rel=1e-12)
+    assert ulysses_buffer_bytes(shape, Layout(**seq)) == 0
+    assert loss_bytes(shape, Layout(sp=4, loss_chunk=1024, **seq)) == loss_bytes(shape, Layout(loss_chunk=1024, **seq))
+    # tensor 8 x sequence 2: 1 KV head per tensor rank, replicated to 2 by DeepSpeed: k/v twice sp=1's share.
+    tp8 = Layout(tp=8, **seq)
+    kv = 2 * 4096 * 8 / 32 / 8 * 131072 * 2  # k and v of one layer on one tensor rank, whole sequence
+    assert layer_activation_bytes(shape, Layout(tp=8, sp=2, **seq)) == (layer_activation_bytes(shape, tp8) + kv) / 2
+    assert activation_bytes(shape, Layout(sp=2, **seq), 0, 32) < activation_bytes(shape, Layout(**seq), 0, 32) / 1.9
+
+
+def test_all_to_all_bytes_per_layer_and_per_step():
+    """(h + 2 kv + h) head_dim B*S/sp elements, the (sp-1)/sp other ranks' share, per layer forward; backward
+    the same again and the recomputation a third time."""
+    from parallel.memory_plan import Shape, all_to_all_bytes, all_to_all_step_bytes
+
+    shape = Shape(**LLAMA3_8B)
+    layout = Layout(sp=4, seq_len=131072, grad_accum=8)
+    assert all_to_all_bytes(shape, layout) == (32 + 2 * 8 + 32) * 128 * 32768 * 2 * 3 / 4  # 503 MB
+    assert all_to_all_bytes(shape, Layout(seq_len=131072)) == 0
+    assert all_to_all_bytes(shape, Layout(tp=2, sp=4, seq_len=131072)) == all_to_all_bytes(shape, layout) / 2
+    assert all_to_all_step_bytes(shape, layout, 32) == all_to_all_bytes(shape, layout) * 32 * 8 * 2
+    ckpt = Layout(sp=4, seq_len=131072, grad_accum=8, checkpointing=True)
+    assert all_to_all_step_bytes(shape, ckpt, 32) == all_to_all_bytes(shape, layout) * 32 * 8 * 3
+
+
+def test_fit_search_tries_sequence_parallelism_where_ulysses_allows_it():
+    """Llama-3-8B at 128k tokens on 8 x 80 GB: no pipe x data layout fits (one layer's activations are 22 GB
+    per sample, the checkpointed inputs of 32 layers 34 GB); with Ulysses pipe 1 x sequence 8 does (the
+    first listed); only sp values Ulysses allows, never with ZeRO 2/3 (the data-parallel engine)."""
+    from parallel.memory_plan import SEQUENCE_PARALLEL_SIZES, layouts_for, sequence_parallel_fits, shape_of, splitter
+    from training.config import model_group_config
+
+    config = model_group_config("llama3-8b")
+    shape = shape_of(config)
+    found = fitting(splitter(config, None), shape, 8, 80, 32, 1, 131072, 8, "bf16", 1024)
+    assert not [layout for layout, _ in found if layout.tp == layout.sp == 1]
+    first = found[0][0]
+    assert (first.stages, first.tp, first.sp, first.dp, first.checkpointing) == (1, 1, 8, 1, True)
+    assert all(layout.zero <= 1 for layout, _ in found if layout.sp > 1) and {4, 8} <= {l.sp for l, _ in found}
+    assert sequence_parallel_fits(shape, 8, 2, 4096)  # 1 KV head per tensor rank, replicated
+    assert sequence_parallel_fits(shape, 4, 4, 4096) and not sequence_parallel_fits(shape, 1, 8, 4100)
+    assert not sequence_parallel_fits(shape, 1, 3, 4098)  # 3 does not divide the 32 heads
+    tried = layouts_for(8, 32, 1, 4100, 8, "bf16", 1024, tp_values=(1,), sp_values=SEQUENCE_PARALLEL_SIZES, shape=shape)
+    assert {layout.sp for layout in tried} == {1, 2, 4}  # 4100 tokens do not split 8 ways
+    bare = fitting(lambda layout: ([1e9], None), None, 8, 80, None, 1, 4096, 8, "bf16")  # no heads: no Ulysses
+    assert {layout.sp for layout, _ in bare} == {1}
+    without = fitting(splitter(config, None), shape, 8, 80, 32, 1, 131072, 8, "bf16", 1024, max_sp=1)  # --max-sp 1
+    assert without and {layout.sp for layout, _ in without} == {1} and min(layout.tp for layout, _ in without) > 1
+    lora = fitting(splitter(config, None), shape, 8, 80, 32, 1, 131072, 8, "bf16", 1024, (16, ("q_proj",), False))
+    assert {layout.sp for layout, _ in lora} <= {1}  # train.py refuses LoRA with sequence parallelism
+
+
+def test_estimate_memory_shows_sequence_parallelism_and_its_all_to_all(capsys):
+    from tests.conftest import load_entry_point
+
+    script = load_entry_point("scripts/estimate_memory.py")
+    script.main(["--model", "llama3-8b", "--sp", "2", "--dp", "2", "--zero", "1", "--seq-len", "32768"])
+    out = capsys.readouterr().out
+    assert "layout: pipe 1 x sequence 2 x data 2, ZeRO-1" in out
+    assert "each rank sends 167.8 MB per layer per micro-batch forward" in out  # 80 x 128 x 16384 x 2 / 2
+    with pytest.raises(SystemExit) as exit_:
+        script.main(["--model", "llama3-8b", "--sp", "2", "--zero", "2"])
+    assert exit_.value.code == 1 and "runs on the pipeline engine" in capsys.readouterr().err

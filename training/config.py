@@ -71,6 +71,11 @@ class LossNormalization(StrEnum):
     micro_batch = "micro_batch"
 
 
+class Attention(StrEnum):
+    documents = "documents"
+    dense_mask = "dense_mask"
+
+
 class PeftMethod(StrEnum):
     none = "none"
     lora = "lora"
@@ -202,6 +207,15 @@ class TrainConfig:
     # by rows over this many ranks (one node's GPUs), the embedding and LM head by vocabulary (DeepSpeed's
     # TP layers, parallel/tensor_parallel.py). World size = num_stages x tensor_parallel x data-parallel.
     tensor_parallel: int = 1
+    # Sequence parallelism (DeepSpeed Ulysses): each sample's sequence split into this many contiguous slices
+    # over as many ranks of the same stage, which exchange heads for tokens around every attention
+    # (parallel/sequence_parallel.py). World size = num_stages x tensor_parallel x sequence_parallel x
+    # data-parallel; the global batch counts each sample once.
+    sequence_parallel: int = 1
+    # documents: attention within each packed document found from position_ids, with no S x S mask
+    # (models/attention.py) | dense_mask: transformers' sdpa with a per-document [B,1,S,S] mask per layer
+    # (the earlier path, for comparison; not with sequence_parallel).
+    attention: Attention = Attention.documents
     ds_config: str = "zero1"  # DeepSpeed JSON: a name in ds_configs/ (without .json) or a path
     precision: Precision = Precision.bf16  # fp32 | bf16 | fp16 (fp16 needs a device that supports it)
     micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
@@ -296,7 +310,8 @@ class Resolved:
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree = world size / num_stages."""
+        """Data-parallel degree: the groups of ranks that read different samples (world size / (num_stages x
+        tensor_parallel x sequence_parallel)); DeepSpeed's data axis is ``layout.data_axis``."""
         return self.layout.dp
 
     @property
@@ -481,6 +496,7 @@ RESUME_KEY_CLASSES = {
     "layout": (
         "num_stages",
         "tensor_parallel",
+        "sequence_parallel",
         "partition_method",
         "ds_config",
         "precision",
@@ -876,9 +892,11 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         if not resume_problems
         else []
     )
+    from parallel.sequence_parallel import sequence_parallel_problems
     from parallel.tensor_parallel import tensor_parallel_problems, tensor_parallel_warnings
 
     problems += tensor_parallel_problems(cfg, model_config, layout)
+    problems += sequence_parallel_problems(cfg, model_config, layout)
     warnings += tensor_parallel_warnings(layout, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     inert, harmless = inert_settings(cfg, layout)
     problems += inert + noop_value_problems(cfg)

@@ -174,7 +174,8 @@ def _open_rank_data(
         pad_multiple=cfg.data.pad_to_multiple_of,
         sources=list(names) if cfg.data.sources else [],
     )
-    guard = lambda it: OrderGuard(it, cfg.data.order_check_steps, k, coord.data, coord.pipe, cfg.tensor_parallel)  # noqa: E731
+    peers = cfg.tensor_parallel * cfg.sequence_parallel  # ranks of a stage that read the same micro-batches
+    guard = lambda it: OrderGuard(it, cfg.data.order_check_steps, k, coord.data, coord.pipe, peers)  # noqa: E731
     if not reads:
         evals = [EvalSet(name, None, count, count // dp_size // micro) for name, _, count in built[0]["evals"]]
         return RankData(PlaceholderDataset(built[0]["num_train"]), evals, None, guard(None), "placeholder", **shape)

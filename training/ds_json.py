@@ -53,7 +53,7 @@ def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, layout: Layout) -> list[s
     side silently overrides is a setting the user believes in and does not get.
     """
     problems = []
-    train_batch = layout.global_batch
+    train_batch = layout.ds_train_batch  # DeepSpeed counts a sample once per rank of its sequence group
     owned = {
         "train_micro_batch_size_per_gpu": (cfg.micro_batch_size, "micro_batch_size"),
         "gradient_accumulation_steps": (cfg.gradient_accumulation_steps, "gradient_accumulation_steps"),
@@ -67,11 +67,12 @@ def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, layout: Layout) -> list[s
     if ds_json.get("train_batch_size", AUTO) not in (AUTO, train_batch):
         b = ds_json["train_batch_size"]
         fix = ""
-        per_step = layout.micro_batch * layout.dp
+        per_step = layout.micro_batch * layout.data_axis
         if isinstance(b, int) and b % per_step == 0:
             fix = f": set gradient_accumulation_steps={b // per_step}"
+        sp = f" x sequence_parallel {layout.sp}" if layout.sp > 1 else ""
         problems.append(
-            f"train_batch {b} != micro {layout.micro_batch} x grad_acc {layout.grad_accum} x dp {layout.dp} "
+            f"train_batch {b} != micro {layout.micro_batch} x grad_acc {layout.grad_accum} x dp {layout.dp}{sp} "
             f"(={train_batch}){fix}, or remove train_batch_size from the JSON"
         )
     for section in ("optimizer", "scheduler"):

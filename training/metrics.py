@@ -63,8 +63,8 @@ class StepLogger:
     with a mixture (``sources``), ``source_tokens`` gives the step's real tokens per source.
     ``mfu`` is written and printed where the job's peak FLOP/s is known (``peak_flops``, all devices), and
     ``peak_gpu_mb`` (rank 0's peak of allocated GPU memory) on a CUDA device.
-    Each train record carries the run's ``layout`` (``{"pipe": P, "tensor": T, "data": D}``): a run resumed
-    on another layout shows where it changed.
+    Each train record carries the run's ``layout`` (``{"pipe": P, "tensor": T, "sequence": S, "data": D}``): a
+    run resumed on another layout shows where it changed.
 
     Only the rank created with ``active=True`` (global rank 0) writes anything. When resuming from
     ``start_step``, records of later steps (written after that checkpoint) are dropped first.

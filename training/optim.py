@@ -29,7 +29,7 @@ def fill_ds_config(resolved: Resolved) -> dict:
     ds = copy.deepcopy(resolved.ds_json)
     ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
     ds["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
-    ds["train_batch_size"] = resolved.layout.global_batch
+    ds["train_batch_size"] = resolved.layout.ds_train_batch  # the global batch x sequence_parallel
     # Written even when 0: DeepSpeed 0.19.8 clips at 1.0 when the key is absent.
     ds["gradient_clipping"] = cfg.optim.max_grad_norm
     if resolved.layout.tp > 1:

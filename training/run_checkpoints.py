@@ -100,8 +100,8 @@ def save(resolved: Resolved, engine, step: int, iterator) -> str:
     state = {
         "step": step,
         "world_size": dist.get_world_size(),
-        "stage": rank // (resolved.dp * resolved.layout.tp),  # pipe is the outer axis of the topology
-        "dp_rank": rank // resolved.layout.tp % resolved.dp,  # tensor-parallel peers are consecutive ranks
+        "stage": rank // (resolved.layout.data_axis * resolved.layout.tp),  # pipe is the outer axis of the topology
+        "dp_rank": rank // resolved.layout.tp % resolved.layout.data_axis,  # tensor-parallel peers are consecutive
         "tensor_parallel": resolved.layout.tp,
         "global_batch": resolved.layout.global_batch,
         "global_samples": engine.global_samples,

@@ -1,0 +1,147 @@
+"""Causal attention over packed documents without an S x S mask.
+
+Hugging Face's decoder layers call the attention function named by ``config._attn_implementation``
+(transformers' ``AttentionInterface``) with ``position_ids`` among its keyword arguments. The function
+registered here as ``sdpa_documents`` finds the documents of each row where the positions stop counting up
+by one (transformers' own rule for packed rows, ``find_packed_sequence_indices``) and attends within each:
+
+- a row with one document and no window cutting in: one causal SDPA call, as transformers' ``sdpa`` makes;
+- otherwise, on a CUDA device in half precision, torch's variable-length flash attention
+  (``torch.nn.attention.varlen``) over every document of the micro-batch at once;
+- otherwise (CPU, fp32) causal SDPA per document, and a sliding window in blocks of ``window`` queries,
+  each against its ``2 x window`` keys, so no mask grows with the sequence.
+
+The dense per-document mask (``attention=dense_mask``, transformers' ``sdpa`` with ``create_causal_mask``)
+stays available for comparison: [B,1,S,S] booleans per layer, 16 G entries at 128k tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+DOCUMENT_ATTENTION = "sdpa_documents"
+
+
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B,S] int64 -> [B,S] bool: where a document starts (the row's first token, or a position that does not
+    continue the previous one by +1, as transformers detects packed sequences)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)  # [B,S]
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
+
+
+def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Each row's documents as (start, end) token offsets."""
+    spans = []
+    seq = position_ids.shape[1]
+    for row in document_starts(position_ids).cpu():
+        starts = row.nonzero().squeeze(1).tolist() + [seq]
+        spans.append(list(zip(starts[:-1], starts[1:])))
+    return spans
+
+
+def _varlen(window: int):
+    """torch's variable-length flash attention, where this torch has it (and takes a window, if one is needed)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    if window and "window_size" not in inspect.signature(varlen_attn).parameters:
+        return None
+    return varlen_attn
+
+
+def _window_blocks(q, k, v, window: int, scale, dropout: float):
+    """Causal attention of one document (q [1,Hq,d,D], k/v [1,Hkv,d,D]) where query t sees keys t-window+1..t:
+    blocks of ``window`` queries against their keys, a mask of window x (2 window - 1) at most."""
+    d = q.shape[2]
+    out = []
+    for start in range(0, d, window):
+        end = min(start + window, d)
+        first = max(0, start - window + 1)
+        t = torch.arange(start, end, device=q.device)[:, None]  # [c,1] query positions
+        j = torch.arange(first, end, device=q.device)[None, :]  # [1,k] key positions
+        allowed = (j <= t) & (j > t - window)  # [c,k] bool
+        out.append(
+            F.scaled_dot_product_attention(
+                q[:, :, start:end],
+                k[:, :, first:end],
+                v[:, :, first:end],
+                attn_mask=allowed,
+                dropout_p=dropout,
+                scale=scale,
+                enable_gqa=True,
+            )
+        )
+    return torch.cat(out, dim=2)  # [1,Hq,d,D]
+
+
+def document_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [B,Hq,S,D], key/value [B,Hkv,S,D] -> ([B,S,Hq,D], None).
+
+    ``attention_mask`` must be None: documents come from ``position_ids`` (the stages build no mask)."""
+    if attention_mask is not None:
+        raise ValueError("sdpa_documents takes the documents from position_ids; it was given a mask as well")
+    batch, heads, seq, dim = query.shape
+    dropout = dropout if module.training else 0.0
+    window = sliding_window if sliding_window and sliding_window < seq else 0
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=query.device).expand(batch, seq)
+    spans = document_spans(position_ids)
+    if not window and all(len(row) == 1 for row in spans):
+        out = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None  # [B,S,Hq,D]
+    varlen = _varlen(window)
+    if varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout:
+        lengths = [end - start for row in spans for start, end in row]
+        cu = torch.tensor([0] + lengths, device=query.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # [N+1]
+        q = query.transpose(1, 2).reshape(batch * seq, heads, dim)  # [B*S,Hq,D]: rows end to end
+        k = key.transpose(1, 2).reshape(batch * seq, key.shape[1], dim)  # [B*S,Hkv,D]
+        v = value.transpose(1, 2).reshape(batch * seq, value.shape[1], dim)
+        longest = max(lengths)
+        params, extra = inspect.signature(varlen).parameters, {}
+        if "window_size" in params:  # (left, right): (-1, 0) is causal, (W - 1, 0) a causal window of W
+            extra["window_size"] = (window - 1 if window else -1, 0)
+        else:  # torch 2.11: causal or not, no window (_varlen gave None for a window)
+            extra["is_causal"] = True
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        elif k.shape[1] != heads:  # an older torch: each KV head repeated for its query heads
+            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+        out = varlen(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)  # [B*S,Hq,D]
+        return out.reshape(batch, seq, heads, dim), None
+    rows = []
+    for b, row in enumerate(spans):
+        docs = []
+        for start, end in row:
+            q, k, v = (t[b : b + 1, :, start:end] for t in (query, key, value))  # [1,H,d,D]
+            if window and end - start > window:
+                docs.append(_window_blocks(q, k, v, window, scaling, dropout))
+            else:
+                docs.append(
+                    F.scaled_dot_product_attention(
+                        q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=True
+                    )
+                )
+        rows.append(torch.cat(docs, dim=2))  # [1,Hq,S,D]
+    return torch.cat(rows).transpose(1, 2).contiguous(), None  # [B,S,Hq,D]
+
+
+AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)
