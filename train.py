@@ -78,6 +78,7 @@ from training.optim import (  # noqa: E402
     param_groups,
     reduce_grad_norm_once_across_stages,
 )
+from training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Preempted, StopAndSave  # noqa: E402
 from training.run_lock import RunLock  # noqa: E402
 
 register_configs()
@@ -546,6 +547,8 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
     cfg = resolved.cfg
     peak = device_peak_tflops(cfg.precision, cfg.mfu_peak_tflops)
     six_n, attention = flops_per_token(resolved.model_config, resolved.layout.seq_len)
+    l = resolved.layout
+    layout = {"pipe": l.stages, "tensor": l.tp, "sequence": l.sp, "data": l.dp}
     logger = StepLogger(
         cfg.output_dir,
         total_steps,
@@ -554,47 +557,42 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
         start_step,
         flops_per_token=six_n + attention,
         peak_flops=peak * 1e12 * resolved.world_size if peak else None,
-        layout={
-            "pipe": resolved.layout.stages,
-            "tensor": resolved.layout.tp,
-            "sequence": resolved.layout.sp,
-            "data": resolved.layout.dp,
-        },
+        layout=layout,
         sources=data.sources,
+        sinks=[tracking_run(resolved, layout)] if cfg.monitor.wandb and dist.get_rank() == 0 else None,
     )
     eval_labels = [eval_label_count(resolved, engine, data, e) for e in data.evals]
     last_saved = start_step if resolved.resume_tag else None
+    stopper = StopAndSave(
+        cfg.save_every_minutes, cfg.preempt_grace_s, dist.get_rank(), get_accelerator().current_device_name()
+    )
     census = CensusAtStep(engine)  # model-state bytes per rank, measured before the second optimizer step
     step_peak = StepPeak(start_step + 2, cfg.count_step_memory)  # what the second step allocates beyond the states
     skipped: list[int] = []  # steps whose update the optimizer skipped (non-finite), with nonfinite_loss=skip
-    for step in range(start_step + 1, total_steps + 1):
-        lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside the step
-        skipped_before = engine.skipped_steps
-        step_peak.before(step)
-        loss, counts = train_step(resolved, engine, data, loss_fn)
-        step_peak.after(step)
-        data.guard.after_step(step)
-        if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
-            log0(
-                f"data order check passed: first and last stage of every pipeline"
-                f"{' (and their tensor-parallel peers)' if resolved.layout.tp > 1 else ''} loaded the same "
-                f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}"
-            )
-        grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
-        logger.log(step, loss, lr, None if grad_norm is None else float(grad_norm), *counts[:3], counts[3:])
-        check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
-        if data.evals and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
-            for evaluation, labels in zip(data.evals, eval_labels):
-                evaluate(resolved, engine, data, evaluation, step, logger, loss_fn, labels)
-        if (cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps:
-            tag = run_checkpoints.save(resolved, engine, step, data.iterator)
-            last_saved = step
-            rss = on_all_ranks("reporting memory", current_rss_mb)
-            log0(
-                f"saved checkpoint {tag} in {cfg.output_dir} (RSS per rank now: "
-                f"{', '.join(f'{r:.0f}' for r in rss)} MiB; peak RSS {peak_rss_mb():.0f} MiB)"
-            )
-    logger.close()
+    try:
+        for step in range(start_step + 1, total_steps + 1):
+            lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside the step
+            skipped_before = engine.skipped_steps
+            step_peak.before(step)
+            loss, counts = train_step(resolved, engine, data, loss_fn)
+            step_peak.after(step)
+            data.guard.after_step(step)
+            if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
+                log0(
+                    f"data order check passed: first and last stage of every pipeline"
+                    f"{' (and their tensor-parallel peers)' if resolved.layout.tp > 1 else ''} loaded the same "
+                    f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}"
+                )
+            grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
+            logger.log(step, loss, lr, None if grad_norm is None else float(grad_norm), *counts[:3], counts[3:])
+            check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
+            if data.evals and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
+                for evaluation, labels in zip(data.evals, eval_labels):
+                    evaluate(resolved, engine, data, evaluation, step, logger, loss_fn, labels)
+            if save_if_due(resolved, engine, data, step, total_steps, stopper):
+                last_saved = step
+    finally:  # a stop signal (Preempted) or a failure: the W&B run and metrics.jsonl are closed too
+        logger.close()
     if last_saved is None:
         log0("no step to train (max_steps=0): nothing trained, no checkpoint written")
     peaks = on_all_ranks("reporting memory", peak_memory_mib)
@@ -617,6 +615,39 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             "activations, loss buffer, temporaries): "
             + ", ".join(f"rank {r} {p:.1f}" for r, p in enumerate(step_peaks))
         )
+
+
+def save_if_due(resolved: Resolved, engine, data: RankData, step: int, total_steps: int, stopper: StopAndSave) -> bool:
+    """Save after ``step`` when save_steps, the end, save_every_minutes or a stop signal says so (the ranks agree
+    on the last two in one all-reduce, training/preemption.py); after a signal, stop with the checkpoint saved."""
+    cfg = resolved.cfg
+    signalled, clock_due = stopper.after_step()  # the same on every rank
+    if not ((cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps or clock_due or signalled):
+        return False
+    start = time.time()
+    tag = run_checkpoints.save(resolved, engine, step, data.iterator)
+    stopper.saved()
+    rss = on_all_ranks("reporting memory", current_rss_mb)
+    why = f", {cfg.save_every_minutes:g} minutes since the last" if clock_due else ""
+    log0(
+        f"saved checkpoint {tag} in {cfg.output_dir}{why} (RSS per rank now: {', '.join(f'{r:.0f}' for r in rss)} "
+        f"MiB; peak RSS {peak_rss_mb():.0f} MiB)"
+    )
+    if signalled and step < total_steps:  # in the last step: the run is complete, exit 0
+        raise Preempted(
+            f"stop signal ({'/'.join(STOP_SIGNALS)}) on rank(s) {signalled}: checkpoint {tag} saved after step {step} "
+            f"of {total_steps} in {time.time() - start:.1f} s; exiting with code {PREEMPTED_EXIT_CODE}. The same "
+            "command (resume=auto) continues from it exactly."
+        )
+    return True
+
+
+def tracking_run(resolved: Resolved, layout: dict):
+    """Rank 0's W&B run (monitor.wandb): the resolved config and the layout as its config."""
+    from training.tracking import WandbRun
+
+    config = OmegaConf.to_container(OmegaConf.structured(resolved.cfg))
+    return WandbRun(resolved.cfg.monitor, resolved.cfg.output_dir, {**config, "layout": layout})
 
 
 def check_finite(
@@ -697,7 +728,7 @@ def main(dict_cfg: DictConfig) -> None:
             "another "
             f"port, `deepspeed --master_port PORT ...` (or MASTER_PORT=PORT for torchrun/SLURM)"
         )
-    lock = None
+    lock, code = None, 0
     try:
         lock = lock_output_dir(resolved)
         on_all_ranks("creating output_dir", lambda: os.makedirs(resolved.cfg.output_dir, exist_ok=True))
@@ -719,6 +750,9 @@ def main(dict_cfg: DictConfig) -> None:
         dist.barrier()
     except (StartupError, OrderMismatchError, TrainingStopped) as e:  # raised on every rank alike
         fail(str(e))
+    except Preempted as e:  # on every rank alike, the checkpoint complete
+        log0(str(e))
+        code = PREEMPTED_EXIT_CODE
     finally:
         if lock is not None:
             lock.release()
@@ -726,8 +760,8 @@ def main(dict_cfg: DictConfig) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         release_cpu_comm_buffer()
-    if HydraConfig.get().mode != RunMode.MULTIRUN:  # a sweep's next job runs in this process
-        exit_finished_run()  # reached only when the run finished: failures raised above
+    if HydraConfig.get().mode != RunMode.MULTIRUN or code:  # a sweep's next job runs in this process
+        exit_finished_run(code)  # reached only when the run finished or stopped saved: failures raised above
 
 
 def fail(message: str) -> None:

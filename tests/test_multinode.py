@@ -235,13 +235,16 @@ def write_executable(path: str, text: str) -> None:
 
 # A stand-in for the DeepSpeed launcher: records its arguments, node rank, working directory and the
 # environment the ranks would get, in $STUB_OUT/node<NODE_RANK>.json.
+# It exits with $STUB_EXIT (0 by default): 75 is a job stopped by a signal with its checkpoint saved.
 STUB_LAUNCHER = f"""#!{sys.executable}
-import json, os, sys
+import json, os, signal, sys
 keys = ("OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "DEEPSPEED_TIMEOUT", "NCCL_DEBUG", "PYTHONUNBUFFERED",
         "MASTER_ADDR", "MASTER_PORT", "HOSTFILE")
-record = dict(argv=sys.argv[1:], cwd=os.getcwd(), env={{k: os.environ.get(k) for k in keys}})
+record = dict(argv=sys.argv[1:], cwd=os.getcwd(), env={{k: os.environ.get(k) for k in keys}},
+              usr1_ignored=signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)
 with open(os.path.join(os.environ["STUB_OUT"], "node%s.json" % os.environ["NODE_RANK"]), "w") as f:
     json.dump(record, f)
+sys.exit(int(os.environ.get("STUB_EXIT", "0")))
 """
 
 # A stand-in for srun: records its options, then runs the command once per node, concurrently,
@@ -258,6 +261,7 @@ exit $rc
 """
 
 FAKE_SCONTROL = """#!/usr/bin/env bash
+if [ "$1 $2" = "requeue 4242" ]; then echo requeued > "$STUB_OUT/requeue"; exit 0; fi
 [ "$1 $2 $3" = "show hostnames gpu-a[01-02]" ] || { echo "unexpected: scontrol $*" >&2; exit 1; }
 printf 'gpu-a01\\ngpu-a02\\n'
 """
@@ -312,6 +316,7 @@ def test_slurm_script_runs_one_launcher_per_node(tmp_path):
             *overrides,
         ]
         assert record["cwd"] == REPO
+        assert record["usr1_ignored"]  # the launchers ignore SLURM's SIGUSR1; train.py's ranks catch it
         assert record["env"] == {
             "OMP_NUM_THREADS": "1",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
@@ -322,6 +327,21 @@ def test_slurm_script_runs_one_launcher_per_node(tmp_path):
             "MASTER_PORT": port,
             "HOSTFILE": hostfile,
         }
+    assert not (out / "requeue").exists()
+    # A job stopped by a signal (75: saved; 76: not this step) requeues itself; any other failure does not.
+    for code, requeued, status in ((75, True, 0), (76, True, 0), (1, False, 1)):
+        proc = subprocess.run(
+            ["bash", SBATCH, *overrides],
+            cwd=str(tmp_path),
+            env={**env, "STUB_EXIT": str(code)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == status and (out / "requeue").exists() == requeued, proc.stdout + proc.stderr
+        if requeued:
+            assert f"stopped by a signal (exit {code}): requeued" in proc.stdout
+            (out / "requeue").unlink()
 
 
 # Stand-ins for pdsh (records its arguments) and ssh (DeepSpeed's reachability check passes).

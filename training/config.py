@@ -124,10 +124,19 @@ class ModelConfig:
 
 @dataclass
 class MonitorConfig:
-    """DeepSpeed's own monitors, written under ``output_dir/monitor``."""
+    """DeepSpeed's own monitors, written under ``output_dir/monitor``, and Weights & Biases (training/tracking.py)."""
 
     tensorboard: bool = False  # TensorBoard event files (needs the tensorboard package)
     csv: bool = False  # one CSV file per metric
+    # Weights & Biases: every metrics.jsonl record (train and eval), the resolved config and the layout, from
+    # rank 0; a resumed run continues the same W&B run (its id in output_dir/wandb_run_id). WANDB_API_KEY
+    # or `wandb login` online; WANDB_MODE=offline writes it under output_dir/wandb for `wandb sync`.
+    wandb: bool = False
+    wandb_project: str = "llama-pipeline"  # the W&B project the run is logged to
+    wandb_entity: str = ""  # team or user; "" = W&B's default for the key
+    wandb_run_name: str = ""  # "" = output_dir's name
+    wandb_group: str = ""  # W&B's run group (e.g. one sweep's runs); "" = none
+    wandb_tags: list[str] = field(default_factory=list)  # W&B tags, e.g. [sft,llama3]
 
 
 @dataclass
@@ -238,6 +247,14 @@ class TrainConfig:
     eval_steps: int = 0  # evaluate every this many steps and at the end, when there is eval data; 0 = only at the end
     save_steps: int = 0  # save a checkpoint every this many steps (and always at the end); 0 = only at the end
     save_total_limit: int = 0  # keep only the newest this many checkpoints; 0 = keep all
+    # Also save when this many minutes have passed since the last checkpoint (rank 0's clock, agreed by all ranks
+    # after each step), whichever of it and save_steps comes first; 0 = steps only.
+    save_every_minutes: float = 0.0
+    # After SIGTERM or SIGUSR1 (SLURM's warning before a time limit or preemption) every rank finishes the step,
+    # a checkpoint is saved and the job exits with code 75 (training/preemption.py); a second signal, or no
+    # checkpoint within this many seconds of the first, exits at once with code 76, the last complete
+    # checkpoint untouched.
+    preempt_grace_s: float = 600.0
     resume: ResumeMode = (
         ResumeMode.auto
     )  # auto: continue from output_dir's latest checkpoint if there is one | never: refuse to reuse it
@@ -826,7 +843,9 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         ("eval_steps", 0),
         ("save_steps", 0),
         ("save_total_limit", 0),
+        ("save_every_minutes", 0),
         ("dist_timeout_s", 1),
+        ("preempt_grace_s", 1),
     ):
         if getattr(cfg, name) < minimum:
             problems.append(f"{name} {getattr(cfg, name)} is out of range: set {name} >= {minimum}")
@@ -871,6 +890,8 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         problems.append(f"optim.min_lr {cfg.optim.min_lr} must be in [0, optim.lr={cfg.optim.lr}]")
     if cfg.monitor.tensorboard and importlib.util.find_spec("tensorboard") is None:
         problems.append("monitor.tensorboard=true needs the tensorboard package: pip install tensorboard")
+    if cfg.monitor.wandb and importlib.util.find_spec("wandb") is None:
+        problems.append("monitor.wandb=true needs the wandb package: pip install wandb==0.31.0")
     problems += data_problems(cfg)
     if cfg.min_free_disk_gb < 0 and cfg.min_free_disk_gb != -1:
         problems.append(

@@ -84,9 +84,9 @@ def release_cpu_comm_buffer() -> None:
         pass
 
 
-def exit_finished_run() -> None:
-    """End a rank whose run has finished (everything saved, process groups destroyed) with status 0,
-    skipping the interpreter's teardown.
+def exit_finished_run(code: int = 0) -> None:
+    """End a rank whose run has finished (everything saved, process groups destroyed) with status ``code`` (0;
+    75 after a stop signal, training/preemption.py), skipping the interpreter's teardown.
 
     After a ZeRO-3 offload run on the CPU accelerator, a rank now and then aborts in that teardown
     ("terminate called without an active exception", SIGABRT, after ``main`` has returned on every rank):
@@ -97,4 +97,4 @@ def exit_finished_run() -> None:
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

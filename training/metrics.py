@@ -81,10 +81,12 @@ class StepLogger:
         peak_flops: float | None = None,
         layout: dict[str, int] | None = None,
         sources: list[str] | None = None,
+        sinks: list | None = None,
     ):
         self.active, self.max_steps, self.log_steps, self.layout = active, max_steps, log_steps, layout
         self.sources = sources or []  # a mixture's source names (data.sources)
         self.start_step, self.flops_per_token, self.peak_flops = start_step, flops_per_token, peak_flops
+        self.sinks = sinks or []  # called with every record as it is written (training/tracking.py's W&B run)
         self.start = self.last = time.time()
         self.file = None
         if active:
@@ -99,6 +101,8 @@ class StepLogger:
     def _write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        for sink in self.sinks:
+            sink(record)
 
     def log(
         self,
@@ -166,3 +170,7 @@ class StepLogger:
     def close(self) -> None:
         if self.file:
             self.file.close()
+            self.file = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []

@@ -79,4 +79,8 @@ else
 fi
 
 echo "[launch_hostfile] $DEEPSPEED ${args[*]} train.py $*" >&2
+# SIGUSR1 (SLURM's --signal warning) reaches every process of the job step: the launchers ignore it (a
+# Python launcher would die of it), train.py's ranks catch it (they set their own handler), finish the
+# step, save and exit 75 (docs/checkpoints.md#preemption-and-time-limits).
+trap '' USR1
 exec "$DEEPSPEED" "${args[@]}" train.py "$@"
