@@ -69,6 +69,7 @@ from training.distributed import (  # noqa: E402
     on_all_ranks,
     release_cpu_comm_buffer,
 )
+from training.hang import HangWatch  # noqa: E402
 from training.memory_census import CensusAtStep, StepPeak  # noqa: E402
 from training.metrics import StepLogger, device_peak_tflops  # noqa: E402
 from training.optim import (  # noqa: E402
@@ -78,8 +79,9 @@ from training.optim import (  # noqa: E402
     param_groups,
     reduce_grad_norm_once_across_stages,
 )
-from training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Preempted, StopAndSave  # noqa: E402
+from training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Preempted, StopAndSave, exit_if_exiting  # noqa: E402
 from training.run_lock import RunLock  # noqa: E402
+from training.straggler import ComputeClock  # noqa: E402
 
 register_configs()
 
@@ -566,6 +568,8 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
     stopper = StopAndSave(
         cfg.save_every_minutes, cfg.preempt_grace_s, dist.get_rank(), get_accelerator().current_device_name()
     )
+    clock = ComputeClock() if resolved.uses_pipeline else None  # the straggler view (training/straggler.py)
+    watch = HangWatch(cfg.output_dir, dist.get_rank(), dist.get_world_size(), cfg.hang_timeout_s, cfg.hang_action)
     census = CensusAtStep(engine)  # model-state bytes per rank, measured before the second optimizer step
     step_peak = StepPeak(start_step + 2, cfg.count_step_memory)  # what the second step allocates beyond the states
     skipped: list[int] = []  # steps whose update the optimizer skipped (non-finite), with nonfinite_loss=skip
@@ -574,7 +578,11 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside the step
             skipped_before = engine.skipped_steps
             step_peak.before(step)
+            watch.step_started(step)
             loss, counts = train_step(resolved, engine, data, loss_fn)
+            watch.step_ended()
+            # every rank: signals, rank 0's save clock, each rank's compute seconds (one all-reduce)
+            signalled, clock_due, compute = stopper.after_step(clock.take() if clock else 0.0)
             step_peak.after(step)
             data.guard.after_step(step)
             if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
@@ -584,12 +592,13 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
                     f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}"
                 )
             grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
-            logger.log(step, loss, lr, None if grad_norm is None else float(grad_norm), *counts[:3], counts[3:])
+            norm = None if grad_norm is None else float(grad_norm)
+            logger.log(step, loss, lr, norm, *counts[:3], counts[3:], compute=compute if clock else None)
             check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
             if data.evals and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
                 for evaluation, labels in zip(data.evals, eval_labels):
                     evaluate(resolved, engine, data, evaluation, step, logger, loss_fn, labels)
-            if save_if_due(resolved, engine, data, step, total_steps, stopper):
+            if save_if_due(resolved, engine, data, step, total_steps, stopper, signalled, clock_due):
                 last_saved = step
     finally:  # a stop signal (Preempted) or a failure: the W&B run and metrics.jsonl are closed too
         logger.close()
@@ -617,11 +626,19 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
         )
 
 
-def save_if_due(resolved: Resolved, engine, data: RankData, step: int, total_steps: int, stopper: StopAndSave) -> bool:
-    """Save after ``step`` when save_steps, the end, save_every_minutes or a stop signal says so (the ranks agree
-    on the last two in one all-reduce, training/preemption.py); after a signal, stop with the checkpoint saved."""
+def save_if_due(
+    resolved: Resolved,
+    engine,
+    data: RankData,
+    step: int,
+    total_steps: int,
+    stopper: StopAndSave,
+    signalled: list[int],
+    clock_due: bool,
+) -> bool:
+    """Save after ``step`` when save_steps, the end, save_every_minutes or a stop signal says so (the ranks agreed
+    on the last two after the step, training/preemption.py); after a signal, stop with the checkpoint saved."""
     cfg = resolved.cfg
-    signalled, clock_due = stopper.after_step()  # the same on every rank
     if not ((cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps or clock_due or signalled):
         return False
     start = time.time()
@@ -753,6 +770,9 @@ def main(dict_cfg: DictConfig) -> None:
     except Preempted as e:  # on every rank alike, the checkpoint complete
         log0(str(e))
         code = PREEMPTED_EXIT_CODE
+    except Exception:  # a collective failing because a hung job's peers exited first (training/hang.py): quiet
+        exit_if_exiting()
+        raise
     finally:
         if lock is not None:
             lock.release()

@@ -74,18 +74,18 @@ def test_the_ranks_agree_on_signals_and_on_rank_0s_clock(one_rank_group):
     previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
     try:
         stopper = StopAndSave(save_every_minutes=0.002, grace_s=30, rank=0, device="cpu")  # 0.12 s
-        assert stopper.after_step() == ([], False)
+        assert stopper.after_step(0.25) == ([], False, [0.25])
         time.sleep(0.2)
-        assert stopper.after_step() == ([], True)
+        assert stopper.after_step() == ([], True, [0.0])
         stopper.saved()
-        assert stopper.after_step() == ([], False)
+        assert stopper.after_step() == ([], False, [0.0])
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert stopper.after_step() == ([0], False)
+        assert stopper.after_step() == ([0], False, [0.0])
         stopper.saved()  # cancels the grace timer
     finally:
         signal.signal(signal.SIGUSR1, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
-    assert StopAndSave(save_every_minutes=0, grace_s=30, rank=0, device="cpu").after_step() == ([], False)
+    assert StopAndSave(save_every_minutes=0, grace_s=30, rank=0, device="cpu").after_step() == ([], False, [0.0])
     signal.signal(signal.SIGUSR1, previous[0])
     signal.signal(signal.SIGTERM, previous[1])
 

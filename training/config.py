@@ -76,6 +76,11 @@ class Attention(StrEnum):
     dense_mask = "dense_mask"
 
 
+class HangAction(StrEnum):
+    exit = "exit"
+    wait = "wait"
+
+
 class PeftMethod(StrEnum):
     none = "none"
     lora = "lora"
@@ -255,6 +260,10 @@ class TrainConfig:
     # checkpoint within this many seconds of the first, exits at once with code 76, the last complete
     # checkpoint untouched.
     preempt_grace_s: float = 600.0
+    # A training step running longer than this dumps every rank's Python stacks to output_dir/hang/rank<R>.txt
+    # and rank 0 prints where each rank is (training/hang.py); 0 = 20 x the median step so far, at least 600 s.
+    hang_timeout_s: float = 0.0
+    hang_action: HangAction = HangAction.exit  # exit: every rank exits with code 78 | wait: keep waiting
     resume: ResumeMode = (
         ResumeMode.auto
     )  # auto: continue from output_dir's latest checkpoint if there is one | never: refuse to reuse it
@@ -846,6 +855,7 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         ("save_every_minutes", 0),
         ("dist_timeout_s", 1),
         ("preempt_grace_s", 1),
+        ("hang_timeout_s", 0),
     ):
         if getattr(cfg, name) < minimum:
             problems.append(f"{name} {getattr(cfg, name)} is out of range: set {name} >= {minimum}")

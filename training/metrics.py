@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 
 from models.host_memory import peak_rss_mb
@@ -63,8 +64,9 @@ class StepLogger:
     with a mixture (``sources``), ``source_tokens`` gives the step's real tokens per source.
     ``mfu`` is written and printed where the job's peak FLOP/s is known (``peak_flops``, all devices), and
     ``peak_gpu_mb`` (rank 0's peak of allocated GPU memory) on a CUDA device.
-    Each train record carries the run's ``layout`` (``{"pipe": P, "tensor": T, "sequence": S, "data": D}``): a
-    run resumed on another layout shows where it changed.
+    ``compute_s`` (pipeline engine): the slowest rank's compute seconds in the step, which rank, and the median
+    (training/straggler.py). Each train record carries the run's ``layout`` (``{"pipe": P, "tensor": T,
+    "sequence": S, "data": D}``): a run resumed on another layout shows where it changed.
 
     Only the rank created with ``active=True`` (global rank 0) writes anything. When resuming from
     ``start_step``, records of later steps (written after that checkpoint) are dropped first.
@@ -114,6 +116,7 @@ class StepLogger:
         label_tokens: int,
         fed_tokens: int = 0,
         source_tokens: list[int] | None = None,
+        compute: list[float] | None = None,
     ) -> None:
         now = time.time()
         step_s, self.last = now - self.last, now
@@ -139,6 +142,13 @@ class StepLogger:
             record["layout"] = self.layout
         if self.sources:  # the step's real tokens per source of the mixture
             record["source_tokens"] = dict(zip(self.sources, source_tokens))
+        if compute:  # every rank's compute seconds in the step (training/straggler.py)
+            slowest = max(range(len(compute)), key=compute.__getitem__)
+            record["compute_s"] = {
+                "slowest_rank": slowest,
+                "slowest": round(compute[slowest], 4),
+                "median": round(statistics.median(compute), 4),
+            }
         if self.peak_flops:
             record["mfu"] = round(mfu(tokens / step_s, self.flops_per_token, self.peak_flops), 4)
         self._write(record)
@@ -149,9 +159,13 @@ class StepLogger:
         util = f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
         pad = "" if record["padding"] is None else f" ({100 * record['padding']:.0f}% padding)"
         gpu = f"peak GPU {record['peak_gpu_mb']:.0f} MiB | " if "peak_gpu_mb" in record else ""
+        c = record.get("compute_s")
+        slow = (
+            f" | slowest rank {c['slowest_rank']} {c['slowest']:.2f} s compute (median {c['median']:.2f})" if c else ""
+        )
         print(
             f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {gn} | "
-            f"{record['tokens_per_s']:.0f} tokens/s{pad}{util} | {step_s:.2f} s/step | ETA {eta:.0f} s | "
+            f"{record['tokens_per_s']:.0f} tokens/s{pad}{util} | {step_s:.2f} s/step{slow} | ETA {eta:.0f} s | "
             f"{gpu}peak RSS {record['peak_rss_mb']:.0f} MiB",
             flush=True,
         )

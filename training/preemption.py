@@ -26,6 +26,20 @@ import torch.distributed as dist
 PREEMPTED_EXIT_CODE = 75  # BSD's EX_TEMPFAIL: saved, stopped, resume to continue (requeue)
 UNSAVED_EXIT_CODE = 76  # stopped without saving this step: resume continues from the last complete checkpoint
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+_exiting: list[int] = []  # set when this rank is already on its way out (training/hang.py): signals end it quietly
+
+
+def exit_quietly_on_signals(code: int) -> None:
+    """From now on a stop signal ends this rank at once with ``code``, saying nothing (it is exiting anyway)."""
+    _exiting.append(code)
+
+
+def exit_if_exiting() -> None:
+    """Called with an exception in hand: a rank already on its way out (its peers gone first) exits quietly."""
+    if _exiting:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exiting[0])
 
 
 class Preempted(Exception):
@@ -49,6 +63,8 @@ class StopAndSave:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        if _exiting:
+            os._exit(_exiting[0])
         if self.received is not None and self.timer is None:  # the checkpoint after the first is complete
             os._exit(PREEMPTED_EXIT_CODE)
         if self.received is not None:
@@ -76,14 +92,16 @@ class StopAndSave:
             self.timer.cancel()
             self.timer = None
 
-    def after_step(self) -> tuple[list[int], bool]:
+    def after_step(self, compute_s: float = 0.0) -> tuple[list[int], bool, list[float]]:
         """Collective, every rank after each step: (ranks that received a stop signal, whether rank 0's
-        save_every_minutes clock is due), the same on every rank."""
+        save_every_minutes clock is due, every rank's ``compute_s``: training/straggler.py), the same on
+        every rank."""
         world = dist.get_world_size()
-        flags = torch.zeros(world + 1, dtype=torch.int64, device=self.device)  # [W+1]: signalled ranks, clock
-        flags[self.rank] = int(self.received is not None)
+        values = torch.zeros(2 * world + 1, dtype=torch.float64, device=self.device)  # [2W+1]: each rank's slots
+        values[self.rank] = float(self.received is not None)
+        values[world + 1 + self.rank] = compute_s
         if self.rank == 0 and self.save_every_s > 0:
-            flags[world] = int(time.monotonic() - self.last_save >= self.save_every_s)
-        dist.all_reduce(flags)
-        flags = flags.tolist()
-        return [r for r in range(world) if flags[r]], bool(flags[world])
+            values[world] = float(time.monotonic() - self.last_save >= self.save_every_s)
+        dist.all_reduce(values)
+        values = values.tolist()
+        return [r for r in range(world) if values[r]], bool(values[world]), values[world + 1 :]
