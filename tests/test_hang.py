@@ -1,6 +1,7 @@
 """Hangs are named (training/hang.py): a rank asleep inside a step (tests/sleepy_rank.py) makes every rank dump
 its stacks after hang_timeout_s, rank 0 print where each rank is, and the job exit with code 78. A rank that
-is merely slow (0.3 s more per forward) is named in every step's straggler view (training/straggler.py)."""
+is merely slow (0.3 s more per forward) is named in every step's straggler view (training/straggler.py); the
+same run saves on save_every_minutes's clock too."""
 
 from __future__ import annotations
 
@@ -94,7 +95,15 @@ def test_a_slow_rank_is_named_the_straggler(tmp_path, tiny_hf, monkeypatch):
     monkeypatch.setenv("SLEEPY_STEP", "2")
     monkeypatch.setenv("SLEEPY_SECONDS", "0.3")
     out = tmp_path / "run"
-    args = train_args(str(tmp_path / "ckpt"), data, str(out), num_stages=2, gradient_accumulation_steps=2, max_steps=3)
+    args = train_args(
+        str(tmp_path / "ckpt"),
+        data,
+        str(out),
+        num_stages=2,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        save_every_minutes=0.005,  # 0.3 s: step 2 (0.6 s slower) is past it
+    )
     proc = run_deepspeed(4, "tests/sleepy_rank.py", args, str(tmp_path / "run.log"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     compute = [m["compute_s"] for m in read_metrics(str(out))]
@@ -103,3 +112,6 @@ def test_a_slow_rank_is_named_the_straggler(tmp_path, tiny_hf, monkeypatch):
     assert all(c["slowest"] > 0.6 > c["median"] for c in compute[1:])
     line = next(x for x in proc.stdout.splitlines() if x.startswith("step 3/3"))
     assert " | slowest rank 2 0." in line and " s compute (median 0." in line
+    # save_every_minutes on the same run: rank 0's clock, agreed by all ranks, saved after step 2 as well
+    assert f"saved checkpoint global_step2 in {out}, 0.005 minutes since the last (" in proc.stdout
+    assert {"global_step2", "global_step3"} <= set(os.listdir(out))
