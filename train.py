@@ -43,11 +43,12 @@ from data.checks import default_packing  # noqa: E402
 from data.guard import OrderMismatchError  # noqa: E402
 from models.families import family_of  # noqa: E402
 from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
-from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules  # noqa: E402
+from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules, stage_pieces  # noqa: E402
 from models.llama_pipe import ATTENTION_IMPLEMENTATIONS, LlamaStack, flops_per_token, init_weights_, spec_layout  # noqa: E402
 from models.lora import apply_lora, base_numel, base_record, load_adapter_, load_checkpoint_adapters_  # noqa: E402
 from models.loss import CausalLMLoss, label_tokens  # noqa: E402
 from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes  # noqa: E402
+from parallel.dualpipev import mend_engine  # noqa: E402
 from parallel.partition import build_pipeline_model  # noqa: E402
 from parallel.tensor_parallel import replica_differences  # noqa: E402
 from training import run_checkpoints  # noqa: E402
@@ -171,6 +172,7 @@ def build_model(resolved: Resolved, topology: PipeDataParallelTopology, loss_fn:
         dynamic_shape=cfg.data.pad_to_multiple_of > 0,
         attention=ATTENTION_IMPLEMENTATIONS[cfg.attention],
         sequence_parallel=resolved.layout.sp,
+        schedule=resolved.layout.schedule,
     )
 
 
@@ -212,7 +214,7 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
             source += f", ZeRO-3 partitioned at build: this rank holds {partition_bytes(params) / 2**20:.1f} MiB"
         return {
             "stage": model.stage_id,
-            "specs": list(range(model._local_start, model._local_stop)),
+            "specs": [i for start, stop, _ in stage_pieces(model) for i in range(start, stop)],
             "params": sum(full_numel(p) for p in params),
             "param_mib": sum(full_numel(p) * p.element_size() for p in params) / 2**20,
             "source": source,
@@ -282,6 +284,7 @@ def build_engine(resolved: Resolved, model, total_steps: int):
         lr_scheduler=build_lr_scheduler(resolved.cfg, total_steps),
     )
     reduce_grad_norm_once_across_stages(engine.optimizer)
+    mend_engine(engine)
     run_checkpoints.load_without_pickles(engine)
     return engine
 
@@ -356,6 +359,12 @@ def announce(
         f"engine: {type(engine).__name__}, ZeRO stage {stage}{grads}, optimizer "
         f"{type(engine.basic_optimizer).__name__} (offload: {offload}), precision {cfg.precision}"
     )
+    if resolved.layout.schedule == "dualpipev":
+        deferring = on_all_ranks("counting deferrable layers", lambda: engine.weight_grads.layers)
+        log0(
+            f"schedule: DualPipeV, {resolved.layout.pieces} pieces, two per pipeline rank; zero bubble: the weight "
+            f"gradients of {', '.join(map(str, deferring))} linear layers (per rank) deferred where DualPipe does"
+        )
     model, every = resolved.model_config, cfg.activation_checkpoint_interval
     log0(
         f"model: {family_of(model).causal_lm.__name__}'s layers (model_type {model.model_type}), "
@@ -413,7 +422,7 @@ def announce(
         )
     for rank, (info, d) in enumerate(zip(init_reports, data_reports)):
         log0(
-            f"rank {rank}: stage {info['stage']} specs {info['specs'][0]}..{info['specs'][-1]} "
+            f"rank {rank}: stage {info['stage']} specs {spec_ranges(info['specs'])} "
             f"({len(info['specs'])} specs, {info['params'] / 1e6:.2f} M params) | {info['source']} in "
             f"{info['seconds']:.2f} s "
             f"| peak RSS at load {info['peak_rss_mib']:.0f} MiB (before building the stage "
@@ -422,6 +431,17 @@ def announce(
         if lora_reports:
             log0(f"rank {rank}: LoRA {lora_reports[rank]}")
         log0(f"rank {rank}: data {d['role']} | peak RSS after data {d['peak_rss_mib']:.0f} MiB")
+
+
+def spec_ranges(specs: list[int]) -> str:
+    """``0..3``, or ``0..1, 6..7`` for the two pieces of a DualPipeV rank (``2`` for a piece of one spec)."""
+    runs = [[specs[0], specs[0]]]
+    for i in specs[1:]:
+        if i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}..{b}" if b > a else str(a) for a, b in runs)
 
 
 def check_tensor_parallel_replicas(model, resolved: Resolved) -> None:
@@ -437,13 +457,16 @@ def check_tensor_parallel_replicas(model, resolved: Resolved) -> None:
 
 
 def counts_tokens(resolved: Resolved, engine) -> bool:
-    """Whether this rank counts its micro-batches' tokens: the last stage (it holds the labels; of its
+    """Whether this rank counts its micro-batches' tokens: the stage holding the labels (the last; the first
+    pipeline rank with DualPipeV; of its
     tensor-parallel and sequence-parallel peers, which hold the same micro-batch, the first), or every rank
     of the data-parallel engine. Their sum over all ranks covers the global batch once."""
     if not resolved.uses_pipeline:
         return True
     first_of_sequence_group = engine.grid.get_data_parallel_rank() % resolved.layout.sp == 0
-    return engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0 and first_of_sequence_group
+    # DualPipeV: the first pipeline rank holds the loss (its engine's is_last_stage depends on the phase)
+    holds_labels = engine.stage_id == 0 if resolved.layout.schedule == "dualpipev" else engine.is_last_stage()
+    return holds_labels and engine.grid.get_slice_parallel_rank() == 0 and first_of_sequence_group
 
 
 def global_sum(*values: int) -> list[int]:

@@ -342,18 +342,27 @@ class StageLoadReport:
     peak_rss_mb: float
 
 
+def stage_pieces(model: PipelineModule) -> list[tuple[int, int, list]]:
+    """(first spec, end, forward functions) of each piece of the model this rank holds: its stage, or the two
+    pieces of a DualPipeV rank (DeepSpeed's ``phase_bounds`` and ``phase_funcs``)."""
+    if hasattr(model, "phase_bounds"):
+        return [(start, stop, funcs) for (start, stop), funcs in zip(model.phase_bounds, model.phase_funcs)]
+    return [(model._local_start, model._local_stop, model.forward_funcs)]
+
+
 def local_modules(model: PipelineModule) -> list[tuple[int, nn.Module]]:
-    """(spec index, module holding its weights) for this stage; a tied module appears once."""
+    """(spec index, module holding its weights) for this rank's pieces; a tied module appears once."""
     out, seen_tied = [], set()
-    for index in range(model._local_start, model._local_stop):
-        spec = model._layer_specs[index]
-        if isinstance(spec, TiedLayerSpec):
-            if spec.key in seen_tied:
-                continue
-            seen_tied.add(spec.key)
-            out.append((index, model.tied_modules[spec.key]))
-        else:
-            out.append((index, model.forward_funcs[index - model._local_start]))
+    for start, stop, funcs in stage_pieces(model):
+        for index in range(start, stop):
+            spec = model._layer_specs[index]
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key in seen_tied:
+                    continue
+                seen_tied.add(spec.key)
+                out.append((index, model.tied_modules[spec.key]))
+            else:
+                out.append((index, funcs[index - start]))
     return out
 
 

@@ -52,6 +52,7 @@ class Layout:
     nf4: bool = False  # QLoRA (peft.quantize=nf4): the decoder's frozen linear weights stored in 4 bits
     tp: int = 1  # tensor parallelism inside each stage (tensor_parallel): ranks one layer is split over
     sp: int = 1  # sequence parallelism (sequence_parallel): ranks each sample's sequence is split over
+    schedule: str = "1f1b"  # pipeline_schedule: 1f1b | dualpipev (two pieces per pipeline rank)
 
     @classmethod
     def of(cls, cfg, world_size: int, ds_json: dict) -> Layout:
@@ -77,6 +78,7 @@ class Layout:
             lora_rank=cfg.peft.r if cfg.peft.method == "lora" else 0,
             lora_targets=tuple(cfg.peft.target_modules) if cfg.peft.method == "lora" else (),
             nf4=cfg.peft.method == "lora" and cfg.peft.quantize == "nf4",
+            schedule=cfg.pipeline_schedule,
         )
 
     @property
@@ -104,6 +106,15 @@ class Layout:
         return self.global_batch * self.seq_len
 
     @property
+    def pieces(self) -> int:
+        """Pipeline pieces the specs are cut into: a stage per pipeline rank, two with DualPipeV."""
+        return 2 * self.stages if self.schedule == "dualpipev" else self.stages
+
+    def rank_pieces(self, stage: int) -> list[int]:
+        """The pieces pipeline rank ``stage`` holds: its own, and with DualPipeV also its mirror."""
+        return [stage, 2 * self.stages - 1 - stage] if self.schedule == "dualpipev" else [stage]
+
+    @property
     def uses_pipeline(self) -> bool:
         """DeepSpeed's pipeline engine (ZeRO 0/1), or its data-parallel engine (num_stages=1, ZeRO 2/3)."""
         return self.stages > 1 or self.zero < 2
@@ -116,7 +127,8 @@ class Layout:
         """``pipe P x data D``, with ``x tensor T`` and ``x sequence S`` where those are used."""
         tensor = f" x tensor {self.tp}" if self.tp > 1 else ""
         sequence = f" x sequence {self.sp}" if self.sp > 1 else ""
-        return f"pipe {self.stages}{tensor}{sequence} x data {self.dp}"
+        schedule = " (DualPipeV)" if self.schedule == "dualpipev" else ""
+        return f"pipe {self.stages}{schedule}{tensor}{sequence} x data {self.dp}"
 
     def batch_line(self) -> str:
         return (

@@ -58,6 +58,18 @@ model (backward still runs through every frozen layer), plus the adapters' own r
 negligible beside them. No [V,H] gradient exists (the embedding and the LM head are frozen), so the
 gradient temporaries are the adapters'.
 
+DualPipeV (``Layout.schedule`` "dualpipev"): the specs are cut into 2 x stages pieces and pipeline rank r holds
+piece r (phase 0) and piece 2 x stages - 1 - r (phase 1), rank 0 the embedding and the LM head. A rank's
+model states are those of both pieces' parameters; its activations are, per piece, the micro-batches that
+piece holds at its peak (from DeepSpeed's own instruction streams, parallel/schedule_sim.py: 2 x stages - r
+and r + 1, reached at the same moment) times its per-micro-batch bytes, plus one layer's working memory, as
+1F1B. What DeepSpeed's DualPipeV engine keeps besides: its 2 x micro-batches pipe-buffer slots hold tensors
+only while a micro-batch is in flight (nothing more); the last rank's turn-around input is a detached view of
+its phase-0 output, held until that piece's backward as every stage holds its outputs (nothing more); rank 0
+keeps each phase-1 micro-batch's loss tensor until its backward (one in flight: one loss buffer), and frees
+the outputs after each backward, so the previous micro-batch's logits that 1F1B's last stage keeps are gone;
+its labels (8 bytes a token) wait from the load to the phase-1 backward, negligible.
+
 Backward also computes each parameter's gradient into a new tensor before adding it to the accumulated
 one (every micro-batch after the first): one parameter's gradient more, at a time. On the first and the
 last stage that is the [V,H] embedding or LM head, as large as a loss chunk at a 128k vocabulary
@@ -66,10 +78,12 @@ last stage that is the [V,H] embedding or LM head, as large as a loss chunk at a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
 from parallel.layout import Layout, tp_dividing
+from parallel.schedule_sim import simulated
 
 GB = 1e9  # the ZeRO paper and GPU vendors count decimal gigabytes
 DS_REDUCE_BUCKET_DEFAULT = 500_000_000  # elements: DeepSpeed's reduce_bucket_size when the JSON has none
@@ -231,18 +245,36 @@ def micro_batch_activation_bytes(shape: Shape, layout: Layout, layers_on_stage: 
     return layers_on_stage * layer_activation_bytes(shape, layout)
 
 
-def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: int) -> float:
+def in_flight(layout: Layout, stage: int) -> list[int]:
+    """The most micro-batches whose activations each piece of pipeline rank ``stage`` holds at once, in
+    ``Layout.rank_pieces`` order: 1F1B min(stages - stage, grad_accum); DualPipeV from DeepSpeed's
+    instruction streams (parallel/schedule_sim.py)."""
+    if layout.schedule != "dualpipev":
+        return [min(layout.stages - stage, layout.grad_accum)]
+    return list(simulated("dualpipev", layout.stages, layout.grad_accum).in_flight[stage])
+
+
+def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: int | list[int]) -> float:
     """Peak activation memory of stage ``stage``: the micro-batches it holds in flight (1F1B: min(stages -
-    stage, grad_accum)), plus one layer's backward working memory (the gradients of its activations,
+    stage, grad_accum); DualPipeV: per piece, ``layers_on_stage`` then one count per piece, see
+    :func:`in_flight`), plus one layer's backward working memory (the gradients of its activations,
     measured about one layer's saved activations), plus with activation checkpointing the one layer
     being recomputed, plus with sequence parallelism one layer's all-to-all buffers."""
-    if layers_on_stage == 0:
+    pieces = layers_on_stage if isinstance(layers_on_stage, list) else [layers_on_stage]
+    if not sum(pieces):
         return 0.0
-    in_flight = min(layout.stages - stage, layout.grad_accum)
+    held = sum(
+        n * micro_batch_activation_bytes(shape, layout, layers) for n, layers in zip(in_flight(layout, stage), pieces)
+    )
     layer = layer_activation_bytes(shape, layout)
     recompute = layer if layout.checkpointing else 0.0
     work = layer + ulysses_buffer_bytes(shape, layout)
-    return in_flight * micro_batch_activation_bytes(shape, layout, layers_on_stage) + recompute + work
+    return held + recompute + work
+
+
+def loss_rank(layout: Layout) -> int:
+    """The pipeline rank that computes the loss: the last (1F1B) or rank 0 (DualPipeV's phase 1 ends there)."""
+    return 0 if layout.schedule == "dualpipev" else layout.stages - 1
 
 
 def loss_bytes(shape: Shape, layout: Layout) -> float:
@@ -262,11 +294,12 @@ def loss_bytes(shape: Shape, layout: Layout) -> float:
     elem = elem_bytes(layout)
     if layout.loss_chunk and layout.loss_chunk < tokens:  # with tensor parallelism, this rank's vocabulary slice
         return layout.loss_chunk * shape.vocab / layout.tp * (4 + (0 if elem == 4 else elem))
-    kept = elem if layout.stages > 1 and layout.grad_accum > 1 else 0
+    # DualPipeV frees a micro-batch's outputs after its backward: no previous logits kept
+    kept = elem if layout.stages > 1 and layout.grad_accum > 1 and layout.schedule != "dualpipev" else 0
     return tokens * shape.vocab * (elem + 12 + kept)
 
 
-def grad_temp_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: int) -> float:
+def grad_temp_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: int | list[int]) -> float:
     """One gradient of the stage's largest parameter, computed before it is added to the accumulated
     one (ZeRO-2/3: before it is reduced into the rank's partition), beyond what :func:`activation_bytes`
     already counts at that moment. None at ZeRO-0/1 with one micro-batch per step, where the first
@@ -276,12 +309,15 @@ def grad_temp_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: i
     whole [V,H] gradient counts. Elsewhere the largest is the first stage's [V,H] embedding, whose
     backward runs last, once the micro-batch has freed its activations and its layer's working memory,
     or a middle stage's widest layer matrix [F,H]: only what exceeds those counts (measured per stage by
-    scripts/bench_stage_memory.py)."""
+    scripts/bench_stage_memory.py). DualPipeV: rank 0 holds the LM head (the last stage's case); elsewhere
+    what its smaller piece frees counts (``layers_on_stage``: one count per piece)."""
     if layout.zero < 2 and layout.grad_accum == 1:
         return 0.0
     elem = (4 if layout.dtype == "fp32" else 2) / layout.tp  # every large matrix is split over the tp ranks
-    if stage == layout.stages - 1:
+    if stage == loss_rank(layout):
         return shape.vocab * shape.hidden * elem
+    if isinstance(layers_on_stage, list):
+        layers_on_stage = min((n for n in layers_on_stage if n), default=0)
     largest = shape.vocab * shape.hidden * elem if stage == 0 else shape.ffn * shape.hidden * elem
     if layers_on_stage == 0:
         return largest if stage == 0 else 0.0
@@ -300,11 +336,14 @@ def optimizer_step_bytes(psi: float, layout: Layout) -> float:
 
 
 def stage_estimate(
-    stage: int, psi: float, layers: int | None, layout: Layout, shape: Shape | None, total_params: float
+    stage: int, psi: float, layers: int | list[int] | None, layout: Layout, shape: Shape | None, total_params: float
 ) -> Estimate:
     """Per-GPU memory of stage ``stage`` holding ``psi`` parameters and ``layers`` decoder layers (with
     LoRA, ``psi`` counts the frozen base; the adapters come on top, from the shape). With tensor
-    parallelism each GPU holds psi / tp (the whole RMSNorm weights it also keeps are a rounding error)."""
+    parallelism each GPU holds psi / tp (the whole RMSNorm weights it also keeps are a rounding error).
+    DualPipeV: ``psi`` is the rank's two pieces' parameters, ``layers`` one count per piece."""
+    pieces = layers if isinstance(layers, list) else None
+    layers = sum(pieces) if pieces is not None else layers
     psi = psi / layout.tp
     trained, frozen_bytes = psi, 0.0
     if layout.lora_rank and shape is not None and layers is not None:
@@ -317,12 +356,13 @@ def stage_estimate(
     params += frozen_bytes
     acts, loss, grad_temp = None, 0.0, 0.0
     if shape is not None:
-        acts = activation_bytes(shape, layout, stage, layers)
-        loss = loss_bytes(shape, layout) if stage == layout.stages - 1 else 0.0
+        by_piece = pieces if pieces is not None else layers
+        acts = activation_bytes(shape, layout, stage, by_piece)
+        loss = loss_bytes(shape, layout) if stage == loss_rank(layout) else 0.0
         # The larger of backward's gradient temporary and the optimizer step's, which runs once the
         # activations and the loss buffer are freed.
         step = optimizer_step_bytes(trained, layout) - (acts + loss)
-        temp = 0.0 if layout.lora_rank else grad_temp_bytes(shape, layout, stage, layers)
+        temp = 0.0 if layout.lora_rank else grad_temp_bytes(shape, layout, stage, by_piece)
         grad_temp = max(temp, step)
     buffers = 0.0
     if layout.zero >= 2:  # one 16-bit (fp32 for fp32 training) bucket per rank, allocated whole
@@ -335,11 +375,19 @@ def stage_estimate(
 def stage_estimates(
     stage_params: list[float], layout: Layout, shape: Shape | None = None, stage_layers: list[int] | None = None
 ) -> list[Estimate]:
-    """Per-GPU memory of every stage. ``stage_params[p]``, ``stage_layers[p]``: parameters and decoder
-    layers of stage p (as :func:`splitter` gives them)."""
+    """Per-GPU memory of every pipeline rank. ``stage_params[p]``, ``stage_layers[p]``: parameters and
+    decoder layers of piece p (as :func:`splitter` gives them: a piece per stage, two per rank with
+    DualPipeV, ``Layout.rank_pieces``)."""
     total = sum(stage_params)
     layers = stage_layers or [None] * len(stage_params)
-    return [stage_estimate(p, psi, layers[p], layout, shape, total) for p, psi in enumerate(stage_params)]
+    if layout.schedule != "dualpipev":
+        return [stage_estimate(p, psi, layers[p], layout, shape, total) for p, psi in enumerate(stage_params)]
+    out = []
+    for rank in range(layout.stages):
+        held = layout.rank_pieces(rank)
+        rank_layers = None if stage_layers is None else [layers[p] for p in held]
+        out.append(stage_estimate(rank, sum(stage_params[p] for p in held), rank_layers, layout, shape, total))
+    return out
 
 
 def estimate(
@@ -361,20 +409,31 @@ def layouts_for(
     tp_values: tuple[int, ...] = (1,),
     sp_values: tuple[int, ...] = (1,),
     shape: Shape | None = None,
+    schedules: tuple[str, ...] = ("1f1b",),
 ):
     """Every layout worth trying on ``gpus`` GPUs, cheapest in communication and compute first; with
-    ``lora`` (rank, target modules, nf4) LoRA layouts, on the pipeline engine only (as train.py runs LoRA).
+    ``lora`` (rank, target modules, nf4) LoRA layouts, on the pipeline engine only (as train.py runs LoRA);
+    each pipeline with every schedule of ``schedules`` that train.py runs it with (DualPipeV: 2 stages or
+    more, grad_accum >= 2 x stages, 2 x stages <= num_layers, no tensor or sequence parallelism).
 
     Order: no offload before optimizer offload before parameter offload; no activation checkpointing
     before checkpointing (sequence parallelism saves the recomputation: its all-to-alls move less than tensor
-    parallelism's all-reduces); lower ZeRO stage first; a smaller 1F1B bubble (fewer pipeline stages) first;
+    parallelism's all-reduces); lower ZeRO stage first; a smaller pipeline bubble (fewer pipeline stages;
+    DualPipeV's is below 1F1B's on as many) first;
     less tensor parallelism (``tp_values``, each within a node) first; less sequence parallelism
     (``sp_values``, those :func:`sequence_parallel_fits` allows for ``shape``; none without one) first.
     """
     candidates = []
     for stages in (s for s in range(1, gpus + 1) if gpus % s == 0 and (num_layers is None or s <= num_layers)):
-        options = itertools.product(tp_values, sp_values, range(4), (False, True), (False, True), (False, True))
-        for tp, sp, zero, opt_off, par_off, ckpt in options:
+        options = itertools.product(
+            tp_values, sp_values, range(4), (False, True), (False, True), (False, True), schedules
+        )
+        for tp, sp, zero, opt_off, par_off, ckpt, schedule in options:
+            dualpipev_runs = (
+                stages > 1 and grad_accum >= 2 * stages and (num_layers is None or 2 * stages <= num_layers)
+            )
+            if schedule == "dualpipev" and not (dualpipev_runs and tp == sp == 1):
+                continue  # parallel.dualpipev.dualpipev_problems
             if gpus % (stages * tp * sp) or (tp > 1 and (lora[0] or not loss_chunk)):
                 continue  # train.py: tensor parallelism without LoRA, with the chunked loss
             if sp > 1 and (shape is None or lora[0] or not sequence_parallel_fits(shape, tp, sp, seq_len)):
@@ -398,14 +457,29 @@ def layouts_for(
                 *lora,
                 tp=tp,
                 sp=sp,
+                schedule=schedule,
             )
             candidates.append(((par_off + opt_off, ckpt, zero, bubble_fraction(layout), tp, sp), layout))
     return [layout for _, layout in sorted(candidates, key=lambda c: c[0])]
 
 
 def bubble_fraction(layout: Layout) -> float:
-    """The share of a step a stage idles in DeepSpeed's 1F1B schedule: (p - 1) / (m + p - 1)."""
+    """The share of a step a stage idles with equal pieces: DeepSpeed's 1F1B (p - 1) / (m + p - 1);
+    DualPipeV simulated from its instruction streams (parallel/schedule_sim.py)."""
+    if layout.schedule == "dualpipev":
+        return simulated("dualpipev", layout.stages, layout.grad_accum).idle_share
     return (layout.stages - 1) / (layout.grad_accum + layout.stages - 1)
+
+
+def layout_bubble(layout: Layout, piece_layers: list[float] | None) -> float:
+    """The share of a step the pipeline ranks idle, simulated from the instruction streams train.py runs with
+    each piece's compute in decoder layers (``piece_layers``: :func:`splitter`'s ``split.work``; None: equal
+    pieces), backward twice forward, half of it DualPipeV's deferred weight gradients."""
+    if layout.stages == 1:
+        return 0.0
+    if piece_layers is None or not any(piece_layers):
+        return bubble_fraction(layout)
+    return simulated(layout.schedule, layout.stages, layout.grad_accum, piece_layers).idle_share
 
 
 def tensor_parallel_sizes(shape: Shape | None, node_gpus: int = 8) -> tuple[int, ...]:
@@ -442,11 +516,12 @@ def fitting(
     loss_chunk: int = 0,
     lora: tuple = (0, (), False),
     max_sp: int = SEQUENCE_PARALLEL_SIZES[-1],
+    schedules: tuple[str, ...] = ("1f1b",),
 ) -> list[tuple[Layout, Estimate]]:
     """Layouts whose most loaded GPU fits ``gpu_mem_gb``, cheapest first (see layouts_for).
 
-    ``split(layout)`` gives (parameters per stage, decoder layers per stage or None); ``max_sp``: the largest
-    sequence parallelism tried (1: none).
+    ``split(layout)`` gives (parameters per piece, decoder layers per piece or None); ``max_sp``: the largest
+    sequence parallelism tried (1: none); ``schedules``: the pipeline schedules tried.
     """
     out = []
     tp_values = tensor_parallel_sizes(shape)
@@ -462,6 +537,7 @@ def fitting(
         tp_values,
         tuple(n for n in SEQUENCE_PARALLEL_SIZES if n <= max_sp) if shape is not None else (1,),
         shape,
+        schedules,
     ):
         params, layers = split(layout)
         e = estimate(params, layout, shape, layers)
@@ -486,31 +562,45 @@ def shape_of(config) -> Shape | None:
 
 
 def splitter(config, total: float | None, method: str | None = None):
-    """layout -> (parameters per stage, decoder layers per stage), split as train.py's
+    """layout -> (parameters per piece, decoder layers per piece), split as train.py's
     ``partition_method`` splits (parallel.partition.stage_boundaries, which ``memory`` brings back here to
     :func:`memory_boundaries`; ``method`` None: its default); a bare count (``config`` None, ``total``
-    parameters) splits evenly. The ``split`` of ``fitting``."""
+    parameters) splits evenly. A piece per stage, two per rank with DualPipeV (``Layout.pieces``). The
+    ``split`` of ``fitting``."""
     if config is None:
-        return lambda layout: ([total / layout.stages] * layout.stages, None)
+        even = lambda layout: ([total / layout.pieces] * layout.pieces, None)  # noqa: E731
+        even.work = lambda layout: None
+        return even
     # Imported here: models.llama_pipe brings torch and DeepSpeed, which the planner's formulas do not need.
-    from models.llama_pipe import spec_layout, spec_parameter_counts
+    from models.llama_pipe import spec_layout, spec_parameter_counts, spec_weights
     from parallel.partition import DEFAULT_PARTITION_METHOD, stage_boundaries
 
     if method is None:
         method = DEFAULT_PARTITION_METHOD
     counts, kinds = spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
+    compute = spec_weights(config, "compute")
+    layer = max(w for w, kind in zip(compute, kinds) if kind == "decoder")
     known: dict = {}  # the split of every stage count seen (of every layout, for ``memory``): the fit search asks often
 
-    def split(layout: Layout):
-        key = layout if method.lower() == "memory" else layout.stages
+    def boundaries(layout: Layout) -> list[int]:
+        # DualPipeV's compute and parameters splits balance ranks, not pieces: the schedule is part of the key
+        key = layout if method.lower() == "memory" else (layout.schedule, layout.pieces)
         if key not in known:
-            parts = stage_boundaries(config, layout.stages, method, layout)
-            params = [float(sum(counts[parts[p] : parts[p + 1]])) for p in range(layout.stages)]
-            layers = [kinds[parts[p] : parts[p + 1]].count("decoder") for p in range(layout.stages)]
-            known[key] = params, layers
-        params, layers = known[key]
-        return list(params), list(layers)
+            known[key] = stage_boundaries(config, layout.pieces, method, layout)
+        return known[key]
 
+    def split(layout: Layout):
+        parts = boundaries(layout)
+        params = [float(sum(counts[parts[p] : parts[p + 1]])) for p in range(layout.pieces)]
+        layers = [kinds[parts[p] : parts[p + 1]].count("decoder") for p in range(layout.pieces)]
+        return params, layers
+
+    def work(layout: Layout) -> list[float]:
+        """Each piece's compute per token in decoder layers (the LM head counts by its matmul): the bubble's input."""
+        parts = boundaries(layout)
+        return [sum(compute[parts[p] : parts[p + 1]]) / layer for p in range(layout.pieces)]
+
+    split.work = work
     return split
 
 
@@ -519,13 +609,16 @@ def memory_boundaries(config, layout: Layout) -> list[int]:
     whose largest predicted per-GPU peak (:func:`stage_estimate`, the planner's own function, with the
     stage's position: in-flight micro-batches, the last stage's loss buffer) is smallest, the one whose
     smallest peak is largest. Exact: two dynamic programs over (stage, first spec of the next stage);
-    every stage gets at least one spec."""
+    every stage gets at least one spec. DualPipeV: ``layout.pieces`` + 1 boundaries from
+    :func:`dualpipev_memory_boundaries`."""
     from models.llama_pipe import spec_layout, spec_parameter_counts
 
     counts, kinds = spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
     n, k, shape, total = len(counts), layout.stages, shape_of(config), float(sum(counts))
     params = list(itertools.accumulate(counts, initial=0))
     decoders = list(itertools.accumulate((kind == "decoder" for kind in kinds), initial=0))
+    if layout.schedule == "dualpipev":
+        return dualpipev_memory_boundaries(params, decoders, layout, shape)
     cost = {  # (stage p, first spec a, end b) -> peak of stage p holding specs a..b-1
         (p, a, b): stage_estimate(p, params[b] - params[a], decoders[b] - decoders[a], layout, shape, total).total
         for p in range(k)
@@ -556,10 +649,49 @@ def memory_boundaries(config, layout: Layout) -> list[int]:
     return parts
 
 
-def stage_table(estimates: list[Estimate], stage_layers: list[int] | None) -> list[str]:
+def dualpipev_memory_boundaries(
+    params: list[float], decoders: list[int], layout: Layout, shape: Shape | None
+) -> list[int]:
+    """``partition_method=memory`` for DualPipeV: first spec of each of the 2 x stages pieces, plus the end,
+    balancing each rank's predicted peak (:func:`stage_estimate` of its two pieces). ``params``, ``decoders``:
+    cumulative parameters and decoder layers over the specs. A rank's peak couples two pieces far apart, so
+    no dynamic program over one boundary at a time is exact: a local search instead, from equal decoder
+    layers per piece, moving one boundary at a time to wherever between its neighbours the ranks' peaks,
+    sorted largest first, are smallest (lexicographically, so ties at the top still move), until none moves."""
+    n, pieces, total = len(params) - 1, layout.pieces, params[-1]
+    layers = decoders[-1]
+    parts = [0] + [decoders.index(round(i * layers / pieces)) for i in range(1, pieces)] + [n]
+    for i in range(1, pieces):  # every piece at least one spec
+        parts[i] = min(max(parts[i], parts[i - 1] + 1), n - (pieces - i))
+    peaks: dict[tuple, float] = {}
+
+    def peak(rank: int, bounds: list[int]) -> float:
+        (a, b), (c, d) = [(bounds[p], bounds[p + 1]) for p in layout.rank_pieces(rank)]
+        if (rank, a, b, c, d) not in peaks:
+            psi = params[b] - params[a] + params[d] - params[c]
+            held = [decoders[b] - decoders[a], decoders[d] - decoders[c]]
+            peaks[rank, a, b, c, d] = stage_estimate(rank, psi, held, layout, shape, total).total
+        return peaks[rank, a, b, c, d]
+
+    def key(bounds: list[int]) -> tuple[float, ...]:
+        return tuple(sorted((peak(r, bounds) for r in range(layout.stages)), reverse=True))
+
+    best, moved = key(parts), True
+    while moved:
+        moved = False
+        for i in range(1, pieces):
+            for at in range(parts[i - 1] + 1, parts[i + 1]):
+                trial = parts[:i] + [at] + parts[i + 1 :]
+                if key(trial) < best:
+                    parts, best, moved = trial, key(trial), True
+    return parts
+
+
+def stage_table(estimates: list[Estimate], stage_layers: list[int] | None, layout: Layout | None = None) -> list[str]:
     """The planner's per-stage table (GB per GPU; host memory per rank where states are offloaded), the
     most loaded stage marked: what scripts/estimate_memory.py and scripts/preflight.py print (g.tmp:
-    gradient temporaries, :attr:`Estimate.grad_temp`)."""
+    gradient temporaries, :attr:`Estimate.grad_temp`). With a DualPipeV ``layout`` a row is a pipeline
+    rank and its layers are those of its two pieces (``stage_layers``: per piece)."""
     host = any(e.host for e in estimates)
     head = f"{'stage':>5} {'params':>8} {'layers':>6} {'weights':>8} {'grads':>7} {'optim':>7} {'acts':>7} {'loss':>6}"
     head += f" {'g.tmp':>6}"
@@ -567,7 +699,8 @@ def stage_table(estimates: list[Estimate], stage_layers: list[int] | None) -> li
     rows = [head + "  (params in B, memory in GB)"]
     worst = max(estimates, key=lambda e: e.total)
     for e in estimates:
-        layers = "-" if stage_layers is None else str(stage_layers[e.stage])
+        held = layout.rank_pieces(e.stage) if layout is not None else [e.stage]
+        layers = "-" if stage_layers is None else "+".join(str(stage_layers[p]) for p in held)
         acts = "-" if e.activations is None else f"{e.activations / GB:.2f}"
         row = f"{e.stage:>5} {e.parameters / 1e9:>8.3f} {layers:>6} {e.params / GB:>8.2f} {e.grads / GB:>7.2f}"
         row += f" {e.optimizer / GB:>7.2f} {acts:>7} {e.loss / GB:>6.2f} {e.grad_temp / GB:>6.2f}"
@@ -575,3 +708,30 @@ def stage_table(estimates: list[Estimate], stage_layers: list[int] | None) -> li
         row += (f" {e.host / GB:>7.2f}" if host else "") + ("  <- most loaded" if e is worst else "")
         rows.append(row)
     return rows
+
+
+def schedule_report(split, layout: Layout, shape: Shape | None) -> list[str]:
+    """What the pipeline schedule costs and saves on ``layout`` (``split``: :func:`splitter`'s): its
+    bubble and, with DualPipeV, the activations of its most loaded rank against 1F1B's on the same layout.
+    Nothing for one stage (no pipeline schedule)."""
+    if layout.stages == 1:
+        return []
+    how = "the schedule simulated, each piece's compute from its layers"
+    bubble = f"bubble {layout_bubble(layout, split.work(layout)):.0%} of the step"
+    if layout.schedule != "dualpipev":
+        return [f"pipeline schedule {layout.schedule}: {bubble} ({how})"]
+    one_f_one_b = dataclasses.replace(layout, schedule="1f1b")
+    params_1f1b, layers_1f1b = split(one_f_one_b)
+    base_bubble = layout_bubble(one_f_one_b, split.work(one_f_one_b))
+    line = f"pipeline schedule dualpipev: {bubble}, 1F1B's on this layout {base_bubble:.0%} ({how})"
+    if shape is None:
+        return [line]
+    params, layers = split(layout)
+    acts = max(e.activations for e in stage_estimates(params, layout, shape, layers))
+    base = max(e.activations for e in stage_estimates(params_1f1b, one_f_one_b, shape, layers_1f1b))
+    return [
+        line,
+        f"  largest activations of a rank: {acts / GB:.2f} GB with DualPipeV, {base / GB:.2f} GB with 1F1B "
+        f"({(acts - base) / GB:+.2f} GB: rank r holds 2 x stages - r micro-batches of its phase-0 piece and r + 1 of "
+        "its phase-1 piece)",
+    ]

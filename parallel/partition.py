@@ -6,6 +6,7 @@ The split is computed here, above ``models/`` (whose ``LlamaPipelineModule`` is 
 
 from __future__ import annotations
 
+import itertools
 import re
 
 from deepspeed.runtime.pipe.topology import ProcessTopology
@@ -15,6 +16,7 @@ from models.attention import DOCUMENT_ATTENTION
 from models.llama_pipe import DECODER_LAYER_CLASSES, LlamaPipelineModule, build_specs, spec_layout, spec_weights
 from models.loss import CausalLMLoss
 from models.peft_targets import SAVABLE_MODULES
+from parallel.dualpipev import LlamaDualPipeVModule
 from parallel.memory_plan import memory_boundaries
 from parallel.sequence_parallel import sequence_group, split_sequence_, ulysses_attention
 from parallel.tensor_parallel import finish_split_, split_stage_
@@ -29,7 +31,8 @@ def stage_boundaries(
     """First spec of every stage, plus the end: the split ``LlamaPipelineModule`` is built with
     (:func:`build_pipeline_model`), also computed without building it (the memory planner).
     ``uniform``, ``parameters`` and ``type:`` are DeepSpeed's own methods on the same weights;
-    ``compute`` is ``parameters`` over :func:`spec_weights`; ``memory`` balances the planner's
+    ``compute`` is ``parameters`` over :func:`spec_weights` (both balanced per rank for DualPipeV's pieces,
+    :func:`mirrored_pieces`); ``memory`` balances the planner's
     predicted per-GPU peak for ``layout`` (a ``parallel.layout.Layout``: precision, ZeRO, micro-batch,
     sequence, grad_acc, recomputation, loss chunk), see ``parallel.memory_plan.memory_boundaries``."""
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
@@ -42,12 +45,43 @@ def stage_boundaries(
         weights = [int(bool(pattern.search(spec.typename.__name__))) for spec in build_specs(config)]
         parts = partition_balanced(weights=weights, num_parts=num_stages)
     elif method == "memory":
-        if layout is None or layout.stages != num_stages:
-            raise ValueError("partition_method 'memory' needs the run's layout with the same number of stages")
+        if layout is None or layout.pieces != num_stages:
+            raise ValueError("partition_method 'memory' needs the run's layout with the same number of pieces")
         parts = memory_boundaries(config, layout)
+    elif layout is not None and layout.schedule == "dualpipev" and num_stages == layout.pieces:
+        parts = mirrored_pieces(spec_weights(config, method), layout.stages)
     else:
         parts = partition_balanced(weights=spec_weights(config, method), num_parts=num_stages)
     return [int(p) for p in parts]  # DeepSpeed returns numpy integers
+
+
+def mirrored_pieces(weights: list[int], stages: int) -> list[int]:
+    """DualPipeV's split of specs weighing ``weights`` into 2 x ``stages`` pieces, rank r holding piece r and
+    piece 2 x stages - 1 - r: balanced per rank, each rank's two pieces summed (what it computes per step; even
+    pieces put the embedding's and the LM head's pieces together on rank 0, the heaviest rank), ties broken
+    by the most even pieces. A local search from DeepSpeed's per-piece split moves one boundary at a time while
+    the ranks' loads, then the pieces', sorted largest first, get smaller."""
+    from deepspeed.runtime.utils import partition_balanced
+
+    pieces, n = 2 * stages, len(weights)
+    total = list(itertools.accumulate(weights, initial=0))
+    parts = [int(p) for p in partition_balanced(weights=weights, num_parts=pieces)]
+
+    def key(bounds: list[int]) -> tuple:
+        piece = [total[bounds[i + 1]] - total[bounds[i]] for i in range(pieces)]
+        ranks = [piece[r] + piece[pieces - 1 - r] for r in range(stages)]
+        return sorted(ranks, reverse=True), sorted(piece, reverse=True)
+
+    best, moved = key(parts), True
+    while moved:
+        moved = False
+        for i in range(1, pieces):
+            for at in range(parts[i - 1] + 1, parts[i + 1]):  # every piece keeps at least one spec
+                trial = parts[:i] + [at] + parts[i + 1 :]
+                if key(trial) < best:
+                    parts, best, moved = trial, key(trial), True
+    assert parts[-1] == n
+    return parts
 
 
 def build_pipeline_model(
@@ -61,6 +95,7 @@ def build_pipeline_model(
     dynamic_shape: bool = False,
     attention: str = DOCUMENT_ATTENTION,
     sequence_parallel: int = 1,
+    schedule: str = "1f1b",
 ) -> LlamaPipelineModule:
     """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
 
@@ -76,6 +111,7 @@ def build_pipeline_model(
     varying length (data.pad_to_multiple_of), their shapes sent with each one. ``attention``: the decoder
     layers' attention function (models.llama_pipe.ATTENTION_IMPLEMENTATIONS). With ``sequence_parallel`` N > 1
     the data axis's consecutive ranks form groups of N that split each row (parallel/sequence_parallel.py).
+    With ``schedule="dualpipev"`` the specs are cut into twice as many pieces, two per rank (parallel/dualpipev.py).
     """
     loss_fn = loss_fn or CausalLMLoss(loss_chunk_tokens)
     if loss_fn.chunk_tokens != loss_chunk_tokens:
@@ -85,12 +121,14 @@ def build_pipeline_model(
     if sequence_parallel > 1:  # the groups before the model's own (every rank creates groups in the same order)
         group, group_rank = sequence_group(topology, sequence_parallel)
         attention = ulysses_attention(config, tp, group)
-    model = LlamaPipelineModule(
+    pieces = topology.get_dim("pipe") * (2 if schedule == "dualpipev" else 1)
+    module_class = LlamaDualPipeVModule if schedule == "dualpipev" else LlamaPipelineModule
+    model = module_class(
         config,
         layers=build_specs(config, loss_chunk_tokens, attention),
         topology=topology,
         loss_fn=loss_fn,
-        boundaries=stage_boundaries(config, topology.get_dim("pipe"), partition_method, layout),
+        boundaries=stage_boundaries(config, pieces, partition_method, layout),
         activation_checkpoint_interval=activation_checkpoint_interval,
         checkpointable_layers=[cls.__name__ for cls in DECODER_LAYER_CLASSES.values()],
         dynamic_shape=dynamic_shape,
@@ -108,13 +146,14 @@ def frozen_stage_problems(cfg, model_config, layout) -> list[str]:
     group, which DeepSpeed's optimizers refuse: named here, with the knobs that move its boundaries."""
     kinds = [info.kind for info in spec_layout(model_config)]
     trained = {"decoder"} | {SAVABLE_MODULES[m] for m in cfg.peft.modules_to_save}
-    bounds = stage_boundaries(model_config, layout.stages, cfg.partition_method, layout)
-    empty = [s for s in range(layout.stages) if not trained & set(kinds[bounds[s] : bounds[s + 1]])]
+    bounds = stage_boundaries(model_config, layout.pieces, cfg.partition_method, layout)
+    held = {s: [kinds[bounds[p] : bounds[p + 1]] for p in layout.rank_pieces(s)] for s in range(layout.stages)}
+    empty = [s for s, pieces in held.items() if not trained & {kind for piece in pieces for kind in piece}]
     if not empty:
         return []
     return [
         f"with peft.method=lora, stage(s) {empty} of partition_method={cfg.partition_method} (specs "
-        + ", ".join(f"{bounds[s]}..{bounds[s + 1] - 1}" for s in empty)
+        + ", ".join(f"{bounds[p]}..{bounds[p + 1] - 1}" for s in empty for p in layout.rank_pieces(s))
         + ") hold no decoder layer, hence nothing to train: "
         + "".join(f"use partition_method={m}, " for m in ("compute", "uniform") if m != cfg.partition_method)
         + "fewer num_stages, or train that module fully (peft.modules_to_save)"

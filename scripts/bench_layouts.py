@@ -9,6 +9,8 @@ A random Llama of the given shape is written and converted once; each layout ``S
 gives the median step time after --warmup steps, real tokens per second, and per rank the model-state bytes
 train.py measures (weights + gradients + optimizer states) and its peak memory (host RSS on CPU, the GPU
 allocator's peak on a GPU), plus the step's last loss (the same model and batches: the layouts agree).
+``--schedule dualpipev`` runs the pipelines of two stages or more with DualPipeV, rows fed whole (train.py
+refuses it with tensor parallelism).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p, seq=256, micro_batch=1, global_batch=8, steps=8)
     p.add_argument("--layouts", default="4x1,2x2,1x4,1x1", help="comma-separated STAGESxTP (data parallel: the rest)")
+    p.add_argument(
+        "--schedule",
+        choices=("1f1b", "dualpipev"),
+        default="1f1b",
+        help="train.py's pipeline_schedule for every layout",
+    )
     return p.parse_args(argv)
 
 
@@ -62,13 +70,16 @@ def main(argv=None) -> None:
     for stages, tp, dp in cases:
         name = f"pipe {stages} x tensor {tp} x data {dp}"
         out = os.path.join(work, f"{stages}x{tp}")
+        schedule = args.schedule if stages > 1 else "1f1b"  # one stage has no pipeline schedule
         overrides = run_overrides(args, ckpt, data, work, out) + [
             "data.shuffle=false",
             f"num_stages={stages}",
+            f"pipeline_schedule={schedule}",
+            *(["data.pad_to_multiple_of=0"] if schedule == "dualpipev" else []),  # DualPipeV's shapes are fixed
             f"tensor_parallel={tp}",
             f"gradient_accumulation_steps={args.global_batch // (args.micro_batch * dp)}",
         ]
-        results[name] = measure_train(args.gpus, overrides, out, args.warmup, name)
+        results[name] = {**measure_train(args.gpus, overrides, out, args.warmup, name), "schedule": schedule}
         print(f"[bench_layouts] {name}: {results[name]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
     print(
         f"{args.gpus} ranks, ds={args.ds}, {args.precision}, hidden {args.hidden_size}, {args.num_hidden_layers} "
@@ -77,13 +88,16 @@ def main(argv=None) -> None:
     )
     kind = next(iter(results.values()))["peak_kind"]
     print(
-        f"| layout | s/step | tokens/s | model states per rank (MiB) | peak {kind} per rank (MiB) | last loss |\n"
-        "|---|---|---|---|---|---|"
+        f"| layout | schedule | s/step | tokens/s | model states per rank (MiB) | peak {kind} per rank (MiB) "
+        "| last loss |\n|---|---|---|---|---|---|---|"
     )
     for name, r in results.items():
         states = ", ".join(f"{v:.1f}" for v in r["states"])
         peak = ", ".join(f"{v:.0f}" for v in r["peak"])
-        print(f"| {name} | {r['step_s']:.3f} | {r['tokens_s']:.0f} | {states} | {peak} | {r['loss']:.4f} |")
+        print(
+            f"| {name} | {r['schedule']} | {r['step_s']:.3f} | {r['tokens_s']:.0f} | {states} | {peak} "
+            f"| {r['loss']:.4f} |"
+        )
 
 
 if __name__ == "__main__":

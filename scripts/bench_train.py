@@ -349,71 +349,7 @@ def run_worker(kind: str, spec: dict, threads: int, copies: int = 1) -> list[dic
     return results[0] if copies == 1 else results
 
 
-# ---------------------------------------------------------------- profiling wrapper (inside each rank)
-
-# PipelineEngine instructions timed by --profile (wall and this thread's CPU time, per call).
-PROFILED = (
-    "_exec_load_micro_batch",
-    "_exec_forward_pass",
-    "_exec_backward_pass",
-    "_exec_send_activations",
-    "_exec_recv_activations",
-    "_exec_send_grads",
-    "_exec_recv_grads",
-    "_exec_reduce_tied_grads",
-    "_exec_reduce_grads",
-    "_exec_optimizer_step",
-)
-
-
-def profile_rank(out_dir: str, train_argv: list[str]) -> None:
-    """Run train.py in this process with PipelineEngine's instructions timed; per step, write
-    ``out_dir/rank<R>.json``: [{instruction: [calls, wall s, cpu s]}, ...] (one dict per train_batch)."""
-    import atexit
-    import runpy
-
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
-    steps: list[dict] = []
-    current: dict = {}
-
-    def timed(name, fn):
-        def wrapper(self, *a, **k):
-            t, c = time.perf_counter(), time.thread_time()
-            try:
-                return fn(self, *a, **k)
-            finally:
-                rec = current.setdefault(name, [0, 0.0, 0.0])
-                rec[0] += 1
-                rec[1] += time.perf_counter() - t
-                rec[2] += time.thread_time() - c
-
-        return wrapper
-
-    wrapped = {name: timed(name, getattr(PipelineEngine, name)) for name in PROFILED}
-    for name, fn in wrapped.items():
-        setattr(PipelineEngine, name, fn)
-    for instruction, fn in PipelineEngine._INSTRUCTION_MAP.items():  # the schedule runs the functions in this map
-        if fn.__name__ in wrapped:
-            PipelineEngine._INSTRUCTION_MAP[instruction] = wrapped[fn.__name__]
-    train_batch = timed("train_batch", PipelineEngine.train_batch)
-
-    def train_batch_and_record(self, *a, **k):
-        current.clear()
-        try:
-            return train_batch(self, *a, **k)
-        finally:
-            steps.append({k2: list(v) for k2, v in current.items()})
-
-    PipelineEngine.train_batch = train_batch_and_record
-
-    def dump():
-        with open(os.path.join(out_dir, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
-            json.dump(steps, f)
-
-    atexit.register(dump)
-    sys.argv = [os.path.join(ROOT, "train.py"), *train_argv]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+# ------------------------------------------ profiling tables (the ranks run training/bench_runs.profile_rank)
 
 
 def profile_table(case: str, prof_dir: str, warmup: int) -> list[str]:
@@ -738,6 +674,8 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if "--profile-rank" in argv:  # inside a rank launched by --profile (the launcher put --local_rank=N first)
         argv = [a for a in argv if not a.startswith("--local_rank")]
+        from training.bench_runs import profile_rank
+
         profile_rank(argv[1], argv[2:])
         return
     args = parse_args(argv)

@@ -6,6 +6,7 @@
     python scripts/estimate_memory.py --model llama3-8b --stages 2 --sp 4 --zero 1 --seq-len 131072 --checkpointing
     python scripts/estimate_memory.py --model 7.5e9 --dp 64 --zero 3        # a bare parameter count
     python scripts/estimate_memory.py --model llama2-70b --gpus 16 --gpu-mem 80 --seq-len 4096 --lora-rank 16 [--nf4]
+    python scripts/estimate_memory.py --model llama3-8b --stages 4 --grad-accum 16 --schedule both
 
 --model is a conf/model name, a Hugging Face config.json (or its directory), or a parameter count
 (model states only: activations need an architecture).
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -31,8 +33,9 @@ from parallel.memory_plan import (  # noqa: E402
     GB,
     all_to_all_bytes,
     all_to_all_step_bytes,
-    bubble_fraction,
     fitting,
+    layout_bubble,
+    schedule_report,
     shape_of,
     splitter,
     stage_estimates,
@@ -70,15 +73,17 @@ def load_model(spec: str):
 
 
 def report(config, total, layout: Layout, method: str) -> None:
-    params, layers = splitter(config, total, method)(layout)
+    split = splitter(config, total, method)
+    params, layers = split(layout)
     stages = stage_estimates(params, layout, shape_of(config), layers)
     e = max(stages, key=lambda s: s.total)
     print(f"layout: {layout.describe()}")
+    pieces = f" ({layout.pieces} pieces, two per rank)" if layout.pieces != layout.stages else ""
     print(
-        f"parameters: {sum(params) / 1e9:.3f} B in {layout.stages} stage(s) (partition_method={method}), "
-        f"most loaded: stage {e.stage} ({params[e.stage] / 1e9:.3f} B)"
+        f"parameters: {sum(params) / 1e9:.3f} B in {layout.stages} stage(s){pieces} (partition_method={method}), "
+        f"most loaded: stage {e.stage} ({e.parameters / 1e9:.3f} B)"
     )
-    for line in stage_table(stages, layers):
+    for line in stage_table(stages, layers, layout):
         print("  " + line)
     if e.activations is None:
         print("  (activations need an architecture: pass a conf/model name or a config.json)")
@@ -86,6 +91,8 @@ def report(config, total, layout: Layout, method: str) -> None:
         print(f"most loaded GPU: stage {e.stage}, {e.total / GB:.2f} GB")
     if e.host:
         print(f"host memory per rank (offloaded states, not in the GPU totals): up to {e.host / GB:.2f} GB")
+    for line in schedule_report(split, layout, shape_of(config)):
+        print(line)
     if layout.sp > 1 and layers is not None:
         shape, most = shape_of(config), max(range(layout.stages), key=lambda p: layers[p])
         print(
@@ -99,8 +106,9 @@ def report(config, total, layout: Layout, method: str) -> None:
 
 def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
     num_layers = config.num_hidden_layers if config is not None else None
+    split = splitter(config, total, args.partition_method)
     found = fitting(
-        splitter(config, total, args.partition_method),
+        split,
         shape_of(config),
         gpus,
         gpu_mem,
@@ -112,13 +120,16 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
         args.loss_chunk_tokens,
         lora(args),
         args.max_sp,
+        schedules(args),
     )
     print(
-        f"layouts that fit {gpus} x {gpu_mem:g} GB, cheapest first (estimate incl. activations, GB per GPU; the "
-        "1F1B bubble: the share of a step each stage idles):"
+        f"layouts that fit {gpus} x {gpu_mem:g} GB, cheapest first (estimate incl. activations, GB per GPU; bubble: "
+        "the share of a step the pipeline ranks idle, DeepSpeed's schedule simulated with equal per-layer times):"
     )
+    print(f"  {'GB':>7}  {'schedule':<9}  {'bubble':>6}  layout")
     for layout, e in found[: args.top]:
-        print(f"  {e.total / GB:7.1f}  bubble {bubble_fraction(layout):4.0%}  {layout.describe()}")
+        bubble = layout_bubble(layout, split.work(layout))
+        print(f"  {e.total / GB:7.1f}  {layout.schedule:<9}  {bubble:6.0%}  {layout.describe()}")
     if any(layout.sp > 1 for layout, _ in found[: args.top]):
         print(
             "  (x sequence N: Ulysses sequence parallelism; --sp N with the layout's sizes shows its all-to-all bytes)"
@@ -138,6 +149,21 @@ def lora(args) -> tuple[int, tuple[str, ...], bool]:
     if unknown:
         raise SystemExit(f"--lora-targets {', '.join(unknown)} unknown: choose from {','.join(DECODER_LINEARS)}")
     return (args.lora_rank, targets, args.nf4)
+
+
+def schedules(args) -> tuple[str, ...]:
+    """The pipeline schedules of --schedule."""
+    return ("1f1b", "dualpipev") if args.schedule == "both" else (args.schedule,)
+
+
+def dualpipev_problems(config, layout: Layout, args) -> list[str]:
+    """train.py's lines for --schedule dualpipev with this layout (parallel.dualpipev.dualpipev_problems, given
+    the training config the other flags stand for; rows fed whole, as the planner counts them)."""
+    from parallel.dualpipev import dualpipev_problems
+
+    cfg = TrainConfig()
+    cfg.data.pad_to_multiple_of, cfg.ds_config = 0, f"zero{args.zero}"
+    return dualpipev_problems(cfg, config, layout)
 
 
 def sequence_problems(config, layout: Layout, args) -> list[str]:
@@ -211,6 +237,12 @@ def main(argv: list[str] | None = None) -> None:
         help="with --lora-rank: the decoder linear layers with adapters (peft.target_modules), comma-separated",
     )
     p.add_argument("--nf4", action="store_true", help="with --lora-rank: QLoRA (peft.quantize=nf4), a 4-bit base")
+    p.add_argument(
+        "--schedule",
+        choices=("1f1b", "dualpipev", "both"),
+        default="1f1b",
+        help="train.py's pipeline_schedule; both: each (with --gpus, the search tries both)",
+    )
     p.add_argument("--gpus", type=count_arg(1), help="with --gpu-mem: list the layouts that fit")
     p.add_argument("--gpu-mem", type=count_arg(0, float, strict=True), help="GB per GPU")
     p.add_argument("--top", type=count_arg(1), default=10, help="how many fitting layouts to list")
@@ -254,8 +286,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     if fit:
         fits(config, total, args.gpus, args.gpu_mem, args)
-    else:
-        report(config, total, layout, args.partition_method)
+        return
+    scheduled = [dataclasses.replace(layout, schedule=schedule) for schedule in schedules(args)]
+    refuse([problem for one in scheduled for problem in dualpipev_problems(config, one, args)])
+    for n, one in enumerate(scheduled):
+        if n:
+            print()
+        report(config, total, one, args.partition_method)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Check a training command before booking the cluster: the same config validation train.py runs,
-for a given world size, then the layout and the planner's per-GPU memory estimate for it.
+for a given world size, then the layout and the planner's per-GPU memory estimate for it, with the
+pipeline schedule's bubble (pipeline_schedule=dualpipev: its activations against 1F1B's).
 
     python scripts/preflight.py --world-size 16 model_name_or_path=CKPT_DIR num_stages=8 ds=zero1_offload \\
         micro_batch_size=1 gradient_accumulation_steps=16 data.train_file=train.jsonl data.max_seq_length=4096

@@ -257,3 +257,26 @@ def test_bench_long_context_packs_its_documents_into_whole_rows(tmp_path):
     assert len(lines) == 12 and all(len(json.loads(x)["input_ids"]) == 128 for x in lines)
     args = bench_long_context.parse_args([])
     assert (args.seqs, args.sps, args.gpus, args.global_batch) == ("4096,8192,16384", "1,2,4", 4, 4)
+
+
+def test_bench_schedule_counts_the_drain_inside_the_optimizer_step_as_bubble(tmp_path):
+    """Two ranks' instruction timings (training/bench_runs.profile_rank's format): rank 1 finishes its backward
+    passes early and waits 0.2 s inside the optimizer step (the gradient norm crosses the stages). That wait is
+    bubble; the optimizer step's own 0.1 s is not."""
+    bench = load_entry_point("scripts/bench_schedule.py")
+    step = {"train_batch": [1, 2.0, 0], "_exec_optimizer_step": [1, 0.1, 0], "_exec_weight_pass": [2, 0.2, 0]}
+    ranks = [
+        {**step, "_exec_forward_pass": [8, 0.6, 0], "_exec_backward_pass": [8, 1.1, 0]},  # 1.9 s computing
+        {
+            **step,
+            "_exec_forward_pass": [8, 0.5, 0],
+            "_exec_backward_pass": [8, 0.9, 0],
+            "_exec_optimizer_step": [1, 0.3, 0],
+        },
+    ]
+    for rank, rec in enumerate(ranks):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps([rec, rec]))
+    measured = bench.bubble(str(tmp_path), warmup=1)
+    # pipelined: 2.0 - 0.1 = 1.9 s; rank 0 computes 1.9 (idle 0), rank 1 1.6 (idle 0.3 / 1.9)
+    assert measured["bubble"] == pytest.approx(0.3 / 1.9 / 2)
+    assert measured["forward"] == pytest.approx(1.1 / 16) and measured["weight"] == pytest.approx(0.1)

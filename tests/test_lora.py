@@ -3,7 +3,8 @@
 Fast tier: the adapter-key mapping against PEFT's own state dict, a one-process forward against
 ``get_peft_model``, and the configuration's refusals. Multi-rank: pipe 2 x data 2, 5 fp32 steps started
 from a PEFT adapter saved by the reference (peft.init_from), against ``get_peft_model`` + torch AdamW on
-the same global batches (untied with the LM head trained fully, and tied with activation checkpointing);
+the same global batches (untied with the LM head trained fully, and tied with activation checkpointing; the
+tied one also as pipe 2 x data 1 with pipeline_schedule=dualpipev and grad_acc 4, the same global batch);
 the exported adapter and merged model against the reference's; optimizer states of adapters only; an
 exact resume; a resume on another base refused.
 """
@@ -34,6 +35,7 @@ from training.config import DataConfig, PeftConfig, TrainConfig, resolve
 from training.reshard import SavedOptimizerState
 
 LORA = dict(r=4, alpha=8.0)  # the runs' adapters; dropout 0 (the reference draws no masks)
+DUALPIPEV_PIPE2 = {"pipeline_schedule": "dualpipev", "gradient_accumulation_steps": 4, "data.pad_to_multiple_of": 0}
 
 
 def peft_settings(**overrides) -> PeftConfig:
@@ -330,22 +332,22 @@ def lora_runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
         ("untied", tiny_hf, peft_settings(modules_to_save=["lm_head"]), {"save_steps": 3}),
         ("tied", tiny_tied_hf, peft_settings(), {"activation_checkpoint_interval": 1}),
         ("qlora", tiny_hf, peft_settings(quantize="nf4"), {"save_steps": 0}),
+        # DualPipeV on 2 ranks (the same global batch of 8): the tied embedding and LM head one module on rank 0
+        ("dualpipev", tiny_tied_hf, peft_settings(), {**DUALPIPEV_PIPE2, "activation_checkpoint_interval": 1}),
     ):
         hf_to_stages(hf_dir, str(root / f"ckpt_{name}"))
         reference = reference_adapter(hf_dir, settings, str(root / f"init_{name}"))
+        layout = {"num_stages": 2, "gradient_accumulation_steps": 2, "ds_config": "zero1", **extra}
         args = train_args(
             str(root / f"ckpt_{name}"),
             data,
             str(root / name),
-            num_stages=2,
-            gradient_accumulation_steps=2,
-            ds_config="zero1",
             **overrides(settings, str(root / f"init_{name}")),
-            **extra,
+            **layout,
         )
         # The untied run checks at exit that every rank's frozen base still equals the base's layer files.
         script = "tests/ds_scripts/train_checking_frozen_base.py" if name == "untied" else "train.py"
-        proc = run_deepspeed(4, script, args, str(root / f"{name}.log"))
+        proc = run_deepspeed(2 if name == "dualpipev" else 4, script, args, str(root / f"{name}.log"))
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         if name == "qlora":
             reference.train()  # bitsandbytes' CPU 4-bit layers repack their weights for a bf16 kernel in eval mode
@@ -355,14 +357,14 @@ def lora_runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["untied", "tied", "qlora"])
+@pytest.mark.parametrize("name", ["untied", "tied", "qlora", "dualpipev"])
 def test_lora_pipeline_trains_what_peft_trains(lora_runs, name):
     root, runs = lora_runs
     run = runs[name]
     metrics = read_metrics(str(root / name))
     diffs = [rel(m["loss"], r) for m, r in zip(metrics, run["losses"])]
     norm_diffs = [rel(m["grad_norm"], total) for m, (total, _) in zip(metrics, run["norms"])]
-    print(f"{name}: LoRA pipe 2 x data 2 vs get_peft_model + AdamW: loss {max(diffs):.2e}, norm {max(norm_diffs):.2e}")
+    print(f"{name}: LoRA pipeline vs get_peft_model + AdamW: loss {max(diffs):.2e}, norm {max(norm_diffs):.2e}")
     assert len(metrics) == STEPS and max(diffs) < REL_TOL and max(norm_diffs) < 1e-5
     # The adapters moved far beyond the tolerance below: a run that did not train them would fail it.
     export = str(root / f"{name}_adapter")
@@ -377,7 +379,7 @@ def test_lora_pipeline_trains_what_peft_trains(lora_runs, name):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["untied", "tied"])
+@pytest.mark.parametrize("name", ["untied", "tied", "dualpipev"])
 def test_exported_adapter_loads_in_peft_and_merges(lora_runs, name):
     """PeftModel.from_pretrained(<base>, exported adapter) and the --merge export give the reference's logits."""
     root, runs = lora_runs

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -81,12 +82,14 @@ def hf_loss(model, batch, num_items_in_batch=None) -> torch.Tensor:
     ).loss
 
 
-def reference_run(hf_dir: str, steps: list[list], normalization: str):
+def reference_run(hf_dir: str, steps: list[list], normalization: str, norms: list | None = None, **optim):
     """Single process: the family's ForCausalLM (LlamaForCausalLM here; tests/test_family_training.py
     passes the others), torch AdamW, the step's loss normalised as Trainer (``tokens``:
-    sum over the global batch / its label tokens, via ``num_items_in_batch``) or per micro-batch."""
+    sum over the global batch / its label tokens, via ``num_items_in_batch``) or per micro-batch. ``optim``
+    overrides OPTIM; with max_grad_norm > 0 the gradients are clipped (their pre-clip norms appended to
+    ``norms``)."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
-    cfg = TrainConfig(optim=OptimConfig(**OPTIM))
+    cfg = TrainConfig(optim=OptimConfig(**{**OPTIM, **optim}))
     opt = torch.optim.AdamW(
         param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps
     )
@@ -99,6 +102,10 @@ def reference_run(hf_dir: str, steps: list[list], normalization: str):
         else:
             loss = torch.stack([hf_loss(model, mb) for mb in micro_batches]).mean()
         loss.backward()
+        if cfg.optim.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm).item()
+            if norms is not None:
+                norms.append(norm)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -159,7 +166,10 @@ def runs(tmp_path_factory, tiny_hf):
 
     # loss_chunk_tokens=48: micro-batches of about 20 and 170 label tokens take one chunk, or four with a
     # partial last one (the default, 1024, would take every micro-batch here in one chunk).
-    launch("tokens", 4, num_stages=2, gradient_accumulation_steps=4, ds_config="zero1", loss_chunk_tokens=48)
+    # Its step-3 checkpoint is resumed under DualPipeV (test_a_1f1b_checkpoint_resumes_under_dualpipev).
+    launch(
+        "tokens", 4, num_stages=2, gradient_accumulation_steps=4, ds_config="zero1", loss_chunk_tokens=48, save_steps=3
+    )
     # The same run with the [B,S,V] logits (the chunked loss off).
     launch("tokens_unchunked", 4, num_stages=2, gradient_accumulation_steps=4, ds_config="zero1", loss_chunk_tokens=0)
     launch(
@@ -271,3 +281,36 @@ def test_chunked_loss_trains_what_the_logits_path_trains(runs):
     weight_diff = (diff / sum((w**2).sum() for w in weights.values()).sqrt()).item()
     print(f"chunked vs unchunked: loss {loss_diff:.2e}, eval loss {eval_diff:.2e}, weights {weight_diff:.2e} relative")
     assert loss_diff < REL_TOL and eval_diff < REL_TOL and weight_diff < REL_TOL
+
+
+def test_a_1f1b_checkpoint_resumes_under_dualpipev(runs, tmp_path):
+    """The chunked pipe 2 x data 2 run's step-3 checkpoint resumed with pipeline_schedule=dualpipev (stage 1's
+    specs split between the two ranks: optimizer states read per parameter), rows fed whole: steps 4 and 5, the
+    eval loss and the final weights as the uninterrupted 1F1B run's (parity tolerance: reductions reordered)."""
+    root, out = runs["root"], tmp_path / "dualpipev"
+    shutil.copytree(root / "tokens", out)
+    shutil.rmtree(out / "global_step5")
+    (out / "latest").write_text("global_step3")
+    args = train_args(
+        str(root / "ckpt"),
+        str(root / "train.jsonl"),
+        str(root / "eval.jsonl"),
+        str(out),
+        num_stages=2,
+        gradient_accumulation_steps=4,
+        ds_config="zero1",
+        loss_chunk_tokens=48,
+        pipeline_schedule="dualpipev",
+        **{"data.pad_to_multiple_of": 0},
+    )
+    proc = run_deepspeed(4, "train.py", args, str(tmp_path / "dualpipev.log"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "was saved on another layout (pipeline_schedule '1f1b' -> 'dualpipev')" in proc.stdout
+    straight = {m["step"]: m["loss"] for m in read_metrics(str(root / "tokens"))}
+    resumed = [m for m in read_metrics(str(out)) if m["step"] > 3]
+    assert [m["step"] for m in resumed] == [4, 5] and all(
+        rel(m["loss"], straight[m["step"]]) < REL_TOL for m in resumed
+    )
+    assert rel(read_metrics(str(out), "eval")[-1]["eval_loss"], runs["token_eval"][0]) < REL_TOL
+    weight_diff = max_rel_weight_diff(trained_weights(str(out), runs["config"]), runs["token_model"])
+    assert weight_diff < REL_TOL, weight_diff

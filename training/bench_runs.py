@@ -21,10 +21,14 @@ def per_rank(log: str, marker: str, pattern: str) -> list[float]:
     return [float(v) for v in re.findall(pattern, line)]
 
 
-def measure_train(ranks: int, overrides: list[str], output_dir: str, warmup: int, name: str = "train.py") -> dict:
+def measure_train(
+    ranks: int, overrides: list[str], output_dir: str, warmup: int, name: str = "train.py", script: list | None = None
+) -> dict:
     """Run ``deepspeed --num_gpus ranks train.py overrides`` (one thread per CPU rank) and measure it: the
-    median step time and tokens/s after ``warmup`` steps, model states and peak memory per rank (MiB)."""
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "train.py", *overrides]
+    median step time and tokens/s after ``warmup`` steps, model states and peak memory per rank (MiB).
+    ``script``: what the launcher starts instead of train.py (a profiling wrapper, see ``profile_rank``)."""
+    entry = script or ["train.py"]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), *entry, *overrides]
     proc = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False
     )
@@ -109,3 +113,75 @@ def run_overrides(args, ckpt: str, data: str, work: str, out: str) -> list[str]:
         "save_steps=0",
         "min_free_disk_gb=0",
     ]
+
+
+# Pipeline instructions timed by ``profile_rank`` (wall and this thread's CPU time, per call).
+PROFILED = (
+    "_exec_load_micro_batch",
+    "_exec_forward_pass",
+    "_exec_backward_pass",
+    "_exec_weight_pass",
+    "_exec_send_activations",
+    "_exec_recv_activations",
+    "_exec_send_grads",
+    "_exec_recv_grads",
+    "_exec_commit_p2p",
+    "_exec_reduce_tied_grads",
+    "_exec_reduce_grads",
+    "_exec_optimizer_step",
+)
+
+
+def profile_rank(out_dir: str, train_argv: list[str]) -> None:
+    """Run train.py in this process with the pipeline engines' instructions timed (1F1B's and DualPipeV's, as
+    each schedule calls them through its engine's instruction map); per step, write ``out_dir/rank<R>.json``:
+    [{instruction: [calls, wall s, cpu s]}, ...] (one dict per train_batch)."""
+    import atexit
+    import runpy
+    import time
+
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from parallel.dualpipev import LlamaDualPipeVEngine
+
+    steps: list[dict] = []
+    current: dict = {}
+
+    def timed(name, fn):
+        def wrapper(self, *a, **k):
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return fn(self, *a, **k)
+            finally:
+                rec = current.setdefault(name, [0, 0.0, 0.0])
+                rec[0] += 1
+                rec[1] += time.perf_counter() - t
+                rec[2] += time.thread_time() - c
+
+        wrapper.__name__ = fn.__name__
+        return wrapper
+
+    # Only the maps: DualPipeV's instructions call PipelineEngine's through super(), which must not count twice.
+    for engine in (PipelineEngine, DualPipeVEngine, LlamaDualPipeVEngine):
+        for instruction, fn in engine._INSTRUCTION_MAP.items():
+            if fn.__name__ in PROFILED:
+                engine._INSTRUCTION_MAP[instruction] = timed(fn.__name__, fn)
+    train_batch = timed("train_batch", PipelineEngine.train_batch)
+
+    def train_batch_and_record(self, *a, **k):
+        current.clear()
+        try:
+            return train_batch(self, *a, **k)
+        finally:
+            steps.append({k2: list(v) for k2, v in current.items()})
+
+    PipelineEngine.train_batch = train_batch_and_record
+
+    def dump():
+        with open(os.path.join(out_dir, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+            json.dump(steps, f)
+
+    atexit.register(dump)
+    sys.argv = [os.path.join(ROOT, "train.py"), *train_argv]
+    runpy.run_path(sys.argv[0], run_name="__main__")

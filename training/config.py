@@ -226,6 +226,11 @@ class TrainConfig:
     # (parallel/sequence_parallel.py). World size = num_stages x tensor_parallel x sequence_parallel x
     # data-parallel; the global batch counts each sample once.
     sequence_parallel: int = 1
+    # 1f1b: DeepSpeed's pipeline schedule, a stage per pipeline rank | dualpipev: DeepSpeed's DualPipeV, the
+    # model cut into 2 x num_stages pieces, rank r holding piece r and its mirror 2 x num_stages - 1 - r, so
+    # micro-batches go out and come back and the first pipeline rank reads the data and computes the loss
+    # (less idle time per step; parallel/dualpipev.py). Needs gradient_accumulation_steps >= 2 x num_stages.
+    pipeline_schedule: str = "1f1b"
     # documents: attention within each packed document found from position_ids, with no S x S mask
     # (models/attention.py) | dense_mask: transformers' sdpa with a per-document [B,1,S,S] mask per layer
     # (the earlier path, for comparison; not with sequence_parallel).
@@ -523,6 +528,7 @@ RESUME_KEY_CLASSES = {
         "num_stages",
         "tensor_parallel",
         "sequence_parallel",
+        "pipeline_schedule",
         "partition_method",
         "ds_config",
         "precision",
@@ -562,7 +568,7 @@ RESUME_KEY_CLASSES = {
 ACCEPTABLE_CHANGES = ("optim", "data", "model")
 # Layout keys that change how optimizer states are cut into files: with any of them (or the world size)
 # changed, resume reads the saved states per parameter instead of DeepSpeed's own load.
-RESHARD_KEYS = ("num_stages", "tensor_parallel", "partition_method", "ds_config", "precision")
+RESHARD_KEYS = ("num_stages", "tensor_parallel", "pipeline_schedule", "partition_method", "ds_config", "precision")
 
 
 @dataclass
@@ -923,11 +929,13 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         if not resume_problems
         else []
     )
+    from parallel.dualpipev import dualpipev_problems
     from parallel.sequence_parallel import sequence_parallel_problems
     from parallel.tensor_parallel import tensor_parallel_problems, tensor_parallel_warnings
 
     problems += tensor_parallel_problems(cfg, model_config, layout)
     problems += sequence_parallel_problems(cfg, model_config, layout)
+    problems += dualpipev_problems(cfg, model_config, layout)
     warnings += tensor_parallel_warnings(layout, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     inert, harmless = inert_settings(cfg, layout)
     problems += inert + noop_value_problems(cfg)
@@ -935,7 +943,7 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
 
     if layout.dp:
         micro_batches = cfg.gradient_accumulation_steps
-        if k > 1 and micro_batches < k:
+        if k > 1 and micro_batches < k and layout.schedule == "1f1b":
             warnings.append(
                 f"gradient_accumulation_steps {micro_batches} < num_stages {k}: the pipeline bubble dominates "
                 f"(ideal efficiency {micro_batches}/{micro_batches + k - 1}); raise gradient_accumulation_steps"

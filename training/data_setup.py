@@ -117,10 +117,18 @@ def eval_sources(cfg: TrainConfig) -> list[tuple[str, str, str | None]]:
     return [("", cfg.data.eval_file, None)] if cfg.data.eval_file else []
 
 
+def reading_stages(cfg: TrainConfig) -> tuple[int, ...]:
+    """The pipeline stages that read data: the first (inputs) and the last (labels); with DualPipeV the first
+    pipeline rank alone, which holds both ends of the V."""
+    if cfg.pipeline_schedule == "dualpipev":
+        return (0,)
+    return tuple(sorted({0, cfg.num_stages - 1}))
+
+
 def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> RankData:
     """Collective: every rank calls it. ``coord`` is this rank's (pipe, data) topology coordinate."""
     rank = dist.get_rank()
-    reads = coord.pipe in (0, cfg.num_stages - 1)
+    reads = coord.pipe in reading_stages(cfg)
     host = socket.gethostname()
     peers: list = [None] * dist.get_world_size()
     dist.all_gather_object(peers, (host, rank, reads))
@@ -161,6 +169,14 @@ def _open_rank_data(
     k, micro = cfg.num_stages, cfg.micro_batch_size
     names, _, weights, _ = zip(*training_sources(cfg))
     for name, _, count in built[0]["evals"]:
+        least = 2 * k if cfg.pipeline_schedule == "dualpipev" else 1  # micro-batches per eval pass
+        if cfg.pipeline_schedule == "dualpipev" and count // dp_size // micro < least:
+            raise DataError(
+                f"the eval set{f' {name}' if name else ''} has {count} samples: {count // dp_size // micro} "
+                f"micro-batches per data-parallel rank (micro_batch_size {micro} x dp {dp_size}), and DualPipeV "
+                f"needs {least} per pass (2 x num_stages): add eval data, raise data.eval_fraction, or lower "
+                "micro_batch_size"
+            )
         if count < dp_size * micro:
             raise DataError(
                 f"the eval set{f' {name}' if name else ''} has {count} samples, fewer than one micro-batch per "
@@ -175,7 +191,9 @@ def _open_rank_data(
         sources=list(names) if cfg.data.sources else [],
     )
     peers = cfg.tensor_parallel * cfg.sequence_parallel  # ranks of a stage that read the same micro-batches
-    guard = lambda it: OrderGuard(it, cfg.data.order_check_steps, k, coord.data, coord.pipe, peers)  # noqa: E731
+    # DualPipeV: one rank reads inputs and labels together, as the single stage of a one-stage pipeline does
+    stages = 1 if cfg.pipeline_schedule == "dualpipev" else k
+    guard = lambda it: OrderGuard(it, cfg.data.order_check_steps, stages, coord.data, coord.pipe, peers)  # noqa: E731
     if not reads:
         evals = [EvalSet(name, None, count, count // dp_size // micro) for name, _, count in built[0]["evals"]]
         return RankData(PlaceholderDataset(built[0]["num_train"]), evals, None, guard(None), "placeholder", **shape)

@@ -1,6 +1,7 @@
 """A training command checked before booking the cluster (scripts/preflight.py): the same config
 validation train.py runs, for a given world size, then the layout and the planner's per-GPU memory
-estimate for it. Nothing is started: no process group, no model, no data reading."""
+estimate for it, with the pipeline schedule's bubble (and DualPipeV's activations against 1F1B's).
+Nothing is started: no process group, no model, no data reading."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from parallel.memory_plan import GB, shape_of, splitter, stage_estimates, stage_table
+from parallel.memory_plan import GB, schedule_report, shape_of, splitter, stage_estimates, stage_table
 from training.config import REPO_ROOT, ConfigError, register_configs, resolve
 
 
@@ -45,7 +46,8 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
         f"x dp {layout.dp}; {layout.tokens_per_step} tokens/step"
     )
     layout = dataclasses.replace(layout, dtype="fp32" if cfg.precision == "fp32" else "bf16")  # the planner's two cases
-    params, layers = splitter(config, None, cfg.partition_method)(layout)
+    split = splitter(config, None, cfg.partition_method)
+    params, layers = split(layout)
     stages = stage_estimates(params, layout, shape_of(config), layers)
     e = max(stages, key=lambda s: s.total)
     lines.append(
@@ -54,7 +56,8 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
         f"{e.loss / GB:.1f} GB + gradient and bucket temporaries {(e.grad_temp + e.buffers) / GB:.1f} GB = "
         f"{e.total / GB:.1f} GB" + (f"; host {e.host / GB:.1f} GB per rank (offloaded)" if e.host else "")
     )
-    lines += ["  " + line for line in stage_table(stages, layers)]
+    lines += ["  " + line for line in stage_table(stages, layers, layout)]
+    lines += schedule_report(split, layout, shape_of(config))
     if layout.lora_rank:
         full = max(
             stage_estimates(params, dataclasses.replace(layout, lora_rank=0), shape_of(config), layers),

@@ -2,7 +2,8 @@
 
 In a synchronous step every rank's wall time is the same (each waits for the slowest at the next send,
 receive or all-reduce), so the wall clock cannot name a straggler. ``ComputeClock`` times the pipeline
-engine's compute instructions only (load micro-batch, forward, backward, optimizer step; not send, receive
+engine's compute instructions only (load micro-batch, forward, backward, DualPipeV's deferred weight gradients,
+optimizer step; not send, receive
 or the gradient reduction): on a GPU with CUDA events (the kernels' own time, read once at the end of the
 step), on CPU with the wall clock. The per-step agreement (training/preemption.py) gathers every rank's
 seconds; metrics.jsonl and the progress line show the slowest rank and the median.
@@ -14,21 +15,30 @@ import time
 
 import torch
 
-COMPUTE = ("_exec_load_micro_batch", "_exec_forward_pass", "_exec_backward_pass", "_exec_optimizer_step")
+COMPUTE = (
+    "_exec_load_micro_batch",
+    "_exec_forward_pass",
+    "_exec_backward_pass",
+    "_exec_weight_pass",
+    "_exec_optimizer_step",
+)
 
 
 class ComputeClock:
     """This rank's compute seconds in the current step (``take`` returns them and starts again)."""
 
     def __init__(self):
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
         from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        from parallel.dualpipev import LlamaDualPipeVEngine
 
         self.cuda = torch.cuda.is_available()
         self.seconds, self.events = 0.0, []
-        for instruction, fn in list(PipelineEngine._INSTRUCTION_MAP.items()):
-            name = getattr(fn, "__name__", "")
-            if name in COMPUTE:
-                PipelineEngine._INSTRUCTION_MAP[instruction] = self._timed(getattr(fn, "__wrapped_compute__", fn))
+        for engine in (PipelineEngine, DualPipeVEngine, LlamaDualPipeVEngine):  # each has its own instruction map
+            for instruction, fn in list(engine._INSTRUCTION_MAP.items()):
+                if getattr(fn, "__name__", "") in COMPUTE:
+                    engine._INSTRUCTION_MAP[instruction] = self._timed(getattr(fn, "__wrapped_compute__", fn))
 
     def _timed(self, fn):
         def timed(engine, *args, **kwargs):

@@ -1,0 +1,258 @@
+"""DualPipeV (``pipeline_schedule=dualpipev``): glue around DeepSpeed's ``DualPipeVModule`` and engine.
+
+The specs are cut into 2 x num_stages pieces; pipeline rank r builds piece r (phase 0, activations flow
+towards the last rank) and piece 2 x num_stages - 1 - r (phase 1, they flow back), so rank 0 holds the
+embedding and the LM head (a tied one is a single module there) and reads both the inputs and the labels.
+DeepSpeed's ``deepspeed.initialize`` picks ``DualPipeVEngine`` for such a module; it exchanges activation
+shapes once (rows are fed whole), sends no bool tensor and needs at least 2 x num_stages micro-batches.
+``mend_engine`` makes it a ``LlamaDualPipeVEngine``: DualPipe's split of the weight gradients (zero bubble),
+which DeepSpeed's schedule leaves out, and eval passes of any length.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
+from deepspeed.runtime.pipe.schedule import BackwardPass, CommitP2P, DualPipeVSchedule, PipeInstruction
+from torch import nn
+
+from models.llama_pipe import LlamaPipelineModule
+
+PIPELINE_SCHEDULES = ("1f1b", "dualpipev")  # train.py's pipeline_schedule
+
+
+class LlamaDualPipeVModule(DualPipeVModule, LlamaPipelineModule):
+    """``LlamaPipelineModule`` (its split from ``boundaries``, now 2 x num_stages + 1 of them, its clipping
+    and layer-file fixes) with DeepSpeed's two pieces per rank. DeepSpeed's methods run each per piece
+    (``activate_phase``), so layer files keep their global spec index whichever rank wrote them."""
+
+
+class WeightPass(PipeInstruction):
+    """Compute the weight gradients the oldest deferred backward pass left (zero bubble)."""
+
+
+class ZeroBubbleDualPipeVSchedule(DualPipeVSchedule):
+    """DeepSpeed's ``DualPipeVSchedule`` with the weight gradients split off where DualPipe defers them.
+
+    DeepSpeed's schedule keeps every weight gradient inside ``BackwardPass`` and leaves the places DeepSeek's
+    DualPipeV computes deferred ones (its ``weight_chunk``) as bare commits. Here the backward passes DualPipeV
+    runs "with zero bubble" (step 3's B1, the second half of step 6, step 7's B0) compute only the gradients of
+    their inputs, which the peer waits for (``defer_weights=True``), and a ``WeightPass`` follows each such
+    commit (steps 3, 7 and 8) to compute the weights' part of the oldest one: idle time filled with work no
+    peer waits for. The instruction stream is DeepSpeed's, step by step; only those instructions change.
+    """
+
+    def steps(self):
+        if self.forward_only:
+            yield from super().steps()
+            return
+        p, r = self.stages, self.stage_id
+        half = (r + 1) // 2  # step 6's first deferred backward: B1 there on odd ranks, B0 on even ones
+        lengths = [2 * (p - r - 1), r + 2, p - r - 1, self.micro_batches - 2 * p + r + 1, p - r - 1, r + 1]
+        lengths += [p - r - 1, r + 1, 1]
+        ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+        for index, cmds in enumerate(super().steps()):
+            step = next(i for i, end in enumerate(ends) if index < end) + 1
+            i = index - (ends[step - 2] if step > 1 else 0)  # the iteration within its step
+            if step == 3:  # nB1W1F1: B1 deferred, W after the second commit
+                cmds = _defer(cmds, lambda phase: phase == 1)
+                cmds = _weight_after_commit(cmds, 2)
+            elif step == 6:  # nB1B0, the second half deferred
+                cmds = _defer(cmds, lambda phase: i > half or (i == half and (phase == 0 or r % 2 == 1)))
+            elif step == 7:  # nWB0: W after the first commit, B0 deferred
+                cmds = _weight_after_commit(_defer(cmds, lambda phase: phase == 0), 1)
+            elif step == 8:  # nW
+                cmds = cmds + [WeightPass()]
+            yield cmds
+
+
+def _defer(cmds: list, deferred) -> list:
+    return [
+        BackwardPass(c.buffer_id, phase=c.phase, defer_weights=True)
+        if isinstance(c, BackwardPass) and deferred(c.phase)
+        else c
+        for c in cmds
+    ]
+
+
+def _weight_after_commit(cmds: list, nth: int) -> list:
+    commits = [i for i, c in enumerate(cmds) if isinstance(c, CommitP2P)]
+    at = commits[nth - 1] + 1
+    return cmds[:at] + [WeightPass()] + cmds[at:]
+
+
+class WeightGradStore:
+    """Weight gradients put off by the backward passes that run with ``deferring`` set: each such pass's are one
+    batch (``flush``), computed oldest first by ``pop`` (a ``WeightPass``)."""
+
+    def __init__(self):
+        self.deferring, self.pending, self.batches = False, [], deque()
+        self.layers = 0  # linear layers routed through DeferrableLinear
+
+    def flush(self) -> None:
+        self.batches.append(self.pending)
+        self.pending = []
+
+    def pop(self) -> None:
+        for weight, grad_output, inputs in self.batches.popleft():
+            # through the leaf's AccumulateGrad, so DeepSpeed's gradient hooks see it as from any backward
+            torch.autograd.backward(weight, grad_tensors=grad_output.t() @ inputs)  # [out,N] @ [N,in]
+
+
+class DeferrableLinear(torch.autograd.Function):
+    """``F.linear`` whose weight gradient is queued in ``store`` instead of computed while it defers."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        # the Parameter itself (a leaf that outlives the step), for the deferred accumulation
+        ctx.store, ctx.weight, ctx.has_bias = store, weight, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])  # [N,out], [N,in]
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            if ctx.store.deferring:
+                ctx.store.pending.append((ctx.weight, grad_2d, x_2d))
+            else:
+                grad_weight = grad_2d.t() @ x_2d
+        return grad_x, grad_weight, grad_bias, None
+
+
+def defer_linear_weights_(modules, store: WeightGradStore) -> int:
+    """Route every plain ``nn.Linear`` of ``modules`` (the decoder's projections and LoRA's adapters; not the
+    LM head, a quantised or a tensor-parallel layer, which are subclasses) through ``DeferrableLinear``.
+    Returns how many."""
+    count = 0
+    for module in modules:
+        for linear in module.modules():
+            if type(linear) is nn.Linear:
+                linear.forward = _deferrable_forward(linear, store)
+                count += 1
+    return count
+
+
+def _deferrable_forward(linear: nn.Linear, store: WeightGradStore):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return DeferrableLinear.apply(x, linear.weight, linear.bias, store)
+
+    return forward
+
+
+class LlamaDualPipeVEngine(DualPipeVEngine):
+    """DeepSpeed 0.19.8's ``DualPipeVEngine`` with two changes.
+
+    1. Zero bubble: the schedule is :class:`ZeroBubbleDualPipeVSchedule`; a backward pass it marks
+       ``defer_weights`` computes its inputs' gradients only (the peer waits for those), the pieces' linear
+       layers queueing their weight gradients (:class:`WeightGradStore`), and each ``WeightPass`` computes the
+       oldest batch. Every gradient is computed once, as before; only when changes.
+    2. Eval passes of any length: its inference schedule numbers a micro-batch's phase-1 slot ``micro_batch +
+       num_micro_batches``, while the engine moves labels and turn-around activations to ``buffer_id +
+       self.micro_batches`` (the training gradient_accumulation_steps): an eval pass of another length read an
+       empty slot (``'NoneType' object has no attribute 'clone'``) or another micro-batch's labels. The engine
+       counts the pass's micro-batches while it runs.
+    """
+
+    def _train_schedule(self):
+        return ZeroBubbleDualPipeVSchedule(
+            micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id
+        )
+
+    def eval_batch(self, data_iter, *args, num_micro_batches=None, **kwargs):
+        training = self.micro_batches
+        self.micro_batches = training if num_micro_batches is None else num_micro_batches
+        try:
+            return super().eval_batch(data_iter, *args, num_micro_batches=num_micro_batches, **kwargs)
+        finally:
+            self.micro_batches = training
+
+    def _exec_backward_pass(self, buffer_id, phase, defer_weights=False):
+        self.weight_grads.deferring = defer_weights
+        try:
+            DualPipeVEngine._exec_backward_pass(self, buffer_id, phase)
+        finally:
+            self.weight_grads.deferring = False
+        if defer_weights:
+            self.weight_grads.flush()
+
+    def _exec_weight_pass(self):
+        # as PipelineEngine's backward of a non-loss stage: bf16's low-precision gradients cleared before,
+        # added to the fp32 ones after
+        bf16 = self.using_bf16_optimizer
+        if bf16:
+            self.optimizer.clear_lp_grads()
+        self._running_engine_backward = True
+        try:
+            self.weight_grads.pop()
+        finally:
+            self._running_engine_backward = False
+        if bf16 and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    _INSTRUCTION_MAP = {
+        **DualPipeVEngine._INSTRUCTION_MAP,
+        BackwardPass: _exec_backward_pass,
+        WeightPass: _exec_weight_pass,
+    }
+
+
+def mend_engine(engine) -> None:
+    """Make the engine ``deepspeed.initialize`` built for a DualPipeV module a :class:`LlamaDualPipeVEngine`
+    (same state; its class is swapped), its pieces' linear layers able to defer their weight gradients."""
+    if type(engine) is not DualPipeVEngine:
+        return
+    engine.__class__ = LlamaDualPipeVEngine
+    engine.weight_grads = WeightGradStore()
+    pieces = [m for funcs in engine.module.phase_funcs for m in funcs if isinstance(m, nn.Module)]
+    engine.weight_grads.layers = defer_linear_weights_(pieces, engine.weight_grads)
+
+
+def dualpipev_problems(cfg, model_config, layout) -> list[str]:
+    """Everything train.py refuses about ``pipeline_schedule=dualpipev`` (cfg: training.config.TrainConfig),
+    with the numbers and the knob to change."""
+    if layout.schedule not in PIPELINE_SCHEDULES:
+        return [f"pipeline_schedule {layout.schedule!r} unknown: choose one of {list(PIPELINE_SCHEDULES)}"]
+    if layout.schedule != "dualpipev":
+        return []
+    k, problems = layout.stages, []
+    if k < 2:
+        return [
+            f"pipeline_schedule=dualpipev with num_stages {k}: DualPipeV needs 2 pipeline ranks or more; set "
+            "num_stages >= 2 or pipeline_schedule=1f1b"
+        ]
+    if layout.grad_accum < 2 * k:
+        problems.append(
+            f"pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = {2 * k} (each rank "
+            f"holds two pieces, {2 * k} in flight); got {layout.grad_accum}: raise gradient_accumulation_steps"
+        )
+    if model_config is not None and 2 * k > model_config.num_hidden_layers:
+        problems.append(
+            f"pipeline_schedule=dualpipev cuts the model into 2 x num_stages = {2 * k} pieces, more than its "
+            f"{model_config.num_hidden_layers} decoder layers: set num_stages <= {model_config.num_hidden_layers // 2}"
+        )
+    if cfg.data.pad_to_multiple_of:
+        problems.append(
+            f"pipeline_schedule=dualpipev with data.pad_to_multiple_of {cfg.data.pad_to_multiple_of}: DualPipeV "
+            "sends activation shapes once, so every micro-batch must have the same length; set "
+            "data.pad_to_multiple_of=0 (rows fed whole; data.packing=true keeps the padding low)"
+        )
+    for name, n in (("tensor_parallel", layout.tp), ("sequence_parallel", layout.sp)):
+        if n > 1:
+            problems.append(
+                f"pipeline_schedule=dualpipev with {name} {n} is not supported yet (no parity test of the two "
+                f"together): use {name}=1 or pipeline_schedule=1f1b"
+            )
+    if not layout.uses_pipeline:
+        problems.append(
+            f"pipeline_schedule=dualpipev runs on the pipeline engine, and ds={cfg.ds_config} is ZeRO "
+            f"{layout.zero}: use ZeRO 0 or 1 (ds_config=zero0 or zero1)"
+        )
+    return problems
