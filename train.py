@@ -458,9 +458,9 @@ def check_tensor_parallel_replicas(model, resolved: Resolved) -> None:
 
 def counts_tokens(resolved: Resolved, engine) -> bool:
     """Whether this rank counts its micro-batches' tokens: the stage holding the labels (the last; the first
-    pipeline rank with DualPipeV; of its
-    tensor-parallel and sequence-parallel peers, which hold the same micro-batch, the first), or every rank
-    of the data-parallel engine. Their sum over all ranks covers the global batch once."""
+    pipeline rank with DualPipeV), of its tensor-parallel and sequence-parallel peers (which hold the same
+    micro-batch) the first; or every rank of the data-parallel engine. Their sum over all ranks covers the
+    global batch once."""
     if not resolved.uses_pipeline:
         return True
     first_of_sequence_group = engine.grid.get_data_parallel_rank() % resolved.layout.sp == 0

@@ -16,12 +16,12 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import BackwardPass, CommitP2P, DualPipeVSchedule, PipeInstruction
 from torch import nn
 
 from models.llama_pipe import LlamaPipelineModule
-
-PIPELINE_SCHEDULES = ("1f1b", "dualpipev")  # train.py's pipeline_schedule
+from parallel.layout import PIPELINE_SCHEDULES
 
 
 class LlamaDualPipeVModule(DualPipeVModule, LlamaPipelineModule):
@@ -202,6 +202,16 @@ class LlamaDualPipeVEngine(DualPipeVEngine):
         BackwardPass: _exec_backward_pass,
         WeightPass: _exec_weight_pass,
     }
+
+
+def wrap_instructions(names, wrap) -> None:
+    """Replace each pipeline instruction function named in ``names`` by ``wrap(function)``, in the instruction
+    map of every engine class train.py may run (each schedule's engine keeps its own map). Only the maps: the
+    DualPipeV engines' instructions call PipelineEngine's through super(), which must not be wrapped twice."""
+    for engine in (PipelineEngine, DualPipeVEngine, LlamaDualPipeVEngine):
+        for instruction, fn in list(engine._INSTRUCTION_MAP.items()):
+            if getattr(fn, "__name__", "") in names:
+                engine._INSTRUCTION_MAP[instruction] = wrap(fn)
 
 
 def mend_engine(engine) -> None:

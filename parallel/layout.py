@@ -13,6 +13,7 @@ from dataclasses import dataclass
 # How train.py's partition_method may split the specs into stages. It stays a string: DeepSpeed also takes
 # "type:<regex>" patterns, checked against this list.
 PARTITION_METHODS = ("parameters", "compute", "memory", "uniform", "type:DecoderLayerPipe")
+PIPELINE_SCHEDULES = ("1f1b", "dualpipev")  # train.py's pipeline_schedule (parallel/dualpipev.py)
 
 
 def tp_dividing(sizes, candidates) -> list[int]:

@@ -673,13 +673,20 @@ def dualpipev_memory_boundaries(
             peaks[rank, a, b, c, d] = stage_estimate(rank, psi, held, layout, shape, total).total
         return peaks[rank, a, b, c, d]
 
-    def key(bounds: list[int]) -> tuple[float, ...]:
-        return tuple(sorted((peak(r, bounds) for r in range(layout.stages)), reverse=True))
+    return improve_boundaries(
+        parts, lambda bounds: tuple(sorted((peak(r, bounds) for r in range(layout.stages)), reverse=True))
+    )
 
+
+def improve_boundaries(parts: list[int], key) -> list[int]:
+    """Boundaries ``parts`` (first spec of each piece, plus the end) moved one at a time, each to wherever
+    between its neighbours ``key(boundaries)`` is smallest, until no move lowers it; every piece keeps a spec.
+    DualPipeV's splits: a rank's two pieces lie far apart, so no dynamic program over one boundary at a time
+    applies."""
     best, moved = key(parts), True
     while moved:
         moved = False
-        for i in range(1, pieces):
+        for i in range(1, len(parts) - 1):
             for at in range(parts[i - 1] + 1, parts[i + 1]):
                 trial = parts[:i] + [at] + parts[i + 1 :]
                 if key(trial) < best:

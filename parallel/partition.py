@@ -17,7 +17,7 @@ from models.llama_pipe import DECODER_LAYER_CLASSES, LlamaPipelineModule, build_
 from models.loss import CausalLMLoss
 from models.peft_targets import SAVABLE_MODULES
 from parallel.dualpipev import LlamaDualPipeVModule
-from parallel.memory_plan import memory_boundaries
+from parallel.memory_plan import improve_boundaries, memory_boundaries
 from parallel.sequence_parallel import sequence_group, split_sequence_, ulysses_attention
 from parallel.tensor_parallel import finish_split_, split_stage_
 
@@ -63,7 +63,7 @@ def mirrored_pieces(weights: list[int], stages: int) -> list[int]:
     the ranks' loads, then the pieces', sorted largest first, get smaller."""
     from deepspeed.runtime.utils import partition_balanced
 
-    pieces, n = 2 * stages, len(weights)
+    pieces = 2 * stages
     total = list(itertools.accumulate(weights, initial=0))
     parts = [int(p) for p in partition_balanced(weights=weights, num_parts=pieces)]
 
@@ -72,16 +72,7 @@ def mirrored_pieces(weights: list[int], stages: int) -> list[int]:
         ranks = [piece[r] + piece[pieces - 1 - r] for r in range(stages)]
         return sorted(ranks, reverse=True), sorted(piece, reverse=True)
 
-    best, moved = key(parts), True
-    while moved:
-        moved = False
-        for i in range(1, pieces):
-            for at in range(parts[i - 1] + 1, parts[i + 1]):  # every piece keeps at least one spec
-                trial = parts[:i] + [at] + parts[i + 1 :]
-                if key(trial) < best:
-                    parts, best, moved = trial, key(trial), True
-    assert parts[-1] == n
-    return parts
+    return improve_boundaries(parts, key)
 
 
 def build_pipeline_model(

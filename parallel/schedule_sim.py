@@ -23,17 +23,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-SCHEDULES = ("1f1b", "dualpipev")
-
-
-def piece_count(schedule: str, stages: int) -> int:
-    """Pieces the model is cut into: one per pipeline rank, two with DualPipeV."""
-    return 2 * stages if schedule == "dualpipev" else stages
-
-
-def rank_pieces(schedule: str, stages: int, rank: int) -> list[int]:
-    """The pieces ``rank`` holds, by phase (``parallel.layout.Layout.rank_pieces``)."""
-    return [rank, 2 * stages - 1 - rank] if schedule == "dualpipev" else [rank]
+from parallel.layout import PIPELINE_SCHEDULES, Layout
 
 
 def instructions(schedule: str, stages: int, micro_batches: int, rank: int, zero_bubble: bool = False) -> list:
@@ -44,8 +34,8 @@ def instructions(schedule: str, stages: int, micro_batches: int, rank: int, zero
 
     from parallel.dualpipev import ZeroBubbleDualPipeVSchedule
 
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} unknown: choose one of {list(SCHEDULES)}")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} unknown: choose one of {list(PIPELINE_SCHEDULES)}")
     dualpipev = ZeroBubbleDualPipeVSchedule if zero_bubble else DualPipeVSchedule
     generator = dualpipev if schedule == "dualpipev" else TrainSchedule
     steps = generator(micro_batches=micro_batches, stages=stages, stage_id=rank).steps()
@@ -56,7 +46,7 @@ def instructions(schedule: str, stages: int, micro_batches: int, rank: int, zero
 class ScheduleSim:
     """One training step of a schedule (seconds as given). Per rank: ``busy`` seconds computing;
     ``in_flight``: the most micro-batches whose activations a held piece keeps at once (forward done,
-    backward not yet), per piece in :func:`rank_pieces` order; ``held``: every combination of those counts
+    backward not yet), per piece in ``Layout.rank_pieces`` order; ``held``: every combination of those counts
     the rank passes through after a forward, one tuple per combination (what a joint memory peak needs)."""
 
     schedule: str
@@ -102,10 +92,11 @@ def simulate(
 ) -> ScheduleSim:
     """Replay one training step of ``schedule`` on ``stages`` pipeline ranks with ``micro_batches``
     micro-batches; ``forward_s[i]`` / ``backward_s[i]``: seconds of a forward / backward pass of piece i
-    (``piece_count(schedule, stages)`` pieces). ``weight_s[i]``: the share of piece i's backward that computes
+    (``Layout.pieces`` of them). ``weight_s[i]``: the share of piece i's backward that computes
     weight gradients: given, DualPipeV runs with them split off (a deferred backward takes backward - weight,
     its ``WeightPass`` later takes weight). Raises RuntimeError where no rank can go on (a deadlock)."""
-    pieces = piece_count(schedule, stages)
+    layout = Layout(stages=stages, schedule=schedule)
+    pieces = layout.pieces
     if len(forward_s) != pieces or len(backward_s) != pieces or (weight_s is not None and len(weight_s) != pieces):
         raise ValueError(f"{schedule} on {stages} ranks runs {pieces} pieces: give {pieces} forward and backward times")
     zero_bubble = weight_s is not None and schedule == "dualpipev"
@@ -117,7 +108,7 @@ def simulate(
     pc, clock, busy = [0] * stages, [0.0] * stages, [0.0] * stages
     queued_sends: list[list] = [[] for _ in range(stages)]
     queued_recvs: list[list] = [[] for _ in range(stages)]
-    held = [[0] * len(rank_pieces(schedule, stages, r)) for r in range(stages)]
+    held = [[0] * len(layout.rank_pieces(r)) for r in range(stages)]
     peaks = [list(h) for h in held]
     states: list[set[tuple[int, ...]]] = [set() for _ in range(stages)]
 
@@ -136,7 +127,7 @@ def simulate(
             busy[r] += seconds
         elif name in ("ForwardPass", "BackwardPass"):
             phase = getattr(cmd, "phase", 0)
-            piece = rank_pieces(schedule, stages, r)[phase]
+            piece = layout.rank_pieces(r)[phase]
             seconds = (forward_s if name == "ForwardPass" else backward_s)[piece]
             if cmd.kwargs.get("defer_weights"):
                 seconds -= weight_s[piece]
@@ -230,7 +221,7 @@ def simulated(schedule: str, stages: int, micro_batches: int, piece_layers: list
     """:func:`simulate` as train.py runs the schedule (DualPipeV with its weight gradients split off, half of
     each backward) with equal per-layer times (forward 1, backward 2), for pieces of ``piece_layers`` layers
     (None: equal pieces); remembered, as the planner asks for the same layouts often."""
-    layers = piece_layers or [1] * piece_count(schedule, stages)
+    layers = piece_layers or [1] * Layout(stages=stages, schedule=schedule).pieces
     forward, backward = uniform_times(layers)
     return _simulated(schedule, stages, micro_batches, tuple(forward), tuple(backward))
 
@@ -241,6 +232,6 @@ def bubble_share(
     """The idle share of a step with equal pieces, each forward ``forward`` and backward ``backward`` seconds,
     ``weight`` of it DualPipeV's deferred weight gradients (0: DeepSpeed's DualPipeV, weights inside each
     backward); 1F1B's is (p - 1) / (m + p - 1) whatever they are."""
-    pieces = piece_count(schedule, stages)
+    pieces = Layout(stages=stages, schedule=schedule).pieces
     split = [weight] * pieces if weight and schedule == "dualpipev" else None
     return simulate(schedule, stages, micro_batches, [forward] * pieces, [backward] * pieces, split).idle_share

@@ -32,9 +32,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from parallel.layout import PIPELINE_SCHEDULES  # noqa: E402
 from training.bench_runs import add_model_args, bench_model, measure_train, profile_rank, run_overrides  # noqa: E402
 
-SCHEDULES = ("1f1b", "dualpipev")
 COMPUTE = ("_exec_forward_pass", "_exec_backward_pass", "_exec_weight_pass", "_exec_load_micro_batch")
 OUTSIDE_PIPELINE = ("_exec_reduce_grads", "_exec_reduce_tied_grads", "_exec_optimizer_step")
 
@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     results: dict = {}
     for round_ in range(args.rounds):
         for m in args.micro_batches:
-            for schedule in SCHEDULES:
+            for schedule in PIPELINE_SCHEDULES:
                 r = run(args, ckpt, data, work, schedule, m, round_)
                 results.setdefault((schedule, m), []).append(r)
                 print(
@@ -160,7 +160,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|")
     for m in args.micro_batches:
         base = med(results[("1f1b", m)], "bubble")
-        for schedule in SCHEDULES:
+        for schedule in PIPELINE_SCHEDULES:
             runs = results[(schedule, m)]
             theory = f"{1 / (m + 1):.1%}" if schedule == "1f1b" else ""
             ratio = f"{med(runs, 'bubble') / base:.2f}" if schedule == "dualpipev" and base > 0 else ""

@@ -78,7 +78,7 @@ def test_a_receive_without_its_send_is_reported_not_waited_for(monkeypatch):
 
     monkeypatch.setattr(schedule_sim, "instructions", without_first_send)
     for schedule in ("1f1b", "dualpipev"):
-        pieces = schedule_sim.piece_count(schedule, 2)
+        pieces = Layout(stages=2, schedule=schedule).pieces
         with pytest.raises(RuntimeError, match="deadlocked"):
             simulate(schedule, 2, 4, [1.0] * pieces, [2.0] * pieces)
 

@@ -140,10 +140,9 @@ def profile_rank(out_dir: str, train_argv: list[str]) -> None:
     import runpy
     import time
 
-    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from parallel.dualpipev import LlamaDualPipeVEngine
+    from parallel.dualpipev import wrap_instructions
 
     steps: list[dict] = []
     current: dict = {}
@@ -162,11 +161,7 @@ def profile_rank(out_dir: str, train_argv: list[str]) -> None:
         wrapper.__name__ = fn.__name__
         return wrapper
 
-    # Only the maps: DualPipeV's instructions call PipelineEngine's through super(), which must not count twice.
-    for engine in (PipelineEngine, DualPipeVEngine, LlamaDualPipeVEngine):
-        for instruction, fn in engine._INSTRUCTION_MAP.items():
-            if fn.__name__ in PROFILED:
-                engine._INSTRUCTION_MAP[instruction] = timed(fn.__name__, fn)
+    wrap_instructions(PROFILED, lambda fn: timed(fn.__name__, fn))
     train_batch = timed("train_batch", PipelineEngine.train_batch)
 
     def train_batch_and_record(self, *a, **k):

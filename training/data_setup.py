@@ -191,9 +191,9 @@ def _open_rank_data(
         sources=list(names) if cfg.data.sources else [],
     )
     peers = cfg.tensor_parallel * cfg.sequence_parallel  # ranks of a stage that read the same micro-batches
-    # DualPipeV: one rank reads inputs and labels together, as the single stage of a one-stage pipeline does
-    stages = 1 if cfg.pipeline_schedule == "dualpipev" else k
-    guard = lambda it: OrderGuard(it, cfg.data.order_check_steps, stages, coord.data, coord.pipe, peers)  # noqa: E731
+    # the guard compares the stages that read (DualPipeV: one, reading inputs and labels together)
+    ends = reading_stages(cfg)[-1] + 1
+    guard = lambda it: OrderGuard(it, cfg.data.order_check_steps, ends, coord.data, coord.pipe, peers)  # noqa: E731
     if not reads:
         evals = [EvalSet(name, None, count, count // dp_size // micro) for name, _, count in built[0]["evals"]]
         return RankData(PlaceholderDataset(built[0]["num_train"]), evals, None, guard(None), "placeholder", **shape)

@@ -28,17 +28,11 @@ class ComputeClock:
     """This rank's compute seconds in the current step (``take`` returns them and starts again)."""
 
     def __init__(self):
-        from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
-        from deepspeed.runtime.pipe.engine import PipelineEngine
-
-        from parallel.dualpipev import LlamaDualPipeVEngine
+        from parallel.dualpipev import wrap_instructions
 
         self.cuda = torch.cuda.is_available()
         self.seconds, self.events = 0.0, []
-        for engine in (PipelineEngine, DualPipeVEngine, LlamaDualPipeVEngine):  # each has its own instruction map
-            for instruction, fn in list(engine._INSTRUCTION_MAP.items()):
-                if getattr(fn, "__name__", "") in COMPUTE:
-                    engine._INSTRUCTION_MAP[instruction] = self._timed(getattr(fn, "__wrapped_compute__", fn))
+        wrap_instructions(COMPUTE, lambda fn: self._timed(getattr(fn, "__wrapped_compute__", fn)))
 
     def _timed(self, fn):
         def timed(engine, *args, **kwargs):
