@@ -46,7 +46,7 @@ from models.host_memory import current_rss_mb, peak_rss_mb  # noqa: E402
 from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules, stage_pieces  # noqa: E402
 from models.llama_pipe import ATTENTION_IMPLEMENTATIONS, LlamaStack, flops_per_token, init_weights_, spec_layout  # noqa: E402
 from models.lora import apply_lora, base_numel, base_record, load_adapter_, load_checkpoint_adapters_  # noqa: E402
-from models.loss import CausalLMLoss, label_tokens  # noqa: E402
+from models.loss import CausalLMLoss, PreferenceLoss, label_tokens  # noqa: E402
 from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes  # noqa: E402
 from parallel.dualpipev import mend_engine  # noqa: E402
 from parallel.partition import build_pipeline_model  # noqa: E402
@@ -81,6 +81,7 @@ from training.optim import (  # noqa: E402
     reduce_grad_norm_once_across_stages,
 )
 from training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Preempted, StopAndSave, exit_if_exiting  # noqa: E402
+from training.preference import prepare_reference, step_metrics  # noqa: E402
 from training.run_lock import RunLock  # noqa: E402
 from training.straggler import ComputeClock  # noqa: E402
 
@@ -146,7 +147,15 @@ def lock_output_dir(resolved: Resolved) -> RunLock | None:
     return lock
 
 
-def build_model(resolved: Resolved, topology: PipeDataParallelTopology, loss_fn: CausalLMLoss):
+def build_loss(resolved: Resolved) -> CausalLMLoss | PreferenceLoss:
+    """The last stage's loss: the next-token loss (train_step sets its normalisation each step), or DPO's."""
+    cfg = resolved.cfg
+    if cfg.train_objective == "dpo":
+        return PreferenceLoss(cfg.loss_chunk_tokens, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.label_smoothing)
+    return CausalLMLoss(cfg.loss_chunk_tokens)
+
+
+def build_model(resolved: Resolved, topology: PipeDataParallelTopology, loss_fn: CausalLMLoss | PreferenceLoss):
     """The pipeline module (this rank builds only its own stage's layers), or, for num_stages=1 with
     ZeRO 2/3, every spec in one module for DeepSpeed's data-parallel engine: under ZeRO-3 built
     partitioned (``deepspeed.zero.Init``, models/zero3.py), no rank ever holding the whole model."""
@@ -383,14 +392,20 @@ def announce(
         )
     layout = resolved.layout
     rows = "at most" if cfg.data.pad_to_multiple_of else "padding included, rows of"
-    log0(
-        f"world {layout.world_size} = {layout.axes()} | {layout.batch_line()} ({rows} "
-        f"{layout.seq_len}) | loss normalised per "
-        f"{'label token of the global batch' if cfg.loss_normalization == 'tokens' else 'micro-batch'} "
-        f"(loss_normalization={cfg.loss_normalization})"
-    )
+    if cfg.train_objective == "dpo":
+        dpo = cfg.dpo
+        loss = (
+            f"DPO loss ({dpo.loss_type}, beta {dpo.beta:g}"
+            + (f", label smoothing {dpo.label_smoothing:g}" if dpo.label_smoothing else "")
+            + ") averaged over the global batch's pairs; a sample is a pair, fed as its chosen and rejected rows"
+        )
+    else:
+        per = "label token of the global batch" if cfg.loss_normalization == "tokens" else "micro-batch"
+        loss = f"loss normalised per {per} (loss_normalization={cfg.loss_normalization})"
+    log0(f"world {layout.world_size} = {layout.axes()} | {layout.batch_line()} ({rows} {layout.seq_len}) | {loss}")
     if dist.get_rank() == 0:  # the rank that prints; a first stage, so it reads the data
-        padding = 1 - data.train.total_tokens() / (len(data.train) * cfg.data.max_seq_length)
+        rows_per_sample = 2 if cfg.train_objective == "dpo" else 1
+        padding = 1 - data.train.total_tokens() / (len(data.train) * rows_per_sample * cfg.data.max_seq_length)
         many = not default_packing(cfg.data) and padding >= PADDING_HINT
         if cfg.data.pad_to_multiple_of:
             fed = f"each micro-batch cut to its longest row, up to a multiple of {cfg.data.pad_to_multiple_of}"
@@ -482,6 +497,8 @@ def normalise_loss(resolved: Resolved, loss_fn: CausalLMLoss, micro_batches: int
     micro-batch's loss by ``micro_batches`` and averages over its data axis (dp x sequence_parallel: each
     rank of a sequence group sums its slice's token losses), so scaling by their product over the count gives
     the token mean of the whole global batch."""
+    if resolved.cfg.train_objective == "dpo":
+        return  # DPO's loss is a mean over each micro-batch's pairs: DeepSpeed's own divisions make the global mean
     if resolved.cfg.loss_normalization == "micro_batch":
         loss_fn.scale = None
     elif label_count == 0:  # the data cache drops rows without a label token: a bug if ever seen
@@ -507,7 +524,7 @@ def train_step(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss
         counts[:3] = (
             data.iterator.tokens_read - before,
             sum(label_tokens(labels) for _, labels in batches),
-            sum(labels.numel() for _, labels in batches),
+            sum(input_ids.numel() for (input_ids, _), _ in batches),
         )
         for i in range(len(data.sources)):
             counts[3 + i] = data.iterator.tokens_by_source.get(i, 0) - by_source.get(i, 0)
@@ -557,7 +574,10 @@ def evaluate(
             losses = [loss_fn(engine(ids, pos), labels) for (ids, pos), labels in batches]
         engine.train()
         loss = mean_over_ranks(torch.stack(losses).mean())
-    logger.log_eval(step, loss, time.time() - start, evaluation.name)
+    extra = None
+    if resolved.cfg.train_objective == "dpo":
+        extra = step_metrics(loss_fn, counts_tokens(resolved, engine), prefix="eval_")
+    logger.log_eval(step, loss, time.time() - start, evaluation.name, extra)
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -616,7 +636,8 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
                 )
             grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
             norm = None if grad_norm is None else float(grad_norm)
-            logger.log(step, loss, lr, norm, *counts[:3], counts[3:], compute=compute if clock else None)
+            extra = step_metrics(loss_fn, counts_tokens(resolved, engine)) if cfg.train_objective == "dpo" else None
+            logger.log(step, loss, lr, norm, *counts[:3], counts[3:], compute=compute if clock else None, extra=extra)
             check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
             if data.evals and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
                 for evaluation, labels in zip(data.evals, eval_labels):
@@ -773,8 +794,7 @@ def main(dict_cfg: DictConfig) -> None:
         lock = lock_output_dir(resolved)
         on_all_ranks("creating output_dir", lambda: os.makedirs(resolved.cfg.output_dir, exist_ok=True))
         rss_before_model = peak_rss_mb()
-        # The last stage's loss; train_step sets its normalisation each step.
-        loss_fn = CausalLMLoss(resolved.cfg.loss_chunk_tokens)
+        loss_fn = build_loss(resolved)
         model = build_model(resolved, topology, loss_fn)
         init_reports = init_weights(model, resolved, rss_before_model)
         lora_reports = adapt(model, resolved)
@@ -785,6 +805,8 @@ def main(dict_cfg: DictConfig) -> None:
         announce(
             resolved, engine, init_reports, lora_reports, data_reports, data, start_step, total_steps, steps_per_epoch
         )
+        if resolved.cfg.train_objective == "dpo":
+            prepare_reference(resolved, engine, data, loss_fn, log0)
         train(resolved, engine, data, loss_fn, start_step, total_steps)
         check_tensor_parallel_replicas(model, resolved)
         dist.barrier()

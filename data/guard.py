@@ -25,7 +25,8 @@ def fingerprint(batch: Batch) -> str:
     """Short hash of a micro-batch's token ids and labels (what both end stages load)."""
     (input_ids, position_ids), labels = batch
     h = hashlib.blake2b(digest_size=8)
-    for t in (input_ids, position_ids, labels):
+    # preference pairs: the labels and the pair ids (the reference values are looked up by them)
+    for t in (input_ids, position_ids, *(labels[:2] if isinstance(labels, tuple) else (labels,))):
         h.update(t.contiguous().numpy().tobytes())
     return h.hexdigest()
 

@@ -2,7 +2,8 @@
 
 A batch is ``((input_ids [B,S] int64, position_ids [B,S] int64), labels [B,S] int64)``: the first
 stage consumes the inputs tuple, the last stage the labels (see the stage contract in
-``models/llama_pipe.py``). S is the rows' length (max_seq_length), or with ``pad_multiple`` the
+``models/llama_pipe.py``); a micro-batch of preference pairs has 2B rows and a labels tuple
+(``data/preference.py``). S is the rows' length (max_seq_length), or with ``pad_multiple`` the
 micro-batch's longest row rounded up to that multiple: rows are right-padded, so cutting the common
 padding off the end changes no real token (the pipeline then sends shapes with every micro-batch,
 ``PipelineModule(dynamic_shape=True)``).
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from data.preference import collate_pairs
 from data.sources import DataError
 
 Batch = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -129,8 +131,8 @@ class MicroBatchIterator:
         for s in samples:  # a mixture's samples name their source
             if "source" in s:
                 self.tokens_by_source[s["source"]] = self.tokens_by_source.get(s["source"], 0) + s["num_tokens"]
-        batch = collate(samples, self.pad_multiple)
-        self.rows_read += batch[1].numel()
+        batch = (collate_pairs if "pair" in samples[0] else collate)(samples, self.pad_multiple)
+        self.rows_read += batch[0][0].numel()
         return batch
 
     def state_dict(self) -> dict:

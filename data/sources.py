@@ -8,6 +8,8 @@ Formats (``data.format``):
 - ``sft``: JSONL ``{"prompt": ..., "response": ...}``, ``{"messages": [{"role", "content"}, ...]}``, or
   ShareGPT's ``{"conversations": [{"from", "value"}, ...]}`` (mapped to messages); chats are rendered with
   the tokenizer's chat template. Labels are -100 except on response / assistant tokens.
+- ``dpo``: JSONL ``{"prompt", "chosen", "rejected"}``, plain text or conversational: two rows per pair, tokenized
+  as TRL's DPOTrainer does (data/preference.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 from models.loss import IGNORE_INDEX
 
-FORMATS = ("tokens", "text", "sft")
+FORMATS = ("tokens", "text", "sft", "dpo")
 TOKENIZE_BATCH = 256  # documents per call of the (Rust, multi-threaded) tokenizer
 
 
@@ -164,9 +166,15 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0][:300]
 
 
-FIELD_NAMES = ("text", "prompt", "response", "messages", "conversations", "input_ids")  # data.<name>_field
+# data.<name>_field
+FIELD_NAMES = ("text", "prompt", "response", "messages", "conversations", "input_ids", "chosen", "rejected")
 # The fields each format reads (sft: one of the layouts), for the column check of dataset sources.
-FORMAT_FIELDS = {"tokens": ("input_ids",), "text": ("text",), "sft": ("prompt", "messages", "conversations")}
+FORMAT_FIELDS = {
+    "tokens": ("input_ids",),
+    "text": ("text",),
+    "sft": ("prompt", "messages", "conversations"),
+    "dpo": ("chosen",),
+}
 
 
 def _check_columns(
@@ -390,6 +398,11 @@ def _examples(records, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_line
         yield from _checked(records, parse, skip_bad_lines, stats)
     elif fmt == "text":
         yield from _text_examples(records, tokenizer, skip_bad_lines, stats)
+    elif fmt == "dpo":
+        from data.preference import preference_examples  # it reads this module's pieces
+
+        checked = lambda recs, parse: _checked(recs, parse, skip_bad_lines, stats)  # noqa: E731
+        yield from preference_examples(records, tokenizer, max_seq_length, stats, checked)
     else:
         sft = SFTRenderer(tokenizer, max_seq_length, stats)
         for example in _checked(records, sft.example, skip_bad_lines, stats):

@@ -39,8 +39,10 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = 
     )
 
 
-def label_tokens(labels: torch.Tensor) -> int:
-    """Tokens the loss is taken over: labels after the shift that are not ``IGNORE_INDEX`` (Trainer's count)."""
+def label_tokens(labels: torch.Tensor | tuple) -> int:
+    """Tokens the loss is taken over: labels after the shift that are not ``IGNORE_INDEX`` (Trainer's count).
+    Preference pairs' labels are a tuple whose first tensor holds them (data/preference.py)."""
+    labels = labels[0] if isinstance(labels, tuple) else labels
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
@@ -60,8 +62,8 @@ def shifted_targets(labels: torch.Tensor, seq_slice: tuple[int, int] | None = No
 
 
 class ChunkedLMHeadLoss(torch.autograd.Function):
-    """Summed cross entropy of the logits ``hidden[rows] @ weight^T`` against ``targets``, ``chunk`` rows at
-    a time, so no more than [chunk,V] logits ever exist, and none are kept for backward.
+    """Per-token cross entropy [M] of the logits ``hidden[rows] @ weight^T`` against ``targets``, ``chunk`` rows
+    at a time, so no more than [chunk,V] logits ever exist, and none are kept for backward.
 
     Forward runs without a graph and saves only its inputs and each row's log-sum-exp; backward recomputes
     each chunk's logits and turns them into the gradient (softmax - one-hot) x grad_output. Each chunk's
@@ -80,7 +82,7 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, rows, targets, chunk, group=None, vocab_start=0):
         # hidden [N,H], weight [V,H] (or [V/tp,H]), rows [M] int64 (the rows of hidden that have a label),
         # targets [M] int64 (global vocabulary ids)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        losses = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)  # [M]
         lse = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)  # [M]
         local, inside = _local_targets(targets, weight.shape[0], group, vocab_start)  # [M], [M] bool or None
         for start in range(0, rows.numel(), chunk):
@@ -97,11 +99,11 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             if group is not None:
                 dist.all_reduce(sums, group=group)
             lse[start:end] = sums.log_().add_(top)  # [C]
-            total += (lse[start:end] - target_logits).sum()
+            losses[start:end] = lse[start:end] - target_logits
             del logits  # before the next chunk's logits exist, or two chunks are alive at once
         ctx.save_for_backward(hidden, weight, rows, local, lse)
         ctx.chunk, ctx.group, ctx.inside = chunk, group, inside
-        return total
+        return losses
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -114,7 +116,7 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             grad = F.linear(h, weight).float().sub_(lse[start:end, None]).exp_()  # [C,V] softmax, fp32
             one_hot = -1.0 if ctx.inside is None else -ctx.inside[start:end].float()  # the target in this slice
             grad[torch.arange(end - start, device=grad.device), local[start:end]] += one_hot  # - one-hot
-            grad = grad.mul_(grad_output).to(hidden.dtype)  # [C,V] d loss / d logits
+            grad = grad.mul_(grad_output[start:end, None]).to(hidden.dtype)  # [C,V] d loss / d logits
             if grad_hidden is not None:
                 grad_hidden[rows[start:end]] = grad @ weight  # [C,V] x [V,H] -> [C,H]
             if grad_weight is not None:
@@ -159,7 +161,7 @@ def chunked_causal_lm_loss(
     group, vocab_start = tensor_parallel or (None, 0)
     total = ChunkedLMHeadLoss.apply(
         hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens, group, vocab_start
-    )  # scalar fp32: the summed token losses
+    ).sum()  # scalar fp32: the summed token losses
     if reduction == "sum":
         return total
     if reduction == "mean":
@@ -209,3 +211,111 @@ class CausalLMLoss:
                 hidden, weight, labels, self.chunk_tokens, reduction, self.tensor_parallel, self.seq_slice
             )
         return loss if self.scale is None else loss * self.scale
+
+
+def sequence_logps(
+    outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    labels: torch.Tensor,
+    chunk_tokens: int = 0,
+    tensor_parallel: tuple | None = None,
+) -> torch.Tensor:
+    """Each row's summed log-probability of its label tokens, fp64 [R]: TRL's per-sequence log-probability, a sum
+    over the completion, not a mean (summed in fp64, as the DPO loss takes differences of such sums). ``outputs``:
+    logits [R,S,V], or (hidden [R,S,H], LM head weight [V,H]) for the chunked head, whose per-token losses are
+    summed per row without the [R,S,V] logits."""
+    rows_, seq = labels.shape
+    if isinstance(outputs, torch.Tensor):
+        token_losses = F.cross_entropy(
+            outputs[:, :-1, :].float().reshape(-1, outputs.size(-1)),  # [R*(S-1),V]
+            labels[:, 1:].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+        )  # [R*(S-1)], 0 where ignored
+        return -token_losses.view(rows_, seq - 1).double().sum(dim=1)
+    if chunk_tokens < 1:
+        raise ValueError("the LM head returned (hidden, weight) for the chunked loss, but chunk_tokens < 1")
+    hidden, weight = outputs
+    targets = shifted_targets(labels)  # [R*S]
+    rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M]
+    group, vocab_start = tensor_parallel or (None, 0)
+    token_losses = ChunkedLMHeadLoss.apply(
+        hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens, group, vocab_start
+    )  # [M] fp32
+    sums = torch.zeros(rows_, dtype=torch.float64, device=hidden.device)  # [R]
+    return -sums.index_add(0, rows // seq, token_losses.double())
+
+
+# rewards/chosen, ...: the sums over a step's pairs that PreferenceLoss.stats holds, in this order
+PREFERENCE_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+class PreferenceLoss:
+    """The pipeline's ``loss_fn`` for train_objective=dpo: TRL DPOTrainer's DPO loss of a micro-batch of pairs.
+
+    Labels are ``(labels [2B,S], pair ids [B], reference log-probabilities [2B])`` (data/preference.py), the B
+    chosen rows first. Each row's log-probability is summed over its completion tokens (:func:`sequence_logps`,
+    chunk by chunk with the chunked head); the loss is the mean over the micro-batch's pairs, which DeepSpeed's
+    division by the micro-batches and mean over data-parallel ranks turn into the mean over the global batch's
+    pairs, TRL's loss. ``stats`` sums, over the pairs seen since :meth:`take_stats`, the pair count and then
+    :data:`PREFERENCE_METRICS`. With ``recording`` a list, the loss records (pair ids, log-probabilities) instead:
+    the reference pass (training/preference.py).
+    """
+
+    def __init__(self, chunk_tokens: int, beta: float, loss_type: str, label_smoothing: float = 0.0) -> None:
+        self.chunk_tokens, self.beta, self.loss_type = chunk_tokens, beta, loss_type
+        self.label_smoothing = label_smoothing
+        self.tensor_parallel: tuple | None = None  # set as CausalLMLoss's (parallel/tensor_parallel.py)
+        self.seq_slice: tuple[int, int] | None = None  # refused with DPO (training/config.py)
+        self.recording: list | None = None
+        self.stats = torch.zeros(1 + len(PREFERENCE_METRICS), dtype=torch.float64)
+
+    def take_stats(self) -> torch.Tensor:
+        stats, self.stats = self.stats, torch.zeros_like(self.stats)
+        return stats
+
+    def __call__(self, outputs, labels: tuple) -> torch.Tensor:
+        labels, pairs, reference = labels
+        logps = sequence_logps(outputs, labels, self.chunk_tokens, self.tensor_parallel)  # [2B]
+        if self.recording is not None:
+            self.recording.append((pairs.cpu(), logps.detach().cpu()))
+            return logps.detach().sum() * 0.0
+        if torch.isnan(reference).any():
+            raise RuntimeError("a micro-batch of pairs reached the DPO loss without its reference log-probabilities")
+        chosen, rejected = logps.chunk(2)  # [B] each
+        chosen_ratio = chosen - reference[: len(chosen)]
+        rejected_ratio = rejected - reference[len(chosen) :]
+        if self.loss_type == "ipo":  # TRL's: each log-ratio per completion token (IPO's authors' normalisation)
+            counts = (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)  # [2B]
+            delta = chosen_ratio / counts[: len(chosen)] - rejected_ratio / counts[len(chosen) :]
+            losses = (delta - 1 / (2 * self.beta)) ** 2
+        else:  # sigmoid; label smoothing: conservative DPO, the flipped pair's loss weighted by it
+            delta = chosen_ratio - rejected_ratio
+            losses = -F.logsigmoid(self.beta * delta) * (1 - self.label_smoothing)
+            if self.label_smoothing:
+                losses = losses - F.logsigmoid(-self.beta * delta) * self.label_smoothing
+        with torch.no_grad():
+            chosen_rewards, rejected_rewards = self.beta * chosen_ratio, self.beta * rejected_ratio
+            self.stats += torch.stack(
+                [
+                    torch.tensor(float(len(chosen)), dtype=torch.float64),
+                    *(
+                        t.double().sum().cpu()
+                        for t in (
+                            chosen_rewards,
+                            rejected_rewards,
+                            (chosen_rewards > rejected_rewards).double(),
+                            chosen_rewards - rejected_rewards,
+                            chosen,
+                            rejected,
+                        )
+                    ),
+                ]
+            )
+        return losses.mean().float()

@@ -122,6 +122,29 @@ def write_uneven_sft(path: str, num_examples: int, seed: int = 0, run: int = 4) 
             f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
 
 
+def write_preference_pairs(
+    path: str, num_pairs: int, seed: int = 0, conversational: bool = False, shorter_chosen: bool = False
+) -> None:
+    """A ``data=dpo`` file of {prompt, chosen, rejected} pairs of corpus words, completions of 1-4 and 6-12 words
+    (so a per-token mean and a per-sequence sum part ways), either one chosen at random, or with
+    ``shorter_chosen`` always the shorter (a preference learnt within a few steps);
+    ``conversational``: the prompt a user message, the completions assistant messages."""
+    import random
+
+    rng = random.Random(seed)
+    words = sorted({w for doc in corpus_documents() for w in doc.split() if w.isalpha() and len(w) <= 6})
+    text = lambda lo, hi: " ".join(rng.choices(words, k=rng.randint(lo, hi)))  # noqa: E731
+    with open(path, "w") as f:
+        for _ in range(num_pairs):
+            prompt, chosen, rejected = text(3, 8), text(1, 4), text(6, 12)
+            if rng.random() < 0.5 and not shorter_chosen:
+                chosen, rejected = rejected, chosen
+            if conversational:
+                prompt = [{"role": "user", "content": prompt}]
+                chosen, rejected = ([{"role": "assistant", "content": c}] for c in (chosen, rejected))
+            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+
+
 def write_text_corpus(path: str) -> int:
     """The offline corpus as JSONL ``{"text": ...}`` lines (data.format=text); returns the document count."""
     docs = corpus_documents()

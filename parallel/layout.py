@@ -54,6 +54,7 @@ class Layout:
     tp: int = 1  # tensor parallelism inside each stage (tensor_parallel): ranks one layer is split over
     sp: int = 1  # sequence parallelism (sequence_parallel): ranks each sample's sequence is split over
     schedule: str = "1f1b"  # pipeline_schedule: 1f1b | dualpipev (two pieces per pipeline rank)
+    rows_per_sample: int = 1  # rows a sample is fed as: 2 for a preference pair (train_objective=dpo)
 
     @classmethod
     def of(cls, cfg, world_size: int, ds_json: dict) -> Layout:
@@ -80,6 +81,7 @@ class Layout:
             lora_targets=tuple(cfg.peft.target_modules) if cfg.peft.method == "lora" else (),
             nf4=cfg.peft.method == "lora" and cfg.peft.quantize == "nf4",
             schedule=cfg.pipeline_schedule,
+            rows_per_sample=2 if cfg.train_objective == "dpo" else 1,
         )
 
     @property
@@ -104,7 +106,7 @@ class Layout:
     @property
     def tokens_per_step(self) -> int:
         """Row tokens per optimizer step (padding included)."""
-        return self.global_batch * self.seq_len
+        return self.global_batch * self.rows_per_sample * self.seq_len
 
     @property
     def pieces(self) -> int:
@@ -133,8 +135,8 @@ class Layout:
 
     def batch_line(self) -> str:
         return (
-            f"global batch {self.global_batch} samples = micro {self.micro_batch} x grad_acc {self.grad_accum} "
-            f"x dp {self.dp} | {self.tokens_per_step} tokens/step"
+            f"global batch {self.global_batch} {'pairs' if self.rows_per_sample == 2 else 'samples'} = micro "
+            f"{self.micro_batch} x grad_acc {self.grad_accum} x dp {self.dp} | {self.tokens_per_step} tokens/step"
         )
 
     def describe(self) -> str:

@@ -186,8 +186,9 @@ def elem_bytes(layout: Layout) -> int:
 
 
 def local_tokens(layout: Layout) -> float:
-    """Tokens of one micro-batch on each rank: B*S, or B*S/N with sequence parallelism."""
-    return layout.micro_batch * layout.seq_len / layout.sp
+    """Tokens of one micro-batch on each rank: B*S (2B*S for B preference pairs), or that / N with sequence
+    parallelism."""
+    return layout.micro_batch * layout.rows_per_sample * layout.seq_len / layout.sp
 
 
 def ulysses_heads(shape: Shape, layout: Layout) -> tuple[float, float, int]:

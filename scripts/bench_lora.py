@@ -20,24 +20,14 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from training.bench_runs import add_model_args, bench_model, measure_train, run_overrides  # noqa: E402
+from training.bench_runs import add_pipeline_args, bench_model, measure_train, run_overrides  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, default=4, help="ranks (CPU processes here, GPUs elsewhere)")
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--ds", default="zero1")
-    add_model_args(p)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--grad-accum", type=int, default=4)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
+    add_pipeline_args(p)
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--cases", default="full,lora,qlora", help="comma-separated: full, lora, qlora (NF4 base)")
-    p.add_argument("--work-dir", default=None, help="where the model and runs go (default: a temporary directory)")
     return p.parse_args(argv)
 
 

@@ -1,5 +1,5 @@
 """Smoke tests of the benchmark scripts at tiny sizes (scripts/bench_train.py, bench_convert.py, bench_load.py,
-bench_lora.py, bench_prepare.py, bench_padding.py, bench_attention.py, bench_long_context.py).
+bench_lora.py, bench_dpo.py, bench_prepare.py, bench_padding.py, bench_attention.py, bench_long_context.py).
 
 They check that each script runs end to end and that its arithmetic is right; the numbers themselves
 are in BENCHMARKS.md. About 20 s on the 2-core CPU machine (start-up of the subprocesses, mostly).
@@ -280,3 +280,18 @@ def test_bench_schedule_counts_the_drain_inside_the_optimizer_step_as_bubble(tmp
     # pipelined: 2.0 - 0.1 = 1.9 s; rank 0 computes 1.9 (idle 0), rank 1 1.6 (idle 0.3 / 1.9)
     assert measured["bubble"] == pytest.approx(0.3 / 1.9 / 2)
     assert measured["forward"] == pytest.approx(1.1 / 16) and measured["weight"] == pytest.approx(0.1)
+
+
+def test_bench_dpo_gives_sft_the_same_texts_as_rows(tmp_path):
+    """scripts/bench_dpo.py: each pair's chosen and rejected completion, in order, are the SFT rows."""
+    bench_dpo = load_entry_point("scripts/bench_dpo.py")
+    args = bench_dpo.parse_args(["--micro-batch", "2", "--completion-words", "3", "5"])
+    pairs, sft = tmp_path / "pairs.jsonl", tmp_path / "sft.jsonl"
+    bench_dpo.write_texts(args, str(pairs), str(sft), 6)
+    pair_rows = [json.loads(line) for line in pairs.read_text().splitlines()]
+    sft_rows = [json.loads(line) for line in sft.read_text().splitlines()]
+    assert len(pair_rows) == 6 and len(sft_rows) == 12 and args.micro_batch == 2
+    for i, p in enumerate(pair_rows):
+        assert sft_rows[2 * i] == {"prompt": p["prompt"], "response": p["chosen"]}
+        assert sft_rows[2 * i + 1] == {"prompt": p["prompt"], "response": p["rejected"]}
+        assert 3 <= len(p["chosen"].split()) <= 5 and len(p["prompt"].split()) == args.prompt_words

@@ -118,7 +118,7 @@ def test_typed_choices_are_checked_by_hydra_with_the_valid_values():
         ("precision=fp8", "[fp32, bf16, fp16]"),
         ("optim.scheduler=step", "[constant, linear, cosine]"),
         ("loss_normalization=sample", "[tokens, micro_batch]"),
-        ("data.format=csv", "[tokens, text, sft]"),
+        ("data.format=csv", "[tokens, text, sft, dpo]"),
     ):
         with pytest.raises(ValidationError, match=re.escape(f"expected one of {valid}")):
             OmegaConf.merge(schema, OmegaConf.from_dotlist([override]))

@@ -169,6 +169,7 @@ def test_script_counts_are_argparse_errors(script, argv, line, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f": error: {line}")  # prog: sys.argv[0]
 
 
+@pytest.mark.e2e  # a script in a subprocess
 def test_preflight_prints_train_py_lines_and_no_dependency_noise(tiny_hf, tmp_path):
     proc = run_script(
         "scripts/preflight.py",
@@ -186,6 +187,7 @@ def test_preflight_prints_train_py_lines_and_no_dependency_noise(tiny_hf, tmp_pa
     assert f"  {divisible}" in err and not any(n in proc.stderr for n in NOISE), proc.stderr
 
 
+@pytest.mark.e2e  # a script in a subprocess
 def test_convert2ckpt_prints_its_error_and_no_dependency_noise(tmp_path):
     proc = run_script("convert2ckpt.py", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "o"))
     assert proc.returncode == 1 and proc.stdout == ""
@@ -208,6 +210,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.e2e  # a script in a subprocess
 def test_the_tied_weight_broadcast_warning_is_filtered_unless_log_level_info():
     from training.distributed import free_port
 

@@ -1,4 +1,4 @@
-"""One train.py run as the benchmark scripts measure it (scripts/bench_lora.py, scripts/bench_layouts.py):
+"""One train.py run as the benchmark scripts measure it (scripts/bench_lora.py, bench_dpo.py, bench_layouts.py):
 launched with DeepSpeed's runner, then its step time and real tokens per second from metrics.jsonl and, per
 rank, the model-state bytes and peak memory train.py reports at the end."""
 
@@ -64,6 +64,22 @@ def add_run_args(p, seq: int, micro_batch: int, global_batch: int, steps: int) -
     p.add_argument("--global-batch", type=count_arg(1), default=global_batch, help="samples per optimizer step")
     p.add_argument("--steps", type=count_arg(1), default=steps)
     p.add_argument("--warmup", type=count_arg(0), default=2, help="steps left out of the median")
+    p.add_argument("--work-dir", default=None, help="where the model and runs go (default: a temporary directory)")
+
+
+def add_pipeline_args(p, micro_help: str = "samples per micro-batch") -> None:
+    """The options of the benchmarks that compare cases on one pipeline layout (bench_lora.py, bench_dpo.py):
+    ranks, stages, precision, ZeRO config, the model's shape, sequence, batch, steps, warm-up, work directory."""
+    p.add_argument("--gpus", type=int, default=4, help="ranks (CPU processes here, GPUs elsewhere)")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--ds", default="zero1")
+    add_model_args(p)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=1, help=micro_help)
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     p.add_argument("--work-dir", default=None, help="where the model and runs go (default: a temporary directory)")
 
 

@@ -59,6 +59,17 @@ class DataFormat(StrEnum):
     tokens = "tokens"
     text = "text"
     sft = "sft"
+    dpo = "dpo"
+
+
+class TrainObjective(StrEnum):
+    sft = "sft"
+    dpo = "dpo"
+
+
+class DPOLossType(StrEnum):
+    sigmoid = "sigmoid"
+    ipo = "ipo"
 
 
 class NonfinitePolicy(StrEnum):
@@ -161,6 +172,16 @@ class PeftConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Direct preference optimisation (train_objective=dpo): TRL DPOTrainer's loss, metrics and defaults."""
+
+    beta: float = 0.1  # how far the policy may move from the reference (the KL penalty's inverse temperature)
+    # sigmoid: -log sigmoid(beta x margin), DPO's loss | ipo: (margin per completion token - 1 / (2 beta))^2
+    loss_type: DPOLossType = DPOLossType.sigmoid
+    label_smoothing: float = 0.0  # sigmoid only: the share of pairs assumed mislabelled (conservative DPO), [0, 0.5)
+
+
+@dataclass
 class SourceConfig:
     """One source of a weighted mixture (data.sources, data.eval_sources)."""
 
@@ -179,17 +200,19 @@ class DataConfig:
     train_file: str = ""
     format: DataFormat = (
         DataFormat.tokens
-    )  # tokens: {"input_ids"} | text: {"text"} or .txt | sft: {"prompt","response"} or {"messages"}
+    )  # tokens: {"input_ids"} | text: {"text"} or .txt | sft: {"prompt","response"} or {"messages"} | dpo: pairs
     max_seq_length: int = 512  # tokens per sample row
     packing: Optional[bool] = None  # pack examples into rows with per-document attention; None: true for text only
     shuffle: bool = True  # reshuffle the samples each epoch (seeded with `seed`)
     # The source's column names, where they differ from the formats' (data.text_field=content reads each
     # row's "content" as its text); a ShareGPT "conversations" column is found as it is.
     text_field: str = "text"  # format=text: the document
-    prompt_field: str = "prompt"  # format=sft: the prompt of a prompt/response pair
+    prompt_field: str = "prompt"  # format=sft: the prompt of a prompt/response pair; format=dpo: a pair's prompt
     response_field: str = "response"  # format=sft: its response (trained)
     messages_field: str = "messages"  # format=sft: a chat's list of {role, content}
     input_ids_field: str = "input_ids"  # format=tokens: the token ids
+    chosen_field: str = "chosen"  # format=dpo: the preferred completion (a string, or a list of assistant messages)
+    rejected_field: str = "rejected"  # format=dpo: the dispreferred completion
     # A weighted mixture instead of train_file: [{path: a.jsonl, weight: 3}, {path: 'b/*.parquet', weight: 1}];
     # each step draws samples by weight (exact proportions over each epoch of the mixture), deterministic.
     sources: list[SourceConfig] = field(default_factory=list)
@@ -244,6 +267,9 @@ class TrainConfig:
     # weighs every token alike too | micro_batch: the mean of per-micro-batch means (DeepSpeed's
     # convention and this project's before; a micro-batch of 3 label tokens weighs as much as one of 300).
     loss_normalization: LossNormalization = LossNormalization.tokens
+    # sft: next-token loss on the label tokens | dpo: preference pairs (data=dpo), the DPO loss against a
+    # reference whose log-probabilities one forward pass computes before training (training/preference.py)
+    train_objective: TrainObjective = TrainObjective.sft
     # The LM head and its cross entropy run this many tokens at a time on the last stage, so the
     # [B,S,V] logits are never held whole nor kept for backward (recomputed per chunk); 0 = off.
     loss_chunk_tokens: int = 1024
@@ -305,6 +331,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
 def register_configs() -> None:
@@ -545,6 +572,9 @@ RESUME_KEY_CLASSES = {
         "optim.warmup_steps",
         "optim.min_lr",
         "loss_normalization",
+        "dpo.beta",
+        "dpo.loss_type",
+        "dpo.label_smoothing",
     ),
     "data": (
         "data.train_file",
@@ -554,6 +584,9 @@ RESUME_KEY_CLASSES = {
         "data.response_field",
         "data.messages_field",
         "data.input_ids_field",
+        "data.chosen_field",
+        "data.rejected_field",
+        "train_objective",
         "data.format",
         "data.max_seq_length",
         "data.packing",
@@ -908,7 +941,7 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         problems.append("monitor.tensorboard=true needs the tensorboard package: pip install tensorboard")
     if cfg.monitor.wandb and importlib.util.find_spec("wandb") is None:
         problems.append("monitor.wandb=true needs the wandb package: pip install wandb==0.31.0")
-    problems += data_problems(cfg)
+    problems += data_problems(cfg) + objective_problems(cfg, layout)
     if cfg.min_free_disk_gb < 0 and cfg.min_free_disk_gb != -1:
         problems.append(
             f"min_free_disk_gb {cfg.min_free_disk_gb} < 0: set it to -1 (one checkpoint's estimated size), 0 (no "
@@ -965,6 +998,40 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
     return Resolved(cfg, layout, ds_json, model_config, warnings, resume_tag, resume_changes_, reshard)
 
 
+def objective_problems(cfg: TrainConfig, layout: Layout) -> list[str]:
+    """train_objective=dpo: its data, its settings and what it does not run with."""
+    problems, dpo = [], cfg.train_objective == "dpo"
+    if dpo != (cfg.data.format == "dpo"):
+        problems.append(
+            f"train_objective={cfg.train_objective} with data.format={cfg.data.format}: preference pairs train with "
+            "the DPO loss and nothing else does; use data=dpo (it sets both), or set both to sft"
+        )
+    if not dpo:
+        return problems
+    if cfg.data.packing:
+        problems.append("data.packing=true with train_objective=dpo: each pair's rows stand alone; drop data.packing")
+    if cfg.data.sources or cfg.data.eval_sources:
+        problems.append(
+            "data.sources/eval_sources with train_objective=dpo: the reference pass covers one source; use "
+            "data.train_file (and data.eval_file or data.eval_fraction)"
+        )
+    if layout.sp > 1:
+        problems.append(
+            f"sequence_parallel {layout.sp} with train_objective=dpo: DPO sums each sequence's log-probabilities, "
+            "which sequence parallelism splits over ranks; set sequence_parallel=1"
+        )
+    if not cfg.dpo.beta > 0:
+        problems.append(f"dpo.beta {cfg.dpo.beta} must be > 0 (TRL's default: 0.1)")
+    if not 0 <= cfg.dpo.label_smoothing < 0.5:
+        problems.append(f"dpo.label_smoothing {cfg.dpo.label_smoothing} must be in [0, 0.5)")
+    elif cfg.dpo.label_smoothing and cfg.dpo.loss_type != "sigmoid":
+        problems.append(
+            f"dpo.label_smoothing {cfg.dpo.label_smoothing} smooths the sigmoid loss, and dpo.loss_type is "
+            f"{cfg.dpo.loss_type}: drop dpo.label_smoothing or set dpo.loss_type=sigmoid"
+        )
+    return problems
+
+
 # Settings that act only in some configurations: (keys, whether they act in ``cfg``, why not and the fix).
 # A key set away from its default where it cannot act is refused before start: the user believes in a
 # setting they would not get (QLoRA settings without peft.method=lora train the full model, or run out of
@@ -974,6 +1041,17 @@ INERT_RULES = (
         tuple(f"peft.{f.name}" for f in fields(PeftConfig) if f.name != "method"),
         lambda cfg, layout: cfg.peft.method != "none",
         "LoRA settings, but LoRA is off (peft.method=none): add peft.method=lora, or drop them",
+    ),
+    (
+        tuple(f"dpo.{f.name}" for f in fields(DPOConfig)),
+        lambda cfg, layout: cfg.train_objective == "dpo",
+        "DPO settings, but train_objective is sft: use data=dpo (preference pairs, train_objective=dpo), or drop them",
+    ),
+    (
+        ("loss_normalization",),
+        lambda cfg, layout: cfg.train_objective == "sft",
+        "normalises the next-token loss over label tokens; DPO's loss is the mean over the global batch's pairs "
+        "(TRL's): drop loss_normalization",
     ),
     (
         ("optim.min_lr",),

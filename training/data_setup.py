@@ -21,6 +21,7 @@ from data.cache import DataSettings, TokenBlocks, build_or_reuse
 from data.checks import field_names
 from data.guard import FingerprintingIterator, OrderGuard
 from data.mixture import MixtureDataset
+from data.preference import PairBlocks
 from data.sampling import MicroBatchIterator, PlaceholderDataset
 from data.sources import DataError
 from training.config import TrainConfig, tokenizer_dir
@@ -56,10 +57,14 @@ class RankData:
 
     def eval_iterator(self, evaluation: EvalSet) -> MicroBatchIterator | None:
         """A fresh, unshuffled pass over this rank's shard of ``evaluation`` (None on middle stages)."""
-        if evaluation.dataset is None:
+        return self.pass_iterator(evaluation.dataset)
+
+    def pass_iterator(self, dataset: Dataset | None) -> MicroBatchIterator | None:
+        """A fresh, unshuffled pass over this rank's shard of ``dataset`` (None on middle stages)."""
+        if dataset is None:
             return None
         return MicroBatchIterator(
-            evaluation.dataset,
+            dataset,
             self.micro_batch_size,
             self.dp_rank,
             self.dp_size,
@@ -117,6 +122,12 @@ def eval_sources(cfg: TrainConfig) -> list[tuple[str, str, str | None]]:
     return [("", cfg.data.eval_file, None)] if cfg.data.eval_file else []
 
 
+def open_blocks(cfg: TrainConfig, entry: str) -> Dataset:
+    """A cache entry's samples: its rows, or with train_objective=dpo its pairs of rows (data/preference.py)."""
+    rows = TokenBlocks(entry)
+    return PairBlocks(rows) if cfg.data.format == "dpo" else rows
+
+
 def reading_stages(cfg: TrainConfig) -> tuple[int, ...]:
     """The pipeline stages that read data: the first (inputs) and the last (labels); with DualPipeV the first
     pipeline rank alone, which holds both ends of the V."""
@@ -142,7 +153,7 @@ def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> Ra
         def entry(path: str, fmt: str | None) -> tuple[str, int]:
             settings = data_settings(cfg, model_config, fmt)
             built, meta = build_or_reuse(path, settings, tokenizer_dir(cfg), cache_dir(cfg), log)
-            return built, meta["num_samples"]
+            return built, meta["num_samples"] // (2 if settings.format == "dpo" else 1)  # samples: pairs for DPO
 
         train = [entry(path, fmt) for _, path, _, fmt in training_sources(cfg)]
         evals = [(name, *entry(path, fmt)) for name, path, fmt in eval_sources(cfg)]
@@ -198,13 +209,13 @@ def _open_rank_data(
         evals = [EvalSet(name, None, count, count // dp_size // micro) for name, _, count in built[0]["evals"]]
         return RankData(PlaceholderDataset(built[0]["num_train"]), evals, None, guard(None), "placeholder", **shape)
     mine = next(r for r in built if r["host"] == host)
-    parts = [TokenBlocks(entry) for entry, _ in mine["train"]]
+    parts = [open_blocks(cfg, entry) for entry, _ in mine["train"]]
     if cfg.data.sources:
         train = MixtureDataset(parts, list(weights), list(names))
     else:
         train = parts[0]
     evals = [
-        EvalSet(name, TokenBlocks(entry), count, count // dp_size // micro)
+        EvalSet(name, open_blocks(cfg, entry), count, count // dp_size // micro)
         for name, entry, count in mine["evals"]
         if entry is not None
     ]

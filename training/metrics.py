@@ -117,6 +117,7 @@ class StepLogger:
         fed_tokens: int = 0,
         source_tokens: list[int] | None = None,
         compute: list[float] | None = None,
+        extra: dict[str, float] | None = None,
     ) -> None:
         now = time.time()
         step_s, self.last = now - self.last, now
@@ -151,6 +152,7 @@ class StepLogger:
             }
         if self.peak_flops:
             record["mfu"] = round(mfu(tokens / step_s, self.flops_per_token, self.peak_flops), 4)
+        record.update(extra or {})
         self._write(record)
         if step % self.log_steps and step not in (self.start_step + 1, self.max_steps):
             return
@@ -164,22 +166,31 @@ class StepLogger:
             f" | slowest rank {c['slowest_rank']} {c['slowest']:.2f} s compute (median {c['median']:.2f})" if c else ""
         )
         print(
-            f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {gn} | "
+            f"step {step}/{self.max_steps} | loss {loss:.4f}{_extra_line(extra)} | lr {lr:.2e} | grad_norm {gn} | "
             f"{record['tokens_per_s']:.0f} tokens/s{pad}{util} | {step_s:.2f} s/step{slow} | ETA {eta:.0f} s | "
             f"{gpu}peak RSS {record['peak_rss_mb']:.0f} MiB",
             flush=True,
         )
 
-    def log_eval(self, step: int, loss: float, seconds: float, source: str = "") -> None:
-        """One eval set's loss; ``source`` names one of data.eval_sources."""
+    def log_eval(
+        self, step: int, loss: float, seconds: float, source: str = "", extra: dict[str, float] | None = None
+    ) -> None:
+        """One eval set's loss; ``source`` names one of data.eval_sources. ``extra``: DPO's metrics (their names
+        prefixed with ``eval_``, as Trainer logs them), which replace the perplexity a DPO loss does not have."""
         self.last += seconds  # eval time is not the next step's time
         if not self.active:
             return
-        ppl = math.exp(min(loss, 50.0))  # exp overflows past ~709; 50 is already meaningless as a perplexity
-        record = {"kind": "eval", "step": step, "eval_loss": loss, "eval_ppl": ppl, "eval_s": round(seconds, 3)}
+        record = {"kind": "eval", "step": step, "eval_loss": loss}
+        if extra:
+            record.update(extra)
+            ppl = ""
+        else:
+            record["eval_ppl"] = math.exp(min(loss, 50.0))  # exp overflows past ~709; 50 is meaningless already
+            ppl = f" | perplexity {record['eval_ppl']:.2f}"
+        record["eval_s"] = round(seconds, 3)
         self._write({**record, "source": source} if source else record)
         name = f" ({source})" if source else ""
-        print(f"eval @ step {step}{name} | eval loss {loss:.4f} | perplexity {ppl:.2f} | {seconds:.2f} s", flush=True)
+        print(f"eval @ step {step}{name} | eval loss {loss:.4f}{_extra_line(extra)}{ppl} | {seconds:.2f} s", flush=True)
 
     def close(self) -> None:
         if self.file:
@@ -188,3 +199,8 @@ class StepLogger:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+
+
+def _extra_line(extra: dict[str, float] | None) -> str:
+    """`` | rewards/chosen 0.0123 | ...``: a DPO step's metrics under TRL's names, in the progress line."""
+    return "".join(f" | {name} {value:.4f}" for name, value in (extra or {}).items())
