@@ -106,8 +106,11 @@ def stage(tmp_path_factory, tiny_hf, tokenizer_dir):
         configs[name.replace(".", "").replace("llama", "")] = path  # "2-70b", "3-8b", "3-70b"
     data = str(root / "train.jsonl")
     with open(data, "w") as f:
-        # one record every format reads (data=text, tokens and sft commands share this file)
-        f.write('{"text": "a document", "input_ids": [1, 5, 6, 2], "prompt": "a question", "response": "an answer"}\n')
+        # one record every format reads (data=text, tokens, sft and dpo commands share this file)
+        f.write(
+            '{"text": "a document", "input_ids": [1, 5, 6, 2], "prompt": "a question", "response": "an answer", '
+            '"chosen": " yes", "rejected": " no"}\n'
+        )
     return dict(root=root, hf=tiny_hf, ckpt=ckpt, configs=configs, data=data, tokenizer=tokenizer_dir, n=0)
 
 
