@@ -302,20 +302,16 @@ class PreferenceLoss:
                 losses = losses - F.logsigmoid(-self.beta * delta) * self.label_smoothing
         with torch.no_grad():
             chosen_rewards, rejected_rewards = self.beta * chosen_ratio, self.beta * rejected_ratio
-            self.stats += torch.stack(
+            sums = torch.stack(
                 [
-                    torch.tensor(float(len(chosen)), dtype=torch.float64),
-                    *(
-                        t.double().sum().cpu()
-                        for t in (
-                            chosen_rewards,
-                            rejected_rewards,
-                            (chosen_rewards > rejected_rewards).double(),
-                            chosen_rewards - rejected_rewards,
-                            chosen,
-                            rejected,
-                        )
-                    ),
+                    chosen_rewards.sum(),
+                    rejected_rewards.sum(),
+                    (chosen_rewards > rejected_rewards).double().sum(),
+                    (chosen_rewards - rejected_rewards).sum(),
+                    chosen.sum(),
+                    rejected.sum(),
                 ]
-            )
+            )  # [6] fp64, one transfer off the device
+            self.stats[0] += len(chosen)
+            self.stats[1:] += sums.cpu()
         return losses.mean().float()
