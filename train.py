@@ -404,8 +404,7 @@ def announce(
         loss = f"loss normalised per {per} (loss_normalization={cfg.loss_normalization})"
     log0(f"world {layout.world_size} = {layout.axes()} | {layout.batch_line()} ({rows} {layout.seq_len}) | {loss}")
     if dist.get_rank() == 0:  # the rank that prints; a first stage, so it reads the data
-        rows_per_sample = 2 if cfg.train_objective == "dpo" else 1
-        padding = 1 - data.train.total_tokens() / (len(data.train) * rows_per_sample * cfg.data.max_seq_length)
+        padding = 1 - data.train.total_tokens() / (len(data.train) * layout.rows_per_sample * cfg.data.max_seq_length)
         many = not default_packing(cfg.data) and padding >= PADDING_HINT
         if cfg.data.pad_to_multiple_of:
             fed = f"each micro-batch cut to its longest row, up to a multiple of {cfg.data.pad_to_multiple_of}"
