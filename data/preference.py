@@ -195,23 +195,6 @@ class PairBlocks(Dataset):
         return int(pairs.sum() if self.indices is None else pairs[self.indices].sum())
 
 
-def collate_pairs(samples: list[dict], pad_multiple: int = 0):
-    """Pairs -> ``((input_ids [2B,S], position_ids [2B,S]), (labels [2B,S], pair ids [B], reference [2B]))``: the
-    B chosen rows, then the B rejected ones; ``pad_multiple`` as :func:`data.sampling.collate`."""
-    length = samples[0]["input_ids"].shape[1]
-    if pad_multiple:
-        longest = max(s["longest"] for s in samples)
-        length = min(length, -(-longest // pad_multiple) * pad_multiple)
-    rows = lambda name, k: [s[name][k, :length] for s in samples]  # noqa: E731
-    stack = lambda name: torch.stack(rows(name, 0) + rows(name, 1))  # noqa: E731  [2B,S]
-    pairs = torch.tensor([s["pair"] for s in samples], dtype=torch.int64)  # [B]
-    if "reference" in samples[0]:
-        reference = torch.cat([torch.stack([s["reference"][k] for s in samples]) for k in (0, 1)])  # [2B]
-    else:
-        reference = torch.full((2 * len(samples),), float("nan"), dtype=torch.float64)  # [2B]
-    return (stack("input_ids"), stack("position_ids")), (stack("labels"), pairs, reference)
-
-
 # ---------- the reference log-probabilities, stored beside the tokenized cache ----------
 
 

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.preference import collate_pairs
 from data.sources import DataError
 
 Batch = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -47,6 +46,24 @@ def collate(samples: list[dict[str, torch.Tensor]], pad_multiple: int = 0) -> Ba
         length = min(length, -(-longest // pad_multiple) * pad_multiple)
     stack = lambda name: torch.stack([s[name][:length] for s in samples])  # noqa: E731  [B,S]
     return (stack("input_ids"), stack("position_ids")), stack("labels")
+
+
+def collate_pairs(samples: list[dict], pad_multiple: int = 0):
+    """Pairs (data/preference.py) -> ``((input_ids [2B,S], position_ids [2B,S]), (labels [2B,S], pair ids [B],
+    reference [2B]))``: the B chosen rows, then the B rejected ones, cut as :func:`collate` cuts rows (each pair's
+    longer row counts); the reference NaN where none is attached yet."""
+    rows = [
+        {**{n: s[n][k] for n in ("input_ids", "labels", "position_ids")}, "num_tokens": s["longest"]}
+        for k in (0, 1)
+        for s in samples
+    ]
+    inputs, labels = collate(rows, pad_multiple)
+    pairs = torch.tensor([s["pair"] for s in samples], dtype=torch.int64)  # [B]
+    if "reference" in samples[0]:
+        reference = torch.cat([torch.stack([s["reference"][k] for s in samples]) for k in (0, 1)])  # [2B]
+    else:
+        reference = torch.full((2 * len(samples),), float("nan"), dtype=torch.float64)  # [2B]
+    return inputs, (labels, pairs, reference)
 
 
 def group_by_length(order: np.ndarray, lengths: np.ndarray, window: int = GROUP_WINDOW) -> np.ndarray:

@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file
 
 from data.cache import DataSettings, TokenBlocks
-from data.preference import PairBlocks, collate_pairs
+from data.preference import PairBlocks
+from data.sampling import collate_pairs
 from data.sources import DataError, SourceStats, read_examples
 from models.loss import IGNORE_INDEX, PreferenceLoss, sequence_logps
 from models.tiny import write_preference_pairs
