@@ -56,6 +56,7 @@ from training.config import (  # noqa: E402
     ConfigError,
     Resolved,
     TrainConfig,
+    given_keys,
     override_key_problems,
     register_configs,
     resolve,
@@ -80,7 +81,15 @@ from training.optim import (  # noqa: E402
     param_groups,
     reduce_grad_norm_once_across_stages,
 )
-from training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Preempted, StopAndSave, exit_if_exiting  # noqa: E402
+from training.preemption import (  # noqa: E402
+    PREEMPTED_EXIT_CODE,
+    STOP_SIGNALS,
+    Preempted,
+    StopAndSave,
+    clear_stale_marker,
+    exit_if_exiting,
+    stop_at_once_on_signals,
+)
 from training.preference import prepare_reference, step_metrics  # noqa: E402
 from training.run_lock import RunLock  # noqa: E402
 from training.straggler import ComputeClock  # noqa: E402
@@ -100,7 +109,10 @@ def resolve_config(dict_cfg: DictConfig) -> Resolved:
     """Typed config, validated before any process group exists (all problems reported together)."""
     unknown = unknown_key_problems(OmegaConf.to_container(dict_cfg))  # to_object would drop them silently
     cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
-    resolved = resolve(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), problems=unknown)
+    given = given_keys(HydraConfig.get().overrides.task)
+    resolved = resolve(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), problems=unknown, given=given)
+    for line in resolved.adapted:
+        log0(f"adapted: {line}")
     for warning in resolved.warnings:
         log0(f"warning: {warning}")
     return resolved
@@ -410,7 +422,10 @@ def announce(
             fed = f"each micro-batch cut to its longest row, up to a multiple of {cfg.data.pad_to_multiple_of}"
             hint = " (data.group_by_length=true pads less)" if many and not cfg.data.group_by_length else ""
         else:
-            fed, hint = "every row fed whole", " (consider data.packing=true or data.pad_to_multiple_of=8)" * many
+            # only what this run could take: DPO refuses packing, DualPipeV a pad multiple
+            cures = [c for c, ok in (("data.packing=true", cfg.train_objective != "dpo"),
+                                     ("data.pad_to_multiple_of=8", layout.schedule != "dualpipev")) if ok]
+            fed, hint = "every row fed whole", f" (consider {' or '.join(cures)})" * (many and bool(cures))
         log0(f"data: rows of {cfg.data.max_seq_length} tokens, {100 * padding:.1f}% padding; {fed}{hint}")
     if not resolved.resume_tag and total_steps == 0:
         plan = "no step to train (max_steps=0): the weights are loaded and checked only"
@@ -638,11 +653,16 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             extra = step_metrics(loss_fn, counts_tokens(resolved, engine)) if cfg.train_objective == "dpo" else None
             logger.log(step, loss, lr, norm, *counts[:3], counts[3:], compute=compute if clock else None, extra=extra)
             check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
+            # the checkpoint first: an eval that fails (or a signal during it) never costs the steps trained
+            with watch.saving():  # a hang exit (training/hang.py) waits for the save
+                stop = save_if_due(resolved, engine, data, step, total_steps, stopper, signalled, clock_due)
+            if stop is not None:
+                last_saved = step
             if data.evals and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
                 for evaluation, labels in zip(data.evals, eval_labels):
                     evaluate(resolved, engine, data, evaluation, step, logger, loss_fn, labels)
-            if save_if_due(resolved, engine, data, step, total_steps, stopper, signalled, clock_due):
-                last_saved = step
+            if stop:  # after a stop signal, the step's eval done: a resume starts at the next step
+                raise Preempted(stop)
     finally:  # a stop signal (Preempted) or a failure: the W&B run and metrics.jsonl are closed too
         logger.close()
     if last_saved is None:
@@ -678,12 +698,13 @@ def save_if_due(
     stopper: StopAndSave,
     signalled: list[int],
     clock_due: bool,
-) -> bool:
+) -> str | None:
     """Save after ``step`` when save_steps, the end, save_every_minutes or a stop signal says so (the ranks agreed
-    on the last two after the step, training/preemption.py); after a signal, stop with the checkpoint saved."""
+    on the last two after the step, training/preemption.py). Returns None when nothing was saved; else, after a
+    signal before the last step, the line the job stops with (the caller raises it), or ""."""
     cfg = resolved.cfg
     if not ((cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps or clock_due or signalled):
-        return False
+        return None
     start = time.time()
     tag = run_checkpoints.save(resolved, engine, step, data.iterator)
     stopper.saved()
@@ -694,12 +715,12 @@ def save_if_due(
         f"MiB; peak RSS {peak_rss_mb():.0f} MiB)"
     )
     if signalled and step < total_steps:  # in the last step: the run is complete, exit 0
-        raise Preempted(
+        return (
             f"stop signal ({'/'.join(STOP_SIGNALS)}) on rank(s) {signalled}: checkpoint {tag} saved after step {step} "
             f"of {total_steps} in {time.time() - start:.1f} s; exiting with code {PREEMPTED_EXIT_CODE}. The same "
             "command (resume=auto) continues from it exactly."
         )
-    return True
+    return ""
 
 
 def tracking_run(resolved: Resolved, layout: dict):
@@ -791,7 +812,9 @@ def main(dict_cfg: DictConfig) -> None:
     lock, code = None, 0
     try:
         lock = lock_output_dir(resolved)
-        on_all_ranks("creating output_dir", lambda: os.makedirs(resolved.cfg.output_dir, exist_ok=True))
+        on_all_ranks("creating output_dir", lambda: make_output_dir(resolved.cfg.output_dir))
+        # from here a signal during start-up ends the job at once, said once (training/preemption.py)
+        stop_at_once_on_signals(resolved.cfg.output_dir, dist.get_rank(), lock.release if lock else None)
         rss_before_model = peak_rss_mb()
         loss_fn = build_loss(resolved)
         model = build_model(resolved, topology, loss_fn)
@@ -826,6 +849,13 @@ def main(dict_cfg: DictConfig) -> None:
         release_cpu_comm_buffer()
     if HydraConfig.get().mode != RunMode.MULTIRUN or code:  # a sweep's next job runs in this process
         exit_finished_run(code)  # reached only when the run finished or stopped saved: failures raised above
+
+
+def make_output_dir(output_dir: str) -> None:
+    """Every rank; rank 0 also removes an earlier job's ``.stopping`` before any rank can exit at once."""
+    os.makedirs(output_dir, exist_ok=True)
+    if dist.get_rank() == 0:
+        clear_stale_marker(output_dir)
 
 
 def fail(message: str) -> None:

@@ -196,7 +196,21 @@ def build_or_reuse(
 
 def check_prepared(path: str, settings: DataSettings, tokenizer_dir: str | None, log) -> dict:
     """The meta of a directory made by scripts/prepare_data.py, refused (DataError) when it was made with other
-    settings or another tokenizer than this run's, each difference named."""
+    settings or another tokenizer than this run's, each difference named (:func:`prepared_mismatch`)."""
+    meta, mismatch = prepared_mismatch(path, settings, tokenizer_dir)
+    if mismatch:
+        raise DataError(mismatch)
+    log(
+        f"reading prepared data {path}: {meta['num_samples']} samples of {meta['seq_len']} in {len(meta['shards'])} "
+        f"shards, {meta['tokens']} tokens (no tokenizing)"
+    )
+    return meta
+
+
+def prepared_mismatch(path: str, settings: DataSettings, tokenizer_dir: str | None) -> tuple[dict, str]:
+    """(meta of a directory made by scripts/prepare_data.py, why this run cannot read it: "" when its settings and
+    tokenizer are this run's). The one rule: train.py's config check (data.settings.prepared_problems, so the
+    preflight says it too) and the opening of the data (check_prepared) both ask it."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     made, wanted = meta["settings"], dataclasses.asdict(settings)
@@ -212,16 +226,12 @@ def check_prepared(path: str, settings: DataSettings, tokenizer_dir: str | None,
         and meta["tokenizer"] != tokenizer_digest(tokenizer_dir)
     ):
         differ.append(f"the tokenizer ({tokenizer_dir} here: other files)")
-    if differ:
-        raise DataError(
-            f"{path} was prepared for another run: " + "; ".join(differ) + ". Prepare it again with this run's "
-            "settings (python scripts/prepare_data.py with the same overrides), or set these to the prepared ones"
-        )
-    log(
-        f"reading prepared data {path}: {meta['num_samples']} samples of {meta['seq_len']} in {len(meta['shards'])} "
-        f"shards, {meta['tokens']} tokens (no tokenizing)"
+    if not differ:
+        return meta, ""
+    return meta, (
+        f"{path} was prepared for another run: " + "; ".join(differ) + ". Prepare it again with this run's "
+        "settings (python scripts/prepare_data.py with the same overrides), or set these to the prepared ones"
     )
-    return meta
 
 
 # What each setting is called in the config, for the refusal of a prepared directory.

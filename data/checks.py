@@ -5,14 +5,32 @@ from __future__ import annotations
 
 import os
 
-from data.sources import FIELD_NAMES, first_record_problems, source_problems
+from data.sources import FIELD_NAMES, SourceRef, first_record_problems, source_problems
 
 LOADABLE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either lets AutoTokenizer load a tokenizer
 
 
+def packs(data, fmt: str) -> bool:
+    """Whether a source of format ``fmt`` is packed: ``data.packing``, or its default: packing for raw text, one
+    example per row otherwise."""
+    return data.packing if data.packing is not None else fmt == "text"
+
+
 def default_packing(data) -> bool:
-    """``data.packing``, or its default: packing for raw text, one example per row otherwise."""
-    return data.packing if data.packing is not None else data.format == "text"
+    """Whether every training row is packed (each source by its own format's default, :func:`packs`)."""
+    return all(packs(data, fmt) for _, fmt in source_formats(data, evals=False))
+
+
+def source_formats(data, evals: bool = True) -> list[tuple[str, str]]:
+    """(where, format) of each source the run reads (``evals``: eval sources too): data.format for
+    data.train_file and data.eval_file (where ""), each mixture source's own format (where ``data.sources[i]
+    (path)``); a rule on data.format holds for each of them."""
+    keys = ("sources", "eval_sources") if evals else ("sources",)
+    return [("", str(data.format))] * (not data.sources) + [
+        (f"data.{key}[{i}] ({source.path})", str(source.format or data.format))
+        for key in keys
+        for i, source in enumerate(getattr(data, key))
+    ]
 
 
 def field_names(data) -> dict[str, str]:
@@ -20,9 +38,9 @@ def field_names(data) -> dict[str, str]:
     return {name: getattr(data, f"{name}_field") for name in FIELD_NAMES if name != "conversations"}
 
 
-def usable_source_problems(path: str, fmt: str, fields: dict[str, str]) -> list[str]:
-    """A source that names no data, or whose first record cannot be read as ``fmt``."""
-    return source_problems(path) or first_record_problems(path, fmt, fields)
+def usable_source_problems(path: str, fmt: str, fields: dict[str, str], source: SourceRef | None = None) -> list[str]:
+    """A source that names no data, or whose first record cannot be read as ``fmt`` (``source``: a mixture's)."""
+    return source_problems(path) or first_record_problems(path, fmt, fields, source)
 
 
 def mixture_problems(d, fields: dict[str, str]) -> list[str]:
@@ -37,7 +55,8 @@ def mixture_problems(d, fields: dict[str, str]) -> list[str]:
                 problems.append(f"{where} has no path: give each source its path (a file, directory, glob or dataset)")
                 continue
             names.append(source.name or os.path.basename(source.path.rstrip("/")) or source.path)
-            problems += [f"{where} {p}" for p in usable_source_problems(source.path, source.format or d.format, fields)]
+            fmt, ref = str(source.format or d.format), SourceRef(source.path, source.format is not None)
+            problems += [f"{where} {p}" for p in usable_source_problems(source.path, fmt, fields, ref)]
             if key == "sources" and not source.weight > 0:
                 problems.append(
                     f"{where} ({names[-1]}) has weight {source.weight}: weights must be > 0 (drop the source)"
@@ -88,13 +107,15 @@ def data_problems(cfg) -> list[str]:
     if d.order_check_steps < 0:
         problems.append(f"data.order_check_steps {d.order_check_steps} < 0: set it >= 0 (0 = off)")
     model_dir = cfg.model_name_or_path or cfg.model.tokenizer  # the tokenizer the run loads
+    tokenized = [(where, fmt) for where, fmt in source_formats(d) if fmt != "tokens"]
     if (
-        d.format in ("text", "sft")
+        tokenized
         and cfg.model_name_or_path
         and not any(os.path.isfile(os.path.join(model_dir, f)) for f in LOADABLE_TOKENIZER_FILES)
     ):
+        which = ", ".join(f"{where} format {fmt}" if where else f"data.format={fmt}" for where, fmt in tokenized)
         problems.append(
-            f"data.format={d.format} tokenizes with the model's tokenizer, but {model_dir} has none "
-            f"({' or '.join(LOADABLE_TOKENIZER_FILES)}): copy the tokenizer files there"
+            f"{which} {'tokenizes' if len(tokenized) == 1 else 'tokenize'} with the model's tokenizer, but "
+            f"{model_dir} has none ({' or '.join(LOADABLE_TOKENIZER_FILES)}): copy the tokenizer files there"
         )
     return problems

@@ -82,6 +82,7 @@ class PreferenceRenderer:
         if any(all(label == IGNORE_INDEX for label in ex.labels[1:]) for ex in pair):
             self.stats.dropped_no_trainable += 1
             return None
+        self.stats.identical_pairs += pair[0].input_ids == pair[1].input_ids
         return pair
 
     def _example(self, ids: list[int], start: int) -> Example:
@@ -138,31 +139,51 @@ def preference_examples(records, tokenizer, max_seq_length: int, stats: SourceSt
             yield from pair
 
 
+def identical_pairs_report(source: str, identical: int, pairs: int) -> tuple[str, str]:
+    """(error, warning) for a source's pairs whose chosen and rejected completions tokenize alike: their DPO loss
+    is log 2 and their gradient zero whatever the model, so a source of nothing else cannot train (refused), and
+    some of them dilute each batch (said once)."""
+    if not identical:
+        return "", ""
+    what = f"{source}: {identical} of {pairs} preference pairs have chosen == rejected (the same tokens)"
+    if identical == pairs:
+        return f"{what}: DPO learns nothing from them (loss log 2, gradient 0); check the data's chosen/rejected", ""
+    return "", f"{what}: they add loss log 2 and no gradient to their batches; remove them from the data"
+
+
 class PairBlocks(Dataset):
     """The pairs of a preference cache entry (``TokenBlocks`` rows 2i and 2i + 1), optionally a subset of them
     (an eval split). Each sample is a pair: ``input_ids``/``labels``/``position_ids`` [2,S], ``num_tokens`` (both
     rows' real tokens), ``longest`` (the longer row's), ``pair`` (its id in the entry) and, once
     :meth:`attach_reference` has run, ``reference`` [2]."""
 
-    def __init__(self, rows, indices: np.ndarray | None = None, reference: np.ndarray | None = None):
+    def __init__(self, rows, indices: np.ndarray | None = None, tables: dict | None = None):
         if len(rows) % 2:
             raise DataError(f"{rows.entry} holds {len(rows)} rows: a preference cache holds pairs of rows")
-        self.rows, self.indices, self.reference = rows, indices, reference
+        self.rows, self.indices = rows, indices
         self.entry = rows.entry
+        # Shared with every subset of the entry: the reference attached to the training split reaches the eval
+        # split (data.eval_fraction) cut from the same entry before it.
+        self._tables = {} if tables is None else tables
 
     @property
     def num_pairs(self) -> int:
         """Pairs of the whole entry (a subset's ids index these)."""
         return len(self.rows) // 2
 
+    @property
+    def reference(self) -> np.ndarray | None:
+        return self._tables.get("reference")
+
     def subset(self, indices: np.ndarray) -> PairBlocks:
-        return PairBlocks(self.rows, indices, self.reference)
+        return PairBlocks(self.rows, indices, self._tables)
 
     def attach_reference(self, reference: np.ndarray) -> None:
-        """The reference log-probabilities of every pair of the entry, float64 [pairs, 2] (chosen, rejected)."""
+        """The reference log-probabilities of every pair of the entry, float64 [pairs, 2] (chosen, rejected), for
+        this dataset and every subset of the same entry."""
         if reference.shape != (self.num_pairs, 2):
             raise ValueError(f"reference of shape {reference.shape} for {self.num_pairs} pairs")
-        self.reference = reference
+        self._tables["reference"] = reference
 
     def __len__(self) -> int:
         return self.num_pairs if self.indices is None else len(self.indices)

@@ -60,6 +60,7 @@ class SourceStats:
     tokens: int = 0  # tokens in kept examples, after truncation
     skipped_bad_lines: int = 0  # with data.skip_bad_lines=true
     dropped_no_trainable: int = 0  # SFT examples left with no response token to learn
+    identical_pairs: int = 0  # preference pairs whose chosen and rejected rows are the same tokens (nothing to learn)
     truncated: int = 0  # examples cut to max_seq_length
     rows_without_labels: int = 0  # rows dropped for having no label token (only one-token documents make them)
     bytes_read: int = 0  # progress through the file
@@ -86,13 +87,19 @@ def read_records(
         records = _raw_records(spec, fmt, skip_bad_lines, stats, rename, rows=part)
     for where, record in records:
         if rename and isinstance(record, dict):
-            record = {rename.get(k, k): v for k, v in record.items()}
+            record = {rename.get(k, k): v for k, v in record.items() if _kept(k, rename)}
         yield where, record
 
 
 def _renames(fields: dict[str, str] | None) -> dict[str, str]:
     """The source's column -> the field it holds, for the columns ``fields`` names otherwise."""
     return {theirs: ours for ours, theirs in (fields or {}).items() if theirs != ours}
+
+
+def _kept(column: str, rename: dict[str, str]) -> bool:
+    """Whether a column is read: not one named like a field that ``rename`` reads from another column (with
+    data.text_field=body a 'text' column is never the text, whatever the column order)."""
+    return column in rename or column not in rename.values()
 
 
 def _raw_records(
@@ -122,7 +129,7 @@ def _jsonl_or_txt_records(
     with open(path, "rb") as f:
         if path.endswith(".txt"):
             if fmt != "text":
-                raise DataError(f"{path}: .txt files hold raw text; use data.format=text or a .jsonl file")
+                raise WholeFileError(_txt_problem(path, fmt))
             yield from _txt_documents(path, f, skip_bad_lines, stats)
             return
         lines = f
@@ -142,7 +149,7 @@ def _jsonl_or_txt_records(
                 _bad_line(error, skip_bad_lines, stats)
 
 
-def _dataset_file_records(path: str, fmt: str, rename) -> Iterator[tuple[str, dict]]:
+def _dataset_file_records(path: str, fmt: str, rename, source: SourceRef | None = None) -> Iterator[tuple[str, dict]]:
     """Rows of a parquet, arrow or JSON file through Hugging Face ``datasets``, streamed (nothing converted
     or cached on disk, nothing held whole in memory)."""
     from datasets import load_dataset
@@ -153,7 +160,7 @@ def _dataset_file_records(path: str, fmt: str, rename) -> Iterator[tuple[str, di
         first = True
         for i, row in enumerate(rows):
             if first:
-                _check_columns(path, list(row), fmt, rename)
+                _check_columns(path, list(row), fmt, rename, source=source)
                 first = False
             yield f"{path} row {i}", row
     except (DataError, GeneratorExit):
@@ -177,20 +184,73 @@ FORMAT_FIELDS = {
 }
 
 
+@dataclass(frozen=True)
+class SourceRef:
+    """A source of a mixture (an entry of data.sources or data.eval_sources), for advice that concerns that
+    source alone: ``path`` as written, and whether it sets its own ``format`` (else data.format is its)."""
+
+    path: str
+    own_format: bool = False
+
+    def format_fix(self, fmt: str) -> str:
+        return f"give this source its own format ({{path: {self.path}, format: {fmt}}})"
+
+
 def _check_columns(
-    where: str, columns: list[str], fmt: str, rename: dict[str, str], found: str = "its columns are"
+    where: str,
+    columns: list[str],
+    fmt: str,
+    rename: dict[str, str],
+    found: str = "its columns are",
+    source: SourceRef | None = None,
 ) -> None:
-    """A dataset source whose columns hold none of the format's fields is refused before any row is read."""
-    ours = {rename.get(c, c) for c in columns}
+    """A dataset source whose columns lack a column a data.<field>_field names, or hold none of the format's
+    fields, is refused before any row is read. ``source``: a mixture's source (the fix is its own format)."""
+    missing = _missing_named_fields(columns, fmt, rename)
+    if missing:
+        names = ", ".join(f"data.{ours}_field={theirs}" for ours, theirs in missing)
+        fixes = " and ".join(
+            f"data.{ours}_field to the column holding the {ours}"
+            + (f" (or drop it to read '{ours}')" if ours in columns else "")
+            for ours, _ in missing
+        )
+        it = "names a column that is" if len(missing) == 1 else "name columns that are"
+        raise WholeFileError(f"{where}: {names} {it} not there ({found} {', '.join(columns)}): set {fixes}")
+    ours = {rename.get(c, c) for c in columns if _kept(c, rename)}
     if not ours & set(FORMAT_FIELDS[fmt]):
         mapped = {v: k for k, v in rename.items()}
         wanted = " or ".join(f"'{mapped.get(f, f)}'" for f in FORMAT_FIELDS[fmt])
         other = next((f for f, names in FORMAT_FIELDS.items() if f != fmt and ours & set(names)), None)
-        fix = f"set data.format={other}, or name" if other else "name"
-        raise WholeFileError(
-            f"{where}: data.format={fmt} reads a {wanted} column, and {found} {', '.join(columns)}: {fix} "
-            f"the column with data.{FORMAT_FIELDS[fmt][0]}_field (e.g. data.{FORMAT_FIELDS[fmt][0]}_field={columns[0]})"
-        )
+        field = f"data.{FORMAT_FIELDS[fmt][0]}_field"
+        rename_fix = f"name the column with {field} (e.g. {field}={columns[0]})"
+        if source and other:  # its own format; data.*_field and data.format hold for every source
+            fix = source.format_fix(other)
+        elif source:
+            fix = f"{rename_fix}, which names it in every source"
+        else:
+            fix = f"set data.format={other}, or {rename_fix}" if other else rename_fix
+        setting = f"its format {fmt}" if source and source.own_format else f"data.format={fmt}"
+        raise WholeFileError(f"{where}: {setting} reads a {wanted} column, and {found} {', '.join(columns)}: {fix}")
+
+
+# The fields each format reads from a row (sft: those of the row's layout, :func:`_missing_named_fields`).
+FORMAT_READS = {"tokens": ("input_ids",), "text": ("text",), "dpo": ("prompt", "chosen", "rejected")}
+
+
+def _missing_named_fields(columns: list[str], fmt: str, rename: dict[str, str]) -> list[tuple[str, str]]:
+    """(field, column) of each data.<field>_field=column the user set, read by ``fmt``, and not among
+    ``columns``: never read as the field's default column instead. An SFT row's layout decides which of its
+    fields are read: a chat (messages, conversations) or a prompt/response pair."""
+    named = {ours: theirs for theirs, ours in rename.items()}
+    reads = FORMAT_READS.get(fmt, ())
+    if fmt == "sft":
+        if {named.get("messages", "messages"), "conversations"} & set(columns):
+            reads = ()  # a chat: found
+        elif {named.get("prompt", "prompt"), named.get("response", "response")} & set(columns):
+            reads = ("prompt", "response")
+        else:
+            reads = ("prompt", "response", "messages")
+    return [(ours, named[ours]) for ours in reads if ours in named and named[ours] not in columns]
 
 
 DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".json": "json"}
@@ -258,22 +318,25 @@ def source_problems(spec: str) -> list[str]:
     return []
 
 
-def first_record_problems(spec: str, fmt: str, fields: dict[str, str] | None = None) -> list[str]:
-    """A source whose first file is empty, or whose first record (a dataset's columns) holds none of the
-    format's fields: found before start by reading one record, not after tokenizing on one rank. For a source
-    :func:`source_problems` accepts."""
+def first_record_problems(
+    spec: str, fmt: str, fields: dict[str, str] | None = None, source: SourceRef | None = None
+) -> list[str]:
+    """A source whose first file is empty or a .txt file of another format than text, or whose first record (a
+    dataset's columns) lacks a column a data.<field>_field names or holds none of the format's fields: found
+    before start by reading one record, not after tokenizing on one rank. For a source :func:`source_problems`
+    accepts; ``source``: a mixture's, whose fixes are its own."""
     rename = _renames(fields)
     if is_prepared(spec):
-        return []  # read as it is
+        return _prepared_format_problems(spec, fmt, source)  # read as it is: its other settings checked at start
     try:
         if is_saved_dataset(spec):
-            _check_columns(spec, saved_dataset(spec).column_names, fmt, rename)
+            _check_columns(spec, saved_dataset(spec).column_names, fmt, rename, source=source)
             return []
         path = source_files(spec)[0]
         if os.path.getsize(path) == 0:
             return [f"{path}: file is empty"]
         if path.endswith(".txt"):
-            return []
+            return [] if fmt == "text" else [_txt_problem(path, fmt, source)]
         if path.endswith(".jsonl"):
             with open(path, "rb") as f:
                 line = next((raw for raw in f if raw.strip()), b"")
@@ -284,12 +347,30 @@ def first_record_problems(spec: str, fmt: str, fields: dict[str, str] | None = N
             except ValueError:
                 return []  # a malformed line: the reader names it with its line number
             if isinstance(record, dict):
-                _check_columns(path, list(record), fmt, rename, "its first record's keys are")
+                _check_columns(path, list(record), fmt, rename, "its first record's keys are", source)
             return []
-        next(iter(_dataset_file_records(path, fmt, rename)), None)
+        next(iter(_dataset_file_records(path, fmt, rename, source)), None)
     except WholeFileError as e:
         return [str(e)]
     return []
+
+
+def _prepared_format_problems(spec: str, fmt: str, source: SourceRef | None) -> list[str]:
+    """A prepared directory (data/prepare.py) of another format than the one it is read as."""
+    with open(os.path.join(spec, "meta.json")) as f:
+        made = json.load(f).get("settings", {}).get("format")
+    if made in (None, fmt):
+        return []
+    setting, fix = (
+        ("this source's format", source.format_fix(made)) if source else ("data.format", f"set data.format={made}")
+    )
+    return [f"{spec}: prepared as format {made}, and {setting} is {fmt}: {fix}, or prepare it again as {fmt}"]
+
+
+def _txt_problem(path: str, fmt: str, source: SourceRef | None = None) -> str:
+    if source:
+        return f"{path}: .txt files hold raw text, and this source's format is {fmt}: {source.format_fix('text')}"
+    return f"{path}: .txt files hold raw text; use data.format=text or a .jsonl file"
 
 
 def source_bytes(spec: str) -> int:

@@ -225,6 +225,20 @@ def mend_engine(engine) -> None:
     engine.weight_grads.layers = defer_linear_weights_(pieces, engine.weight_grads)
 
 
+def dualpipev_defaults(cfg, is_set) -> list[tuple[str, object, str]]:
+    """The defaults DualPipeV cannot run with, for the user's ``pipeline_schedule=dualpipev`` alone: (key, the value
+    it runs with, why) for each such key ``is_set`` says the user left (cfg: training.config.TrainConfig)."""
+    k = cfg.num_stages
+    if cfg.pipeline_schedule != "dualpipev" or k < 2:
+        return []
+    adapted = []
+    if cfg.gradient_accumulation_steps < 2 * k and not is_set("gradient_accumulation_steps"):
+        adapted.append(("gradient_accumulation_steps", 2 * k, f"DualPipeV keeps 2 x num_stages = {2 * k} in flight"))
+    if cfg.data.pad_to_multiple_of and not is_set("data.pad_to_multiple_of"):
+        adapted.append(("data.pad_to_multiple_of", 0, "DualPipeV sends activation shapes once: rows fed whole"))
+    return adapted
+
+
 def dualpipev_problems(cfg, model_config, layout) -> list[str]:
     """Everything train.py refuses about ``pipeline_schedule=dualpipev`` (cfg: training.config.TrainConfig),
     with the numbers and the knob to change."""

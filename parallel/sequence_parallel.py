@@ -16,6 +16,8 @@ the gradient of the global token mean.
 
 from __future__ import annotations
 
+import math
+
 import torch.distributed as dist
 from transformers import AttentionInterface
 
@@ -23,6 +25,20 @@ from models.attention import document_attention
 from models.llama_pipe import EmbeddingPipe
 
 ULYSSES_ATTENTION = "ulysses_documents"
+
+
+def sequence_parallel_defaults(cfg, is_set) -> list[tuple[str, object, str]]:
+    """The defaults ``sequence_parallel=N`` alone cannot run with: (key, the value it runs with, why) for each such
+    key ``is_set`` says the user left (cfg: training.config.TrainConfig)."""
+    sp, adapted = cfg.sequence_parallel, []
+    if sp <= 1:
+        return []
+    multiple, seq = cfg.data.pad_to_multiple_of, cfg.data.max_seq_length
+    if multiple and multiple % sp and not is_set("data.pad_to_multiple_of"):
+        adapted.append(("data.pad_to_multiple_of", math.lcm(multiple, sp), f"a multiple of sequence_parallel {sp}"))
+    if seq % sp and seq > sp and not is_set("data.max_seq_length"):
+        adapted.append(("data.max_seq_length", seq - seq % sp, f"a multiple of sequence_parallel {sp}"))
+    return adapted
 
 
 def sequence_parallel_problems(cfg, model_config, layout) -> list[str]:

@@ -156,30 +156,76 @@ def schedules(args) -> tuple[str, ...]:
     return ("1f1b", "dualpipev") if args.schedule == "both" else (args.schedule,)
 
 
-def dualpipev_problems(config, layout: Layout, args) -> list[str]:
-    """train.py's lines for --schedule dualpipev with this layout (parallel.dualpipev.dualpipev_problems, given
-    the training config the other flags stand for; rows fed whole, as the planner counts them)."""
+def flag_config(args) -> TrainConfig:
+    """The training config this script's flags stand for, for train.py's own rule functions: rows fed whole
+    (data.pad_to_multiple_of=0), as the planner counts them."""
+    cfg = TrainConfig(
+        model_name_or_path=args.model,
+        num_stages=args.stages,
+        partition_method=args.partition_method,
+        tensor_parallel=args.tp,
+        sequence_parallel=args.sp,
+        ds_config=f"zero{args.zero}",
+        micro_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.grad_accum,
+        loss_chunk_tokens=args.loss_chunk_tokens,
+    )
+    cfg.data.max_seq_length, cfg.data.pad_to_multiple_of = args.seq_len, 0
+    if args.lora_rank:
+        cfg.peft.method, cfg.peft.r, cfg.peft.target_modules = "lora", args.lora_rank, args.lora_targets.split(",")
+    return cfg
+
+
+def train_problems(config, layout: Layout, args) -> list[str]:
+    """train.py's lines for this layout beyond its sizes: the rules of tensor and sequence parallelism, DualPipeV
+    and LoRA, asked of the same functions training.config.resolve asks, given the config the flags stand for."""
+    from models.lora import peft_problems
     from parallel.dualpipev import dualpipev_problems
-
-    cfg = TrainConfig()
-    cfg.data.pad_to_multiple_of, cfg.ds_config = 0, f"zero{args.zero}"
-    return dualpipev_problems(cfg, config, layout)
-
-
-def sequence_problems(config, layout: Layout, args) -> list[str]:
-    """train.py's lines for --sp with this layout (parallel.sequence_parallel.sequence_parallel_problems,
-    given the training config the other flags stand for)."""
     from parallel.sequence_parallel import sequence_parallel_problems
+    from parallel.tensor_parallel import tensor_parallel_problems
 
-    cfg = TrainConfig()
-    cfg.data.max_seq_length, cfg.ds_config = args.seq_len, f"zero{args.zero}"
-    return sequence_parallel_problems(cfg, config, layout)
+    cfg = flag_config(args)
+    problems = tensor_parallel_problems(cfg, config, layout) + sequence_parallel_problems(cfg, config, layout)
+    problems += dualpipev_problems(cfg, config, layout)
+    return problems + (peft_problems(cfg, config, layout) if layout.lora_rank else [])
+
+
+# train.py's knobs in its rules' lines -> this script's flags, in order (a knob's value follows it: "num_stages=1"
+# and "num_stages 1" both read "--stages 1"); a test checks that no refusal names a knob of train.py.
+SETTINGS = (
+    (r"ds_config offloads the optimizer \(zero_optimization.offload_optimizer\)", "--offload optimizer"),
+    (r"ds_config offloads the parameters \(zero_optimization.offload_param\)", "--offload params"),
+    (r"ds_config=zero1_offload, or remove offload_optimizer from the JSON", "--zero 1, or --offload none"),
+    (r"ds_config=zero3_offload, or remove offload_param from the JSON", "--zero 3, or --offload optimizer"),
+    (r"(?:ds_config|ds)=zero(\d)", r"--zero \1"),
+    (r"peft\.method=lora", "--lora-rank"),
+)
+FLAGS = {
+    "data.max_seq_length": "--seq-len",
+    "num_stages": "--stages",
+    "tensor_parallel": "--tp",
+    "sequence_parallel": "--sp",
+    "micro_batch_size": "--micro-batch",
+    "gradient_accumulation_steps": "--grad-accum",
+    "loss_chunk_tokens": "--loss-chunk-tokens",
+    "partition_method": "--partition-method",
+    "pipeline_schedule": "--schedule",
+}
+
+
+def in_flags(line: str) -> str:
+    """A line of train.py's rules in this script's flags."""
+    for pattern, flag in SETTINGS:
+        line = re.sub(pattern, flag, line)
+    for knob, flag in FLAGS.items():
+        line = re.sub(rf"(?<![\w.-]){re.escape(knob)}(?![\w.])(=?)", lambda m, f=flag: f + " " * len(m[1]), line)
+    return line
 
 
 def refuse(problems: list[str]) -> None:
-    """Exit with train.py's lines for a layout it would refuse: no plan is printed for it."""
+    """Exit with train.py's lines for a layout it would refuse, in this script's flags: no plan is printed for it."""
     if problems:
-        print("\n".join(f"estimate_memory.py: error: {p}" for p in problems), file=sys.stderr)
+        print("\n".join(f"estimate_memory.py: error: {in_flags(p)}" for p in problems), file=sys.stderr)
         sys.exit(1)
 
 
@@ -271,24 +317,11 @@ def main(argv: list[str] | None = None) -> None:
         sp=1 if fit else args.sp,  # --gpus: and every sequence_parallel (parallel.memory_plan.SEQUENCE_PARALLEL_SIZES)
     )
     refuse(layout_problems(layout, layout.world_size, args.partition_method, num_layers))
-    if layout.tp > 1:
-        from parallel.tensor_parallel import model_problems
-
-        refuse(model_problems(config, layout.tp) if config is not None else [])
-    if layout.sp > 1:
-        refuse(sequence_problems(config, layout, args))
-    if layout.lora_rank and not layout.uses_pipeline:
-        refuse(
-            [
-                f"--lora-rank with --zero {layout.zero} and one stage: train.py runs LoRA on the pipeline engine only "
-                "(ZeRO 0 or 1)"
-            ]
-        )
     if fit:
-        fits(config, total, args.gpus, args.gpu_mem, args)
+        fits(config, total, args.gpus, args.gpu_mem, args)  # the search tries only layouts train.py runs
         return
     scheduled = [dataclasses.replace(layout, schedule=schedule) for schedule in schedules(args)]
-    refuse([problem for one in scheduled for problem in dualpipev_problems(config, one, args)])
+    refuse(list(dict.fromkeys(problem for one in scheduled for problem in train_problems(config, one, args))))
     for n, one in enumerate(scheduled):
         if n:
             print()

@@ -38,7 +38,7 @@ from tests.test_sft_parity import (
     train_args,
     trained_weights,
 )
-from training.config import resolve
+from training.config import ConfigError, resolve
 
 REL_TOL = 1e-6
 CLIP = 0.5
@@ -65,8 +65,9 @@ def test_what_dualpipev_does_not_run_with_is_refused(good, change, message):  # 
             setattr(cfg.data, key[5:], value)
         else:
             cfg = dataclasses.replace(cfg, **{key: value})
-    found = problems_of(cfg, world_size=8)
-    assert message in found, found
+    with pytest.raises(ConfigError) as err:  # the values the test sets are the user's: refused, not adapted
+        resolve(cfg, world_size=8, given=set(change))
+    assert message in str(err.value), str(err.value)
 
 
 def test_a_valid_dualpipev_config_resolves(good):  # noqa: F811

@@ -1,7 +1,8 @@
 """The helper tools refuse what train.py refuses, in train.py's words, and print no dependency noise.
 
 Layouts: scripts/estimate_memory.py and preflight share ``parallel.layout.layout_problems`` with train.py's
-``training.config.resolve``; each case compares the script's line with resolve's line for the same layout.
+``training.config.resolve``; each case compares the script's line with resolve's line for the same layout (in
+estimate_memory.py's flags: its ``in_flags``).
 Counts that train.py has no knob for are refused by argparse. The subprocesses (3) check what only a fresh
 process shows: the dependency lines filtered at start (training/logs.py).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -25,6 +27,19 @@ from training.preflight import check
 # Known-harmless dependency lines that no entry point may print (training/logs.py filters them).
 NOISE = ("Setting accelerator to CPU", "gemm_4bit_forward", "an autograd kernel was not registered")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+# train.py's knobs, which estimate_memory.py's lines must not name (it has flags: --seq-len, --stages, --zero, ...).
+TRAIN_KNOBS = re.compile(
+    r"(?<![\w-])(data\.\w+|peft\.\w+|ds_config|ds=|num_stages|tensor_parallel|sequence_parallel|"
+    r"micro_batch_size|gradient_accumulation_steps|loss_chunk_tokens|partition_method|"
+    r"pipeline_schedule|zero_optimization|offload_param\b|offload_optimizer\b)"
+)
+
+
+def in_flags(line: str) -> str:
+    """A line of train.py's rules as scripts/estimate_memory.py says it (in its flags)."""
+    return load_entry_point("scripts/estimate_memory.py").in_flags(line)
 
 
 def resolve_lines(cfg: TrainConfig, world_size: int) -> list[str]:
@@ -71,16 +86,16 @@ def offload_json(tmp_path, stage: int, params: bool) -> str:
 # (estimate_memory.py options, the same layout as train.py settings: (TrainConfig changes, world size), a word
 # the line must hold). dp is 1 unless given.
 CASES = [
-    (["--stages", "0"], ({"num_stages": 0}, 1), "num_stages 0"),
+    (["--stages", "0"], ({"num_stages": 0}, 1), "--stages 0"),
     (["--stages", "5"], ({"num_stages": 5}, 5), "decoder layers"),  # the tiny model has 4
-    (["--micro-batch", "0"], ({"micro_batch_size": 0}, 1), "micro_batch_size 0"),
-    (["--grad-accum", "0"], ({"gradient_accumulation_steps": 0}, 1), "gradient_accumulation_steps 0"),
-    (["--seq-len", "1"], ({"data.max_seq_length": 1}, 1), "data.max_seq_length 1"),
-    (["--loss-chunk-tokens", "-1"], ({"loss_chunk_tokens": -1}, 1), "loss_chunk_tokens -1"),
+    (["--micro-batch", "0"], ({"micro_batch_size": 0}, 1), "--micro-batch 0"),
+    (["--grad-accum", "0"], ({"gradient_accumulation_steps": 0}, 1), "--grad-accum 0"),
+    (["--seq-len", "1"], ({"data.max_seq_length": 1}, 1), "--seq-len 1"),
+    (["--loss-chunk-tokens", "-1"], ({"loss_chunk_tokens": -1}, 1), "--loss-chunk-tokens -1"),
     (["--zero", "3", "--stages", "2"], ({"num_stages": 2, "ds_config": "zero3"}, 2), "ZeRO stage 3"),
     (["--partition-method", "bogus"], ({"partition_method": "bogus"}, 1), "'bogus'"),
-    (["--zero", "1", "--offload", "params"], ({"ds_config": ("offload", 1, True)}, 1), "offload_param"),
-    (["--zero", "0", "--offload", "optimizer"], ({"ds_config": ("offload", 0, False)}, 1), "offload_optimizer"),
+    (["--zero", "1", "--offload", "params"], ({"ds_config": ("offload", 1, True)}, 1), "--offload params"),
+    (["--zero", "0", "--offload", "optimizer"], ({"ds_config": ("offload", 0, False)}, 1), "--offload optimizer"),
     (["--sp", "2", "--zero", "2"], ({"sequence_parallel": 2, "ds_config": "zero2"}, 2), "pipeline engine"),
     (["--sp", "2", "--seq-len", "2047"], ({"sequence_parallel": 2, "data.max_seq_length": 2047}, 2), "2047"),
 ]
@@ -96,12 +111,13 @@ def test_estimate_memory_refuses_what_train_py_refuses_with_its_line(
             value = offload_json(tmp_path, *value[1:])
         target, _, name = key.rpartition(".")
         setattr(getattr(valid, target) if target else valid, name, value)
-    train_lines = resolve_lines(valid, world_size)
+    train_lines = [in_flags(line) for line in resolve_lines(valid, world_size)]
     code, lines = estimate_lines(["--model", tiny_hf, *argv], capsys)
     assert code == 1 and len(lines) == 1, lines  # one problem, no plan printed
     prefix = "estimate_memory.py: error: "
     assert lines[0].startswith(prefix) and lines[0][len(prefix) :] in train_lines, (lines, train_lines)
     assert word in lines[0]
+    assert not TRAIN_KNOBS.search(lines[0]), lines[0]  # its own flags, none of train.py's knobs
 
 
 def test_train_py_says_a_shared_rule_once(valid):
@@ -135,7 +151,7 @@ def test_estimate_memory_counts_train_py_has_no_knob_for_are_argparse_errors(arg
 def test_estimate_memory_fit_search_checks_the_batch_settings_too(tiny_hf, valid, capsys):
     valid.micro_batch_size = 0
     code, lines = estimate_lines(["--model", tiny_hf, "--gpus", "4", "--gpu-mem", "80", "--micro-batch", "0"], capsys)
-    assert code == 1 and lines == [f"estimate_memory.py: error: {p}" for p in resolve_lines(valid, 2)]
+    assert code == 1 and lines == [f"estimate_memory.py: error: {in_flags(p)}" for p in resolve_lines(valid, 2)]
 
 
 def test_preflight_world_size_below_one_is_refused(tiny_hf, tmp_path):

@@ -71,7 +71,7 @@ def one_rank_group(tmp_path):
 
 
 def test_the_ranks_agree_on_signals_and_on_rank_0s_clock(one_rank_group):
-    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
         stopper = StopAndSave(save_every_minutes=0.002, grace_s=30, rank=0, device="cpu")  # 0.12 s
         assert stopper.after_step(0.25) == ([], False, [0.25])
@@ -85,9 +85,11 @@ def test_the_ranks_agree_on_signals_and_on_rank_0s_clock(one_rank_group):
     finally:
         signal.signal(signal.SIGUSR1, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
+        signal.signal(signal.SIGINT, previous[2])  # StopAndSave takes Ctrl-C too
     assert StopAndSave(save_every_minutes=0, grace_s=30, rank=0, device="cpu").after_step() == ([], False, [0.0])
     signal.signal(signal.SIGUSR1, previous[0])
     signal.signal(signal.SIGTERM, previous[1])
+    signal.signal(signal.SIGINT, previous[2])
 
 
 @pytest.mark.parametrize(

@@ -178,4 +178,4 @@ def test_estimate_memory_reports_the_schedule_and_refuses_what_train_py_refuses(
     with pytest.raises(SystemExit) as exit_:
         script.main(["--model", "llama3-8b", "--stages", "4", "--grad-accum", "4", "--schedule", "dualpipev"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 1 and "needs gradient_accumulation_steps >= 2 x num_stages = 8" in err
+    assert exit_.value.code == 1 and "needs --grad-accum >= 2 x --stages = 8" in err  # its flags

@@ -21,10 +21,13 @@ from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from data.checks import LOADABLE_TOKENIZER_FILES, data_problems
+from data.checks import LOADABLE_TOKENIZER_FILES, data_problems, default_packing
+from data.settings import prepared_problems, tokenizer_dir  # noqa: F401 (tokenizer_dir: read from here too)
 from models.peft_targets import DECODER_LINEARS
 from parallel.layout import Layout, layout_problems
 from training.ds_json import ds_json_conflicts, fp16_supported, load_ds_json
+
+HANG_TIMEOUT_MIN_S = 5.0  # hang_timeout_s below this (other than 0) is refused: see resolve's range checks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_CONF_DIR = os.path.join(REPO_ROOT, "conf", "model")  # the Hydra model group
@@ -292,7 +295,8 @@ class TrainConfig:
     # checkpoint untouched.
     preempt_grace_s: float = 600.0
     # A training step running longer than this dumps every rank's Python stacks to output_dir/hang/rank<R>.txt
-    # and rank 0 prints where each rank is (training/hang.py); 0 = 20 x the median step so far, at least 600 s.
+    # and rank 0 prints where each rank is (training/hang.py); 0 = 20 x the median step so far, at least 600 s;
+    # otherwise at least 5 s. Checkpoint saves and evaluations are not timed, and its exit never cuts a save short.
     hang_timeout_s: float = 0.0
     hang_action: HangAction = HangAction.exit  # exit: every rank exits with code 78 | wait: keep waiting
     resume: ResumeMode = (
@@ -357,6 +361,7 @@ class Resolved:
         default_factory=lambda: ResumeChanges()
     )  # settings changed since it was saved
     reshard: str = ""  # why the checkpoint's optimizer states are read per parameter ("" = DeepSpeed's own load)
+    adapted: list[str] = field(default_factory=list)  # defaults changed for a feature the user set, one line each
 
     @property
     def from_scratch(self) -> bool:
@@ -420,11 +425,6 @@ def model_group_config(name: str, **overrides):
     return None if arch is None else config_from_dict({**arch, **overrides}, where=path)
 
 
-def tokenizer_dir(cfg: TrainConfig) -> str:
-    """Where the tokenizer files are: the checkpoint, or model.tokenizer when training from scratch."""
-    return cfg.model_name_or_path or cfg.model.tokenizer
-
-
 def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
     """(Hugging Face config or None, problems): from model_name_or_path, or from the model group's
     architecture; either must be of a family in models.families."""
@@ -434,7 +434,14 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
     arch = dict(cfg.model.architecture) if cfg.model.architecture is not None else None
     if cfg.model_name_or_path:
         if not os.path.isfile(os.path.join(cfg.model_name_or_path, "config.json")):
-            return None, [f"model_name_or_path {cfg.model_name_or_path}: no config.json there"]
+            name = cfg.model_name_or_path
+            if not os.path.isdir(name) and name in model_group_names():  # the group's name taken for a checkpoint
+                return None, [
+                    f"model_name_or_path {name} is not a directory, and {name} is conf/model/{name}.yaml: did you "
+                    f"mean model={name}? (an architecture from scratch, with model.tokenizer=DIR; to fine-tune, "
+                    "model_name_or_path is a checkpoint directory made by convert2ckpt.py)"
+                ]
+            return None, [f"model_name_or_path {name}: no config.json there"]
         try:
             config = load_config(cfg.model_name_or_path)
         except UnsupportedModelError as e:
@@ -728,7 +735,7 @@ def override_key_problems(overrides: list[str]) -> list[str]:
     ``unknown_key_problems``' words. Groups (``model=``, ``ds=``, ``data=``), Hydra's own keys and
     ``+``/``~`` overrides are left to Hydra and to ``unknown_key_problems``."""
     groups = {d for d in os.listdir(os.path.dirname(MODEL_CONF_DIR)) if not d.endswith(".yaml")}
-    given = {}
+    given, sources = {}, []
     for arg in overrides:
         key = arg.split("=", 1)[0]
         if "=" not in arg or arg.startswith(("-", "+", "~")) or key in groups or key.split(".")[0] == "hydra":
@@ -739,6 +746,8 @@ def override_key_problems(overrides: list[str]) -> list[str]:
                 break
             node = getattr(node, part)
         else:
+            if key in ("data.sources", "data.eval_sources"):
+                sources += source_override_problems(key, arg.split("=", 1)[1])
             continue
         if not dataclasses.is_dataclass(node) and depth > 0 and parts[depth - 1] == "architecture":
             continue  # below model.architecture: a Hugging Face config field, checked when the config is built
@@ -746,7 +755,44 @@ def override_key_problems(overrides: list[str]) -> list[str]:
         for part in parts[:-1]:
             tree = tree.setdefault(part, {})
         tree[parts[-1]] = None
-    return unknown_key_problems(given)
+    return unknown_key_problems(given) + sources
+
+
+def source_override_problems(key: str, value: str) -> list[str]:
+    """Entries of a data.sources / data.eval_sources override that are not sources (a mistyped key, a format
+    no reader knows, a weight that is no number, a bare path), each named with a source's keys: Hydra would
+    advise ``+data.sources`` or say only that it could not merge the override."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        entries = OverridesParser.create().parse_override(f"{key}={value}").value()
+    except Exception:  # not parsable: Hydra's message names where
+        return []
+    keys = [f.name for f in fields(SourceConfig)]
+    valid = f"a source's keys are {', '.join(keys)}"
+    if not isinstance(entries, list):
+        return [f"{key} is a list of sources, e.g. {key}='[{{path: a.jsonl, weight: 3}}]' ({valid})"]
+    problems = []
+    for i, entry in enumerate(entries):
+        where = f"{key}[{i}]"
+        if not isinstance(entry, dict):
+            problems.append(f"{where} {entry!r} is not a source: write it as {{path: {entry}}} ({valid})")
+            continue
+        for name in entry:
+            if name not in keys:
+                near = difflib.get_close_matches(str(name), keys, n=1, cutoff=0.6)
+                hint = f": did you mean {near[0]}?" if near else ""
+                problems.append(f"unknown key {name} in {where}{hint} ({valid})")
+        fmt = entry.get("format")
+        if fmt is not None and fmt not in [f.value for f in DataFormat]:
+            problems.append(
+                f"{where} format {fmt!r}: set one of {', '.join(f.value for f in DataFormat)}, or leave it out "
+                "(the source then has data.format)"
+            )
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            problems.append(f"{where} weight {weight!r} is not a number: set e.g. weight: 3")
+    return problems
 
 
 def tensor_shape_differences(old, new, limit: int = 3) -> list[str]:
@@ -857,9 +903,42 @@ def disk_problems(cfg: TrainConfig, model_config, uses_pipeline: bool, world_siz
     return [], []
 
 
-def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None) -> Resolved:
+def given_keys(overrides: list[str]) -> set[str]:
+    """The dotted keys a list of Hydra overrides sets (``++data.pad_to_multiple_of=8`` -> data.pad_to_multiple_of)."""
+    return {arg.split("=", 1)[0].lstrip("+~") for arg in overrides if "=" in arg}
+
+
+def adapt_defaults(cfg: TrainConfig, given: set[str] | None) -> list[str]:
+    """Defaults the user left that a feature they set cannot run with, changed in ``cfg`` to values it runs with
+    (DualPipeV's gradient accumulation, a sequence-parallel pad multiple): one line each, for the start-up log.
+    Only a value the user left adapts; one they set (an override naming it, or a value other than the default)
+    stays, and the rule beside the feature refuses it."""
+    from parallel.dualpipev import dualpipev_defaults
+    from parallel.sequence_parallel import sequence_parallel_defaults
+
+    now, default = dataclasses.asdict(cfg), dataclasses.asdict(TrainConfig())
+
+    def is_set(key: str) -> bool:
+        return key in (given or ()) or _plain(_dotted(now, key)) != _plain(_dotted(default, key))
+
+    lines = []
+    for key, value, why in dualpipev_defaults(cfg, is_set) + sequence_parallel_defaults(cfg, is_set):
+        *path, name = key.split(".")
+        node = cfg
+        for part in path:
+            node = getattr(node, part)
+        lines.append(f"{key} {getattr(node, name)} -> {value} (the default; {why}): set {key} to choose")
+        setattr(node, name, value)
+    return lines
+
+
+def resolve(
+    cfg: TrainConfig, world_size: int, problems: list[str] | None = None, given: set[str] | None = None
+) -> Resolved:
     """Check every cross-field rule; raise :class:`ConfigError` listing all problems together (with
-    ``problems`` found before, such as unknown keys)."""
+    ``problems`` found before, such as unknown keys). ``given``: the keys the user set (their overrides), so that
+    a default they left adapts to the features they set (:func:`adapt_defaults`, which changes ``cfg``)."""
+    adapted = adapt_defaults(cfg, given)
     from models.layer_files import tags_newer_than_latest  # heavy import (torch, deepspeed), only once parsed
     from training.run_lock import RunLock
 
@@ -898,6 +977,14 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
     ):
         if getattr(cfg, name) < minimum:
             problems.append(f"{name} {getattr(cfg, name)} is out of range: set {name} >= {minimum}")
+    # A bound below a few seconds names healthy steps hung (the first step alone warms up for seconds; the watchdog
+    # looks every 0.5 s) and its exit lands anywhere, e.g. in the middle of the run's work.
+    if 0 < cfg.hang_timeout_s < HANG_TIMEOUT_MIN_S:
+        problems.append(
+            f"hang_timeout_s {cfg.hang_timeout_s:g} is too small to mean a hang: set hang_timeout_s >= "
+            f"{HANG_TIMEOUT_MIN_S:g} (seconds one training step may run), or 0 = automatic (20 x the median step "
+            "so far, at least 600 s)"
+        )
     if cfg.mfu_peak_tflops < 0:
         problems.append(
             f"mfu_peak_tflops {cfg.mfu_peak_tflops} < 0: set the device's peak TFLOP/s, or 0 for the known-GPU table"
@@ -941,7 +1028,11 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
         problems.append("monitor.tensorboard=true needs the tensorboard package: pip install tensorboard")
     if cfg.monitor.wandb and importlib.util.find_spec("wandb") is None:
         problems.append("monitor.wandb=true needs the wandb package: pip install wandb==0.31.0")
-    problems += data_problems(cfg) + objective_problems(cfg, layout)
+    elif cfg.monitor.wandb and int(os.environ.get("RANK", "0")) == 0:  # the rank that logs (train.py's tracking_run)
+        from training.tracking import wandb_problems
+
+        problems += wandb_problems(cfg.output_dir)
+    problems += data_problems(cfg) + prepared_problems(cfg, model_config) + objective_problems(cfg, layout)
     if cfg.min_free_disk_gb < 0 and cfg.min_free_disk_gb != -1:
         problems.append(
             f"min_free_disk_gb {cfg.min_free_disk_gb} < 0: set it to -1 (one checkpoint's estimated size), 0 (no "
@@ -995,7 +1086,7 @@ def resolve(cfg: TrainConfig, world_size: int, problems: list[str] | None = None
     if problems:
         # dict.fromkeys: a rule two checks share (layout_problems and ds_json_conflicts or data_problems) said once
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(dict.fromkeys(problems)))
-    return Resolved(cfg, layout, ds_json, model_config, warnings, resume_tag, resume_changes_, reshard)
+    return Resolved(cfg, layout, ds_json, model_config, warnings, resume_tag, resume_changes_, reshard, adapted)
 
 
 def objective_problems(cfg: TrainConfig, layout: Layout) -> list[str]:
@@ -1006,6 +1097,14 @@ def objective_problems(cfg: TrainConfig, layout: Layout) -> list[str]:
             f"train_objective={cfg.train_objective} with data.format={cfg.data.format}: preference pairs train with "
             "the DPO loss and nothing else does; use data=dpo (it sets both), or set both to sft"
         )
+    for key in ("sources", "eval_sources"):  # the same rule for each source's own format
+        for i, source in enumerate(getattr(cfg.data, key)):
+            if source.format == "dpo" and not dpo:
+                problems.append(
+                    f"data.{key}[{i}] ({source.path}) has format dpo, and train_objective is {cfg.train_objective}: "
+                    "its preference pairs would train as two SFT rows each (the rejected completion a target); drop "
+                    f"the source from the mixture, or train on it alone (data=dpo data.train_file={source.path})"
+                )
     if not dpo:
         return problems
     if cfg.data.packing:
@@ -1079,9 +1178,24 @@ INERT_RULES = (
 )
 # Harmless where they cannot act (a check or a report with nothing to do): one warning line each.
 HARMLESS_RULES = (
+    # data.group_by_length: one rule per reason it cannot act, exclusive, so that one line says the first
     (
         ("data.group_by_length",),
-        lambda cfg, layout: cfg.data.pad_to_multiple_of > 0,
+        lambda cfg, layout: layout.schedule != "dualpipev",
+        "groups rows of similar length so micro-batches are cut short, but DualPipeV feeds every row whole "
+        "(it only reorders the samples): drop data.group_by_length",
+    ),
+    (
+        ("data.group_by_length",),
+        lambda cfg, layout: layout.schedule == "dualpipev" or not default_packing(cfg.data),
+        "groups rows of similar length, but packed rows are all data.max_seq_length long (it only reorders the "
+        "samples): drop data.group_by_length, or set data.packing=false",
+    ),
+    (
+        ("data.group_by_length",),
+        lambda cfg, layout: (
+            cfg.data.pad_to_multiple_of > 0 or layout.schedule == "dualpipev" or default_packing(cfg.data)
+        ),
         "groups rows of similar length so micro-batches are cut short, but data.pad_to_multiple_of=0 feeds every "
         "row whole (it only reorders the samples): set data.pad_to_multiple_of=8",
     ),

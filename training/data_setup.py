@@ -17,14 +17,14 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from data.cache import DataSettings, TokenBlocks, build_or_reuse
-from data.checks import field_names
+from data.cache import TokenBlocks, build_or_reuse
 from data.guard import FingerprintingIterator, OrderGuard
 from data.mixture import MixtureDataset
-from data.preference import PairBlocks
+from data.preference import PairBlocks, identical_pairs_report
 from data.sampling import MicroBatchIterator, PlaceholderDataset
+from data.settings import data_settings, tokenizer_dir
 from data.sources import DataError
-from training.config import TrainConfig, tokenizer_dir
+from training.config import TrainConfig
 from training.distributed import on_all_ranks
 
 EVAL_SPLIT_SEED = 1234  # fixed, so the eval split does not move when the training seed changes
@@ -72,21 +72,6 @@ class RankData:
             0,
             pad_multiple=self.pad_multiple,
         )
-
-
-def data_settings(cfg: TrainConfig, model_config, fmt: str | None = None) -> DataSettings:
-    """The settings a source is tokenized with (``fmt``: a source's own format, default data.format)."""
-    pad = model_config.pad_token_id
-    fmt = fmt or cfg.data.format
-    return DataSettings(
-        format=fmt,
-        max_seq_length=cfg.data.max_seq_length,
-        packing=cfg.data.packing if cfg.data.packing is not None else fmt == "text",
-        skip_bad_lines=cfg.data.skip_bad_lines,
-        pad_id=pad if pad is not None else 0,  # any id works: padding has label -100 and sits at the row's end
-        vocab_size=model_config.vocab_size,
-        fields=tuple(sorted((k, v) for k, v in field_names(cfg.data).items() if k != v)),
-    )
 
 
 def cache_dir(cfg: TrainConfig) -> str:
@@ -150,10 +135,18 @@ def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> Ra
             return None
         log = lambda msg: print(f"[data] rank {rank}: {msg}", flush=True)  # noqa: E731
 
+        warnings: list[str] = []
+
         def entry(path: str, fmt: str | None) -> tuple[str, int]:
             settings = data_settings(cfg, model_config, fmt)
             built, meta = build_or_reuse(path, settings, tokenizer_dir(cfg), cache_dir(cfg), log)
-            return built, meta["num_samples"] // (2 if settings.format == "dpo" else 1)  # samples: pairs for DPO
+            samples = meta["num_samples"] // (2 if settings.format == "dpo" else 1)  # samples: pairs for DPO
+            if settings.format == "dpo":
+                error, warning = identical_pairs_report(path, meta.get("stats", {}).get("identical_pairs", 0), samples)
+                if error:
+                    raise DataError(error)
+                warnings.extend([warning] if warning else [])
+            return built, samples
 
         train = [entry(path, fmt) for _, path, _, fmt in training_sources(cfg)]
         evals = [(name, *entry(path, fmt)) for name, path, fmt in eval_sources(cfg)]
@@ -161,10 +154,13 @@ def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> Ra
         if cfg.data.eval_fraction > 0:  # a split of data.train_file
             n_eval = len(split_eval(n, cfg.data.eval_fraction)[1])
             n, evals = n - n_eval, [("", None, n_eval)]
-        return {"host": host, "train": train, "evals": evals, "num_train": n}
+        return {"host": host, "train": train, "evals": evals, "num_train": n, "warnings": warnings}
 
     results = on_all_ranks("preparing data", build)
     built = [r for r in results if r is not None]
+    if rank == 0:  # once per job: every node's builder found the same
+        for warning in built[0]["warnings"]:
+            print(f"[data] warning: {warning}", flush=True)
     local: dict[str, RankData] = {}
 
     def open_data() -> None:  # collective too: a reader failing here must not leave the others waiting

@@ -7,10 +7,12 @@ its threads' stacks (faulthandler) to ``output_dir/hang/rank<R>.txt``; rank 0 th
 collective of its main thread's stack (also written to ``output_dir/hang/report.txt``). With
 ``hang_action=exit`` every rank then exits with ``HANG_EXIT_CODE``, quietly (a peer that left first makes
 the others' collectives fail: that is no news); with ``wait`` they keep waiting (dist_timeout_s applies).
+Checkpoint saves and evaluations are not timed, and the exit waits for a save in progress (``saving``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import re
@@ -19,7 +21,7 @@ import sys
 import threading
 import time
 
-from training.preemption import exit_quietly_on_signals
+from training.preemption import exit_now, exit_quietly_on_signals
 
 HANG_EXIT_CODE = 78
 HANG_MULTIPLE, HANG_FLOOR_S = 20, 600.0
@@ -62,6 +64,7 @@ class HangWatch:
         self.started: float | None = None
         self.step = 0
         self.fired = False
+        self.no_exit = threading.Lock()  # held around checkpoint saves: an exit waits for the save in progress
         threading.Thread(target=self._watch, daemon=True, name="hang-watch").start()
 
     def timeout_s(self) -> float:
@@ -76,6 +79,13 @@ class HangWatch:
         if self.started is not None:
             self.steps.append(time.monotonic() - self.started)
         self.started = None
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Around a checkpoint save (not timed: a save may outlast any step): a hang exit from a step that ran
+        past its bound but then finished waits for the save, never leaving it half written."""
+        with self.no_exit:
+            yield
 
     def _watch(self) -> None:
         while not self.fired:
@@ -102,9 +112,8 @@ class HangWatch:
             while time.monotonic() < deadline and not os.path.exists(os.path.join(self.dir, "report.txt")):
                 time.sleep(0.2)
         if self.action == "exit":
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(HANG_EXIT_CODE)
+            self.no_exit.acquire()  # never released: no save starts after this one, none is cut short
+            exit_now(HANG_EXIT_CODE)
 
     def _report(self, waited: float) -> None:
         deadline = time.monotonic() + 10.0  # the other ranks' watchdogs fire within a second or two

@@ -9,7 +9,14 @@ run's checkpoint is complete (``latest`` is written after every rank's files) an
 
 A second signal, or no agreement within ``preempt_grace_s`` of the first (a rank stuck in a collective, a
 step longer than the grace), exits at once with ``UNSAVED_EXIT_CODE``: the last complete checkpoint is
-untouched (a save in progress never moved ``latest``), and ``resume=auto`` continues from it.
+untouched (a save in progress never moved ``latest``), and ``resume=auto`` continues from it. So does SIGINT
+(Ctrl-C), and any of these during start-up (``stop_at_once_on_signals``: nothing trained yet to save). The first
+rank of the job to exit at once says why and writes ``output_dir/.stopping``; its peers, ended by the launcher
+or failing in a collective with it, exit with the same code quietly (``exit_if_exiting``).
+
+Only the ranks act on signals: DeepSpeed's ``deepspeed`` command dies of SIGUSR1 or SIGTERM without forwarding
+them. Ranks started by DeepSpeed's launcher watch it: once it is gone, they stop as on a stop signal
+(docs/checkpoints.md#which-process-to-signal).
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import torch.distributed as dist
 PREEMPTED_EXIT_CODE = 75  # BSD's EX_TEMPFAIL: saved, stopped, resume to continue (requeue)
 UNSAVED_EXIT_CODE = 76  # stopped without saving this step: resume continues from the last complete checkpoint
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+STOPPING_FILE = ".stopping"  # in output_dir: the exit code of the job's first rank to exit at once (see exit_now)
 _exiting: list[int] = []  # set when this rank is already on its way out (training/hang.py): signals end it quietly
+_job: dict = {"marker": None, "cleanup": [], "handler": None, "watching": False}
 
 
 def exit_quietly_on_signals(code: int) -> None:
@@ -34,12 +43,166 @@ def exit_quietly_on_signals(code: int) -> None:
     _exiting.append(code)
 
 
-def exit_if_exiting() -> None:
-    """Called with an exception in hand: a rank already on its way out (its peers gone first) exits quietly."""
+def peers_exiting() -> int | None:
+    """The exit code when this rank, or another rank of the job (``output_dir/.stopping``), is on its way out."""
     if _exiting:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_exiting[0])
+        return _exiting[0]
+    marker = _job["marker"]
+    if marker and os.path.exists(marker):
+        try:
+            with open(marker) as f:
+                return int(f.read().strip() or UNSAVED_EXIT_CODE)
+        except (OSError, ValueError):
+            return UNSAVED_EXIT_CODE
+    return None
+
+
+def exit_now(code: int) -> None:
+    """End this rank at once with ``code``: rank 0's output_dir lock released (a requeued job on another node
+    would otherwise wait for its heartbeat to go stale), output flushed, no teardown."""
+    for cleanup in _job["cleanup"]:
+        try:
+            cleanup()
+        except Exception:  # noqa: BLE001 (exiting anyway)
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_if_exiting() -> None:
+    """Called with an exception in hand: a rank whose job is already on its way out (its peers gone first: a hang,
+    or a peer that exited at once on a signal) exits quietly with the job's code instead of a traceback."""
+    code = peers_exiting()
+    if code is not None:
+        exit_now(code)
+
+
+def _first_to_exit(code: int) -> bool:
+    """Marks this rank, and the job (``output_dir/.stopping``), as exiting with ``code``; True for the job's first
+    rank to do so, which says why: its peers, signalled too or failing in a collective with it, exit quietly."""
+    _exiting.append(code)
+    marker = _job["marker"]
+    if marker is None:
+        return True
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    os.write(fd, str(code).encode())
+    os.close(fd)
+    return True
+
+
+def exit_unsaved(rank: int, why: str, what: str = " without a checkpoint of this step") -> None:
+    """Exit this rank at once with ``UNSAVED_EXIT_CODE``; the job's first rank to do so prints the one line."""
+    if _first_to_exit(UNSAVED_EXIT_CODE):
+        print(
+            f"[train] rank {rank}: {why}: exiting now{what} (exit code {UNSAVED_EXIT_CODE}); resume=auto continues "
+            "from the last complete checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+    exit_now(UNSAVED_EXIT_CODE)
+
+
+def clear_stale_marker(output_dir: str) -> None:
+    """Rank 0, inside a start-up step every rank waits for: an earlier job's ``.stopping`` is not this job's."""
+    try:
+        os.unlink(os.path.join(output_dir, STOPPING_FILE))
+    except FileNotFoundError:
+        pass
+
+
+def _deliver(name: str) -> None:
+    code = peers_exiting()
+    if code is not None:  # the job is ending already (a hang, a peer gone at once): the launcher ending this rank
+        exit_now(code)
+    _job["handler"](name)
+
+
+def _install(handler) -> None:
+    """``handler(name)`` gets every stop signal (SIGTERM, SIGUSR1), SIGINT (Ctrl-C) and the launcher's exit."""
+    _job["handler"] = handler
+    for name in (*STOP_SIGNALS, "SIGINT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), lambda signum, frame: _deliver(signal.Signals(signum).name))
+    if not _job["watching"]:
+        chain = launcher_chain()
+        if chain:
+            _job["watching"] = True
+            threading.Thread(target=_watch_launcher, args=(chain,), daemon=True, name="launcher-watch").start()
+
+
+def launcher_chain() -> list:
+    """DeepSpeed's launcher processes above this rank: its parent ``deepspeed.launcher.launch`` and, above that,
+    the ``deepspeed`` command (runner.py) when it runs on this node; [] under any other launcher."""
+    import psutil  # DeepSpeed's own dependency: its launcher uses it
+
+    try:
+        parent = psutil.Process().parent()
+        if parent is None or "deepspeed.launcher.launch" not in parent.cmdline():
+            return []
+        chain = [parent]
+        runner = parent.parent()
+        if runner is not None and any(
+            os.path.basename(a) == "deepspeed" or "deepspeed.launcher.runner" in a for a in runner.cmdline()[:3]
+        ):
+            chain.append(runner)
+        return chain
+    except psutil.Error:
+        return []
+
+
+def _watch_launcher(chain: list) -> None:
+    """SIGUSR1 or SIGTERM sent to the ``deepspeed`` command kills it (DeepSpeed's runner catches neither, and its
+    ``launch.py`` catches SIGTERM/SIGINT only to kill the ranks): the ranks would train on, orphaned. A launcher
+    gone is taken as a stop signal; local rank 0 of each node says so, once."""
+    while all(_alive(p) for p in chain):
+        time.sleep(1.0)
+    gone = next(p for p in chain if not _alive(p))
+    if os.environ.get("LOCAL_RANK", "0") == "0" and peers_exiting() is None:
+        print(
+            f"[train] the DeepSpeed launcher (pid {gone.pid}) exited before its ranks (a SIGUSR1 or SIGTERM sent to "
+            "the deepspeed command kills it, unforwarded): the ranks stop as on a stop signal, and nobody "
+            "collects their exit code. Signal the ranks instead (docs/checkpoints.md#which-process-to-signal)",
+            file=sys.stderr,
+            flush=True,
+        )
+    _deliver("launcher-exit")
+
+
+def _alive(process) -> bool:
+    """Running, and not a zombie: a dead process its parent has not reaped yet is gone as well."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def stop_at_once_on_signals(output_dir: str, rank: int, cleanup=None) -> None:
+    """Start-up, from the moment output_dir exists on every rank (rank 0 has removed an earlier job's
+    ``.stopping``) until ``StopAndSave`` takes over in the training loop: nothing trained yet to save, so a stop
+    signal, SIGINT or the launcher's exit ends the job at once with ``UNSAVED_EXIT_CODE``, said once, the other
+    ranks quiet. ``cleanup`` (rank 0's lock release) runs before any exit at once."""
+    _job["marker"] = os.path.join(output_dir, STOPPING_FILE)
+    if cleanup is not None:
+        _job["cleanup"].append(cleanup)
+
+    def handler(name: str) -> None:
+        exit_unsaved(rank, f"{_said(name)} during start-up, before the first step", ", nothing trained yet to save")
+
+    _install(handler)
+
+
+def _said(name: str) -> str:
+    if name == "launcher-exit":
+        return "the DeepSpeed launcher exited"
+    return "SIGINT (Ctrl-C)" if name == "SIGINT" else name
 
 
 class Preempted(Exception):
@@ -57,33 +220,28 @@ class StopAndSave:
         self.received: str | None = None
         self.timer: threading.Timer | None = None
         self.last_save = time.monotonic()
-        for name in STOP_SIGNALS:
-            if hasattr(signal, name):
-                signal.signal(getattr(signal, name), self._handle)
+        _install(self._handle)
 
-    def _handle(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
-        if _exiting:
-            os._exit(_exiting[0])
+    def _handle(self, name: str) -> None:
+        if name == "SIGINT":  # Ctrl-C: at once (DeepSpeed's launch.py sends SIGTERM to the ranks right after)
+            self._exit_unsaved("SIGINT (Ctrl-C)")
         if self.received is not None and self.timer is None:  # the checkpoint after the first is complete
-            os._exit(PREEMPTED_EXIT_CODE)
+            exit_now(PREEMPTED_EXIT_CODE)
+        if self.received is not None and name == "launcher-exit":  # e.g. SLURM's signal reached it too: stopping
+            return
         if self.received is not None:
             self._exit_unsaved(f"a second {name} arrived before the checkpoint was complete")
         self.received = name
         self.timer = threading.Timer(
-            self.grace_s, self._exit_unsaved, [f"no checkpoint within preempt_grace_s={self.grace_s:g} of {name}"]
+            self.grace_s,
+            self._exit_unsaved,
+            [f"no checkpoint within preempt_grace_s={self.grace_s:g} of {_said(name)}"],
         )
         self.timer.daemon = True
         self.timer.start()
 
     def _exit_unsaved(self, why: str) -> None:
-        print(
-            f"[train] rank {self.rank}: {why}: exiting now without a checkpoint of this step (exit code "
-            f"{UNSAVED_EXIT_CODE}); resume=auto continues from the last complete checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(UNSAVED_EXIT_CODE)
+        exit_unsaved(self.rank, why)
 
     def saved(self) -> None:
         """A checkpoint was written: the clock starts again, and a stop signal's deadline is met."""

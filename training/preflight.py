@@ -14,28 +14,59 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from parallel.memory_plan import GB, schedule_report, shape_of, splitter, stage_estimates, stage_table
-from training.config import REPO_ROOT, ConfigError, register_configs, resolve
+from training.config import (
+    REPO_ROOT,
+    ConfigError,
+    given_keys,
+    override_key_problems,
+    register_configs,
+    resolve,
+    unknown_key_problems,
+)
+
+INTERNAL_LINES = ("reference_type=", "object_type=")  # OmegaConf's class names in a validation error: no help to a user
 
 
-def composed(overrides: list[str]):
-    """train.py's config (a training.config.TrainConfig) from its Hydra overrides, without starting anything;
-    raises ValueError with Hydra's message for an override it cannot apply."""
+def composed_with_unknown(overrides: list[str]):
+    """(train.py's config, a training.config.TrainConfig, from its Hydra overrides; its keys TrainConfig lacks, in
+    train.py's words), without starting anything. Raises ValueError with train.py's message for a mistyped key
+    (override_key_problems, before Hydra, as train.py's ``__main__``) or an override Hydra cannot apply: Hydra's
+    line and its causes, as train.py prints them (an invalid choice's cause lists the valid values)."""
+    typos = override_key_problems(overrides)
+    if typos:
+        raise ValueError("invalid configuration:\n  " + "\n  ".join(typos))
     register_configs()
     try:
         with initialize_config_dir(config_dir=os.path.join(REPO_ROOT, "conf"), version_base="1.3"):
-            return OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+            tree = compose(config_name="config", overrides=overrides)
+            unknown = unknown_key_problems(OmegaConf.to_container(tree))  # to_object would drop them silently
+            return OmegaConf.to_object(tree), unknown
     except (HydraException, OmegaConfBaseException) as e:
-        raise ValueError(str(e)) from e
+        lines, cause = [str(e)], e.__cause__
+        while cause is not None:
+            lines += [line for line in str(cause).splitlines() if not line.strip().startswith(INTERNAL_LINES)]
+            cause = cause.__cause__
+        raise ValueError("\n".join(lines)) from e
+
+
+def composed(overrides: list[str]):
+    """train.py's config from its Hydra overrides (composed_with_unknown); a key TrainConfig lacks raises
+    ValueError with train.py's line."""
+    cfg, unknown = composed_with_unknown(overrides)
+    if unknown:
+        raise ValueError("invalid configuration:\n  " + "\n  ".join(unknown))
+    return cfg
 
 
 def check(world_size: int, overrides: list[str]) -> list[str]:
     """The report's lines for a valid config; raises ValueError with train.py's message otherwise."""
+    cfg, unknown = composed_with_unknown(overrides)
     try:
-        resolved = resolve(composed(overrides), world_size=world_size)
+        resolved = resolve(cfg, world_size=world_size, problems=unknown, given=given_keys(overrides))
     except ConfigError as e:
         raise ValueError(str(e)) from e
     cfg, config = resolved.cfg, resolved.model_config
-    lines = [f"warning: {w}" for w in resolved.warnings]
+    lines = [f"adapted: {a}" for a in resolved.adapted] + [f"warning: {w}" for w in resolved.warnings]
     layout = resolved.layout
     lines.append(
         f"config OK for {world_size} ranks: {layout.axes()}, {layout.engine}, "

@@ -30,6 +30,31 @@ def flat_values(record: dict) -> dict[str, float]:
     return out
 
 
+def wandb_problems(output_dir: str) -> list[str]:
+    """monitor.wandb=true where ``wandb.init`` would stop, after the model loaded, for want of credentials: online
+    mode (WANDB_MODE, W&B's settings files) and no API key (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, the netrc
+    file ``wandb login`` writes, W&B's settings). Read as ``wandb.init`` reads them; W&B is not contacted."""
+    from wandb.sdk.lib.wbauth import wbnetrc
+    from wandb.sdk.wandb_settings import Settings
+
+    settings = Settings(silent=True)  # a copy of what W&B's process-wide setup loads, without starting it
+    config_dir = os.path.expanduser(os.environ.get("WANDB_CONFIG_DIR", os.path.join("~", ".config", "wandb")))
+    settings.settings_system = os.path.join(config_dir, "settings")
+    settings.update_from_system_settings()
+    settings.update_from_env_vars(dict(os.environ))
+    if settings._offline or settings._noop:
+        return []
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE") or settings.api_key:
+        return []
+    if wbnetrc.read_netrc_auth(host=settings.base_url):
+        return []
+    return [
+        f"monitor.wandb=true logs to W&B online ({settings.base_url}), and no API key is set here: run `wandb login` "
+        f"or set WANDB_API_KEY, or set WANDB_MODE=offline to write the run under {output_dir}/wandb for `wandb sync` "
+        "later"
+    ]
+
+
 class WandbRun:
     """One W&B run for ``output_dir``, continued on resume; called with each metrics.jsonl record."""
 

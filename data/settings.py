@@ -1,0 +1,50 @@
+"""The settings a source is tokenized with, and the check of a directory scripts/prepare_data.py made against them
+(cfg: training.config.TrainConfig): shared by the config check, the data's opening and prepare_data.py."""
+
+from __future__ import annotations
+
+import os
+
+from data.cache import DataSettings, prepared_mismatch
+from data.checks import field_names, packs
+from data.sources import is_prepared
+
+
+def tokenizer_dir(cfg) -> str:
+    """Where the tokenizer files are: the checkpoint, or model.tokenizer when training from scratch."""
+    return cfg.model_name_or_path or cfg.model.tokenizer
+
+
+def data_settings(cfg, model_config, fmt: str | None = None) -> DataSettings:
+    """The settings a source is tokenized with (``fmt``: a source's own format, default data.format)."""
+    pad = model_config.pad_token_id
+    fmt = fmt or cfg.data.format
+    return DataSettings(
+        format=fmt,
+        max_seq_length=cfg.data.max_seq_length,
+        packing=packs(cfg.data, fmt),
+        skip_bad_lines=cfg.data.skip_bad_lines,
+        pad_id=pad if pad is not None else 0,  # any id works: padding has label -100 and sits at the row's end
+        vocab_size=model_config.vocab_size,
+        fields=tuple(sorted((k, v) for k, v in field_names(cfg.data).items() if k != v)),
+    )
+
+
+def prepared_problems(cfg, model_config) -> list[str]:
+    """The run's sources that are directories made by scripts/prepare_data.py with other data settings or another
+    tokenizer: refused before start (training.config.resolve, so the preflight refuses them too), in the words
+    the data's opening uses (data.cache.prepared_mismatch)."""
+    if model_config is None:
+        return []  # resolve_model says why
+    d = cfg.data
+    keyed = [("data.train_file", d.train_file, None), ("data.eval_file", d.eval_file, None)]
+    for key in ("sources", "eval_sources"):
+        keyed += [(f"data.{key}[{i}]", s.path, s.format) for i, s in enumerate(getattr(d, key))]
+    problems = []
+    for key, path, fmt in keyed:
+        if path and os.path.isdir(path) and is_prepared(path):
+            settings = data_settings(cfg, model_config, fmt)
+            meta, mismatch = prepared_mismatch(path, settings, tokenizer_dir(cfg) or None)
+            if mismatch and meta["settings"].get("format") == settings.format:  # another format: data_problems says it
+                problems.append(f"{key} {mismatch}")
+    return problems

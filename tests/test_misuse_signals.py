@@ -1,0 +1,208 @@
+"""Signals and the hang watchdog as users misuse them (training/preemption.py, training/hang.py).
+
+Fast tier: hang_timeout_s too small to mean a hang is refused; a hang exit waits for the checkpoint save in
+progress; a signal during start-up (or SIGINT) exits at once with code 76, said once; a rank whose job is
+already exiting (``output_dir/.stopping``) exits quietly, on a signal or on a failed collective; rank 0's
+output_dir lock is released before such an exit.
+
+Multi-rank, the real ``deepspeed`` launcher (tests/sleepy_rank.py: rank 3 sleeps in each forward from step 2,
+so a step lasts seconds): SIGTERM twice to one rank mid-step -> exit 76, one line, no tracebacks from the other
+ranks; SIGUSR1 to the ``deepspeed`` command itself (which dies of it) -> its ranks notice, save after the step
+in flight and exit, none left running; the same command resumes and finishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from models.hf_io import hf_to_stages
+from models.layer_files import read_tag
+from models.tiny import write_random_tokens
+from tests.conftest import RANK_ENV, REPO, free_port, read_metrics, run_deepspeed
+from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
+from tests.test_train_parity import SEQ, train_args
+from training.hang import HANG_EXIT_CODE
+from training.preemption import UNSAVED_EXIT_CODE
+
+
+def python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("value", [0.001, 4.9])
+def test_a_hang_timeout_too_small_to_mean_a_hang_is_refused(good, value):  # noqa: F811
+    assert (
+        f"hang_timeout_s {value:g} is too small to mean a hang: set hang_timeout_s >= 5 (seconds one training step "
+        "may run), or 0 = automatic (20 x the median step so far, at least 600 s)"
+    ) in problems_of(dataclasses.replace(good, hang_timeout_s=value), world_size=4)
+
+
+def test_a_hang_exit_waits_for_the_save_in_progress(tmp_path):
+    """The watchdog fires ~0.5-1 s into the step, during a 3 s save: it exits once the save is complete."""
+    start = time.time()
+    proc = python(
+        "import time\nfrom training.hang import HangWatch\n"
+        f"w = HangWatch({str(tmp_path)!r}, 0, 1, 0.5, 'exit')\nw.step_started(3)\n"
+        "with w.saving():\n"
+        f"    time.sleep(3)\n    open({str(tmp_path / 'saved')!r}, 'w').write('complete')\n"
+        "time.sleep(30)\n"
+    )
+    took = time.time() - start
+    assert proc.returncode == HANG_EXIT_CODE, proc.stderr
+    assert "train.py: error: step 3 has run" in proc.stderr
+    assert (tmp_path / "saved").read_text() == "complete" and took < 25, took
+
+
+EARLY = (
+    "import os, signal, sys, time\nfrom training import preemption\n"
+    "preemption.stop_at_once_on_signals({out!r}, {rank}, lambda: open({out!r} + '/released', 'w').close())\n"
+)
+
+
+@pytest.mark.parametrize("name", ["SIGUSR1", "SIGTERM", "SIGINT"])
+def test_a_signal_during_start_up_exits_at_once_said_once(tmp_path, name):
+    proc = python(EARLY.format(out=str(tmp_path), rank=2) + f"os.kill(os.getpid(), signal.{name})\ntime.sleep(20)\n")
+    assert proc.returncode == UNSAVED_EXIT_CODE, proc.stderr
+    said = "SIGINT (Ctrl-C)" if name == "SIGINT" else name
+    assert proc.stderr.strip() == (
+        f"[train] rank 2: {said} during start-up, before the first step: exiting now, nothing trained yet to save "
+        "(exit code 76); resume=auto continues from the last complete checkpoint"
+    )
+    assert (tmp_path / ".stopping").read_text() == "76" and (tmp_path / "released").exists()
+    # a peer of the job, signalled too (or by the launcher ending it): quiet, same code
+    proc = python(EARLY.format(out=str(tmp_path), rank=0) + "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(20)\n")
+    assert (proc.returncode, proc.stderr) == (UNSAVED_EXIT_CODE, "")
+    # a peer failing in a collective with the rank gone: no traceback
+    proc = python(
+        EARLY.format(out=str(tmp_path), rank=1)
+        + "try:\n    raise RuntimeError('Connection closed by peer')\nexcept Exception:\n"
+        "    preemption.exit_if_exiting()\n    raise\n"
+    )
+    assert (proc.returncode, proc.stderr) == (UNSAVED_EXIT_CODE, "")
+    # the next job in that output_dir: rank 0 removes the marker before any rank can exit at once
+    from training.preemption import clear_stale_marker
+
+    clear_stale_marker(str(tmp_path))
+    assert not (tmp_path / ".stopping").exists()
+
+
+def test_ctrl_c_in_the_loop_exits_at_once(tmp_path):
+    proc = python(
+        "import os, signal, time\nfrom training.preemption import StopAndSave\ns = StopAndSave(0, 30, 1, 'cpu')\n"
+        "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(20)\n"
+    )
+    assert proc.returncode == UNSAVED_EXIT_CODE
+    assert proc.stderr.startswith("[train] rank 1: SIGINT (Ctrl-C): exiting now without a checkpoint of this step")
+
+
+# -- multi-rank, the real launcher ----------------------------------------------------------------------
+
+
+STEPS6 = 6
+
+
+def sleepy_launch(tmp_path, out: str, seconds: str, **popen):
+    """``deepspeed --num_gpus 4 tests/sleepy_rank.py`` (train.py, rank 3 ``seconds`` asleep per forward from
+    step 2) as a Popen; returns (the launcher, its args, the ranks once step 1 is logged)."""
+    args = train_args(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "train.jsonl"),
+        str(tmp_path / out),
+        num_stages=2,
+        gradient_accumulation_steps=2,
+        ds_config="zero1",
+        max_steps=STEPS6,
+    )
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [deepspeed, "--num_gpus", "4", "--master_port", str(free_port()), "tests/sleepy_rank.py", *args]
+    env = {**os.environ, **RANK_ENV, "PYTHONPATH": REPO, "SLEEPY_RANK": "3", "SLEEPY_STEP": "2"}
+    env["SLEEPY_SECONDS"] = seconds
+    launcher = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
+    metrics = tmp_path / out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # into step 2: rank 3 asleep in its forward
+    ranks = [
+        p for p in psutil.Process(launcher.pid).children(recursive=True) if "--local_rank=" in " ".join(p.cmdline())
+    ]
+    assert len(ranks) == 4
+    return launcher, args, ranks
+
+
+@pytest.mark.multirank
+def test_signals_to_the_wrong_process_or_twice(tmp_path, tiny_hf):
+    write_random_tokens(str(tmp_path / "train.jsonl"), 64, SEQ, vocab_size=512)
+    hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
+
+    # 1. SIGTERM twice to one rank before the checkpoint: 76, said once; the other ranks end without tracebacks
+    launcher, _, ranks = sleepy_launch(tmp_path, "twice", "60")
+    rank3 = next(p for p in ranks if "--local_rank=3" in " ".join(p.cmdline()))
+    rank3.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    rank3.send_signal(signal.SIGTERM)
+    signalled = time.time()
+    out, _ = launcher.communicate(timeout=120)
+    took = time.time() - signalled
+    assert launcher.returncode == UNSAVED_EXIT_CODE, out[-3000:]
+    said = [x for x in out.splitlines() if "exiting now" in x]
+    print(f"[signals] second SIGTERM -> exit {launcher.returncode} in {took:.1f} s: {said}")
+    assert said == [
+        "[train] rank 3: a second SIGTERM arrived before the checkpoint was complete: exiting now without a "
+        "checkpoint of this step (exit code 76); resume=auto continues from the last complete checkpoint"
+    ]
+    assert "Traceback" not in out and "Error executing job" not in out, out[-5000:]
+    assert not (tmp_path / "twice" / "latest").exists()
+
+    # 2. SIGUSR1 to the `deepspeed` command: it dies of it (138 in a shell); its ranks save after the step in
+    # flight and exit, none left running; the same command resumes and finishes
+    launcher, args, ranks = sleepy_launch(tmp_path, "launcher", "1")
+    launch_py = psutil.Process(launcher.pid).children()[0]
+    launcher.send_signal(signal.SIGUSR1)
+    signalled = time.time()
+    out, _ = launcher.communicate(timeout=300)
+    gone, alive = psutil.wait_procs([*ranks, launch_py], timeout=60)
+    took = time.time() - signalled
+    assert launcher.returncode == -signal.SIGUSR1 and not alive, (alive, out[-3000:])
+    stopped_at = len(read_metrics(str(tmp_path / "launcher")))
+    assert 2 <= stopped_at < STEPS6, stopped_at
+    assert read_tag(str(tmp_path / "launcher")) == f"global_step{stopped_at}"
+    said = [x for x in out.splitlines() if "DeepSpeed launcher" in x or "stop signal" in x]
+    print(f"[signals] SIGUSR1 to deepspeed -> ranks gone {took:.1f} s later:\n" + "\n".join(said))
+    assert len(said) == 2 and said[0].startswith("[train] the DeepSpeed launcher (pid ")
+    assert f"checkpoint global_step{stopped_at} saved after step {stopped_at} of {STEPS6}" in said[1]
+    assert "Traceback" not in out, out[-5000:]
+    resumed = run_deepspeed(4, "train.py", args, str(tmp_path / "resumed.log"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(str(tmp_path / "launcher"))] == list(range(1, STEPS6 + 1))
+
+
+@pytest.mark.multirank
+def test_ctrl_c_in_the_terminal_of_a_launch(tmp_path, tiny_hf):
+    """SIGINT to every process of the launch (its own process group, as a terminal's Ctrl-C): the ranks exit at
+    once with 76, said once; the only traceback is DeepSpeed's runner's own KeyboardInterrupt."""
+    write_random_tokens(str(tmp_path / "train.jsonl"), 64, SEQ, vocab_size=512)
+    hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
+    launcher, _, ranks = sleepy_launch(tmp_path, "ctrl_c", "60", start_new_session=True)
+    os.killpg(launcher.pid, signal.SIGINT)
+    out, _ = launcher.communicate(timeout=120)
+    gone, alive = psutil.wait_procs(ranks, timeout=60)
+    said = [x for x in out.splitlines() if "exiting now" in x]
+    print(f"[signals] Ctrl-C -> deepspeed exit {launcher.returncode}: {said}")
+    assert not alive and len(said) == 1, out[-5000:]
+    assert said[0].endswith(
+        ": SIGINT (Ctrl-C): exiting now without a checkpoint of this step (exit code 76); resume=auto continues "
+        "from the last complete checkpoint"
+    )
+    tracebacks = out.split("Traceback")[1:]
+    assert all("deepspeed/launcher/runner.py" in t and "train.py" not in t for t in tracebacks), out[-5000:]
