@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.sources import DataError, Example, SourceStats, WholeFileError
+from data.records import DataError, Example, SourceStats, WholeFileError
 from models.loss import IGNORE_INDEX
 
 REFERENCE_DTYPE = np.float64  # as the loss sums each sequence's log-probabilities (models/loss.py)

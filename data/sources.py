@@ -18,21 +18,14 @@ import glob
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from data.preference import preference_examples
+from data.records import DataError, Example, SourceStats, WholeFileError
 from models.loss import IGNORE_INDEX
 
 FORMATS = ("tokens", "text", "sft", "dpo")
 TOKENIZE_BATCH = 256  # documents per call of the (Rust, multi-threaded) tokenizer
-
-
-class DataError(ValueError):
-    """Unusable training data, naming the file and line: a bad row, which data.skip_bad_lines may skip."""
-
-
-class WholeFileError(DataError):
-    """A problem no row can avoid (the tokenizer, the file itself): never skipped, and never hinted at
-    data.skip_bad_lines, which would only turn it into "no usable example"."""
 
 
 ROLES = ("system", "user", "assistant", "tool", "ipython")  # what chat templates know; ipython is Llama 3.1's tool
@@ -41,30 +34,6 @@ CHAT_LAYOUTS = (
     f"'messages' entries with string 'role' and 'content' (role one of {', '.join(ROLES)}), or ShareGPT "
     f"'conversations' entries with string 'from' and 'value' (from one of {', '.join(SHAREGPT_ROLES)})"
 )
-
-
-@dataclass
-class Example:
-    """One document or conversation: token ids and their labels (same length)."""
-
-    input_ids: list[int]
-    labels: list[int]
-
-
-@dataclass
-class SourceStats:
-    """Counts reported after reading a file (and stored in the cache's meta.json)."""
-
-    lines: int = 0  # records read (JSONL lines, or .txt documents)
-    examples: int = 0  # examples kept
-    tokens: int = 0  # tokens in kept examples, after truncation
-    skipped_bad_lines: int = 0  # with data.skip_bad_lines=true
-    dropped_no_trainable: int = 0  # SFT examples left with no response token to learn
-    identical_pairs: int = 0  # preference pairs whose chosen and rejected rows are the same tokens (nothing to learn)
-    truncated: int = 0  # examples cut to max_seq_length
-    rows_without_labels: int = 0  # rows dropped for having no label token (only one-token documents make them)
-    bytes_read: int = 0  # progress through the file
-    bad_line_examples: list[str] = field(default_factory=list)  # first few skipped lines, for the log
 
 
 def read_records(
@@ -480,8 +449,6 @@ def _examples(records, fmt, tokenizer, max_seq_length, vocab_size, skip_bad_line
     elif fmt == "text":
         yield from _text_examples(records, tokenizer, skip_bad_lines, stats)
     elif fmt == "dpo":
-        from data.preference import preference_examples  # it reads this module's pieces
-
         checked = lambda recs, parse: _checked(recs, parse, skip_bad_lines, stats)  # noqa: E731
         yield from preference_examples(records, tokenizer, max_seq_length, stats, checked)
     else:

@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from models.host_memory import peak_rss_mb, release_mapped_pages
-from models.llama_pipe import SpecInfo, expected_state_shapes, layer_file_name, spec_layout
+from models.specs import SpecInfo, expected_state_shapes, layer_file_name, spec_layout
 
 LATEST_FILE = "latest"  # DeepSpeed's name for the file holding the newest tag
 # Every tokenizer file transformers may write (copied with checkpoints, hashed into data cache keys).

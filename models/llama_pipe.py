@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -26,47 +25,11 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from models.attention import DOCUMENT_ATTENTION
 from models.families import FAMILIES, RMS_NORM_CLASSES, attention_type, family_of
+from models.layer_files import CheckpointError, fill_module_, load_layer_file, tp_piece, whole_shape
+from models.specs import SpecInfo, expected_state_shapes, layer_file_name, spec_layout  # noqa: F401 (read from here too)
 
 # Key under which the embedding and a tied LM head share one weight across stages.
 TIED_EMBEDDING_KEY = "embed_tokens"
-
-
-def layer_file_name(spec_index: int) -> str:
-    """Checkpoint file of one spec: DeepSpeed's ``PipelineModule.ckpt_layer_path`` naming.
-
-    DeepSpeed writes ``layer_{index:02d}-model_states.pt`` for the pipe x data topology (it omits the
-    data and pipe axes from the name). The model loader, the converter and the exporter all use this
-    function, so the name is defined once.
-    """
-    return f"layer_{spec_index:02d}-model_states.pt"
-
-
-@dataclass(frozen=True)
-class SpecInfo:
-    """Where one pipeline spec's weights live, in both layouts."""
-
-    index: int  # position in the spec list = DeepSpeed layer index
-    kind: str  # "embed" | "decoder" | "norm" | "head"
-    hf_prefix: str  # Hugging Face state-dict prefix of this module's parameters
-    file_index: int  # spec whose layer file holds the weights (differs only for a tied LM head)
-
-    @property
-    def owns_file(self) -> bool:
-        """True when this spec's weights are stored in its own layer file."""
-        return self.file_index == self.index
-
-
-def spec_layout(config: PretrainedConfig) -> list[SpecInfo]:
-    """The spec list as data: index, kind, Hugging Face prefix and layer file of every spec."""
-    n = config.num_hidden_layers
-    tied = bool(config.tie_word_embeddings)
-    layout = [SpecInfo(0, "embed", "model.embed_tokens.", 0)]
-    layout += [SpecInfo(1 + i, "decoder", f"model.layers.{i}.", 1 + i) for i in range(n)]
-    layout.append(SpecInfo(n + 1, "norm", "model.norm.", n + 1))
-    # A tied head has no weights of its own: DeepSpeed saves the shared module once, with the
-    # embedding (spec 0), and broadcasts it to the last stage.
-    layout.append(SpecInfo(n + 2, "head", "model.embed_tokens." if tied else "lm_head.", 0 if tied else n + 2))
-    return layout
 
 
 # attention= values: the attention function each decoder layer calls (transformers' AttentionInterface name)
@@ -306,13 +269,6 @@ def build_specs(
     return specs
 
 
-def expected_state_shapes(spec: LayerSpec) -> dict[str, torch.Size]:
-    """State-dict keys and shapes of one spec's module, built on the meta device (no memory, no init)."""
-    with torch.device("meta"):
-        module = spec.build()
-    return {key: tensor.shape for key, tensor in module.state_dict().items()}
-
-
 def spec_parameter_counts(config: PretrainedConfig) -> list[int]:
     """Parameters of every spec, from shapes on the meta device; a tied LM head counts the shared
     embedding again (as DeepSpeed's partitioner counts it: the last stage holds a copy)."""
@@ -435,8 +391,6 @@ class LlamaPipelineModule(PipelineModule):
         """DeepSpeed's load, except that a split stage reads the whole tensors and keeps its pieces."""
         if self._tp_group() is None:
             return super().load_state_dir(load_dir, checkpoint_engine, strict)
-        from models.layer_files import CheckpointError, fill_module_, load_layer_file
-
         for idx, layer in enumerate(self.forward_funcs):
             if not hasattr(layer, "load_state_dict"):
                 continue
@@ -482,8 +436,6 @@ def init_weights_(module: nn.Module, config: PretrainedConfig, seed: int) -> Non
     weight (the same numbers as without tensor parallelism) and keeps its piece.
     """
     from deepspeed.module_inject.layers import TensorParallel_Layer
-
-    from models.layer_files import tp_piece, whole_shape
 
     g = torch.Generator().manual_seed(seed)
     std = config.initializer_range
