@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from models.hf_io import DEFAULT_MAX_SHARD, ConversionError, hf_to_stages, stages_to_hf  # noqa: E402
 from models.layer_files import CheckpointError, read_tag  # noqa: E402
-from models.lora import export_adapter, lora_run_base  # noqa: E402
+from models.lora_files import export_adapter, lora_run_base  # noqa: E402
 from training.reshard import reshard  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -35,10 +35,10 @@ import torch
 from torch.utils.data import Dataset
 
 from data.packing import Row, pack_rows, pad_rows
+from data.render import examples_of
 from data.sources import (
     DataError,
     SourceStats,
-    examples_of,
     is_prepared,
     read_records,
     source_bytes,

@@ -1,5 +1,5 @@
 """The rules of the ``data.*`` settings, beside the code that reads the data: checked before start, with
-every other problem, by ``training.config.resolve``."""
+every other problem, by ``training.validate.resolve``."""
 
 from __future__ import annotations
 

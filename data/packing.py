@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from data.sources import Example, SourceStats
+from data.records import Example, SourceStats
 from models.loss import IGNORE_INDEX
 
 Row = tuple[list[int], list[int], list[int], int]  # input_ids, labels, position_ids (seq_len each); real tokens

@@ -13,7 +13,8 @@ reads the shards as they are and refuses them if they were made with other data 
 
 Written here rather than with ``datasets.map(num_proc=N)``: that builds Arrow files of Python lists (several
 times our int32 rows), keyed by a fingerprint of the function rather than the tokenizer's files, and cannot
-pack across examples; the reading and tokenizing are the same code as the in-job cache (data/sources.py).
+pack across examples; the reading and tokenizing are the same code as the in-job cache (data/sources.py,
+data/render.py).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def data_settings(cfg, model_config, fmt: str | None = None) -> DataSettings:
 
 def prepared_problems(cfg, model_config) -> list[str]:
     """The run's sources that are directories made by scripts/prepare_data.py with other data settings or another
-    tokenizer: refused before start (training.config.resolve, so the preflight refuses them too), in the words
+    tokenizer: refused before start (training.validate.resolve, so the preflight refuses them too), in the words
     the data's opening uses (data.cache.prepared_mismatch)."""
     if model_config is None:
         return []  # resolve_model says why

@@ -292,6 +292,31 @@ def unpickling_refusal(error: Exception) -> str:
     return detail[0] if detail else lines[0] if lines else type(error).__name__
 
 
+def deepspeed_state_globals() -> list[type]:
+    """What DeepSpeed pickles into its checkpoint files besides tensors and plain containers (the ZeRO
+    optimizer states' loss scaler, ZeRO stage and fragment addresses): allowed by name when loading,
+    every other class or function refused."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_deepspeed_file(path: str, map_location=None, mmap: bool = False):
+    """A DeepSpeed checkpoint file (engine state, optimizer states, a layer file) with
+    ``weights_only=True``: tensors, containers and :func:`deepspeed_state_globals` only, so a tampered
+    file is refused instead of running what it names."""
+    with torch.serialization.safe_globals(deepspeed_state_globals()):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(
+                f"{path} holds objects a DeepSpeed checkpoint does not (a pickle that could run code when "
+                f"loaded): refused, nothing loaded ({unpickling_refusal(e)})"
+            ) from None
+
+
 def checkpoint_tags(ckpt_dir: str) -> list[tuple[int, str]]:
     """(step, tag) of every ``global_step<N>`` directory in ``ckpt_dir``, oldest first."""
     if not os.path.isdir(ckpt_dir):

@@ -15,7 +15,6 @@ import os
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
@@ -25,7 +24,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from models.attention import DOCUMENT_ATTENTION
 from models.families import FAMILIES, RMS_NORM_CLASSES, attention_type, family_of
-from models.layer_files import CheckpointError, fill_module_, load_layer_file, tp_piece, whole_shape
+from models.layer_files import tp_piece, whole_shape
 from models.specs import SpecInfo, expected_state_shapes, layer_file_name, spec_layout  # noqa: F401 (read from here too)
 
 # Key under which the embedding and a tied LM head share one weight across stages.
@@ -50,13 +49,11 @@ class EmbeddingPipe(nn.Embedding):
 
     Split over tensor-parallel ranks (parallel/tensor_parallel.py) it holds the rows ``vocab_range`` of
     the vocabulary: each rank looks up the tokens of its slice, zeros for the others, and ``tp_reduce``
-    sums the ranks' lookups. With sequence parallelism (``seq_slice`` = (rank, ranks) of the sequence group,
-    parallel/sequence_parallel.py) it keeps this rank's contiguous slice of every row, positions included:
-    everything after it runs on S / ranks tokens."""
+    sums the ranks' lookups. (With sequence parallelism, parallel/sequence_parallel.py hands it this rank's
+    slice of every row.)"""
 
     vocab_range: tuple[int, int] | None = None
     tp_reduce = None
-    seq_slice: tuple[int, int] | None = None
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config.vocab_size, config.hidden_size, config.pad_token_id)
@@ -67,8 +64,6 @@ class EmbeddingPipe(nn.Embedding):
         if tied_head:  # the tied LM head of the chunked loss (tied_lm_head_chunked_forward)
             return inputs, handed_out(self.weight)  # hidden [B,S,H], [V,H] (or this rank's [V/tp,H])
         input_ids, position_ids = inputs  # [B,S] int64, [B,S] int64
-        if self.seq_slice is not None:
-            input_ids, position_ids = (sequence_slice(t, *self.seq_slice) for t in (input_ids, position_ids))
         if self.vocab_range is None:
             return super().forward(input_ids), position_ids  # hidden [B,S,H]
         start, end = self.vocab_range
@@ -76,14 +71,6 @@ class EmbeddingPipe(nn.Embedding):
         padding = self.padding_idx - start if self.padding_idx is not None and start <= self.padding_idx < end else None
         local = F.embedding((input_ids - start).masked_fill(outside, 0), self.weight, padding)  # [B,S,H]
         return self.tp_reduce(local.masked_fill(outside[..., None], 0.0)), position_ids
-
-
-def sequence_slice(t: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
-    """[B,S,...] -> [B,S/ranks,...]: the ``rank``-th contiguous slice of every row (sequence parallelism)."""
-    seq = t.shape[1]
-    if seq % ranks:
-        raise ValueError(f"a micro-batch of {seq} tokens per row does not split over {ranks} sequence-parallel ranks")
-    return t[:, rank * seq // ranks : (rank + 1) * seq // ranks].contiguous()  # sent to the next stage as is
 
 
 def handed_out(weight: nn.Parameter) -> torch.Tensor:
@@ -232,10 +219,10 @@ class LMHeadPipe(nn.Linear):
 #
 # The first stage's data iterator yields ((input_ids, position_ids), labels); the last stage reads labels.
 #
-# With sequence parallelism (sequence_parallel N) spec 0 takes whole rows and keeps this rank's slice: every
-# later spec sees S/N tokens (position_ids the slice of the global positions), the attention of each decoder
-# layer exchanges heads for tokens with its N - 1 peers (Ulysses), and the loss takes its slice of the
-# labels shifted over the whole row (models/loss.py).
+# With sequence parallelism (sequence_parallel N, parallel/sequence_parallel.py's plan) spec 0 takes whole rows
+# and keeps this rank's slice: every later spec sees S/N tokens (position_ids the slice of the global positions),
+# the attention of each decoder layer exchanges heads for tokens with its N - 1 peers (Ulysses), and the loss takes
+# its slice of the labels shifted over the whole row (models/loss.py).
 def build_specs(
     config: PretrainedConfig, loss_chunk_tokens: int = 0, attention: str = DOCUMENT_ATTENTION
 ) -> list[LayerSpec]:
@@ -330,75 +317,20 @@ class LlamaPipelineModule(PipelineModule):
     The price is memory: the first stage stores the embedding on top of its share; ``parameters``
     balances stored parameters, ``memory`` the predicted per-GPU peak (docs/training.md#partitioning).
 
-    With ``shard_stage`` (tensor parallelism, parallel/tensor_parallel.py) the stage's layers are built
-    with their parameters on the meta device (buffers, e.g. rotary frequencies, built as usual),
-    ``shard_stage(self)`` cuts them into this rank's pieces, and only the pieces get memory, zeros until
-    the caller loads or initialises them: no rank ever allocates a whole layer.
+    The parallel axes put their own class before this one (parallel/stage.py's ``stage_class``): tensor
+    parallelism's builds, saves and loads the stage in pieces (parallel/tensor_parallel.py), DualPipeV's cuts it
+    into two pieces per rank (DeepSpeed's ``DualPipeVModule``).
     """
 
-    def __init__(self, config: PretrainedConfig, *args, boundaries: list[int], shard_stage=None, **kwargs):
-        self._llama_config, self._boundaries, self._shard_stage = config, list(boundaries), shard_stage
+    def __init__(self, config: PretrainedConfig, *args, boundaries: list[int], **kwargs):
+        self._llama_config, self._boundaries = config, list(boundaries)
         super().__init__(*args, **kwargs)
         for p in self.parameters():
             p.model_parallel = not p.ds_pipe_replicated
 
-    def _build(self) -> None:
-        if self._shard_stage is None:
-            return super()._build()
-        from accelerate import init_empty_weights
-
-        with init_empty_weights(include_buffers=False):
-            super()._build()
-        self._shard_stage(self)
-        materialize_(self)
-
-    def _tp_group(self):
-        """The tensor-parallel group when this stage was split over one (parallel/tensor_parallel.py), else None."""
-        split = any(hasattr(p, "tp_split") for p in self.parameters())
-        return self._grid.get_slice_parallel_group() if split else None
-
     def ckpt_layer_path(self, ckpt_dir: str, local_layer_idx: int) -> str:
         # One file per layer whatever the tensor-parallel rank: save_state_dict writes whole tensors.
         return os.path.join(ckpt_dir, layer_file_name(local_layer_idx + self._local_start))
-
-    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
-        """DeepSpeed's save, except that a stage split over tensor-parallel ranks gathers each split tensor
-        and writes it whole, from TP rank 0: layer files keep Hugging Face's names and shapes."""
-        group = self._tp_group()
-        if group is None:
-            return super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
-        if self._grid.data_parallel_id != 0:
-            return None
-        checkpoint_engine.makedirs(save_dir, exist_ok=True)
-        writer = dist.get_rank(group) == 0  # the only rank that holds a whole layer, to write it
-        for idx, layer in enumerate(self.forward_funcs):
-            if not hasattr(layer, "state_dict"):
-                continue
-            state, params = {}, dict(layer.named_parameters())
-            for key, t in layer.state_dict().items():
-                split = getattr(params.get(key), "tp_split", None)
-                if split:
-                    dim, _, world = split
-                    pieces = [torch.empty_like(t) for _ in range(world)] if writer else None
-                    dist.gather(t.contiguous(), pieces, dst=dist.get_global_rank(group, 0), group=group)
-                    t = torch.cat(pieces, dim) if writer else t  # whole, as Hugging Face names and shapes it
-                state[key] = t.clone()
-            if writer:
-                checkpoint_engine.save(state_dict=state, path=self.ckpt_layer_path(save_dir, idx))
-        return None
-
-    def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
-        """DeepSpeed's load, except that a split stage reads the whole tensors and keeps its pieces."""
-        if self._tp_group() is None:
-            return super().load_state_dir(load_dir, checkpoint_engine, strict)
-        for idx, layer in enumerate(self.forward_funcs):
-            if not hasattr(layer, "load_state_dict"):
-                continue
-            path = self.ckpt_layer_path(load_dir, idx)
-            problems = fill_module_(layer, load_layer_file(path), path)
-            if problems:
-                raise CheckpointError("cannot load the stage's pieces:\n  " + "\n  ".join(problems))
-        return None
 
     def _partition_layers(self, method: str = "uniform") -> None:
         # The split is the caller's (parallel.partition.stage_boundaries), whatever DeepSpeed's method says.

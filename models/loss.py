@@ -15,6 +15,8 @@ never holding the [B,S,V] logits (docs/training.md#chunked-loss).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -169,6 +171,19 @@ def chunked_causal_lm_loss(
     raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
 
 
+@dataclass(frozen=True)
+class LossSplit:
+    """This rank's share of the loss, as the parallel plans of its stage return it (parallel/stage.py's
+    ``build_pipeline_model`` hands it to the loss's ``split_over``); the defaults: the whole loss on one rank.
+
+    ``tensor_parallel``: (process group, first vocabulary id of this rank's LM head slice): the head is split over
+    the group's vocabulary (parallel/tensor_parallel.py). ``seq_slice``: (rank, ranks) of the sequence group: the
+    outputs are this rank's slice of each row, the labels whole (parallel/sequence_parallel.py)."""
+
+    tensor_parallel: tuple | None = None
+    seq_slice: tuple[int, int] | None = None
+
+
 class CausalLMLoss:
     """The pipeline's ``loss_fn`` (and the data-parallel engine's loss), normalised per optimizer step.
 
@@ -184,10 +199,11 @@ class CausalLMLoss:
     def __init__(self, chunk_tokens: int = 0) -> None:
         self.scale: float | None = None
         self.chunk_tokens = chunk_tokens
-        self.tensor_parallel: tuple | None = None  # (group, first vocabulary id of this rank's LM head slice)
-        # Sequence parallelism: (rank, ranks) of the sequence group; the outputs are this rank's slice of
-        # each row, the labels whole (parallel/sequence_parallel.py)
-        self.seq_slice: tuple[int, int] | None = None
+        self.split_over(LossSplit())
+
+    def split_over(self, split: LossSplit) -> None:
+        """Compute this rank's share of the loss (:class:`LossSplit`)."""
+        self.tensor_parallel, self.seq_slice = split.tensor_parallel, split.seq_slice
 
     def __call__(self, outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         reduction = "mean" if self.scale is None else "sum"
@@ -271,10 +287,13 @@ class PreferenceLoss:
     def __init__(self, chunk_tokens: int, beta: float, loss_type: str, label_smoothing: float = 0.0) -> None:
         self.chunk_tokens, self.beta, self.loss_type = chunk_tokens, beta, loss_type
         self.label_smoothing = label_smoothing
-        self.tensor_parallel: tuple | None = None  # set as CausalLMLoss's (parallel/tensor_parallel.py)
-        self.seq_slice: tuple[int, int] | None = None  # refused with DPO (training/config.py)
+        self.split_over(LossSplit())  # its seq_slice unused: sequence parallelism is refused with DPO
         self.recording: list | None = None
         self.stats = torch.zeros(1 + len(PREFERENCE_METRICS), dtype=torch.float64)
+
+    def split_over(self, split: LossSplit) -> None:
+        """Compute this rank's share of the loss (:class:`LossSplit`), as :meth:`CausalLMLoss.split_over`."""
+        self.tensor_parallel, self.seq_slice = split.tensor_parallel, split.seq_slice
 
     def take_stats(self) -> torch.Tensor:
         stats, self.stats = self.stats, torch.zeros_like(self.stats)

@@ -5,8 +5,9 @@ towards the last rank) and piece 2 x num_stages - 1 - r (phase 1, they flow back
 embedding and the LM head (a tied one is a single module there) and reads both the inputs and the labels.
 DeepSpeed's ``deepspeed.initialize`` picks ``DualPipeVEngine`` for such a module; it exchanges activation
 shapes once (rows are fed whole), sends no bool tensor and needs at least 2 x num_stages micro-batches.
-``mend_engine`` makes it a ``LlamaDualPipeVEngine``: DualPipe's split of the weight gradients (zero bubble),
-which DeepSpeed's schedule leaves out, and eval passes of any length.
+:class:`DualPipeVPlan` applies the schedule (parallel/axis.py's steps); its ``adopt_engine`` makes the engine a
+``LlamaDualPipeVEngine``: DualPipe's split of the weight gradients (zero bubble), which DeepSpeed's schedule
+leaves out, and eval passes of any length.
 """
 
 from __future__ import annotations
@@ -20,14 +21,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import BackwardPass, CommitP2P, DualPipeVSchedule, PipeInstruction
 from torch import nn
 
-from models.llama_pipe import LlamaPipelineModule
-from parallel.layout import PIPELINE_SCHEDULES
-
-
-class LlamaDualPipeVModule(DualPipeVModule, LlamaPipelineModule):
-    """``LlamaPipelineModule`` (its split from ``boundaries``, now 2 x num_stages + 1 of them, its clipping
-    and layer-file fixes) with DeepSpeed's two pieces per rank. DeepSpeed's methods run each per piece
-    (``activate_phase``), so layer files keep their global spec index whichever rank wrote them."""
+from parallel.axis import AxisPlan
+from parallel.layout import Layout, schedule_layout_problems
 
 
 class WeightPass(PipeInstruction):
@@ -214,15 +209,55 @@ def wrap_instructions(names, wrap) -> None:
                 engine._INSTRUCTION_MAP[instruction] = wrap(fn)
 
 
-def mend_engine(engine) -> None:
-    """Make the engine ``deepspeed.initialize`` built for a DualPipeV module a :class:`LlamaDualPipeVEngine`
-    (same state; its class is swapped), its pieces' linear layers able to defer their weight gradients."""
-    if type(engine) is not DualPipeVEngine:
-        return
-    engine.__class__ = LlamaDualPipeVEngine
-    engine.weight_grads = WeightGradStore()
-    pieces = [m for funcs in engine.module.phase_funcs for m in funcs if isinstance(m, nn.Module)]
-    engine.weight_grads.layers = defer_linear_weights_(pieces, engine.weight_grads)
+class DualPipeVPlan(AxisPlan):
+    """``pipeline_schedule=dualpipev`` (parallel/axis.py's steps).
+
+    The stage: DeepSpeed's ``DualPipeVModule`` before ``LlamaPipelineModule`` (its split from ``boundaries``, now
+    2 x num_stages + 1 of them, ``Layout.pieces``; its clipping and layer-file fixes), two pieces per rank.
+    DeepSpeed's methods run each per piece (``activate_phase``), so layer files keep their global spec index
+    whichever rank wrote them.
+
+    The engine: ``deepspeed.initialize`` builds DeepSpeed's ``DualPipeVEngine`` for such a module (it picks the
+    class itself, from the module's type); :meth:`adopt_engine` then swaps the engine's class for
+    :class:`LlamaDualPipeVEngine`, a subclass that adds no state of its own but the weight-gradient store set here,
+    and routes the pieces' linear layers through it. This is the one place an engine's class changes: building
+    the subclass directly would mean repeating ``deepspeed.initialize``'s own set-up around the engine's
+    construction."""
+
+    stage_mixin = DualPipeVModule
+
+    @staticmethod
+    def used(layout: Layout) -> bool:
+        return layout.schedule == "dualpipev"
+
+    def adopt_engine(self, engine) -> None:
+        if type(engine) is not DualPipeVEngine:
+            return
+        engine.__class__ = LlamaDualPipeVEngine
+        engine.weight_grads = WeightGradStore()
+        pieces = [m for funcs in engine.module.phase_funcs for m in funcs if isinstance(m, nn.Module)]
+        engine.weight_grads.layers = defer_linear_weights_(pieces, engine.weight_grads)
+
+    def announce(self, engine, gather) -> list[str]:
+        deferring = gather("counting deferrable layers", lambda: engine.weight_grads.layers)
+        return [
+            f"schedule: DualPipeV, {self.layout.pieces} pieces, two per pipeline rank; zero bubble: the weight "
+            f"gradients of {', '.join(map(str, deferring))} linear layers (per rank) deferred where DualPipe does"
+        ]
+
+
+def short_eval_problem(layout: Layout, name: str, count: int) -> str:
+    """An eval set of ``count`` samples too short for one DualPipeV pass (``Layout.least_micro_batches`` per
+    data-parallel rank), in training's words; "" when it is long enough, or the schedule is 1F1B."""
+    micro, dp, least = layout.micro_batch, layout.dp, layout.least_micro_batches
+    if layout.schedule != "dualpipev" or count // dp // micro >= least:
+        return ""
+    return (
+        f"the eval set{f' {name}' if name else ''} has {count} samples: {count // dp // micro} "
+        f"micro-batches per data-parallel rank (micro_batch_size {micro} x dp {dp}), and DualPipeV "
+        f"needs {least} per pass (2 x num_stages): add eval data, raise data.eval_fraction, or lower "
+        "micro_batch_size"
+    )
 
 
 def dualpipev_defaults(cfg, is_set) -> list[tuple[str, object, str]]:
@@ -240,43 +275,8 @@ def dualpipev_defaults(cfg, is_set) -> list[tuple[str, object, str]]:
 
 
 def dualpipev_problems(cfg, model_config, layout) -> list[str]:
-    """Everything train.py refuses about ``pipeline_schedule=dualpipev`` (cfg: training.config.TrainConfig),
-    with the numbers and the knob to change."""
-    if layout.schedule not in PIPELINE_SCHEDULES:
-        return [f"pipeline_schedule {layout.schedule!r} unknown: choose one of {list(PIPELINE_SCHEDULES)}"]
-    if layout.schedule != "dualpipev":
-        return []
-    k, problems = layout.stages, []
-    if k < 2:
-        return [
-            f"pipeline_schedule=dualpipev with num_stages {k}: DualPipeV needs 2 pipeline ranks or more; set "
-            "num_stages >= 2 or pipeline_schedule=1f1b"
-        ]
-    if layout.grad_accum < 2 * k:
-        problems.append(
-            f"pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = {2 * k} (each rank "
-            f"holds two pieces, {2 * k} in flight); got {layout.grad_accum}: raise gradient_accumulation_steps"
-        )
-    if model_config is not None and 2 * k > model_config.num_hidden_layers:
-        problems.append(
-            f"pipeline_schedule=dualpipev cuts the model into 2 x num_stages = {2 * k} pieces, more than its "
-            f"{model_config.num_hidden_layers} decoder layers: set num_stages <= {model_config.num_hidden_layers // 2}"
-        )
-    if cfg.data.pad_to_multiple_of:
-        problems.append(
-            f"pipeline_schedule=dualpipev with data.pad_to_multiple_of {cfg.data.pad_to_multiple_of}: DualPipeV "
-            "sends activation shapes once, so every micro-batch must have the same length; set "
-            "data.pad_to_multiple_of=0 (rows fed whole; data.packing=true keeps the padding low)"
-        )
-    for name, n in (("tensor_parallel", layout.tp), ("sequence_parallel", layout.sp)):
-        if n > 1:
-            problems.append(
-                f"pipeline_schedule=dualpipev with {name} {n} is not supported yet (no parity test of the two "
-                f"together): use {name}=1 or pipeline_schedule=1f1b"
-            )
-    if not layout.uses_pipeline:
-        problems.append(
-            f"pipeline_schedule=dualpipev runs on the pipeline engine, and ds={cfg.ds_config} is ZeRO "
-            f"{layout.zero}: use ZeRO 0 or 1 (ds_config=zero0 or zero1)"
-        )
-    return problems
+    """Everything train.py refuses about ``pipeline_schedule`` (cfg: training.config.TrainConfig), with the numbers
+    and the knob to change: the layout's rules (parallel.layout.schedule_layout_problems, which the planner asks
+    too) with the config's settings."""
+    num_layers = model_config.num_hidden_layers if model_config is not None else None
+    return schedule_layout_problems(layout, num_layers, cfg.data.pad_to_multiple_of, cfg.ds_config)

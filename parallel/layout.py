@@ -9,11 +9,29 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from enum import StrEnum
 
-# How train.py's partition_method may split the specs into stages. It stays a string: DeepSpeed also takes
-# "type:<regex>" patterns, checked against this list.
-PARTITION_METHODS = ("parameters", "compute", "memory", "uniform", "type:DecoderLayerPipe")
-PIPELINE_SCHEDULES = ("1f1b", "dualpipev")  # train.py's pipeline_schedule (parallel/dualpipev.py)
+# Typed choices of train.py's config, as its other StrEnums (training/config.py): OmegaConf refuses any other value
+# with the list of these. A member's name is what the command line and train_config.yaml say, and "1f1b" or
+# "type:DecoderLayerPipe" is no Python identifier: hence the functional form, each member named as its value
+# (written out, as training/config_docs.py reads it from the source).
+# How the specs are split into stages (parallel/partition.py; of DeepSpeed's "type:<regex>" patterns, this one).
+PartitionMethod = StrEnum(
+    "PartitionMethod",
+    {
+        "parameters": "parameters",
+        "compute": "compute",
+        "memory": "memory",
+        "uniform": "uniform",
+        "type:DecoderLayerPipe": "type:DecoderLayerPipe",
+    },
+    module=__name__,
+)
+# The pipeline schedule (parallel/dualpipev.py).
+PipelineSchedule = StrEnum("PipelineSchedule", {"1f1b": "1f1b", "dualpipev": "dualpipev"}, module=__name__)
+# The values, for the checks of a config built in Python (a dataclass takes any string) and of scripts' flags.
+PARTITION_METHODS = tuple(m.value for m in PartitionMethod)
+PIPELINE_SCHEDULES = tuple(s.value for s in PipelineSchedule)
 
 
 def tp_dividing(sizes, candidates) -> list[int]:
@@ -118,6 +136,41 @@ class Layout:
         return [stage, 2 * self.stages - 1 - stage] if self.schedule == "dualpipev" else [stage]
 
     @property
+    def reading_stages(self) -> tuple[int, ...]:
+        """The pipeline ranks that read data: the first (inputs) and the last (labels); with DualPipeV the first
+        alone, which holds both ends of the V."""
+        return (0,) if self.schedule == "dualpipev" else tuple(sorted({0, self.stages - 1}))
+
+    @property
+    def label_stage(self) -> int:
+        """The pipeline rank that holds the labels and computes the loss: the last; the first with DualPipeV."""
+        return 0 if self.schedule == "dualpipev" else self.stages - 1
+
+    @property
+    def least_micro_batches(self) -> int:
+        """Micro-batches per data-parallel rank a pipeline pass needs at least (an eval pass, DPO's reference
+        pass): DualPipeV keeps 2 x stages in flight."""
+        return 2 * self.stages if self.schedule == "dualpipev" else 1
+
+    @property
+    def batch_peers(self) -> int:
+        """Ranks of a stage that read the same micro-batches: its tensor-parallel and sequence-parallel peers."""
+        return self.tp * self.sp
+
+    def data_coord(self, coord):
+        """A rank's topology coordinate (DeepSpeed's, a named tuple with ``data``) with the data axis counted in
+        groups that read different samples (``dp`` of them): the ranks of a sequence group read the same samples,
+        so their data coordinate is the group's."""
+        return coord._replace(data=coord.data // self.sp)
+
+    def counts_labels(self, stage: int, data: int, tensor_rank: int) -> bool:
+        """Whether the pipeline-engine rank at pipeline rank ``stage``, DeepSpeed data coordinate ``data`` and
+        tensor-parallel rank ``tensor_rank`` counts its micro-batches' label tokens: the label stage's, of its
+        tensor-parallel and sequence-parallel peers (which hold the same micro-batch) the first. Their sum over
+        all ranks covers the global batch once."""
+        return stage == self.label_stage and tensor_rank == 0 and data % self.sp == 0
+
+    @property
     def uses_pipeline(self) -> bool:
         """DeepSpeed's pipeline engine (ZeRO 0/1), or its data-parallel engine (num_stages=1, ZeRO 2/3)."""
         return self.stages > 1 or self.zero < 2
@@ -139,6 +192,12 @@ class Layout:
             f"{self.micro_batch} x grad_acc {self.grad_accum} x dp {self.dp} | {self.tokens_per_step} tokens/step"
         )
 
+    def ds_batch_factors(self) -> str:
+        """DeepSpeed's ``train_batch_size`` as a product: ``micro M x grad_acc G x dp D``, and ``x sequence_parallel
+        S`` where a sample counts once per rank of its sequence group."""
+        sp = f" x sequence_parallel {self.sp}" if self.sp > 1 else ""
+        return f"micro {self.micro_batch} x grad_acc {self.grad_accum} x dp {self.dp}{sp}"
+
     def describe(self) -> str:
         off = "+offload(opt" + ("+params" if self.offload_params else "") + ")" if self.offload_optimizer else ""
         chunk = f", loss chunk {self.loss_chunk}" if self.loss_chunk else ""
@@ -151,7 +210,7 @@ class Layout:
 
 def layout_problems(layout: Layout, world_size: int, partition_method: str, num_layers: int | None = None) -> list[str]:
     """Everything train.py refuses about a layout, each problem in train.py's words (its knob names): the
-    one home of these rules, so train.py (``training.config.resolve``), preflight and
+    one home of these rules, so train.py (``training.validate.resolve``), preflight and
     scripts/estimate_memory.py refuse the same layouts with the same lines. ``world_size``: the ranks
     launched (``layout.dp`` is 0 where they do not divide); ``num_layers``: the model's decoder layers,
     None for a bare parameter count."""
@@ -217,6 +276,172 @@ def layout_problems(layout: Layout, world_size: int, partition_method: str, num_
             "offload_param from the JSON"
         )
     return problems
+
+
+# The axes' rules on a layout, in train.py's words: each axis's ``*_problems`` (parallel/tensor_parallel.py,
+# sequence_parallel.py, dualpipev.py) says them for training.validate.resolve with the config's settings, and the
+# planner (parallel/memory_plan.py's layout search) asks the same functions which layouts train.py runs. Settings
+# beyond the layout (``peft_method``, ``ds_config``, ...) only shape the lines; by default they are those the
+# layout implies (``ds_config`` zeroN of its ZeRO stage) or train.py's defaults.
+
+
+def _settings(layout: Layout, peft_method: str | None, ds_config: str | None) -> tuple[str, str]:
+    return (
+        peft_method if peft_method is not None else "lora" if layout.lora_rank else "none",
+        ds_config if ds_config is not None else f"zero{layout.zero}",
+    )
+
+
+def tensor_layout_problems(layout: Layout, peft_method: str | None = None, ds_config: str | None = None) -> list[str]:
+    """tensor_parallel's rules beyond the model's sizes (parallel.tensor_parallel.model_problems): the pipeline
+    engine, no LoRA, the chunked loss."""
+    tp = layout.tp
+    if tp <= 1:
+        return []
+    peft_method, ds_config = _settings(layout, peft_method, ds_config)
+    problems = []
+    if not layout.uses_pipeline:
+        problems.append(
+            f"tensor_parallel {tp} runs on the pipeline engine; num_stages=1 with ds={ds_config} (ZeRO "
+            f"{layout.zero}) uses DeepSpeed's data-parallel engine: use ds=zero0 or ds=zero1"
+        )
+    if peft_method != "none":
+        problems.append(
+            f"peft.method={peft_method} with tensor_parallel {tp} is not supported yet: PEFT's layers would wrap "
+            "DeepSpeed's split linears; use tensor_parallel=1 (LoRA's frozen base rarely needs it)"
+        )
+    if layout.loss_chunk < 1:
+        problems.append(
+            f"tensor_parallel {tp} computes the loss over the vocabulary slices with the chunked loss: set "
+            "loss_chunk_tokens > 0 (e.g. 1024)"
+        )
+    return problems
+
+
+def sequence_layout_problems(
+    layout: Layout,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    pad_to_multiple_of: int = 0,
+    loss_normalization: str = "tokens",
+    attention: str = "documents",
+    peft_method: str | None = None,
+    ds_config: str | None = None,
+) -> list[str]:
+    """sequence_parallel's rules, with the numbers and the values that work: whole attention heads per rank and
+    KV heads split or replicated (the model's ``heads``, ``kv_heads``; None: not checked), equal slices of the
+    sequence and of the pad multiple, the token-normalised loss, the per-document attention, no LoRA, the pipeline
+    engine."""
+    sp, tp = layout.sp, layout.tp
+    if sp <= 1:
+        return []
+    peft_method, ds_config = _settings(layout, peft_method, ds_config)
+    problems = []
+    if heads is not None:
+        local, kv = heads // tp, kv_heads // tp
+        if local % sp:
+            works = [n for n in range(2, local + 1) if local % n == 0]
+            problems.append(
+                f"sequence_parallel {sp} does not divide the {local} attention heads of each tensor-parallel rank "
+                f"(num_attention_heads {heads} / tensor_parallel {tp}): Ulysses gives each "
+                f"rank whole heads; sequence_parallel values that divide them: {works}"
+            )
+        elif kv % sp and sp % kv:
+            problems.append(
+                f"sequence_parallel {sp} and the {kv} key/value heads of each tensor-parallel rank "
+                f"(num_key_value_heads {kv_heads} / tensor_parallel {tp}): one must divide "
+                "the other (Ulysses splits the KV heads, or replicates them when there are fewer than ranks)"
+            )
+    seq, multiple = layout.seq_len, pad_to_multiple_of
+    if seq % sp:
+        problems.append(
+            f"data.max_seq_length {seq} is not divisible by sequence_parallel {sp}: each rank keeps an equal slice; "
+            f"set data.max_seq_length to a multiple of {sp} (e.g. {seq - seq % sp})"
+        )
+    if multiple and multiple % sp:
+        problems.append(
+            f"data.pad_to_multiple_of {multiple} is not a multiple of sequence_parallel {sp}: micro-batches are cut "
+            f"to a multiple of it and must split evenly; set data.pad_to_multiple_of to a multiple of {sp}"
+        )
+    if loss_normalization != "tokens":
+        problems.append(
+            f"loss_normalization={loss_normalization} with sequence_parallel {sp}: a micro-batch's mean needs "
+            "its label count on every slice; use loss_normalization=tokens (the default)"
+        )
+    if attention != "documents":
+        problems.append(
+            f"attention={attention} with sequence_parallel {sp}: Ulysses runs the per-document attention on the "
+            "whole sequence after its all-to-all; use attention=documents (the default)"
+        )
+    if peft_method != "none":
+        problems.append(
+            f"peft.method={peft_method} with sequence_parallel {sp} is not supported yet (no parity test of the "
+            "two together): use sequence_parallel=1"
+        )
+    if not layout.uses_pipeline:
+        problems.append(
+            f"sequence_parallel {sp} runs on the pipeline engine; num_stages=1 with ds={ds_config} (ZeRO "
+            f"{layout.zero}) uses DeepSpeed's data-parallel engine: use ds=zero0 or ds=zero1"
+        )
+    return problems
+
+
+def schedule_layout_problems(
+    layout: Layout, num_layers: int | None = None, pad_to_multiple_of: int = 0, ds_config: str | None = None
+) -> list[str]:
+    """pipeline_schedule's rules, with the numbers and the knob to change: a known schedule; DualPipeV's 2
+    pipeline ranks or more, its 2 x num_stages micro-batches in flight and pieces (of the model's ``num_layers``
+    decoder layers; None: not checked), rows fed whole, no tensor or sequence parallelism, the pipeline engine."""
+    if layout.schedule not in PIPELINE_SCHEDULES:
+        return [f"pipeline_schedule {layout.schedule!r} unknown: choose one of {list(PIPELINE_SCHEDULES)}"]
+    if layout.schedule != "dualpipev":
+        return []
+    _, ds_config = _settings(layout, None, ds_config)
+    k, problems = layout.stages, []
+    if k < 2:
+        return [
+            f"pipeline_schedule=dualpipev with num_stages {k}: DualPipeV needs 2 pipeline ranks or more; set "
+            "num_stages >= 2 or pipeline_schedule=1f1b"
+        ]
+    if layout.grad_accum < 2 * k:
+        problems.append(
+            f"pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = {2 * k} (each rank "
+            f"holds two pieces, {2 * k} in flight); got {layout.grad_accum}: raise gradient_accumulation_steps"
+        )
+    if num_layers is not None and 2 * k > num_layers:
+        problems.append(
+            f"pipeline_schedule=dualpipev cuts the model into 2 x num_stages = {2 * k} pieces, more than its "
+            f"{num_layers} decoder layers: set num_stages <= {num_layers // 2}"
+        )
+    if pad_to_multiple_of:
+        problems.append(
+            f"pipeline_schedule=dualpipev with data.pad_to_multiple_of {pad_to_multiple_of}: DualPipeV "
+            "sends activation shapes once, so every micro-batch must have the same length; set "
+            "data.pad_to_multiple_of=0 (rows fed whole; data.packing=true keeps the padding low)"
+        )
+    for name, n in (("tensor_parallel", layout.tp), ("sequence_parallel", layout.sp)):
+        if n > 1:
+            problems.append(
+                f"pipeline_schedule=dualpipev with {name} {n} is not supported yet (no parity test of the two "
+                f"together): use {name}=1 or pipeline_schedule=1f1b"
+            )
+    if not layout.uses_pipeline:
+        problems.append(
+            f"pipeline_schedule=dualpipev runs on the pipeline engine, and ds={ds_config} is ZeRO "
+            f"{layout.zero}: use ZeRO 0 or 1 (ds_config=zero0 or zero1)"
+        )
+    return problems
+
+
+def schedule_warnings(layout: Layout) -> list[str]:
+    """1F1B with fewer micro-batches than stages: most of each step is the pipeline's bubble."""
+    k, micro_batches = layout.stages, layout.grad_accum
+    if k > 1 and micro_batches < k and layout.schedule == "1f1b":
+        return [
+            f"gradient_accumulation_steps {micro_batches} < num_stages {k}: the pipeline bubble dominates "
+            f"(ideal efficiency {micro_batches}/{micro_batches + k - 1}); raise gradient_accumulation_steps"
+        ]
+    return []
 
 
 def count_arg(minimum: float = 1, kind: type = int, strict: bool = False):

@@ -82,7 +82,14 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from parallel.layout import Layout, tp_dividing
+from parallel.layout import (
+    Layout,
+    layout_problems,
+    schedule_layout_problems,
+    sequence_layout_problems,
+    tensor_layout_problems,
+    tp_dividing,
+)
 from parallel.schedule_sim import simulated
 
 GB = 1e9  # the ZeRO paper and GPU vendors count decimal gigabytes
@@ -273,11 +280,6 @@ def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: 
     return held + recompute + work
 
 
-def loss_rank(layout: Layout) -> int:
-    """The pipeline rank that computes the loss: the last (1F1B) or rank 0 (DualPipeV's phase 1 ends there)."""
-    return 0 if layout.schedule == "dualpipev" else layout.stages - 1
-
-
 def loss_bytes(shape: Shape, layout: Layout) -> float:
     """The last stage's loss-side peak for one micro-batch, per logit of the tokens the LM head takes at once.
 
@@ -315,7 +317,7 @@ def grad_temp_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: i
     if layout.zero < 2 and layout.grad_accum == 1:
         return 0.0
     elem = (4 if layout.dtype == "fp32" else 2) / layout.tp  # every large matrix is split over the tp ranks
-    if stage == loss_rank(layout):
+    if stage == layout.label_stage:
         return shape.vocab * shape.hidden * elem
     if isinstance(layers_on_stage, list):
         layers_on_stage = min((n for n in layers_on_stage if n), default=0)
@@ -359,7 +361,7 @@ def stage_estimate(
     if shape is not None:
         by_piece = pieces if pieces is not None else layers
         acts = activation_bytes(shape, layout, stage, by_piece)
-        loss = loss_bytes(shape, layout) if stage == loss_rank(layout) else 0.0
+        loss = loss_bytes(shape, layout) if stage == layout.label_stage else 0.0
         # The larger of backward's gradient temporary and the optimizer step's, which runs once the
         # activations and the loss buffer are freed.
         step = optimizer_step_bytes(trained, layout) - (acts + loss)
@@ -377,8 +379,8 @@ def stage_estimates(
     stage_params: list[float], layout: Layout, shape: Shape | None = None, stage_layers: list[int] | None = None
 ) -> list[Estimate]:
     """Per-GPU memory of every pipeline rank. ``stage_params[p]``, ``stage_layers[p]``: parameters and
-    decoder layers of piece p (as :func:`splitter` gives them: a piece per stage, two per rank with
-    DualPipeV, ``Layout.rank_pieces``)."""
+    decoder layers of piece p (as ``parallel.partition.splitter`` gives them: a piece per stage, two per rank
+    with DualPipeV, ``Layout.rank_pieces``)."""
     total = sum(stage_params)
     layers = stage_layers or [None] * len(stage_params)
     if layout.schedule != "dualpipev":
@@ -412,8 +414,8 @@ def layouts_for(
     shape: Shape | None = None,
     schedules: tuple[str, ...] = ("1f1b",),
 ):
-    """Every layout worth trying on ``gpus`` GPUs, cheapest in communication and compute first; with
-    ``lora`` (rank, target modules, nf4) LoRA layouts, on the pipeline engine only (as train.py runs LoRA);
+    """Every layout worth trying on ``gpus`` GPUs that train.py runs (:func:`refused`: the rules its validation
+    asks), cheapest in communication and compute first; with ``lora`` (rank, target modules, nf4) LoRA layouts;
     each pipeline with every schedule of ``schedules`` that train.py runs it with (DualPipeV: 2 stages or
     more, grad_accum >= 2 x stages, 2 x stages <= num_layers, no tensor or sequence parallelism).
 
@@ -430,19 +432,8 @@ def layouts_for(
             tp_values, sp_values, range(4), (False, True), (False, True), (False, True), schedules
         )
         for tp, sp, zero, opt_off, par_off, ckpt, schedule in options:
-            dualpipev_runs = (
-                stages > 1 and grad_accum >= 2 * stages and (num_layers is None or 2 * stages <= num_layers)
-            )
-            if schedule == "dualpipev" and not (dualpipev_runs and tp == sp == 1):
-                continue  # parallel.dualpipev.dualpipev_problems
-            if gpus % (stages * tp * sp) or (tp > 1 and (lora[0] or not loss_chunk)):
-                continue  # train.py: tensor parallelism without LoRA, with the chunked loss
-            if sp > 1 and (shape is None or lora[0] or not sequence_parallel_fits(shape, tp, sp, seq_len)):
-                continue  # Ulysses: whole heads per rank, equal slices of the sequence; not with LoRA (train.py)
-            if (stages > 1 or tp > 1 or sp > 1 or lora[0]) and zero > 1:
-                continue  # DeepSpeed's pipeline engine (where sequence parallelism runs): ZeRO 0 and 1 only
-            if (opt_off and zero == 0) or (par_off and (zero != 3 or not opt_off)):
-                continue  # offload needs ZeRO; parameter offload needs ZeRO-3 with optimizer offload
+            if (sp > 1 and shape is None) or (par_off and not opt_off):
+                continue  # the planner's own: Ulysses needs the heads; parameter offload with optimizer offload
             layout = Layout(
                 stages,
                 gpus // (stages * tp * sp),
@@ -460,8 +451,25 @@ def layouts_for(
                 sp=sp,
                 schedule=schedule,
             )
+            if refused(layout, gpus, num_layers, shape):
+                continue
             candidates.append(((par_off + opt_off, ckpt, zero, bubble_fraction(layout), tp, sp), layout))
     return [layout for _, layout in sorted(candidates, key=lambda c: c[0])]
+
+
+def refused(layout: Layout, gpus: int, num_layers: int | None, shape: Shape | None) -> bool:
+    """Whether train.py refuses ``layout`` on ``gpus`` GPUs: the rules ``training.validate.resolve`` asks, on the
+    layout alone (parallel/layout.py: its sizes, ZeRO stage and offload; tensor and sequence parallelism, with
+    the model's heads from ``shape``; the schedule), rows fed whole. LoRA's rule needs train.py's config
+    (models.lora_rules.peft_problems): on the pipeline engine only."""
+    heads = (shape.heads, shape.kv_heads) if shape is not None else (None, None)
+    return bool(
+        layout_problems(layout, gpus, "compute", num_layers)
+        or tensor_layout_problems(layout)
+        or sequence_layout_problems(layout, *heads)
+        or schedule_layout_problems(layout, num_layers)
+        or (layout.lora_rank and not layout.uses_pipeline)
+    )
 
 
 def bubble_fraction(layout: Layout) -> float:
@@ -474,8 +482,8 @@ def bubble_fraction(layout: Layout) -> float:
 
 def layout_bubble(layout: Layout, piece_layers: list[float] | None) -> float:
     """The share of a step the pipeline ranks idle, simulated from the instruction streams train.py runs with
-    each piece's compute in decoder layers (``piece_layers``: :func:`splitter`'s ``split.work``; None: equal
-    pieces), backward twice forward, half of it DualPipeV's deferred weight gradients."""
+    each piece's compute in decoder layers (``piece_layers``: ``parallel.partition.splitter``'s ``split.work``;
+    None: equal pieces), backward twice forward, half of it DualPipeV's deferred weight gradients."""
     if layout.stages == 1:
         return 0.0
     if piece_layers is None or not any(piece_layers):
@@ -499,9 +507,8 @@ def sequence_parallel_fits(shape: Shape, tp: int, sp: int, seq_len: int) -> bool
     """Whether Ulysses can split ``seq_len`` tokens over ``sp`` ranks after tensor parallelism ``tp``:
     each rank gets whole attention heads (sp divides heads/tp), the KV heads split or are replicated (sp
     and kv_heads/tp, one divides the other) and the sequence splits evenly: the model-side rules of
-    parallel.sequence_parallel.sequence_parallel_problems, which also has train.py's lines for them."""
-    heads, kv = shape.heads // tp, shape.kv_heads // tp
-    return heads % sp == 0 and (kv % sp == 0 or sp % kv == 0) and seq_len % sp == 0
+    parallel.layout.sequence_layout_problems, which also has train.py's lines for them."""
+    return not sequence_layout_problems(Layout(tp=tp, sp=sp, seq_len=seq_len), shape.heads, shape.kv_heads)
 
 
 def fitting(
@@ -562,139 +569,6 @@ def shape_of(config) -> Shape | None:
     )
 
 
-def splitter(config, total: float | None, method: str | None = None):
-    """layout -> (parameters per piece, decoder layers per piece), split as train.py's
-    ``partition_method`` splits (parallel.partition.stage_boundaries, which ``memory`` brings back here to
-    :func:`memory_boundaries`; ``method`` None: its default); a bare count (``config`` None, ``total``
-    parameters) splits evenly. A piece per stage, two per rank with DualPipeV (``Layout.pieces``). The
-    ``split`` of ``fitting``."""
-    if config is None:
-        even = lambda layout: ([total / layout.pieces] * layout.pieces, None)  # noqa: E731
-        even.work = lambda layout: None
-        return even
-    # Imported here: models.llama_pipe brings torch and DeepSpeed, which the planner's formulas do not need.
-    from models.llama_pipe import spec_layout, spec_parameter_counts, spec_weights
-    from parallel.partition import DEFAULT_PARTITION_METHOD, stage_boundaries
-
-    if method is None:
-        method = DEFAULT_PARTITION_METHOD
-    counts, kinds = spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
-    compute = spec_weights(config, "compute")
-    layer = max(w for w, kind in zip(compute, kinds) if kind == "decoder")
-    known: dict = {}  # the split of every stage count seen (of every layout, for ``memory``): the fit search asks often
-
-    def boundaries(layout: Layout) -> list[int]:
-        # DualPipeV's compute and parameters splits balance ranks, not pieces: the schedule is part of the key
-        key = layout if method.lower() == "memory" else (layout.schedule, layout.pieces)
-        if key not in known:
-            known[key] = stage_boundaries(config, layout.pieces, method, layout)
-        return known[key]
-
-    def split(layout: Layout):
-        parts = boundaries(layout)
-        params = [float(sum(counts[parts[p] : parts[p + 1]])) for p in range(layout.pieces)]
-        layers = [kinds[parts[p] : parts[p + 1]].count("decoder") for p in range(layout.pieces)]
-        return params, layers
-
-    def work(layout: Layout) -> list[float]:
-        """Each piece's compute per token in decoder layers (the LM head counts by its matmul): the bubble's input."""
-        parts = boundaries(layout)
-        return [sum(compute[parts[p] : parts[p + 1]]) / layer for p in range(layout.pieces)]
-
-    split.work = work
-    return split
-
-
-def memory_boundaries(config, layout: Layout) -> list[int]:
-    """First spec of every stage, plus the end, for ``partition_method=memory``: of the contiguous splits
-    whose largest predicted per-GPU peak (:func:`stage_estimate`, the planner's own function, with the
-    stage's position: in-flight micro-batches, the last stage's loss buffer) is smallest, the one whose
-    smallest peak is largest. Exact: two dynamic programs over (stage, first spec of the next stage);
-    every stage gets at least one spec. DualPipeV: ``layout.pieces`` + 1 boundaries from
-    :func:`dualpipev_memory_boundaries`."""
-    from models.llama_pipe import spec_layout, spec_parameter_counts
-
-    counts, kinds = spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
-    n, k, shape, total = len(counts), layout.stages, shape_of(config), float(sum(counts))
-    params = list(itertools.accumulate(counts, initial=0))
-    decoders = list(itertools.accumulate((kind == "decoder" for kind in kinds), initial=0))
-    if layout.schedule == "dualpipev":
-        return dualpipev_memory_boundaries(params, decoders, layout, shape)
-    cost = {  # (stage p, first spec a, end b) -> peak of stage p holding specs a..b-1
-        (p, a, b): stage_estimate(p, params[b] - params[a], decoders[b] - decoders[a], layout, shape, total).total
-        for p in range(k)
-        for b in range(p + 1, n - (k - 1 - p) + 1)
-        for a in (range(p, b) if p else (0,))
-    }
-
-    def solve(combine, better, allowed) -> tuple[float, list[int]]:
-        """best[p][b]: the best value of stages 0..p holding specs 0..b-1; start[p][b]: stage p's first spec."""
-        best, start = [dict() for _ in range(k)], [dict() for _ in range(k)]
-        for (p, a, b), c in cost.items():
-            if p == 0 and allowed(c):
-                best[0][b] = c
-        for p in range(1, k):
-            for (q, a, b), c in cost.items():
-                if q == p and a in best[p - 1] and allowed(c):
-                    value = combine(best[p - 1][a], c)
-                    if b not in best[p] or better(value, best[p][b]):
-                        best[p][b], start[p][b] = value, a
-        parts, b = [n], n
-        for p in range(k - 1, 0, -1):
-            b = start[p][b]
-            parts.append(b)
-        return best[k - 1][n], [0, *reversed(parts)]
-
-    smallest_max, _ = solve(max, lambda x, y: x < y, lambda c: True)
-    _, parts = solve(min, lambda x, y: x > y, lambda c: c <= smallest_max * (1 + 1e-12))
-    return parts
-
-
-def dualpipev_memory_boundaries(
-    params: list[float], decoders: list[int], layout: Layout, shape: Shape | None
-) -> list[int]:
-    """``partition_method=memory`` for DualPipeV: first spec of each of the 2 x stages pieces, plus the end,
-    balancing each rank's predicted peak (:func:`stage_estimate` of its two pieces). ``params``, ``decoders``:
-    cumulative parameters and decoder layers over the specs. A rank's peak couples two pieces far apart, so
-    no dynamic program over one boundary at a time is exact: a local search instead, from equal decoder
-    layers per piece, moving one boundary at a time to wherever between its neighbours the ranks' peaks,
-    sorted largest first, are smallest (lexicographically, so ties at the top still move), until none moves."""
-    n, pieces, total = len(params) - 1, layout.pieces, params[-1]
-    layers = decoders[-1]
-    parts = [0] + [decoders.index(round(i * layers / pieces)) for i in range(1, pieces)] + [n]
-    for i in range(1, pieces):  # every piece at least one spec
-        parts[i] = min(max(parts[i], parts[i - 1] + 1), n - (pieces - i))
-    peaks: dict[tuple, float] = {}
-
-    def peak(rank: int, bounds: list[int]) -> float:
-        (a, b), (c, d) = [(bounds[p], bounds[p + 1]) for p in layout.rank_pieces(rank)]
-        if (rank, a, b, c, d) not in peaks:
-            psi = params[b] - params[a] + params[d] - params[c]
-            held = [decoders[b] - decoders[a], decoders[d] - decoders[c]]
-            peaks[rank, a, b, c, d] = stage_estimate(rank, psi, held, layout, shape, total).total
-        return peaks[rank, a, b, c, d]
-
-    return improve_boundaries(
-        parts, lambda bounds: tuple(sorted((peak(r, bounds) for r in range(layout.stages)), reverse=True))
-    )
-
-
-def improve_boundaries(parts: list[int], key) -> list[int]:
-    """Boundaries ``parts`` (first spec of each piece, plus the end) moved one at a time, each to wherever
-    between its neighbours ``key(boundaries)`` is smallest, until no move lowers it; every piece keeps a spec.
-    DualPipeV's splits: a rank's two pieces lie far apart, so no dynamic program over one boundary at a time
-    applies."""
-    best, moved = key(parts), True
-    while moved:
-        moved = False
-        for i in range(1, len(parts) - 1):
-            for at in range(parts[i - 1] + 1, parts[i + 1]):
-                trial = parts[:i] + [at] + parts[i + 1 :]
-                if key(trial) < best:
-                    parts, best, moved = trial, key(trial), True
-    return parts
-
-
 def stage_table(estimates: list[Estimate], stage_layers: list[int] | None, layout: Layout | None = None) -> list[str]:
     """The planner's per-stage table (GB per GPU; host memory per rank where states are offloaded), the
     most loaded stage marked: what scripts/estimate_memory.py and scripts/preflight.py print (g.tmp:
@@ -718,8 +592,24 @@ def stage_table(estimates: list[Estimate], stage_layers: list[int] | None, layou
     return rows
 
 
+def sequence_report(layout: Layout, shape: Shape | None, stage_layers: list[int] | None) -> list[str]:
+    """What sequence parallelism sends on ``layout``: each rank's all-to-all bytes per layer and per step on its
+    most loaded stage (``stage_layers``: decoder layers per stage). Nothing without it, or without an
+    architecture."""
+    if layout.sp <= 1 or stage_layers is None:
+        return []
+    most = max(range(layout.stages), key=lambda p: stage_layers[p])
+    return [
+        f"sequence parallelism (Ulysses all-to-all of q, k, v and the output): each rank sends "
+        f"{all_to_all_bytes(shape, layout) / 1e6:.1f} MB per layer per micro-batch forward, "
+        f"{all_to_all_step_bytes(shape, layout, stage_layers[most]) / GB:.2f} GB per step on stage {most} "
+        f"({stage_layers[most]} layers x {layout.grad_accum} micro-batches x forward, backward"
+        f"{', recomputation' if layout.checkpointing else ''})"
+    ]
+
+
 def schedule_report(split, layout: Layout, shape: Shape | None) -> list[str]:
-    """What the pipeline schedule costs and saves on ``layout`` (``split``: :func:`splitter`'s): its
+    """What the pipeline schedule costs and saves on ``layout`` (``split``: ``parallel.partition.splitter``'s): its
     bubble and, with DualPipeV, the activations of its most loaded rank against 1F1B's on the same layout.
     Nothing for one stage (no pipeline schedule)."""
     if layout.stages == 1:

@@ -1,7 +1,9 @@
-"""How the specs are split into pipeline stages, and the pipeline module built with that split.
+"""How the specs are split into pipeline stages (the pipeline module is built with that split: parallel/stage.py).
 
 The split is computed here, above ``models/`` (whose ``LlamaPipelineModule`` is given it), so the
-``memory`` method can use the planner without ``models/`` importing it.
+``memory`` method can use the planner without ``models/`` importing it. Its searches (``memory``'s, DualPipeV's
+mirrored pieces) and :func:`splitter`, the split as the planner (``parallel/memory_plan.py``) asks for it, live
+here too: this module imports the planner's formulas, never the other way round.
 """
 
 from __future__ import annotations
@@ -9,17 +11,12 @@ from __future__ import annotations
 import itertools
 import re
 
-from deepspeed.runtime.pipe.topology import ProcessTopology
 from transformers import PretrainedConfig
 
-from models.attention import DOCUMENT_ATTENTION
-from models.llama_pipe import DECODER_LAYER_CLASSES, LlamaPipelineModule, build_specs, spec_layout, spec_weights
-from models.loss import CausalLMLoss
+from models.llama_pipe import build_specs, spec_layout, spec_parameter_counts, spec_weights
 from models.peft_targets import SAVABLE_MODULES
-from parallel.dualpipev import LlamaDualPipeVModule
-from parallel.memory_plan import improve_boundaries, memory_boundaries
-from parallel.sequence_parallel import sequence_group, split_sequence_, ulysses_attention
-from parallel.tensor_parallel import finish_split_, split_stage_
+from parallel.layout import Layout
+from parallel.memory_plan import Shape, shape_of, stage_estimate
 
 # How train.py splits specs into stages by default (see stage_boundaries).
 DEFAULT_PARTITION_METHOD = "compute"
@@ -29,12 +26,12 @@ def stage_boundaries(
     config: PretrainedConfig, num_stages: int, method: str = DEFAULT_PARTITION_METHOD, layout=None
 ) -> list[int]:
     """First spec of every stage, plus the end: the split ``LlamaPipelineModule`` is built with
-    (:func:`build_pipeline_model`), also computed without building it (the memory planner).
+    (parallel.stage.build_pipeline_model), also computed without building it (the memory planner).
     ``uniform``, ``parameters`` and ``type:`` are DeepSpeed's own methods on the same weights;
     ``compute`` is ``parameters`` over :func:`spec_weights` (both balanced per rank for DualPipeV's pieces,
     :func:`mirrored_pieces`); ``memory`` balances the planner's
     predicted per-GPU peak for ``layout`` (a ``parallel.layout.Layout``: precision, ZeRO, micro-batch,
-    sequence, grad_acc, recomputation, loss chunk), see ``parallel.memory_plan.memory_boundaries``."""
+    sequence, grad_acc, recomputation, loss chunk), see :func:`memory_boundaries`."""
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
     method = method.lower()
@@ -75,61 +72,131 @@ def mirrored_pieces(weights: list[int], stages: int) -> list[int]:
     return improve_boundaries(parts, key)
 
 
-def build_pipeline_model(
-    config: PretrainedConfig,
-    topology: ProcessTopology,
-    partition_method: str = DEFAULT_PARTITION_METHOD,
-    activation_checkpoint_interval: int = 0,
-    loss_fn: CausalLMLoss | None = None,
-    layout=None,
-    loss_chunk_tokens: int = 0,
-    dynamic_shape: bool = False,
-    attention: str = DOCUMENT_ATTENTION,
-    sequence_parallel: int = 1,
-    schedule: str = "1f1b",
-) -> LlamaPipelineModule:
-    """The Llama ``PipelineModule``; each rank builds only the layers of its own stage.
+def splitter(config, total: float | None, method: str | None = None):
+    """layout -> (parameters per piece, decoder layers per piece), split as train.py's
+    ``partition_method`` splits (:func:`stage_boundaries`, which ``memory`` takes to
+    :func:`memory_boundaries`; ``method`` None: its default); a bare count (``config`` None, ``total``
+    parameters) splits evenly. A piece per stage, two per rank with DualPipeV (``Layout.pieces``). The
+    ``split`` of ``fitting``."""
+    if config is None:
+        even = lambda layout: ([total / layout.pieces] * layout.pieces, None)  # noqa: E731
+        even.work = lambda layout: None
+        return even
+    if method is None:
+        method = DEFAULT_PARTITION_METHOD
+    counts, kinds = spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
+    compute = spec_weights(config, "compute")
+    layer = max(w for w, kind in zip(compute, kinds) if kind == "decoder")
+    known: dict = {}  # the split of every stage count seen (of every layout, for ``memory``): the fit search asks often
 
-    Must be called after ``deepspeed.init_distributed()``, with a topology whose axes are pipe and
-    data (``PipeDataParallelTopology``), or pipe, data and model (``PipeModelDataParallelTopology``):
-    with a model axis over 1 each rank builds only its tensor-parallel pieces (parallel/tensor_parallel.py).
-    With ``activation_checkpoint_interval`` N > 0, activations are recomputed in chunks of N layers, but
-    only chunks made of decoder layers: DeepSpeed's reentrant checkpoint around the embedding (integer
-    inputs) would get no gradient at all.
-    ``layout`` (a ``parallel.layout.Layout``) is what ``partition_method=memory`` balances for.
-    With ``loss_chunk_tokens`` > 0 the last stage computes the loss chunk by chunk (the stage contract
-    above build_specs); a given ``loss_fn`` must chunk the same. ``dynamic_shape``: micro-batches of
-    varying length (data.pad_to_multiple_of), their shapes sent with each one. ``attention``: the decoder
-    layers' attention function (models.llama_pipe.ATTENTION_IMPLEMENTATIONS). With ``sequence_parallel`` N > 1
-    the data axis's consecutive ranks form groups of N that split each row (parallel/sequence_parallel.py).
-    With ``schedule="dualpipev"`` the specs are cut into twice as many pieces, two per rank (parallel/dualpipev.py).
-    """
-    loss_fn = loss_fn or CausalLMLoss(loss_chunk_tokens)
-    if loss_fn.chunk_tokens != loss_chunk_tokens:
-        raise ValueError(f"loss_fn chunks {loss_fn.chunk_tokens} tokens, the model {loss_chunk_tokens}")
-    tp = topology.get_dim("model") if "model" in topology.get_axis_names() else 1
-    split = tp > 1
-    if sequence_parallel > 1:  # the groups before the model's own (every rank creates groups in the same order)
-        group, group_rank = sequence_group(topology, sequence_parallel)
-        attention = ulysses_attention(config, tp, group)
-    pieces = topology.get_dim("pipe") * (2 if schedule == "dualpipev" else 1)
-    module_class = LlamaDualPipeVModule if schedule == "dualpipev" else LlamaPipelineModule
-    model = module_class(
-        config,
-        layers=build_specs(config, loss_chunk_tokens, attention),
-        topology=topology,
-        loss_fn=loss_fn,
-        boundaries=stage_boundaries(config, pieces, partition_method, layout),
-        activation_checkpoint_interval=activation_checkpoint_interval,
-        checkpointable_layers=[cls.__name__ for cls in DECODER_LAYER_CLASSES.values()],
-        dynamic_shape=dynamic_shape,
-        shard_stage=(lambda m: split_stage_(m, m._grid.get_slice_parallel_group(), loss_fn)) if split else None,
+    def boundaries(layout: Layout) -> list[int]:
+        # DualPipeV's compute and parameters splits balance ranks, not pieces: the schedule is part of the key
+        key = layout if method.lower() == "memory" else (layout.schedule, layout.pieces)
+        if key not in known:
+            known[key] = stage_boundaries(config, layout.pieces, method, layout)
+        return known[key]
+
+    def split(layout: Layout):
+        parts = boundaries(layout)
+        params = [float(sum(counts[parts[p] : parts[p + 1]])) for p in range(layout.pieces)]
+        layers = [kinds[parts[p] : parts[p + 1]].count("decoder") for p in range(layout.pieces)]
+        return params, layers
+
+    def work(layout: Layout) -> list[float]:
+        """Each piece's compute per token in decoder layers (the LM head counts by its matmul): the bubble's input."""
+        parts = boundaries(layout)
+        return [sum(compute[parts[p] : parts[p + 1]]) / layer for p in range(layout.pieces)]
+
+    split.work = work
+    return split
+
+
+def memory_boundaries(config, layout: Layout) -> list[int]:
+    """First spec of every stage, plus the end, for ``partition_method=memory``: of the contiguous splits
+    whose largest predicted per-GPU peak (``parallel.memory_plan.stage_estimate``, the planner's own function, with the
+    stage's position: in-flight micro-batches, the last stage's loss buffer) is smallest, the one whose
+    smallest peak is largest. Exact: two dynamic programs over (stage, first spec of the next stage);
+    every stage gets at least one spec. DualPipeV: ``layout.pieces`` + 1 boundaries from
+    :func:`dualpipev_memory_boundaries`."""
+    counts, kinds = spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
+    n, k, shape, total = len(counts), layout.stages, shape_of(config), float(sum(counts))
+    params = list(itertools.accumulate(counts, initial=0))
+    decoders = list(itertools.accumulate((kind == "decoder" for kind in kinds), initial=0))
+    if layout.schedule == "dualpipev":
+        return dualpipev_memory_boundaries(params, decoders, layout, shape)
+    cost = {  # (stage p, first spec a, end b) -> peak of stage p holding specs a..b-1
+        (p, a, b): stage_estimate(p, params[b] - params[a], decoders[b] - decoders[a], layout, shape, total).total
+        for p in range(k)
+        for b in range(p + 1, n - (k - 1 - p) + 1)
+        for a in (range(p, b) if p else (0,))
+    }
+
+    def solve(combine, better, allowed) -> tuple[float, list[int]]:
+        """best[p][b]: the best value of stages 0..p holding specs 0..b-1; start[p][b]: stage p's first spec."""
+        best, start = [dict() for _ in range(k)], [dict() for _ in range(k)]
+        for (p, a, b), c in cost.items():
+            if p == 0 and allowed(c):
+                best[0][b] = c
+        for p in range(1, k):
+            for (q, a, b), c in cost.items():
+                if q == p and a in best[p - 1] and allowed(c):
+                    value = combine(best[p - 1][a], c)
+                    if b not in best[p] or better(value, best[p][b]):
+                        best[p][b], start[p][b] = value, a
+        parts, b = [n], n
+        for p in range(k - 1, 0, -1):
+            b = start[p][b]
+            parts.append(b)
+        return best[k - 1][n], [0, *reversed(parts)]
+
+    smallest_max, _ = solve(max, lambda x, y: x < y, lambda c: True)
+    _, parts = solve(min, lambda x, y: x > y, lambda c: c <= smallest_max * (1 + 1e-12))
+    return parts
+
+
+def dualpipev_memory_boundaries(
+    params: list[float], decoders: list[int], layout: Layout, shape: Shape | None
+) -> list[int]:
+    """``partition_method=memory`` for DualPipeV: first spec of each of the 2 x stages pieces, plus the end,
+    balancing each rank's predicted peak (``parallel.memory_plan.stage_estimate`` of its two pieces). ``params``,
+    ``decoders``: cumulative parameters and decoder layers over the specs. A rank's peak couples two pieces far
+    apart, so no dynamic program over one boundary at a time is exact: a local search instead, from equal decoder
+    layers per piece, moving one boundary at a time to wherever between its neighbours the ranks' peaks,
+    sorted largest first, are smallest (lexicographically, so ties at the top still move), until none moves."""
+    n, pieces, total = len(params) - 1, layout.pieces, params[-1]
+    layers = decoders[-1]
+    parts = [0] + [decoders.index(round(i * layers / pieces)) for i in range(1, pieces)] + [n]
+    for i in range(1, pieces):  # every piece at least one spec
+        parts[i] = min(max(parts[i], parts[i - 1] + 1), n - (pieces - i))
+    peaks: dict[tuple, float] = {}
+
+    def peak(rank: int, bounds: list[int]) -> float:
+        (a, b), (c, d) = [(bounds[p], bounds[p + 1]) for p in layout.rank_pieces(rank)]
+        if (rank, a, b, c, d) not in peaks:
+            psi = params[b] - params[a] + params[d] - params[c]
+            held = [decoders[b] - decoders[a], decoders[d] - decoders[c]]
+            peaks[rank, a, b, c, d] = stage_estimate(rank, psi, held, layout, shape, total).total
+        return peaks[rank, a, b, c, d]
+
+    return improve_boundaries(
+        parts, lambda bounds: tuple(sorted((peak(r, bounds) for r in range(layout.stages)), reverse=True))
     )
-    if split:
-        finish_split_(model, model._grid.get_slice_parallel_group())
-    if sequence_parallel > 1:
-        split_sequence_(model, group_rank, sequence_parallel, loss_fn)
-    return model
+
+
+def improve_boundaries(parts: list[int], key) -> list[int]:
+    """Boundaries ``parts`` (first spec of each piece, plus the end) moved one at a time, each to wherever
+    between its neighbours ``key(boundaries)`` is smallest, until no move lowers it; every piece keeps a spec.
+    DualPipeV's splits: a rank's two pieces lie far apart, so no dynamic program over one boundary at a time
+    applies."""
+    best, moved = key(parts), True
+    while moved:
+        moved = False
+        for i in range(1, len(parts) - 1):
+            for at in range(parts[i - 1] + 1, parts[i + 1]):
+                trial = parts[:i] + [at] + parts[i + 1 :]
+                if key(trial) < best:
+                    parts, best, moved = trial, key(trial), True
+    return parts
 
 
 def frozen_stage_problems(cfg, model_config, layout) -> list[str]:

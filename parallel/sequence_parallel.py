@@ -1,7 +1,7 @@
 """Sequence parallelism (``sequence_parallel=N``): DeepSpeed's Ulysses inside every pipeline stage.
 
 N ranks of the same stage (and tensor-parallel rank) form a sequence group; they read the same samples and
-each keeps one contiguous slice of every row (``EmbeddingPipe.seq_slice``), so every activation of the
+each keeps one contiguous slice of every row (the embedding keeps it: ``SliceRows``), so every activation of the
 stage holds S/N tokens. Around each attention DeepSpeed's ``UlyssesSPAttentionHF`` exchanges them by
 all-to-all: each rank gets the whole sequence for heads/N of the heads (all-gathering the positions too),
 runs the per-document attention of models/attention.py on it, and exchanges the result back. Positions stay
@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.distributed as dist
 from transformers import AttentionInterface
 
 from models.attention import document_attention
 from models.llama_pipe import EmbeddingPipe
+from parallel.axis import AxisPlan
+from parallel.layout import Layout, sequence_layout_problems
 
 ULYSSES_ATTENTION = "ulysses_documents"
 
@@ -43,58 +46,28 @@ def sequence_parallel_defaults(cfg, is_set) -> list[tuple[str, object, str]]:
 
 def sequence_parallel_problems(cfg, model_config, layout) -> list[str]:
     """Everything train.py refuses about ``sequence_parallel`` (cfg: training.config.TrainConfig), with the
-    numbers and the values that work."""
-    sp, tp = layout.sp, layout.tp
-    if sp <= 1:
+    numbers and the values that work: the layout's rules (parallel.layout.sequence_layout_problems, which the
+    planner asks too) with the config's settings."""
+    return sequence_layout_problems(
+        layout,
+        model_config.num_attention_heads if model_config is not None else None,
+        model_config.num_key_value_heads if model_config is not None else None,
+        cfg.data.pad_to_multiple_of,
+        cfg.loss_normalization,
+        cfg.attention,
+        cfg.peft.method,
+        cfg.ds_config,
+    )
+
+
+def sequence_parallel_dpo_problems(layout: Layout) -> list[str]:
+    """train_objective=dpo (training.validate.objective_problems asks): a sequence's log-probability is one sum."""
+    if layout.sp <= 1:
         return []
-    problems = []
-    if model_config is not None:
-        heads, kv = model_config.num_attention_heads // tp, model_config.num_key_value_heads // tp
-        if heads % sp:
-            works = [n for n in range(2, heads + 1) if heads % n == 0]
-            problems.append(
-                f"sequence_parallel {sp} does not divide the {heads} attention heads of each tensor-parallel rank "
-                f"(num_attention_heads {model_config.num_attention_heads} / tensor_parallel {tp}): Ulysses gives each "
-                f"rank whole heads; sequence_parallel values that divide them: {works}"
-            )
-        elif kv % sp and sp % kv:
-            problems.append(
-                f"sequence_parallel {sp} and the {kv} key/value heads of each tensor-parallel rank "
-                f"(num_key_value_heads {model_config.num_key_value_heads} / tensor_parallel {tp}): one must divide "
-                "the other (Ulysses splits the KV heads, or replicates them when there are fewer than ranks)"
-            )
-    seq, multiple = cfg.data.max_seq_length, cfg.data.pad_to_multiple_of
-    if seq % sp:
-        problems.append(
-            f"data.max_seq_length {seq} is not divisible by sequence_parallel {sp}: each rank keeps an equal slice; "
-            f"set data.max_seq_length to a multiple of {sp} (e.g. {seq - seq % sp})"
-        )
-    if multiple and multiple % sp:
-        problems.append(
-            f"data.pad_to_multiple_of {multiple} is not a multiple of sequence_parallel {sp}: micro-batches are cut "
-            f"to a multiple of it and must split evenly; set data.pad_to_multiple_of to a multiple of {sp}"
-        )
-    if cfg.loss_normalization != "tokens":
-        problems.append(
-            f"loss_normalization={cfg.loss_normalization} with sequence_parallel {sp}: a micro-batch's mean needs "
-            "its label count on every slice; use loss_normalization=tokens (the default)"
-        )
-    if cfg.attention != "documents":
-        problems.append(
-            f"attention={cfg.attention} with sequence_parallel {sp}: Ulysses runs the per-document attention on the "
-            "whole sequence after its all-to-all; use attention=documents (the default)"
-        )
-    if cfg.peft.method != "none":
-        problems.append(
-            f"peft.method={cfg.peft.method} with sequence_parallel {sp} is not supported yet (no parity test of the "
-            "two together): use sequence_parallel=1"
-        )
-    if not layout.uses_pipeline:
-        problems.append(
-            f"sequence_parallel {sp} runs on the pipeline engine; num_stages=1 with ds={cfg.ds_config} (ZeRO "
-            f"{layout.zero}) uses DeepSpeed's data-parallel engine: use ds=zero0 or ds=zero1"
-        )
-    return problems
+    return [
+        f"sequence_parallel {layout.sp} with train_objective=dpo: DPO sums each sequence's log-probabilities, "
+        "which sequence parallelism splits over ranks; set sequence_parallel=1"
+    ]
 
 
 def sequence_group(topology, sp: int):
@@ -144,9 +117,52 @@ def ulysses_attention(model_config, tp: int, group):
     return ULYSSES_ATTENTION
 
 
-def split_sequence_(model, group_rank: int, sp: int, loss_fn) -> None:
-    """Give this stage's embedding (the first stage) and the loss (the last) this rank's slice."""
-    for module in model.modules():
-        if isinstance(module, EmbeddingPipe):
-            module.seq_slice = (group_rank, sp)
-    loss_fn.seq_slice = (group_rank, sp)
+def sequence_slice(t: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+    """[B,S,...] -> [B,S/ranks,...]: the ``rank``-th contiguous slice of every row."""
+    seq = t.shape[1]
+    if seq % ranks:
+        raise ValueError(f"a micro-batch of {seq} tokens per row does not split over {ranks} sequence-parallel ranks")
+    return t[:, rank * seq // ranks : (rank + 1) * seq // ranks].contiguous()  # sent to the next stage as is
+
+
+class SliceRows:
+    """The module takes whole rows (input_ids, position_ids) [B,S] and keeps this rank's slice of each: everything
+    after it runs on S / ranks tokens, positions global. A forward pre-hook; the tied LM head's call of the
+    embedding (``tied_head=True``: hidden states, not rows) passes untouched."""
+
+    @staticmethod
+    def apply(module, rank: int, ranks: int) -> None:
+        def keep_slice(module, args, kwargs):
+            if kwargs.get("tied_head", args[1] if len(args) > 1 else False):
+                return None
+            rows = tuple(sequence_slice(t, rank, ranks) for t in args[0])  # ([B,S/ranks] int64, [B,S/ranks] int64)
+            return (rows,), kwargs
+
+        module.register_forward_pre_hook(keep_slice, with_kwargs=True)
+
+
+# The stage modules that change, by class: the embedding takes whole rows (the loss takes its slice of the labels
+# from the plan's LossSplit; every decoder layer's attention is Ulysses, ``before_build``).
+SEQUENCE_PLAN = {EmbeddingPipe: SliceRows}
+
+
+class SequenceParallelPlan(AxisPlan):
+    """``sequence_parallel`` > 1 (parallel/axis.py's steps): before the stage, this rank's sequence group and the
+    Ulysses attention over it (registered with transformers for this process, the name the decoder layers call);
+    on the built stage, :data:`SEQUENCE_PLAN`; for the loss, this rank's slice of each row."""
+
+    @staticmethod
+    def used(layout: Layout) -> bool:
+        return layout.sp > 1
+
+    def before_build(self, config, topology, attention: str) -> str:
+        # the groups before the stage's own (every rank creates groups in the same order)
+        self.group, self.rank = sequence_group(topology, self.layout.sp)
+        return ulysses_attention(config, self.layout.tp, self.group)
+
+    def apply(self, model) -> dict:
+        for module in model.modules():
+            for cls, style in SEQUENCE_PLAN.items():
+                if isinstance(module, cls):
+                    style.apply(module, self.rank, self.layout.sp)
+        return {"seq_slice": (self.rank, self.layout.sp)}

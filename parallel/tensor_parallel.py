@@ -1,17 +1,22 @@
 """Tensor parallelism inside each pipeline stage (``tensor_parallel=N``), on DeepSpeed's own TP layers.
 
-Megatron's split, applied to the Hugging Face modules a stage is built from while their parameters are
-still on the meta device (models.llama_pipe.LlamaPipelineModule): in every decoder layer q/k/v/gate/up
-become DeepSpeed ``LinearLayer`` (column-parallel: each rank keeps its rows of the weight, i.e. its
-attention heads and its share of the MLP) and o/down ``LinearAllreduce`` (row-parallel, one all-reduce
-after each); Hugging Face's attention reshapes with -1, so it runs on the local heads unchanged. The
-embedding and the LM head keep a slice of the vocabulary: ``EmbeddingPipe`` looks up the tokens in its
-slice and all-reduces, and the loss takes a vocabulary-parallel cross entropy (models/loss.py) that never
-gathers the logits. RMSNorms, Qwen3's per-head q/k norms and the
-row-parallel biases stay whole on every rank.
+The contract (what each rank holds, what crosses the wire, what is replicated):
+
+- Megatron's split, applied by :class:`TensorParallelPlan` to the Hugging Face modules a stage is built from
+  while their parameters are still on the meta device (:class:`TensorParallelStage`): :data:`LAYER_PLAN` says how
+  each submodule of a decoder layer is split. q/k/v/gate/up become DeepSpeed ``LinearLayer`` (column-parallel:
+  each rank keeps its rows of the weight, i.e. its attention heads and its share of the MLP) and o/down
+  ``LinearAllreduce`` (row-parallel, one all-reduce after each); Hugging Face's attention reshapes with -1, so
+  it runs on the local heads unchanged.
+- :data:`END_PLAN`: the embedding and the LM head keep a slice of the vocabulary. ``EmbeddingPipe`` looks up the
+  tokens in its slice and all-reduces, and the loss takes a vocabulary-parallel cross entropy (models/loss.py)
+  that never gathers the logits: the plan returns the group and the slice's first id for it (``LossSplit``).
+- Replicated on every rank: RMSNorms, the row-parallel biases, and Qwen3's per-head q/k norms, whose gradients
+  (each rank's from its own heads) are summed over the group. Between stages, the hidden states travel whole
+  (``pipe_partitioned`` off).
 
 Each split parameter carries ``tp_split = (dim, rank, world)``: the layer files stay whole tensors with
-Hugging Face's names, and ``LlamaPipelineModule`` gathers (save) or slices (load) them by it: a rank reads
+Hugging Face's names, and :class:`TensorParallelStage` gathers (save) or slices (load) them by it: a rank reads
 only its piece of each tensor from the mapped file (models.layer_files.fill_module_).
 """
 
@@ -21,14 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.layer_files import local_modules, tp_piece
-from models.llama_pipe import EmbeddingPipe, LMHeadPipe
-from models.loss import CausalLMLoss
-from parallel.layout import tp_dividing
-
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output features (rows of weight)
-ROW = ("o_proj", "down_proj")  # split by input features (columns of weight), all-reduced after
-PER_HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3: one weight shared by all heads, each rank sees its own heads
+from models.layer_files import CheckpointError, fill_module_, load_layer_file, local_modules, tp_piece
+from models.llama_pipe import EmbeddingPipe, LMHeadPipe, materialize_
+from parallel.axis import AxisPlan
+from parallel.layout import Layout, tensor_layout_problems, tp_dividing
 
 
 def model_problems(config, tp: int) -> list[str]:
@@ -56,27 +57,13 @@ def model_problems(config, tp: int) -> list[str]:
 
 
 def tensor_parallel_problems(cfg, model_config, layout) -> list[str]:
-    """Everything train.py refuses about ``tensor_parallel`` (cfg: training.config.TrainConfig)."""
+    """Everything train.py refuses about ``tensor_parallel`` (cfg: training.config.TrainConfig): the model's
+    sizes, then the layout's rules (parallel.layout.tensor_layout_problems, which the planner asks too)."""
     tp = layout.tp
     if tp <= 1:
         return []
     problems = model_problems(model_config, tp) if model_config is not None else []
-    if not layout.uses_pipeline:
-        problems.append(
-            f"tensor_parallel {tp} runs on the pipeline engine; num_stages=1 with ds={cfg.ds_config} (ZeRO "
-            f"{layout.zero}) uses DeepSpeed's data-parallel engine: use ds=zero0 or ds=zero1"
-        )
-    if cfg.peft.method != "none":
-        problems.append(
-            f"peft.method={cfg.peft.method} with tensor_parallel {tp} is not supported yet: PEFT's layers would wrap "
-            "DeepSpeed's split linears; use tensor_parallel=1 (LoRA's frozen base rarely needs it)"
-        )
-    if cfg.loss_chunk_tokens < 1:
-        problems.append(
-            f"tensor_parallel {tp} computes the loss over the vocabulary slices with the chunked loss: set "
-            "loss_chunk_tokens > 0 (e.g. 1024)"
-        )
-    return problems
+    return problems + tensor_layout_problems(layout, cfg.peft.method, cfg.ds_config)
 
 
 def tensor_parallel_warnings(layout, local_world_size: int) -> list[str]:
@@ -117,7 +104,7 @@ class _Reduce:
         return RowParallel.apply(self.group, t.contiguous(), False)
 
 
-def _split_vocab_(module: nn.Module, group, rank: int, world: int) -> int:
+def _split_vocab_(module: nn.Module, rank: int, world: int) -> int:
     """Keep this rank's rows of an embedding or LM head weight [V, H]; returns its first vocabulary id."""
     mark_split(module.weight, 0, rank, world)
     module.weight.data = tp_piece(module.weight.data, module.weight).clone()  # [V/tp, H]
@@ -125,52 +112,225 @@ def _split_vocab_(module: nn.Module, group, rank: int, world: int) -> int:
     return rank * module.weight.shape[0]
 
 
-def split_stage_(model, group, loss_fn: CausalLMLoss) -> None:
-    """Cut this rank's stage into its TP pieces in place: LlamaPipelineModule calls it while the stage's
-    parameters are still on the meta device, so no whole layer is ever allocated (the pieces get memory
+# The styles: how one submodule is split. ``split`` runs on the meta device and returns the module that replaces it
+# (None: it stays, changed in place or not at all); ``finish`` runs once the stage has its memory.
+class Style:
+    @staticmethod
+    def split(module: nn.Module, group, rank: int, world: int) -> nn.Module | None:
+        return None
+
+    @staticmethod
+    def finish(module: nn.Module, group) -> None:
+        pass
+
+
+class Colwise(Style):
+    """Column-parallel (DeepSpeed's ``LinearLayer``): this rank's rows of the weight and the bias (output features)."""
+
+    @staticmethod
+    def split(module, group, rank, world):
+        from deepspeed.module_inject.layers import LinearLayer
+
+        if not isinstance(module, nn.Linear):
+            return None
+        layer = LinearLayer(module, group)
+        for p in (layer.weight, layer.bias):
+            if p is not None:
+                mark_split(p, 0, rank, world)
+        return layer
+
+
+class Rowwise(Style):
+    """Row-parallel (DeepSpeed's ``LinearAllreduce``): this rank's columns of the weight (input features), the
+    outputs all-reduced; the bias whole."""
+
+    @staticmethod
+    def split(module, group, rank, world):
+        from deepspeed.module_inject.layers import LinearAllreduce
+
+        if not isinstance(module, nn.Linear):
+            return None
+        layer = LinearAllreduce(module, group)
+        mark_split(layer.weight, 1, rank, world)
+        return layer
+
+
+class SummedGradient(Style):
+    """Replicated, its gradient summed over the group: Qwen3's per-head q/k norms, one weight that every head
+    shares, of which each rank sees only its own heads."""
+
+    @staticmethod
+    def finish(module, group):
+        module.weight.register_hook(_sum_over(group))
+
+
+class VocabEmbedding(Style):
+    """The embedding's rows of this rank's vocabulary slice; lookups outside it are zeros, summed over the group."""
+
+    @staticmethod
+    def split(module, group, rank, world):
+        start = _split_vocab_(module, rank, world)
+        module.vocab_range, module.tp_reduce = (start, start + module.weight.shape[0]), _Reduce(group)
+
+
+class VocabHead(Style):
+    """The LM head's rows of this rank's vocabulary slice (the loss is vocabulary-parallel)."""
+
+    @staticmethod
+    def split(module, group, rank, world):
+        _split_vocab_(module, rank, world)
+
+
+# Inside each decoder layer, by submodule name (torchtitan's per-block plan): how it is split.
+LAYER_PLAN: dict[str, type[Style]] = {
+    "q_proj": Colwise,
+    "k_proj": Colwise,
+    "v_proj": Colwise,
+    "gate_proj": Colwise,
+    "up_proj": Colwise,
+    "o_proj": Rowwise,
+    "down_proj": Rowwise,
+    "q_norm": SummedGradient,
+    "k_norm": SummedGradient,
+}
+# The stage's ends, by class: the vocabulary is split over the ranks.
+END_PLAN: dict[type, type[Style]] = {EmbeddingPipe: VocabEmbedding, LMHeadPipe: VocabHead}
+COLUMN = tuple(name for name, style in LAYER_PLAN.items() if style is Colwise)  # split by output features
+ROW = tuple(name for name, style in LAYER_PLAN.items() if style is Rowwise)  # by input features, all-reduced after
+PER_HEAD_NORMS = tuple(name for name, style in LAYER_PLAN.items() if style is SummedGradient)
+
+
+def _end_style(module: nn.Module) -> type[Style] | None:
+    return next((style for cls, style in END_PLAN.items() if isinstance(module, cls)), None)
+
+
+def split_stage_(model, group) -> None:
+    """Cut this rank's stage into its TP pieces in place, by :data:`END_PLAN` and :data:`LAYER_PLAN`: while the
+    stage's parameters are still on the meta device, so no whole layer is ever allocated (the pieces get memory
     and their values from the layer files afterwards)."""
-    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode
+    from deepspeed.module_inject.layers import set_autotp_mode
 
     set_autotp_mode(training=True)  # otherwise DeepSpeed's TP layers freeze their weights
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     for _, module in local_modules(model):
-        if isinstance(module, EmbeddingPipe):
-            start = _split_vocab_(module, group, rank, world)
-            module.vocab_range, module.tp_reduce = (start, start + module.weight.shape[0]), _Reduce(group)
-            loss_fn.tensor_parallel = (group, start)  # the tied LM head's slice
-            continue
-        if isinstance(module, LMHeadPipe):
-            loss_fn.tensor_parallel = (group, _split_vocab_(module, group, rank, world))
+        end = _end_style(module)
+        if end is not None:
+            end.split(module, group, rank, world)
             continue
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
-                if name in COLUMN and isinstance(child, nn.Linear):
-                    layer = LinearLayer(child, group)
-                    for p in (layer.weight, layer.bias):
-                        if p is not None:
-                            mark_split(p, 0, rank, world)
-                    setattr(parent, name, layer)
-                elif name in ROW and isinstance(child, nn.Linear):
-                    layer = LinearAllreduce(child, group)
-                    mark_split(layer.weight, 1, rank, world)
-                    setattr(parent, name, layer)
+                replacement = LAYER_PLAN.get(name, Style).split(child, group, rank, world)
+                if replacement is not None:
+                    setattr(parent, name, replacement)
 
 
 def finish_split_(model, group) -> None:
-    """Once the split stage has its memory: sum Qwen3's per-head norm gradients over the TP group, and
-    flag each parameter for DeepSpeed's gradient norm: a split one counts on every TP rank, a replicated
+    """Once the split stage has its memory: each style's ``finish`` (the per-head norms' summed gradients), and
+    each parameter flagged for DeepSpeed's gradient norm: a split one counts on every TP rank, a replicated
     one on TP rank 0 only, the tied LM head's copy of the embedding nowhere (the first stage counts it)."""
     rank = dist.get_rank(group)
     for _, module in local_modules(model):
         for name, child in module.named_modules():
-            if name.rsplit(".", 1)[-1] in PER_HEAD_NORMS:
-                child.weight.register_hook(_sum_over(group))
+            LAYER_PLAN.get(name.rsplit(".", 1)[-1], Style).finish(child, group)
     for p in model.parameters():
         split = hasattr(p, "tp_split")
         if getattr(p, "ds_pipe_replicated", False):
             p.model_parallel = p.tensor_model_parallel = False
         else:
             p.model_parallel = split or rank == 0
+
+
+class TensorParallelStage:
+    """The stage's class with tensor parallelism (before ``LlamaPipelineModule``, parallel/stage.py): what building,
+    saving and loading do with the pieces.
+
+    Building: the stage's layers are built with their parameters on the meta device (buffers, e.g. rotary
+    frequencies, built as usual), :func:`split_stage_` cuts them into this rank's pieces, and only the pieces get
+    memory, zeros until the caller loads or initialises them: no rank ever allocates a whole layer. Saving gathers
+    each split tensor and writes it whole, from TP rank 0, so layer files keep Hugging Face's names and shapes;
+    loading reads the whole tensors and keeps this rank's pieces. A stage without a split tensor saves and loads
+    as DeepSpeed does."""
+
+    def _build(self) -> None:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            super()._build()
+        split_stage_(self, self._grid.get_slice_parallel_group())
+        materialize_(self)
+
+    def _is_split(self) -> bool:
+        return any(hasattr(p, "tp_split") for p in self.parameters())
+
+    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+        if not self._is_split():
+            return super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
+        if self._grid.data_parallel_id != 0:
+            return None
+        group = self._grid.get_slice_parallel_group()
+        checkpoint_engine.makedirs(save_dir, exist_ok=True)
+        writer = dist.get_rank(group) == 0  # the only rank that holds a whole layer, to write it
+        for idx, layer in enumerate(self.forward_funcs):
+            if not hasattr(layer, "state_dict"):
+                continue
+            state, params = {}, dict(layer.named_parameters())
+            for key, t in layer.state_dict().items():
+                split = getattr(params.get(key), "tp_split", None)
+                if split:
+                    dim, _, world = split
+                    pieces = [torch.empty_like(t) for _ in range(world)] if writer else None
+                    dist.gather(t.contiguous(), pieces, dst=dist.get_global_rank(group, 0), group=group)
+                    t = torch.cat(pieces, dim) if writer else t  # whole, as Hugging Face names and shapes it
+                state[key] = t.clone()
+            if writer:
+                checkpoint_engine.save(state_dict=state, path=self.ckpt_layer_path(save_dir, idx))
+        return None
+
+    def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
+        if not self._is_split():
+            return super().load_state_dir(load_dir, checkpoint_engine, strict)
+        for idx, layer in enumerate(self.forward_funcs):
+            if not hasattr(layer, "load_state_dict"):
+                continue
+            path = self.ckpt_layer_path(load_dir, idx)
+            problems = fill_module_(layer, load_layer_file(path), path)
+            if problems:
+                raise CheckpointError("cannot load the stage's pieces:\n  " + "\n  ".join(problems))
+        return None
+
+
+class TensorParallelPlan(AxisPlan):
+    """``tensor_parallel`` > 1 (parallel/axis.py's steps): the stage built, saved and loaded in pieces
+    (:class:`TensorParallelStage`), its replicated parameters flagged for the gradient norm, the loss told its
+    vocabulary slice, the stages' tensors sent whole, and the replicas compared at the end of the run."""
+
+    stage_mixin = TensorParallelStage
+
+    @staticmethod
+    def used(layout: Layout) -> bool:
+        return layout.tp > 1
+
+    def apply(self, model) -> dict:
+        group = model._grid.get_slice_parallel_group()
+        finish_split_(model, group)
+        ends = [m for _, m in local_modules(model) if _end_style(m) is not None]
+        if not ends:
+            return {}
+        return {"tensor_parallel": (group, dist.get_rank(group) * ends[0].weight.shape[0])}  # the head's slice
+
+    def ds_config_(self, ds: dict) -> None:
+        # DeepSpeed would cut each tensor sent between stages over the TP group (pipe_partitioned); the
+        # stages send them whole, as the parity tests run them.
+        ds["pipeline"] = {**ds.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
+
+    def end_check(self, model, gather) -> tuple[str, str]:
+        """Every replicated parameter is the same on the TP peers."""
+        differ = replica_differences(model, model._grid.get_slice_parallel_group())
+        reports = gather("checking the tensor-parallel replicas", lambda: differ)
+        bad = sorted({d for r in reports for d in r})
+        if bad:
+            return "replicated parameters differ between tensor-parallel peers: " + ", ".join(bad[:5]), ""
+        return "", "tensor-parallel peers hold identical replicated parameters (norms, row-parallel biases)"
 
 
 @torch.no_grad()

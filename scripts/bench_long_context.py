@@ -23,7 +23,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from training.bench_runs import add_run_args, bench_model, measure_train, per_rank, run_overrides  # noqa: E402
+from training.bench_runs import add_run_args, bench_model, measure_train, run_overrides  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,11 +85,10 @@ def main(argv=None) -> None:
                 "loss_chunk_tokens=1024",
             ]
             r = measure_train(args.gpus, overrides, out, args.warmup, name)
-            step_peak = per_rank(r["log"], "peak of allocated tensors", r"rank \d+ ([\d.]+)")
             peaks = ", ".join(f"{v:.0f}" for v in r["peak"])
             print(
                 f"| {seq} | {name} | {r['step_s']:.2f} | {r['tokens_s']:.0f} | "
-                f"{', '.join(f'{v:.0f}' for v in step_peak)} | {r['peak_kind']} {peaks} |",
+                f"{', '.join(f'{v:.0f}' for v in r['step_peak'])} | {r['peak_kind']} {peaks} |",
                 flush=True,
             )
 

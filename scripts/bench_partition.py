@@ -19,9 +19,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.llama_pipe import spec_weights  # noqa: E402
 from parallel.layout import Layout  # noqa: E402
-from parallel.memory_plan import GB, shape_of, splitter, stage_estimates  # noqa: E402
-from parallel.partition import stage_boundaries  # noqa: E402
-from training.config import TrainConfig, model_group_config  # noqa: E402
+from parallel.memory_plan import GB, shape_of, stage_estimates  # noqa: E402
+from parallel.partition import splitter, stage_boundaries  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
+from training.model_source import model_group_config  # noqa: E402
 
 CASES = [  # (model, stages, dp, zero, optimizer offloaded)
     ("llama3-8b", 4, 2, 1, False),

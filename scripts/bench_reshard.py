@@ -32,6 +32,7 @@ sys.path.insert(0, ROOT)
 from models.hf_io import hf_to_stages  # noqa: E402
 from models.llama_pipe import model_parameters  # noqa: E402
 from models.tiny import save_random_model, tiny_config, train_tokenizer, write_random_tokens  # noqa: E402
+from training.metrics import read_final_record  # noqa: E402
 
 CONVERT = """
 import importlib.util, sys
@@ -69,9 +70,10 @@ def train(work: str, out: str, stages: int, grad_acc: int, steps: int) -> str:
     return proc.stdout
 
 
-def peak_rss(stdout: str) -> str:
-    m = re.search(r"peak memory per rank \(MiB\): (.*)", stdout)
-    return ", ".join(re.findall(r"host (\d+)", m.group(1))) if m else "?"
+def peak_rss(output_dir: str) -> str:
+    """Per rank, the peak host RSS (MiB) of the run in ``output_dir``: train.py's final figures, as it prints them."""
+    final = read_final_record(output_dir)
+    return ", ".join(f"{p['host']:.0f}" for p in final["peak_memory_mib"]) if final else "?"
 
 
 def main() -> None:
@@ -113,7 +115,8 @@ def main() -> None:
             sys.exit(f"convert2ckpt.py --reshard failed:\n{proc.stderr[-3000:]}")
         offline_rss = re.search(r"VmHWM (\d+)", proc.stdout).group(1)
         resumed = train(a.work, run, stages=4, grad_acc=4, steps=2)
-        fresh = train(a.work, os.path.join(a.work, "fresh"), stages=4, grad_acc=4, steps=2)
+        fresh = os.path.join(a.work, "fresh")
+        train(a.work, fresh, stages=4, grad_acc=4, steps=2)
         set_s = re.search(r"optimizer states of every parameter set in ([\d.]+) s", resumed).group(1)
         print(
             f"checkpoint: {size / 1e9:.2f} GB, {model_parameters(config) / 1e6:.0f} M parameters "
@@ -123,7 +126,7 @@ def main() -> None:
         print("| what | time | peak RSS (MiB) |")
         print("|---|---|---|")
         print(f"| convert2ckpt.py --reshard (offline, whole process) | {offline_s:.1f} s | {offline_rss} |")
-        print(f"| resume on pipe 4 x data 1: states set | {set_s} s | {peak_rss(resumed)} per rank |")
+        print(f"| resume on pipe 4 x data 1: states set | {set_s} s | {peak_rss(run)} per rank |")
         print(f"| the same job on pipe 4 x data 1, not resuming | - | {peak_rss(fresh)} per rank |")
         print(
             json.dumps(

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -35,7 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models.hf_io import hf_to_stages  # noqa: E402
 from models.tiny import save_random_model, tiny_config, write_random_tokens  # noqa: E402
 from parallel.layout import Layout  # noqa: E402
-from parallel.memory_plan import shape_of, splitter, stage_estimates  # noqa: E402
+from parallel.memory_plan import shape_of, stage_estimates  # noqa: E402
+from parallel.partition import splitter  # noqa: E402
+from training.bench_runs import final_figures  # noqa: E402
 from training.distributed import free_port  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,14 +88,6 @@ def build_model(workdir: str, args) -> tuple[str, str]:
     return ckpt, data
 
 
-def per_rank(log: str, prefix: str, pattern: str) -> list[tuple]:
-    """The per-rank figures of train.py's end-of-run line starting with ``prefix``."""
-    line = next((line for line in log.splitlines() if prefix in line), None)
-    if line is None:
-        raise RuntimeError(f"train.py printed no '{prefix}' line; its output ends:\n{log[-3000:]}")
-    return [tuple(map(float, m if isinstance(m, tuple) else (m,))) for m in re.findall(pattern, line)]
-
-
 def run(workdir: str, ckpt: str, data: str, pipe: int, chunk: int, args) -> dict:
     """One training run; per rank: model states and step peak, in MiB."""
     out = os.path.join(workdir, f"pipe{pipe}_chunk{chunk}")
@@ -129,9 +122,11 @@ def run(workdir: str, ckpt: str, data: str, pipe: int, chunk: int, args) -> dict
         f.write(log)
     if proc.returncode != 0:
         raise RuntimeError(f"train.py failed (rc {proc.returncode}); its output ends:\n{log[-3000:]}")
-    states = per_rank(log, "model states per rank", r"rank \d+ ([\d.]+) \+ ([\d.]+) \+ ([\d.]+) = ([\d.]+)")
-    peaks = per_rank(log, "peak of allocated tensors above its start per rank", r"rank \d+ ([\d.]+)")
-    return {"states": [s[3] for s in states], "step_peak": [p[0] for p in peaks]}
+    figures = final_figures(out)  # train.py's final figures per rank, as its last lines print them
+    for key, what in (("states", "model states"), ("step_peak", "step peak")):
+        if not figures[key]:
+            raise RuntimeError(f"train.py reported no {what}; its output ends:\n{log[-3000:]}")
+    return {"states": figures["states"], "step_peak": figures["step_peak"]}
 
 
 def predicted(config, pipe: int, chunk: int, args) -> tuple[list, list[int]]:

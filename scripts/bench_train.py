@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -147,7 +146,7 @@ def model_spec(args) -> tuple[str, dict]:
 
 
 def llama_config(group: str, overrides: dict):
-    from training.config import model_group_config
+    from training.model_source import model_group_config
 
     return model_group_config(group, **overrides)
 
@@ -408,6 +407,7 @@ def case_args(train_args: list[str], case: str) -> list[str]:
 
 def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data: str, run_dir: str) -> dict:
     from training.distributed import free_port
+    from training.launch import deepspeed_command, remove_shm_leftovers
 
     _, ranks, stages, threads, extra = CASES[case]
     threads = threads or args.threads
@@ -415,17 +415,10 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
     out = os.path.join(run_dir, "out")
     shutil.rmtree(out, ignore_errors=True)
     port = free_port()
-    cmd = [
-        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
-        "--num_gpus",
-        str(ranks),
-        "--master_port",
-        str(port),
-        *(
-            ["scripts/bench_train.py", "--profile-rank", os.path.join(run_dir, "profile")]
-            if args.profile
-            else ["train.py"]
-        ),
+    profiled = ["scripts/bench_train.py", "--profile-rank", os.path.join(run_dir, "profile")]
+    entry = profiled if args.profile else ["train.py"]
+    train_args = [
+        *entry[1:],
         f"model={group}",
         f"model.tokenizer={tokenizer}",
         *[f"model.architecture.{k}={v}" for k, v in overrides.items()],
@@ -445,6 +438,7 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
         *[a.format(work=args.work) for a in extra],
         *case_args(args.train_arg, case),
     ]
+    cmd = deepspeed_command(ranks, entry[0], train_args, port)
     if any(GPU_DEFAULTS_JSON in a for a in extra):
         with open(os.path.join(args.work, GPU_DEFAULTS_JSON), "w") as f:
             json.dump(GPU_DEFAULTS, f)
@@ -460,18 +454,13 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
         rc = proc.wait()
         monitor.stop.set()
         monitor.join()
-    for leftover in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
-        if (
-            leftover.startswith(f"deepspeed_allreduce_buffer_{os.getuid()}_") and f"_{port}_" in leftover
-        ):  # a crashed rank's
-            os.remove(os.path.join("/dev/shm", leftover))
+    remove_shm_leftovers(port)  # a crashed rank's
     if rc != 0:
         with open(log_path) as f:
             sys.exit(f"case {case} failed (rc {rc}), log {log_path}:\n{f.read()[-4000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [r for r in map(json.loads, f) if r["kind"] == "train"]
-    with open(log_path) as f:
-        peak_mib = peak_memory_mib(f.read())
+    peak_mib = peak_memory_mib(out)
     cpu = [(float("nan"), float("nan"))] + per_step_cpu(monitor.stamps, ranks)  # step 1 has no line before it
     shutil.rmtree(out, ignore_errors=True)  # the final checkpoint is not needed
     measured = range(args.warmup, len(records))
@@ -487,14 +476,13 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
     }
 
 
-def peak_memory_mib(log: str) -> float | None:
-    """The largest rank's peak memory from train.py's "peak memory per rank (MiB): rank 0 host 568 / GPU
-    9120, ..." line: GPU where there is one, else host RSS; None without the line."""
-    line = next((x for x in log.splitlines() if "peak memory per rank (MiB):" in x), None)
-    if line is None:
-        return None
-    gpu = [float(v) for v in re.findall(r"GPU (\d+)", line)]
-    return max(gpu) if gpu else max(float(v) for v in re.findall(r"host (\d+)", line))
+def peak_memory_mib(output_dir: str) -> float | None:
+    """The largest rank's peak memory from train.py's final figures (metrics.jsonl's last record; its line "peak
+    memory per rank (MiB): rank 0 host 568 / GPU 9120, ..."): GPU where there is one, else host RSS; None
+    without the record."""
+    from training.bench_runs import final_figures
+
+    return max(final_figures(output_dir)["peak"], default=None)
 
 
 def split_bound_line(config, micro: int, stages: int = 2) -> str:

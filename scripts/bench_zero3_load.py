@@ -39,12 +39,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from training.distributed import free_port  # noqa: E402
+from training.metrics import read_final_record  # noqa: E402
 
 REPORT = re.compile(
     r"rank (\d+): stage \d+ .*\| (loaded .*?) in [\d.]+ s \| peak RSS at load (\d+) MiB "
     r"\(before building the stage (\d+) MiB"
 )
-RUN_PEAK = re.compile(r"rank (\d+) host (\d+)")  # in train.py's last line, "peak memory per rank (MiB): ..."
 TARGET = 1.3  # peak RSS at load <= TARGET x (model bytes / ranks + largest layer) + empty-rank peak
 CONFIGS = ("zero3", "zero3_offload")
 FULL_BUILD_ENV = "BENCH_ZERO3_FULL_BUILD"  # models.zero3.FULL_BUILD_ENV (not imported: no deepspeed import here)
@@ -99,8 +99,8 @@ def load_reports(ckpt: str, ds: str, ranks: int, work: str, name: str, full_buil
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         sys.exit(f"{name} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    peaks_line = next((x for x in proc.stdout.splitlines() if "peak memory per rank" in x), "")
-    run_peaks = {int(r): int(mib) for r, mib in RUN_PEAK.findall(peaks_line)}
+    final = read_final_record(os.path.join(work, "out", name)) or {}  # train.py's final figures, as it prints them
+    run_peaks = {r: int(f"{p['host']:.0f}") for r, p in enumerate(final.get("peak_memory_mib", []))}
     reports = {
         int(r): (int(peak), int(before), line, run_peaks.get(int(r), 0))
         for r, line, peak, before in REPORT.findall(proc.stdout)

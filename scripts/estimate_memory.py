@@ -31,17 +31,15 @@ from models.peft_targets import DECODER_LINEARS  # noqa: E402
 from parallel.layout import Layout, count_arg, layout_problems  # noqa: E402
 from parallel.memory_plan import (  # noqa: E402
     GB,
-    all_to_all_bytes,
-    all_to_all_step_bytes,
     fitting,
     layout_bubble,
     schedule_report,
+    sequence_report,
     shape_of,
-    splitter,
     stage_estimates,
     stage_table,
 )
-from parallel.partition import DEFAULT_PARTITION_METHOD  # noqa: E402
+from parallel.partition import DEFAULT_PARTITION_METHOD, splitter  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 
 SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
@@ -52,7 +50,7 @@ def load_model(spec: str):
     m = re.fullmatch(r"([\d.]+(?:e\d+)?)([KMBT]?)", spec.strip(), re.IGNORECASE)
     if m:
         return None, float(m.group(1)) * SUFFIX.get(m.group(2).upper(), 1)
-    from training.config import model_group_config, model_group_names
+    from training.model_source import model_group_config, model_group_names
 
     if spec in model_group_names():
         config = model_group_config(spec)
@@ -91,17 +89,8 @@ def report(config, total, layout: Layout, method: str) -> None:
         print(f"most loaded GPU: stage {e.stage}, {e.total / GB:.2f} GB")
     if e.host:
         print(f"host memory per rank (offloaded states, not in the GPU totals): up to {e.host / GB:.2f} GB")
-    for line in schedule_report(split, layout, shape_of(config)):
+    for line in schedule_report(split, layout, shape_of(config)) + sequence_report(layout, shape_of(config), layers):
         print(line)
-    if layout.sp > 1 and layers is not None:
-        shape, most = shape_of(config), max(range(layout.stages), key=lambda p: layers[p])
-        print(
-            f"sequence parallelism (Ulysses all-to-all of q, k, v and the output): each rank sends "
-            f"{all_to_all_bytes(shape, layout) / 1e6:.1f} MB per layer per micro-batch forward, "
-            f"{all_to_all_step_bytes(shape, layout, layers[most]) / GB:.2f} GB per step on stage {most} "
-            f"({layers[most]} layers x {layout.grad_accum} micro-batches x forward, backward"
-            f"{', recomputation' if layout.checkpointing else ''})"
-        )
 
 
 def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
@@ -178,8 +167,8 @@ def flag_config(args) -> TrainConfig:
 
 def train_problems(config, layout: Layout, args) -> list[str]:
     """train.py's lines for this layout beyond its sizes: the rules of tensor and sequence parallelism, DualPipeV
-    and LoRA, asked of the same functions training.config.resolve asks, given the config the flags stand for."""
-    from models.lora import peft_problems
+    and LoRA, asked of the same functions training.validate.resolve asks, given the config the flags stand for."""
+    from models.lora_rules import peft_problems
     from parallel.dualpipev import dualpipev_problems
     from parallel.sequence_parallel import sequence_parallel_problems
     from parallel.tensor_parallel import tensor_parallel_problems

@@ -23,10 +23,10 @@ quiet_dependencies("warning")
 
 from data.checks import data_problems  # noqa: E402
 from data.prepare import prepare  # noqa: E402
-from data.settings import data_settings  # noqa: E402
+from data.settings import data_settings, tokenizer_dir  # noqa: E402
 from data.sources import DataError  # noqa: E402
 from parallel.layout import count_arg  # noqa: E402
-from training.config import resolve_model, tokenizer_dir  # noqa: E402
+from training.model_source import resolve_model  # noqa: E402
 from training.preflight import composed  # noqa: E402
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -24,14 +23,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from parallel.layout import count_arg, offloads  # noqa: E402
-from training.config import model_group_config  # noqa: E402
 from training.distributed import free_port  # noqa: E402
+from training.metrics import read_final_record  # noqa: E402
+from training.model_source import model_group_config  # noqa: E402
 
 PIPELINE_CONFIGS = ("zero0", "zero1", "zero1_offload")  # DeepSpeed's pipeline engine runs ZeRO 0/1 only
-PEAKS = re.compile(r"peak memory per rank \(MiB\): (.*)")
-STATES = re.compile(r"model states per rank .*?: (.*)")
-RANK_STATES = re.compile(r"rank (\d+) [\d.]+ \+ [\d.]+ \+ [\d.]+ = ([\d.]+)")
-RANK_PEAK = re.compile(r"rank (\d+) host (\d+)(?: / GPU (\d+))?")
 
 
 def cases(configs: list[str]) -> list[dict]:
@@ -93,15 +89,16 @@ def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
         return row
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = [r for r in map(json.loads, f) if r["kind"] == "train"]
-    peaks = {
-        int(r): (int(h), int(g) if g else None) for r, h, g in RANK_PEAK.findall(PEAKS.search(proc.stdout).group(1))
-    }
+    final = read_final_record(out)  # train.py's final figures per rank, taken as its last lines print them
+    peaks = [
+        (int(f"{p['host']:.0f}"), int(f"{p['gpu']:.0f}") if "gpu" in p else None) for p in final["peak_memory_mib"]
+    ]
     s_per_step = statistics.median(r["step_s"] for r in steps[1:])
-    states = {int(r): float(t) for r, t in RANK_STATES.findall(STATES.search(proc.stdout).group(1))}
-    row.update(states_mib=max(states.values()), estimate_mib=estimate_states_mib(args, row, zero))
+    states = [float(f"{s['total']:.2f}") for s in final["model_states_mib"]]
+    row.update(states_mib=max(states), estimate_mib=estimate_states_mib(args, row, zero))
     row.update(
-        memory=max(h for h, _ in peaks.values()),
-        gpu=max((g or 0) for _, g in peaks.values()) or None,
+        memory=max(h for h, _ in peaks),
+        gpu=max((g or 0) for _, g in peaks) or None,
         s_per_step=s_per_step,
         tokens_per_s=steps[-1]["tokens"] / s_per_step,
         loss=steps[-1]["loss"],
@@ -113,7 +110,8 @@ def estimate_states_mib(args, row: dict, zero: dict) -> float:
     """The planner's model-state bytes for the most loaded rank of this run, with the offloaded states
     (on CPU the host is the device, and the census counts them) and ZeRO-3's reduce bucket."""
     from parallel.layout import Layout
-    from parallel.memory_plan import estimate, splitter
+    from parallel.memory_plan import estimate
+    from parallel.partition import splitter
 
     config = model_group_config(
         "tiny", hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75), num_hidden_layers=args.layers

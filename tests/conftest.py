@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import json
 import os
@@ -18,13 +17,18 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from models.hf_io import hf_to_stages  # noqa: E402
 from models.tiny import save_random_model, tiny_config, train_tokenizer, write_random_tokens  # noqa: E402,F401
+from tests import parity  # noqa: E402
+from tests.parity import parity_args  # noqa: E402,F401 (tests import it from here)
 from training.distributed import free_port  # noqa: E402,F401 (tests import it from here)
+from training.launch import Launcher, deepspeed_command, remove_shm_leftovers, run_ranks  # noqa: E402
 
 # Multi-rank CPU runs: one thread per rank (2 threads x 4 ranks on 2 cores ran 15-20x slower).
 RANK_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 LAUNCH_TIMEOUT_S = 600  # a hung collective fails the test instead of the whole CI run
 FAILURE_GRACE_S = 1.0  # after one rank fails, how long the others may finish before they are ended
+LAUNCHER = Launcher()  # one fork server for the session, started by the first launch
 
 
 def run_deepspeed(
@@ -33,68 +37,57 @@ def run_deepspeed(
     """``deepspeed --num_gpus N script args`` (N CPU ranks) from the repo root; output saved to ``log_path``.
 
     By default the ranks are started as DeepSpeed's launcher (``deepspeed/launcher/launch.py``) starts
-    them, the same environment and command line, but without it: the launcher and its runner each import
-    DeepSpeed before any rank starts, 6-8 s per launch on this machine, and the suite launches about 70
-    times. As the launcher does, a rank that fails ends the others and its exit status is the job's.
-    ``launcher=True`` runs the real ``deepspeed`` command (tests of what the launcher itself prints or
-    does; the demo, the multi-node and the killed-rank tests run it too).
+    them, the same environment and command line, but without it, and forked from a process that has
+    imported what they import (training/launch.py): a launch takes 3 s here instead of 15. As the launcher
+    does, a rank that fails ends the others and its exit status is the job's. ``launcher=True`` runs the
+    real ``deepspeed`` command (tests of what the launcher itself prints or does; the demo, the
+    multi-node and the killed-rank tests run it too).
     """
     port = free_port()
-    env = {**os.environ, **RANK_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    env = child_env()
     try:
         if launcher:
-            cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(num_ranks)]
-            cmd += ["--master_port", str(port), script, *args]
+            cmd = deepspeed_command(num_ranks, script, args, port)
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
         else:
-            proc = _run_ranks(num_ranks, script, args, env, port)
+            proc = run_ranks(LAUNCHER, num_ranks, script, args, env, port, LAUNCH_TIMEOUT_S, FAILURE_GRACE_S)
     finally:
-        # DeepSpeed's CPU shm collectives leave a 66 MB segment per rank in /dev/shm; train.py removes
-        # its own, but scripts and killed ranks do not (see training/distributed.py).
-        for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-            os.remove(leftover)
+        remove_shm_leftovers(port)
     with open(log_path, "w") as f:
         f.write(proc.stdout + proc.stderr)
     return proc
 
 
-def _run_ranks(num_ranks: int, script: str, args: list[str], env: dict, port: int) -> subprocess.CompletedProcess:
-    """The ranks of one node, each ``python -u script --local_rank=R args`` with the launcher's variables,
-    their output interleaved into one stdout and one stderr as the launcher's children share its own."""
-    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(num_ranks)}
-    world.update(CROSS_RANK="0", CROSS_SIZE="1", LOCAL_SIZE=str(num_ranks))
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, "-u", script, f"--local_rank={r}", *args],
-                cwd=REPO,
-                env={**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)},
-                stdout=out,
-                stderr=err,
-            )
-            for r in range(num_ranks)
-        ]
-        deadline, status, failed_at = time.time() + LAUNCH_TIMEOUT_S, 0, None
-        while any(p.poll() is None for p in ranks):
-            failed = [p.returncode for p in ranks if p.returncode not in (None, 0)]
-            if failed and failed_at is None:
-                status, failed_at = failed[0], time.time()
-            # The launcher ends the others (SIGTERM) once it sees a rank fail; it looks once a second, so
-            # ranks failing together still print their own error first.
-            if failed_at is not None and time.time() > failed_at + FAILURE_GRACE_S:
-                for p in ranks:
-                    if p.poll() is None:
-                        p.terminate()
-            if time.time() > deadline:
-                for p in ranks:
-                    p.kill()
-                    p.wait()
-                raise subprocess.TimeoutExpired([script, *args], LAUNCH_TIMEOUT_S)
-            time.sleep(0.05)
-        status = status or next((p.returncode for p in ranks if p.returncode), 0)
+def train_run(root, name: str, ranks: int, args: list[str], ok: bool = True, launcher: bool = False):
+    """``train.py args`` on ``ranks`` CPU ranks (``run_deepspeed``), its output saved to ``root/name.log``;
+    with ``ok`` the run must succeed (the log's tail is the failure message). Returns the process."""
+    proc = run_deepspeed(ranks, "train.py", list(args), os.path.join(str(root), f"{name}.log"), launcher=launcher)
+    if ok:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def child_env() -> dict:
+    """This process's environment, one thread per process, the repo on the module path: what launches get."""
+    return {**os.environ, **RANK_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+
+
+def run_script(argv: list[str], env: dict | None = None, timeout: float = LAUNCH_TIMEOUT_S):
+    """``python argv`` (a script from the repo root, and its arguments) as ``subprocess.run`` would run it with
+    ``cwd=REPO, capture_output=True, text=True``: forked from the session's fork server when ``env`` (by
+    default this process's, one thread, the repo on the module path) allows it (training/launch.py)."""
+    env = child_env() if env is None else env
+    with tempfile.NamedTemporaryFile("w+") as out, tempfile.NamedTemporaryFile("w+") as err:
+        proc = LAUNCHER.start(argv[0], list(argv[1:]), env, out, err)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess([script, *args], status, out.read(), err.read())
+        return subprocess.CompletedProcess([sys.executable, *argv], code, out.read(), err.read())
 
 
 def load_entry_point(path: str):
@@ -105,24 +98,6 @@ def load_entry_point(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def parity_args(ckpt: str, data: str, out, seq: int, micro: int, steps: int, optim: dict, **overrides) -> list[str]:
-    """train.py overrides of an fp32 parity run: fixed data order, the tokenized cache beside ``out``."""
-    args = {
-        "model_name_or_path": ckpt,
-        "output_dir": out,
-        "data.train_file": data,
-        "data.max_seq_length": seq,
-        "data.shuffle": "false",
-        "data.cache_dir": os.path.join(os.path.dirname(out), "cache"),
-        "micro_batch_size": micro,
-        "max_steps": steps,
-        "precision": "fp32",
-        **{f"optim.{k}": v for k, v in optim.items()},
-        **overrides,
-    }
-    return [f"{k}={v}" for k, v in args.items()]
 
 
 def read_metrics(output_dir: str, kind: str = "train") -> list[dict]:
@@ -159,6 +134,38 @@ def tiny_hf(tmp_path_factory, tokenizer_dir) -> str:
 def tiny_tied_hf(tmp_path_factory, tokenizer_dir) -> str:
     """Tied embeddings (Llama 3.2 style), 4 layers, fp32."""
     return make_hf_dir(tmp_path_factory.mktemp("hf"), tokenizer_dir, "tiny-tied", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory, tiny_hf) -> str:
+    """``tiny_hf`` converted to layer files, once. Read only: a test that changes a checkpoint converts its own."""
+    path = str(tmp_path_factory.mktemp("ckpt") / "tiny")
+    hf_to_stages(tiny_hf, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_ckpt(tmp_path_factory, tiny_tied_hf) -> str:
+    """``tiny_tied_hf`` converted to layer files, once. Read only, as ``tiny_ckpt``."""
+    path = str(tmp_path_factory.mktemp("ckpt") / "tiny-tied")
+    hf_to_stages(tiny_tied_hf, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def parity_pipe(tmp_path_factory, tiny_ckpt) -> dict:
+    """The random-token parity run on pipe 2 x data 2 under ZeRO-1 (tests/parity.py's ``train_args``, global
+    batch 8 = micro 2 x grad_acc 2 x dp 2), launched once: ``root`` (its data ``root/train.jsonl``, the
+    run ``root/pipe``, its log ``root/pipe.log``), ``data``, ``samples``, ``args``, ``proc`` and ``seconds``.
+    tests/test_train_parity.py checks it against the reference loop (and trains its other layouts beside it
+    in ``root``); tests/test_multinode.py trains the same on two simulated nodes. Neither changes it."""
+    root = tmp_path_factory.mktemp("train")
+    data = str(root / "train.jsonl")
+    samples = write_random_tokens(data, parity.NUM_SAMPLES, parity.SEQ, vocab_size=512)
+    args = parity.train_args(tiny_ckpt, data, str(root / "pipe"), **parity.PIPE)
+    start = time.time()
+    proc = train_run(root, "pipe", 4, args)
+    return dict(root=root, data=data, samples=samples, args=args, proc=proc, seconds=time.time() - start)
 
 
 @pytest.fixture(scope="session")
@@ -216,8 +223,6 @@ def run_a(tmp_path_factory, tiny_hf, corpus):
     """(root, process) of run A: 8 steps on 4 ranks with ``loop_args``, checkpoints 4, 6 and 8 kept in
     ``root/A``. Read only: tests copy it (tests/test_training_loop.py resumes it, tests/test_reshard.py on
     other layouts)."""
-    from models.hf_io import hf_to_stages
-
     root = tmp_path_factory.mktemp("loop")
     hf_to_stages(tiny_hf, str(root / "ckpt"))
     shutil.copy(corpus, root / "corpus.jsonl")

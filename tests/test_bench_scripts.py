@@ -8,12 +8,10 @@ are in BENCHMARKS.md. About 20 s on the 2-core CPU machine (start-up of the subp
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO, load_entry_point
+from tests.conftest import load_entry_point, run_script
 
 bench_load = load_entry_point("scripts/bench_load.py")
 bench_train = load_entry_point("scripts/bench_train.py")
@@ -85,28 +83,23 @@ def test_case_args_apply_to_their_case_only():
 def test_bench_train_plain_case_end_to_end(tmp_path):
     """The matmul peak and the plain loop (a) through the script's own loop and table (the train.py cases
     launch DeepSpeed, tens of seconds each: run the script itself for those)."""
-    proc = subprocess.run(
+    proc = run_script(
         [
-            sys.executable,
             "scripts/bench_train.py",
-            *TINY,
-            "--cases",
-            "a",
-            "--rounds",
-            "1",
-            "--steps",
-            "1",
-            "--micro-batches",
-            "2",
-            "--max-wait",
-            "0",
-            "--work",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        *TINY,
+        "--cases",
+        "a",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        "--micro-batches",
+        "2",
+        "--max-wait",
+        "0",
+        "--work",
+        str(tmp_path),
+        ], timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| a | plain HF loop"))
@@ -118,25 +111,20 @@ def test_bench_train_plain_case_end_to_end(tmp_path):
 def test_bench_convert_end_to_end(tmp_path):
     """Both directions at a tiny size: every table row is there and the memory target is met."""
     work = tmp_path / "bench"
-    proc = subprocess.run(
+    proc = run_script(
         [
-            sys.executable,
             "scripts/bench_convert.py",
-            "--layers",
-            "1",
-            "--hidden",
-            "64",
-            "--vocab",
-            "256",
-            "--repeats",
-            "1",
-            "--work",
-            str(work),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+        "--vocab",
+        "256",
+        "--repeats",
+        "1",
+        "--work",
+        str(work),
+        ], timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
@@ -159,47 +147,53 @@ def test_bench_convert_read_paths(tmp_path, tiny_hf):
     from models.hf_io import hf_to_stages
 
     hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
-    proc = subprocess.run(
+    proc = run_script(
         [
-            sys.executable,
             "scripts/bench_convert.py",
-            "--read-paths",
-            str(tmp_path / "ckpt" / "global_step0"),
-            "--repeats",
-            "1",
-            "--work",
-            str(tmp_path / "work"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        "--read-paths",
+        str(tmp_path / "ckpt" / "global_step0"),
+        "--repeats",
+        "1",
+        "--work",
+        str(tmp_path / "work"),
+        ], timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| raw copy", "| export"))]
     assert len(rows) == 3 and all(float(r.split("|")[4]) > 0 for r in rows), proc.stdout
 
 
-def test_peak_memory_is_read_from_train_py_s_line_gpu_first():
-    gpu = "[train] peak memory per rank (MiB): rank 0 host 568 / GPU 9120, rank 1 host 570 / GPU 9312"
+def final_run(run_dir, peaks: list[dict] | None, states: list[dict] | None = None) -> str:
+    """An output_dir whose metrics.jsonl ends with train.py's final figures (none: a run that did not finish)."""
+    from training.metrics import write_final_record
+
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1}) + "\n")
+    if peaks is not None:
+        states_figures = {"model_states_mib": states} if states else {}
+        write_final_record(str(run_dir), 1, {"peak_memory_mib": peaks, **states_figures})
+    return str(run_dir)
+
+
+def test_peak_memory_is_read_from_train_py_s_final_figures_gpu_first(tmp_path):
+    gpu = final_run(tmp_path / "gpu", [{"host": 568.0, "gpu": 9120.0}, {"host": 570.0, "gpu": 9312.0}])
     assert bench_train.peak_memory_mib(gpu) == 9312
-    assert bench_train.peak_memory_mib("[train] peak memory per rank (MiB): rank 0 host 568, rank 1 host 575") == 575
-    assert bench_train.peak_memory_mib("no such line") is None
+    assert bench_train.peak_memory_mib(final_run(tmp_path / "cpu", [{"host": 568.0}, {"host": 575.0}])) == 575
+    assert bench_train.peak_memory_mib(final_run(tmp_path / "unfinished", None)) is None
 
 
-def test_bench_runs_read_train_py_s_memory_lines():
-    """training/bench_runs.py's parsing of train.py's last lines, for scripts/bench_lora.py and
-    scripts/bench_layouts.py (the runs themselves launch DeepSpeed: run the scripts for those, minutes)."""
-    from training.bench_runs import per_rank
+def test_bench_runs_read_train_py_s_final_figures(tmp_path):
+    """training/bench_runs.py's reading of train.py's final figures (metrics.jsonl's last record, as its last lines
+    print them), for scripts/bench_lora.py and scripts/bench_layouts.py (the runs themselves launch DeepSpeed: run
+    the scripts for those, minutes)."""
+    from training.bench_runs import final_figures
 
-    log = (
-        "[train] peak memory per rank (MiB): rank 0 host 955 / GPU 9120, rank 1 host 938 / GPU 9312\n"
-        "[train] model states per rank (MiB, tensors held: weights + grads + optimizer = total): "
-        "rank 0 72.30 + 0.00 + 8.60 = 80.90, rank 1 72.30 + 0.00 + 8.60 = 80.90\n"
-    )
-    assert per_rank(log, "model states per rank", r"= ([\d.]+)") == [80.9, 80.9]
-    assert per_rank(log, "peak memory per rank", r"GPU (\d+)") == [9120, 9312]
-    assert per_rank(log, "peak memory per rank", r"host (\d+)") == [955, 938]
+    states = [{"weights": 72.3, "grads": 0.0, "optimizer": 8.6, "total": 80.904}] * 2
+    gpu = final_run(tmp_path / "gpu", [{"host": 955.4, "gpu": 9120.2}, {"host": 938.0, "gpu": 9312.0}], states)
+    host = final_run(tmp_path / "host", [{"host": 955.4}, {"host": 938.0}], states)
+    assert final_figures(gpu)["states"] == [80.9, 80.9]
+    assert final_figures(gpu)["peak"] == [9120, 9312] and final_figures(gpu)["peak_kind"] == "GPU"
+    assert final_figures(host)["peak"] == [955, 938] and final_figures(host)["peak_kind"] == "host RSS"
 
 
 def test_bench_layouts_refuses_a_layout_the_ranks_cannot_hold():

@@ -9,7 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from data.cache import DataSettings, build_or_reuse
-from data.sources import DataError, SourceStats, read_examples
+from data.records import DataError, SourceStats
+from data.render import read_examples
 from models.loss import IGNORE_INDEX
 
 TEMPLATE = (

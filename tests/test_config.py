@@ -8,24 +8,15 @@ import math
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, child_env, run_script
 from training import optim
-from training.config import (
-    ConfigError,
-    DataConfig,
-    ModelConfig,
-    MonitorConfig,
-    OptimConfig,
-    PeftConfig,
-    TrainConfig,
-    resolve,
-)
+from training.config import ConfigError, DataConfig, ModelConfig, MonitorConfig, OptimConfig, PeftConfig, TrainConfig
 from training.optim import cpu_zero1_settings, fill_ds_config
+from training.validate import resolve
 
 
 @pytest.fixture()
@@ -119,6 +110,8 @@ def test_typed_choices_are_checked_by_hydra_with_the_valid_values():
         ("optim.scheduler=step", "[constant, linear, cosine]"),
         ("loss_normalization=sample", "[tokens, micro_batch]"),
         ("data.format=csv", "[tokens, text, sft, dpo]"),
+        ("pipeline_schedule=gpipe", "[1f1b, dualpipev]"),
+        ("partition_method=profile", "[parameters, compute, memory, uniform, type:DecoderLayerPipe]"),
     ):
         with pytest.raises(ValidationError, match=re.escape(f"expected one of {valid}")):
             OmegaConf.merge(schema, OmegaConf.from_dotlist([override]))
@@ -243,11 +236,9 @@ def test_few_micro_batches_warn_about_the_bubble(good):
 
 
 def run_train_py(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WORLD_SIZE": "4"}
+    env = {**child_env(), "WORLD_SIZE": "4"}
     env.pop("RANK", None)
-    return subprocess.run(
-        [sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
+    return run_script(["train.py", *args], env=env, timeout=120)
 
 
 @pytest.mark.e2e
@@ -514,7 +505,7 @@ def test_resume_applies_free_and_layout_settings_as_given(good, tmp_path):
 
 
 def test_unknown_keys_are_refused_however_they_are_spelled():
-    from training.config import unknown_key_problems
+    from training.overrides import unknown_key_problems
 
     assert unknown_key_problems(
         {
@@ -599,7 +590,7 @@ def test_zero_plus_plus_quantized_weights_are_refused_on_cpu(good):
 
 def test_every_ds_config_trains_or_is_refused_before_training(good):
     """Each JSON in ds_configs/ is trained by tests/test_train_parity.py, or refused by validation."""
-    from tests.test_train_parity import TRAINED_CONFIGS
+    from tests.parity import TRAINED_CONFIGS
     from training.ds_json import available_ds_configs
 
     for name in available_ds_configs():

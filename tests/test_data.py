@@ -14,8 +14,9 @@ from transformers import AutoTokenizer
 from data.cache import DataSettings, TokenBlocks, build_or_reuse
 from data.guard import fingerprint
 from data.packing import pack_rows, pad_rows
+from data.records import DataError, Example, SourceStats
+from data.render import read_examples
 from data.sampling import MicroBatchIterator, PlaceholderDataset, collate
-from data.sources import DataError, Example, SourceStats, read_examples
 from models.loss import IGNORE_INDEX
 from training.data_setup import split_eval
 

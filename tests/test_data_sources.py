@@ -141,16 +141,13 @@ def test_config_refuses_empty_or_doubled_column_names(good):  # noqa: F811
 
 
 @pytest.mark.multirank
-def test_train_py_reads_parquet_shards_with_other_column_names(tmp_path, tiny_hf):
+def test_train_py_reads_parquet_shards_with_other_column_names(tmp_path, tiny_ckpt):
     """pipe 2 on parquet shards of SFT pairs under other column names (and a glob for eval): the same losses
     as the same pairs in one JSONL file, micro-batches cut to their longest row on the way through."""
     from datasets import Dataset
 
-    from models.hf_io import hf_to_stages
     from models.tiny import write_uneven_sft
-    from tests.conftest import parity_args, read_metrics, run_deepspeed
-
-    hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
+    from tests.conftest import parity_args, read_metrics, train_run
     write_uneven_sft(str(tmp_path / "sft.jsonl"), 48)
     pairs = [json.loads(line) for line in open(tmp_path / "sft.jsonl")]
     (tmp_path / "shards").mkdir()
@@ -164,9 +161,8 @@ def test_train_py_reads_parquet_shards_with_other_column_names(tmp_path, tiny_hf
         ("parquet", str(tmp_path / "shards"), {"data.prompt_field": "question", "data.response_field": "answer"}),
         ("jsonl", str(tmp_path / "sft.jsonl"), {}),
     ):
-        args = parity_args(str(tmp_path / "ckpt"), data, str(tmp_path / name), 64, 2, 3, optim, **common, **extra)
-        proc = run_deepspeed(2, "train.py", args, str(tmp_path / f"{name}.log"))
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        args = parity_args(tiny_ckpt, data, str(tmp_path / name), 64, 2, 3, optim, **common, **extra)
+        train_run(tmp_path, name, 2, args)
         runs[name] = read_metrics(str(tmp_path / name))
     assert [m["loss"] for m in runs["parquet"]] == [m["loss"] for m in runs["jsonl"]]
     assert all(0 < m["padding"] < 0.5 for m in runs["parquet"])  # rows of 64, cut to each micro-batch's longest

@@ -27,8 +27,9 @@ from safetensors.torch import load_file
 
 from data.cache import DataSettings, TokenBlocks
 from data.preference import PairBlocks
+from data.records import DataError, SourceStats
+from data.render import read_examples
 from data.sampling import collate_pairs
-from data.sources import DataError, SourceStats, read_examples
 from models.loss import IGNORE_INDEX, PreferenceLoss, sequence_logps
 from models.tiny import write_preference_pairs
 from tests.conftest import load_entry_point, make_hf_dir, parity_args, read_metrics, run_deepspeed
@@ -282,7 +283,8 @@ def test_the_loss_and_metrics_are_trls(loss_type, smoothing):
     ],
 )
 def test_dpo_settings_are_checked_before_start(tmp_path, chat_hf, pairs_files, change, message):
-    from training.config import ConfigError, DataConfig, DPOConfig, TrainConfig, resolve
+    from training.config import ConfigError, DataConfig, DPOConfig, TrainConfig
+    from training.validate import resolve
 
     cfg = TrainConfig(
         model_name_or_path=_converted(chat_hf, tmp_path),
@@ -298,7 +300,8 @@ def test_dpo_settings_are_checked_before_start(tmp_path, chat_hf, pairs_files, c
 
 
 def test_dpo_settings_without_dpo_are_refused(tmp_path, chat_hf, pairs_files):
-    from training.config import ConfigError, DataConfig, DPOConfig, TrainConfig, resolve
+    from training.config import ConfigError, DataConfig, DPOConfig, TrainConfig
+    from training.validate import resolve
 
     cfg = TrainConfig(
         model_name_or_path=_converted(chat_hf, tmp_path),

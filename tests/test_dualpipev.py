@@ -24,21 +24,22 @@ import pytest
 
 from models.hf_io import hf_to_stages
 from parallel.layout import Layout
-from tests.conftest import make_hf_dir, read_metrics, run_deepspeed
-from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
-from tests.test_sft_parity import (
+from tests.conftest import make_hf_dir, read_metrics, train_run
+from tests.parity import (
     GLOBAL_BATCH,
     STEPS,
     cached_rows,
     eval_losses,
     global_batches,
     max_rel_weight_diff,
-    reference_run,
     rel,
-    train_args,
+    sft_reference_run,
+    sft_train_args,
     trained_weights,
 )
-from training.config import ConfigError, resolve
+from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
+from training.config import ConfigError
+from training.validate import resolve
 
 REL_TOL = 1e-6
 CLIP = 0.5
@@ -85,7 +86,7 @@ def test_a_dualpipev_rank_holds_its_piece_and_the_mirror():
 
 
 @pytest.fixture(scope="module")
-def dpv_runs(tmp_path_factory, tiny_tied_hf, tokenizer_dir):
+def dpv_runs(tmp_path_factory, tiny_tied_hf, tiny_tied_ckpt, tokenizer_dir):
     from models.tiny import write_uneven_sft
 
     root = tmp_path_factory.mktemp("dualpipev")
@@ -93,14 +94,12 @@ def dpv_runs(tmp_path_factory, tiny_tied_hf, tokenizer_dir):
     write_uneven_sft(data, 4 * STEPS * GLOBAL_BATCH, seed=0)  # packed: a row holds several examples
     write_uneven_sft(eval_data, 96, seed=1)  # packed rows for 4 micro-batches of 2 per rank at dp 2, 8 at dp 1
     qwen = make_hf_dir(root, tokenizer_dir, "hf_qwen2", model_type="qwen2", num_hidden_layers=8)
-    hf_to_stages(tiny_tied_hf, str(root / "ckpt_tied"))
-    hf_to_stages(qwen, str(root / "ckpt_qwen"))
+    ckpts = {"ckpt_tied": tiny_tied_ckpt, "ckpt_qwen": str(root / "ckpt_qwen")}  # the tied one read only
+    hf_to_stages(qwen, ckpts["ckpt_qwen"])
 
     def launch(name: str, ckpt: str, **overrides):
-        args = train_args(str(root / ckpt), data, eval_data, str(root / name), **overrides)
-        proc = run_deepspeed(4, "train.py", args, str(root / f"{name}.log"))
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        return args, proc.stdout
+        args = sft_train_args(ckpts[ckpt], data, eval_data, str(root / name), **overrides)
+        return args, train_run(root, name, 4, args).stdout
 
     common = {**DUALPIPEV, "optim.max_grad_norm": CLIP}
     args, log = launch(
@@ -128,7 +127,7 @@ def dpv_runs(tmp_path_factory, tiny_tied_hf, tokenizer_dir):
     for name, hf_dir, dp, gas in (("pipe2_dp2", tiny_tied_hf, 2, 4), ("pipe4", qwen, 1, 8)):
         steps = global_batches(rows, dp=dp, gas=gas, steps=STEPS)[0]
         norms: list[float] = []
-        losses, model = reference_run(hf_dir, steps, "tokens", norms, max_grad_norm=CLIP)
+        losses, model = sft_reference_run(hf_dir, steps, "tokens", norms, max_grad_norm=CLIP)
         results[name] = dict(losses=losses, norms=norms, model=model, eval=eval_losses(model, eval_rows, dp)[0])
     return dict(root=root, results=results, args=args, logs={"pipe2_dp2": log, "pipe4": deep_log})
 
@@ -181,8 +180,7 @@ def test_a_dualpipev_checkpoint_resumes_under_1f1b(dpv_runs, tmp_path):
     (out / "latest").write_text("global_step3")
     args = [a for a in dpv_runs["args"] if not a.startswith(("output_dir=", "pipeline_schedule="))]
     args += [f"output_dir={out}", "pipeline_schedule=1f1b"]
-    proc = run_deepspeed(4, "train.py", args, str(tmp_path / "resumed.log"))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    proc = train_run(tmp_path, "resumed", 4, args)
     assert "was saved on another layout (pipeline_schedule 'dualpipev' -> '1f1b')" in proc.stdout
     straight = {m["step"]: m["loss"] for m in read_metrics(str(root / "pipe2_dp2"))}
     resumed = [m for m in read_metrics(str(out)) if m["step"] > 3]

@@ -237,6 +237,7 @@ def plot(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "scripts/plot_metrics.py", *argv], cwd=REPO, capture_output=True, text=True)
 
 
+@pytest.mark.e2e
 def test_plot_metrics_on_a_missing_run(tmp_path):
     proc = plot(str(tmp_path / "nowhere"))
     assert (proc.returncode, proc.stderr) == (
@@ -250,6 +251,7 @@ def test_plot_metrics_on_a_missing_run(tmp_path):
     )
 
 
+@pytest.mark.e2e
 def test_plot_metrics_skips_and_counts_damaged_lines(tmp_path):
     good = [{"kind": "train", "step": s, "loss": 4.0 - s / 10, "lr": 1e-3} for s in range(1, 7)]
     lines = [json.dumps(r) for r in good]

@@ -148,7 +148,8 @@ def test_other_model_types_are_refused_naming_the_supported_ones(tmp_path, model
 
 def test_training_refuses_other_model_types_before_starting(tmp_path):
     """train.py's config check (before any process group) reports it with the other problems."""
-    from training.config import ConfigError, TrainConfig, resolve
+    from training.config import ConfigError, TrainConfig
+    from training.validate import resolve
 
     cfg = TrainConfig(model_name_or_path=write_config(tmp_path / "ckpt", model_type="gemma"))
     cfg.output_dir = str(tmp_path / "out")
@@ -174,8 +175,8 @@ REFERENCE_PARAMS = {
 def test_reference_architectures_of_the_families(name, tmp_path, tokenizer_dir):
     """Exact published counts through the stage specs, and the planner and preflight on each entry."""
     from parallel.layout import Layout
-    from parallel.memory_plan import splitter
-    from training.config import model_group_config
+    from parallel.partition import splitter
+    from training.model_source import model_group_config
     from training.preflight import check
 
     config = model_group_config(name)
@@ -203,7 +204,8 @@ def test_tokenizers_without_a_bos_token_make_rows_without_one(tmp_path, tokenize
     itself, end with EOS, and hold no None."""
     from transformers import AutoTokenizer
 
-    from data.sources import SourceStats, read_examples
+    from data.records import SourceStats
+    from data.render import read_examples
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.bos_token = None

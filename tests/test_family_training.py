@@ -26,16 +26,16 @@ import torch
 from models.families import load_config
 from models.hf_io import hf_to_stages
 from models.tiny import write_uneven_sft
-from tests.conftest import make_hf_dir, parity_args, read_metrics, run_deepspeed
-from tests.test_sft_parity import (
+from tests.conftest import make_hf_dir, parity_args, read_metrics, train_run
+from tests.parity import (
     MICRO,
-    OPTIM,
+    SFT_OPTIM,
     STEPS,
     cached_rows,
     global_batches,
     max_rel_weight_diff,
-    reference_run,
     rel,
+    sft_reference_run,
     trained_weights,
 )
 
@@ -68,10 +68,8 @@ def runs(tmp_path_factory, tokenizer_dir):
     out = {"root": root}
 
     def launch(name: str, ranks: int, ckpt: str, **overrides) -> None:
-        args = parity_args(ckpt, data, str(root / name), SEQ, MICRO, STEPS, OPTIM, **overrides)
-        args += ["data.format=sft", "data.packing=true"]
-        proc = run_deepspeed(ranks, "train.py", args, str(root / f"{name}.log"))
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        args = parity_args(ckpt, data, str(root / name), SEQ, MICRO, STEPS, SFT_OPTIM, **overrides)
+        train_run(root, name, ranks, args + ["data.format=sft", "data.packing=true"])
 
     for name, (model_type, config_overrides, train_overrides) in FAMILY_RUNS.items():
         hf_dir = make_hf_dir(root, tokenizer_dir, f"{name}-hf", model_type=model_type, **config_overrides)
@@ -96,7 +94,7 @@ def runs(tmp_path_factory, tokenizer_dir):
     steps, *_ = global_batches(cached_rows(str(root / "cache"), data), dp=DP, gas=GAS, steps=STEPS)
     out["steps"] = steps
     for name in FAMILY_RUNS:
-        out[f"{name}_ref"] = reference_run(out[name], steps, "tokens")
+        out[f"{name}_ref"] = sft_reference_run(out[name], steps, "tokens")
     return out
 
 

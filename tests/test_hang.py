@@ -10,10 +10,9 @@ import time
 
 import pytest
 
-from models.hf_io import hf_to_stages
 from models.tiny import write_random_tokens
 from tests.conftest import read_metrics, run_deepspeed
-from tests.test_train_parity import SEQ, train_args
+from tests.parity import SEQ, train_args
 from training.hang import HANG_EXIT_CODE, HangWatch, where
 
 DUMP = """rank 2, step 3, 5 s into it
@@ -48,27 +47,26 @@ def test_a_hung_step_dumps_this_ranks_stacks(tmp_path):
     assert dump.startswith("rank 1, step 4, ") and "test_a_hung_step_dumps_this_ranks_stacks" in dump
 
 
-def sleepy_run(tmp_path, tiny_hf, monkeypatch, rank: int, seconds: str | None, **overrides):
+def sleepy_run(tmp_path, tiny_ckpt, monkeypatch, rank: int, seconds: str | None, **overrides):
     """tests/sleepy_rank.py on 4 ranks, pipe 2 x data 2: rank ``rank`` sleeps ``seconds`` (default an hour) in each
     forward pass from step 2 on. Returns (the process, its output_dir, seconds it took)."""
     data = str(tmp_path / "train.jsonl")
     write_random_tokens(data, 64, SEQ, vocab_size=512)
-    hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
     monkeypatch.setenv("SLEEPY_RANK", str(rank))
     monkeypatch.setenv("SLEEPY_STEP", "2")
     if seconds is not None:
         monkeypatch.setenv("SLEEPY_SECONDS", seconds)
     out = tmp_path / "run"
-    args = train_args(str(tmp_path / "ckpt"), data, str(out), num_stages=2, gradient_accumulation_steps=2, **overrides)
+    args = train_args(tiny_ckpt, data, str(out), num_stages=2, gradient_accumulation_steps=2, **overrides)
     start = time.time()
     proc = run_deepspeed(4, "tests/sleepy_rank.py", args, str(tmp_path / "run.log"))
     return proc, out, time.time() - start
 
 
 @pytest.mark.multirank
-def test_a_rank_asleep_in_a_step_is_named(tmp_path, tiny_hf, monkeypatch):
+def test_a_rank_asleep_in_a_step_is_named(tmp_path, tiny_ckpt, monkeypatch):
     proc, out, took = sleepy_run(
-        tmp_path, tiny_hf, monkeypatch, 3, None, ds_config="zero1", hang_timeout_s=5, max_steps=4
+        tmp_path, tiny_ckpt, monkeypatch, 3, None, ds_config="zero1", hang_timeout_s=5, max_steps=4
     )
     assert proc.returncode == HANG_EXIT_CODE, (proc.stdout + proc.stderr)[-3000:]
     assert sorted(os.listdir(out / "hang")) == [f"rank{r}.txt" for r in range(4)] + ["report.txt"]
@@ -85,10 +83,10 @@ def test_a_rank_asleep_in_a_step_is_named(tmp_path, tiny_hf, monkeypatch):
 
 
 @pytest.mark.multirank
-def test_a_slow_rank_is_named_the_straggler(tmp_path, tiny_hf, monkeypatch):
+def test_a_slow_rank_is_named_the_straggler(tmp_path, tiny_ckpt, monkeypatch):
     proc, out, _ = sleepy_run(
         tmp_path,
-        tiny_hf,
+        tiny_ckpt,
         monkeypatch,
         2,
         "0.3",

@@ -19,10 +19,11 @@ import sys
 import pytest
 
 from parallel.layout import Layout, layout_problems
-from tests.conftest import REPO, load_entry_point
+from tests.conftest import REPO, load_entry_point, run_script
 from tests.test_config import good  # noqa: F401 (a fixture)
-from training.config import ConfigError, TrainConfig, resolve
+from training.config import ConfigError, TrainConfig
 from training.preflight import check
+from training.validate import resolve
 
 # Known-harmless dependency lines that no entry point may print (training/logs.py filters them).
 NOISE = ("Setting accelerator to CPU", "gemm_4bit_forward", "an autograd kernel was not registered")
@@ -70,8 +71,8 @@ def valid(good, tmp_path) -> TrainConfig:  # noqa: F811
     )
 
 
-def run_script(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+def run_entry(*argv: str) -> subprocess.CompletedProcess:
+    return run_script(list(argv), timeout=120)
 
 
 def offload_json(tmp_path, stage: int, params: bool) -> str:
@@ -187,7 +188,7 @@ def test_script_counts_are_argparse_errors(script, argv, line, capsys):
 
 @pytest.mark.e2e  # a script in a subprocess
 def test_preflight_prints_train_py_lines_and_no_dependency_noise(tiny_hf, tmp_path):
-    proc = run_script(
+    proc = run_entry(
         "scripts/preflight.py",
         "--world-size",
         "3",
@@ -205,7 +206,7 @@ def test_preflight_prints_train_py_lines_and_no_dependency_noise(tiny_hf, tmp_pa
 
 @pytest.mark.e2e  # a script in a subprocess
 def test_convert2ckpt_prints_its_error_and_no_dependency_noise(tmp_path):
-    proc = run_script("convert2ckpt.py", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "o"))
+    proc = run_entry("convert2ckpt.py", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "o"))
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr == f"convert2ckpt.py: error: --input {tmp_path / 'missing'} does not exist\n"
 

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,13 +27,15 @@ from transformers import LlamaForCausalLM
 from models.hf_io import hf_to_stages
 from models.layer_files import local_modules
 from models.llama_pipe import LlamaStack, spec_layout
-from models.lora import adapter_key, apply_lora, file_sha256, lora_config, spec_key, trainable_state
+from models.lora import apply_lora, lora_config, trainable_state
+from models.lora_files import adapter_key, file_sha256, spec_key
 from models.tiny import save_random_model, tiny_config, write_random_tokens
 from tests.conftest import load_entry_point, read_metrics, run_deepspeed
+from tests.parity import MICRO, NUM_SAMPLES, REL_TOL, SEQ, STEPS, reference_run, rel, train_args
 from tests.test_config import problems_of
-from tests.test_train_parity import MICRO, NUM_SAMPLES, REL_TOL, SEQ, STEPS, reference_run, rel, train_args
-from training.config import DataConfig, PeftConfig, TrainConfig, resolve
+from training.config import DataConfig, PeftConfig, TrainConfig
 from training.reshard import SavedOptimizerState
+from training.validate import resolve
 
 LORA = dict(r=4, alpha=8.0)  # the runs' adapters; dropout 0 (the reference draws no masks)
 DUALPIPEV_PIPE2 = {"pipeline_schedule": "dualpipev", "gradient_accumulation_steps": 4, "data.pad_to_multiple_of": 0}
@@ -323,7 +326,7 @@ def overrides(settings: PeftConfig, init_from: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
+def lora_runs(tmp_path_factory, tiny_hf, tiny_tied_hf, tiny_ckpt, tiny_tied_ckpt):
     root = tmp_path_factory.mktemp("lora")
     data = str(root / "train.jsonl")
     samples = write_random_tokens(data, NUM_SAMPLES, SEQ, vocab_size=512)
@@ -335,11 +338,11 @@ def lora_runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
         # DualPipeV on 2 ranks (the same global batch of 8): the tied embedding and LM head one module on rank 0
         ("dualpipev", tiny_tied_hf, peft_settings(), {**DUALPIPEV_PIPE2, "activation_checkpoint_interval": 1}),
     ):
-        hf_to_stages(hf_dir, str(root / f"ckpt_{name}"))
+        ckpt = tiny_ckpt if hf_dir == tiny_hf else tiny_tied_ckpt  # the session's conversion, read only
         reference = reference_adapter(hf_dir, settings, str(root / f"init_{name}"))
         layout = {"num_stages": 2, "gradient_accumulation_steps": 2, "ds_config": "zero1", **extra}
         args = train_args(
-            str(root / f"ckpt_{name}"),
+            ckpt,
             data,
             str(root / name),
             **overrides(settings, str(root / f"init_{name}")),
@@ -352,7 +355,7 @@ def lora_runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
         if name == "qlora":
             reference.train()  # bitsandbytes' CPU 4-bit layers repack their weights for a bf16 kernel in eval mode
         losses, _, norms, trained = reference_run(hf_dir, samples, MICRO * 4, model=reference)
-        runs[name] = dict(hf=hf_dir, args=args, losses=losses, norms=norms, model=trained, log=proc.stdout)
+        runs[name] = dict(hf=hf_dir, ckpt=ckpt, args=args, losses=losses, norms=norms, model=trained, log=proc.stdout)
     return root, runs
 
 
@@ -408,7 +411,7 @@ def test_exports_use_the_base_the_adapters_were_trained_on(lora_runs, tmp_path, 
     root, runs = lora_runs
     run_dir, convert = str(root / "untied"), load_entry_point("convert2ckpt.py").main
     base = tmp_path / "base"
-    shutil.copytree(root / "ckpt_untied", base)
+    shutil.copytree(runs["untied"]["ckpt"], base)
     shutil.copytree(base / "global_step0", base / "global_step3")  # the base trained on after the LoRA run began
     embedding = base / "global_step3" / "layer_00-model_states.pt"
     torch.save({k: t + 1e-2 for k, t in torch.load(embedding).items()}, embedding)
@@ -456,7 +459,7 @@ def test_base_weights_are_bit_identical_after_training(lora_runs):
 def test_checkpoint_holds_adapters_and_their_optimizer_states_only(lora_runs, tiny_hf):
     """The layer files hold the trained tensors only, the optimizer states exist for exactly those, and
     the base on disk is untouched (its files' SHA-256 as recorded when the run loaded it)."""
-    root, _ = lora_runs
+    root, runs = lora_runs
     tag_dir = root / "untied" / "global_step5"
     config = tiny_config()
     stack = LlamaStack(config)
@@ -470,7 +473,7 @@ def test_checkpoint_holds_adapters_and_their_optimizer_states_only(lora_runs, ti
     assert sum(optimizer.numel(k) for k in optimizer.keys()) < frozen / 4
     with open(tag_dir / "trainer_state_rank00000.json") as f:
         record = json.load(f)["peft_base"]
-    base = root / "ckpt_untied" / "global_step0"
+    base = Path(runs["untied"]["ckpt"]) / "global_step0"
     assert record["sha256"] and all(file_sha256(str(base / f)) == h for f, h in record["sha256"].items())
 
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from parallel.layout import Layout
 from parallel.memory_plan import GB, estimate, fitting
-from tests.conftest import REPO
+from tests.conftest import REPO, run_script
 
 
 def states_gb(psi: float, **layout) -> float:
@@ -93,30 +90,25 @@ def test_activations_grow_with_sequence_and_shrink_with_checkpointing():
 
 @pytest.mark.e2e
 def test_cli_on_a_reference_model():
-    proc = subprocess.run(
+    proc = run_script(
         [
-            sys.executable,
             "scripts/estimate_memory.py",
-            "--model",
-            "llama2-70b",
-            "--stages",
-            "8",
-            "--dp",
-            "2",
-            "--zero",
-            "1",
-            "--offload",
-            "optimizer",
-            "--seq-len",
-            "4096",
-            "--grad-accum",
-            "16",
-            "--checkpointing",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        "--model",
+        "llama2-70b",
+        "--stages",
+        "8",
+        "--dp",
+        "2",
+        "--zero",
+        "1",
+        "--offload",
+        "optimizer",
+        "--seq-len",
+        "4096",
+        "--grad-accum",
+        "16",
+        "--checkpointing",
+        ], timeout=120
     )
     assert proc.returncode == 0, proc.stderr
     assert "parameters: 68.977 B in 8 stage(s) (partition_method=compute)" in proc.stdout
@@ -149,8 +141,9 @@ def test_census_counts_each_storage_once_by_role():
 def test_per_stage_estimates_sum_to_the_split_and_the_most_loaded_is_estimate():
     """Every stage is reported; their parameters add up to the model; ``estimate`` is the largest."""
     from models.llama_pipe import model_parameters
-    from parallel.memory_plan import shape_of, splitter, stage_estimates
-    from training.config import model_group_config
+    from parallel.memory_plan import shape_of, stage_estimates
+    from parallel.partition import splitter
+    from training.model_source import model_group_config
 
     config = model_group_config("llama3-8b")
     for method in ("compute", "parameters", "memory", "uniform"):
@@ -347,8 +340,9 @@ def test_fit_search_tries_sequence_parallelism_where_ulysses_allows_it():
     """Llama-3-8B at 128k tokens on 8 x 80 GB: no pipe x data layout fits (one layer's activations are 22 GB
     per sample, the checkpointed inputs of 32 layers 34 GB); with Ulysses pipe 1 x sequence 8 does (the
     first listed); only sp values Ulysses allows, never with ZeRO 2/3 (the data-parallel engine)."""
-    from parallel.memory_plan import SEQUENCE_PARALLEL_SIZES, layouts_for, sequence_parallel_fits, shape_of, splitter
-    from training.config import model_group_config
+    from parallel.memory_plan import SEQUENCE_PARALLEL_SIZES, layouts_for, sequence_parallel_fits, shape_of
+    from parallel.partition import splitter
+    from training.model_source import model_group_config
 
     config = model_group_config("llama3-8b")
     shape = shape_of(config)

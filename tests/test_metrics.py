@@ -9,7 +9,7 @@ import torch
 
 from models.llama_pipe import flops_per_token
 from models.tiny import tiny_config
-from training.metrics import PEAK_TFLOPS, StepLogger, device_peak_tflops, mfu
+from training.metrics import PEAK_TFLOPS, StepLogger, device_peak_tflops, mfu, read_final_record, write_final_record
 
 
 def test_mfu_is_model_flops_per_second_over_the_peak():
@@ -37,3 +37,22 @@ def test_step_records_carry_real_tokens_label_tokens_and_mfu(tmp_path, capsys):
     assert record["padding"] == 0.25  # 300 of the 1200 tokens fed were padding
     assert f" tokens/s (25% padding) | MFU {100 * record['mfu']:.1f}% |" in capsys.readouterr().out
     assert not (tmp_path / "cpu").exists()
+
+
+def test_final_record_comes_last_and_a_resumed_run_replaces_it(tmp_path):
+    """The run's final figures are metrics.jsonl's last record; a run resumed from it keeps the steps up to its
+    checkpoint and writes its own final record at its end, never two."""
+    logger = StepLogger(str(tmp_path), max_steps=2, log_steps=1, active=True)
+    for step in (1, 2):
+        logger.log(step, 2.5, 1e-3, 0.7, tokens=900, label_tokens=300)
+    logger.close()
+    assert read_final_record(str(tmp_path)) is None  # a run that did not reach its end
+    figures = {"peak_memory_mib": [{"host": 512.5}, {"host": 498.0}]}
+    write_final_record(str(tmp_path), 2, figures)
+    assert read_final_record(str(tmp_path)) == {"kind": "final", "step": 2, **figures}
+    resumed = StepLogger(str(tmp_path), max_steps=3, log_steps=1, active=True, start_step=2)
+    resumed.log(3, 2.4, 1e-3, 0.7, tokens=900, label_tokens=300)
+    resumed.close()
+    write_final_record(str(tmp_path), 3, {"peak_memory_mib": [{"host": 520.0}, {"host": 501.0}]})
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("train", 3), ("final", 3)]

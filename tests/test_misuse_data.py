@@ -11,15 +11,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from data.checks import data_problems, default_packing, packs
 from data.sources import SourceStats, first_record_problems, read_records
+from tests.conftest import run_script
 from tests.test_data import write_jsonl
-from training.config import DataConfig, SourceConfig, TrainConfig, objective_problems, override_key_problems
+from training.config import DataConfig, SourceConfig, TrainConfig
+from training.overrides import override_key_problems
+from training.validate import objective_problems
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = "a source's keys are path, weight, name, format"
@@ -217,7 +218,7 @@ def test_train_py_refuses_a_missing_field_and_a_source_typo(tmp_path):
     pq.write_table(pa.table({"text": ["a document"]}), path)
 
     def train(*args: str) -> str:
-        proc = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True)
+        proc = run_script(["train.py", *args])
         assert proc.returncode == 1, proc.stdout + proc.stderr
         return proc.stderr
 

@@ -16,9 +16,11 @@ import pytest
 
 from data.prepare import prepare
 from tests.conftest import REPO, load_entry_point
-from training.config import ConfigError, override_key_problems, resolve
+from training.config import ConfigError
+from training.overrides import override_key_problems
 from training.preflight import check, composed
 from training.tracking import wandb_problems
+from training.validate import resolve
 
 PREPARE_HINT = (
     "Prepare it again with this run's settings (python scripts/prepare_data.py with the same overrides), or set "
@@ -198,7 +200,7 @@ LORA = ["--model", "llama3-8b", "--stages", "2", "--lora-rank", "16"]
         ),
         (
             ["--stages", "1", "--zero", "2"],
-            "models.lora.peft_problems",
+            "models.lora_rules.peft_problems",
             "--lora-rank runs on the pipeline engine: --stages 1 with --zero 2 uses DeepSpeed's data-parallel engine, "
             "which this version does not adapt; use --zero 0 or --zero 1 (the frozen base has no optimizer state to "
             "partition further)",

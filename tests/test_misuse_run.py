@@ -25,7 +25,9 @@ from parallel.layout import Layout
 from parallel.sequence_parallel import sequence_parallel_defaults
 from tests.conftest import parity_args, read_metrics, run_deepspeed
 from tests.test_config import good  # noqa: F401 (a fixture)
-from training.config import ConfigError, TrainConfig, adapt_defaults, given_keys, inert_settings, resolve
+from training.config import ConfigError, TrainConfig
+from training.overrides import given_keys
+from training.validate import adapt_defaults, inert_settings, resolve
 
 # ---------- class 4: a default the user did not set adapts to the feature they did set ----------
 
@@ -163,15 +165,12 @@ PAIRS, IDENTICAL, SEQ = 32, 4, 64
 
 
 @pytest.mark.multirank
-def test_a_dpo_run_with_an_eval_split_and_dualpipev_alone(tmp_path, tiny_hf):
+def test_a_dpo_run_with_an_eval_split_and_dualpipev_alone(tmp_path, tiny_ckpt):
     """pipe 2 (2 ranks), `pipeline_schedule=dualpipev` with nothing else it needs, `data=dpo` with
     `data.eval_fraction=0.25`, 4 of 32 pairs identical, data.group_by_length=true: the defaults adapt (one line
     each), group_by_length and the identical pairs are said once, the eval runs on pairs with their reference,
     and the final checkpoint is saved before the final eval."""
-    from models.hf_io import hf_to_stages
-
-    ckpt, data, out = str(tmp_path / "ckpt"), str(tmp_path / "pairs.jsonl"), str(tmp_path / "run")
-    hf_to_stages(tiny_hf, ckpt)
+    ckpt, data, out = tiny_ckpt, str(tmp_path / "pairs.jsonl"), str(tmp_path / "run")  # tiny_ckpt read only
     write_preference_pairs(data, PAIRS, seed=3)
     with open(data) as f:
         rows = [json.loads(line) for line in f]

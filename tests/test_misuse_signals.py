@@ -23,12 +23,11 @@ import time
 import psutil
 import pytest
 
-from models.hf_io import hf_to_stages
 from models.layer_files import read_tag
 from models.tiny import write_random_tokens
 from tests.conftest import RANK_ENV, REPO, free_port, read_metrics, run_deepspeed
+from tests.parity import SEQ, train_args
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
-from tests.test_train_parity import SEQ, train_args
 from training.hang import HANG_EXIT_CODE
 from training.preemption import UNSAVED_EXIT_CODE
 
@@ -45,6 +44,7 @@ def test_a_hang_timeout_too_small_to_mean_a_hang_is_refused(good, value):  # noq
     ) in problems_of(dataclasses.replace(good, hang_timeout_s=value), world_size=4)
 
 
+@pytest.mark.e2e
 def test_a_hang_exit_waits_for_the_save_in_progress(tmp_path):
     """The watchdog fires ~0.5-1 s into the step, during a 3 s save: it exits once the save is complete."""
     start = time.time()
@@ -67,6 +67,7 @@ EARLY = (
 )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["SIGUSR1", "SIGTERM", "SIGINT"])
 def test_a_signal_during_start_up_exits_at_once_said_once(tmp_path, name):
     proc = python(EARLY.format(out=str(tmp_path), rank=2) + f"os.kill(os.getpid(), signal.{name})\ntime.sleep(20)\n")
@@ -79,6 +80,7 @@ def test_a_signal_during_start_up_exits_at_once_said_once(tmp_path, name):
     assert (tmp_path / ".stopping").read_text() == "76" and (tmp_path / "released").exists()
 
 
+@pytest.mark.e2e
 def test_the_peers_of_a_rank_that_exited_at_once_are_quiet(tmp_path):
     (tmp_path / ".stopping").write_text("76")  # a rank of the job exited at once (the test above)
     # a peer of the job, signalled too (or by the launcher ending it): quiet, same code
@@ -98,6 +100,7 @@ def test_the_peers_of_a_rank_that_exited_at_once_are_quiet(tmp_path):
     assert not (tmp_path / ".stopping").exists()
 
 
+@pytest.mark.e2e
 def test_ctrl_c_in_the_loop_exits_at_once(tmp_path):
     proc = python(
         "import os, signal, time\nfrom training.preemption import StopAndSave\ns = StopAndSave(0, 30, 1, 'cpu')\n"
@@ -145,9 +148,9 @@ def sleepy_launch(tmp_path, out: str, seconds: str, **popen):
 
 
 @pytest.mark.multirank
-def test_signals_to_the_wrong_process_or_twice(tmp_path, tiny_hf):
+def test_signals_to_the_wrong_process_or_twice(tmp_path, tiny_ckpt):
     write_random_tokens(str(tmp_path / "train.jsonl"), 64, SEQ, vocab_size=512)
-    hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt").symlink_to(tiny_ckpt)  # read only
 
     # 1. SIGTERM twice to one rank before the checkpoint: 76, said once; the other ranks end without tracebacks
     launcher, _, ranks = sleepy_launch(tmp_path, "twice", "60")
@@ -192,11 +195,11 @@ def test_signals_to_the_wrong_process_or_twice(tmp_path, tiny_hf):
 
 
 @pytest.mark.multirank
-def test_ctrl_c_in_the_terminal_of_a_launch(tmp_path, tiny_hf):
+def test_ctrl_c_in_the_terminal_of_a_launch(tmp_path, tiny_ckpt):
     """SIGINT to every process of the launch (its own process group, as a terminal's Ctrl-C): the ranks exit at
     once with 76, said once; the only traceback is DeepSpeed's runner's own KeyboardInterrupt."""
     write_random_tokens(str(tmp_path / "train.jsonl"), 64, SEQ, vocab_size=512)
-    hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt").symlink_to(tiny_ckpt)  # read only
     launcher, _, ranks = sleepy_launch(tmp_path, "ctrl_c", "60", start_new_session=True)
     os.killpg(launcher.pid, signal.SIGINT)
     out, _ = launcher.communicate(timeout=120)

@@ -100,12 +100,9 @@ def test_every_mixture_problem_is_named_before_start(good, tmp_path):  # noqa: F
 
 
 @pytest.mark.multirank
-def test_train_py_draws_a_mixture_reports_each_source_and_resumes_exactly(tmp_path, tiny_hf):
-    from models.hf_io import hf_to_stages
+def test_train_py_draws_a_mixture_reports_each_source_and_resumes_exactly(tmp_path, tiny_ckpt):
     from models.tiny import write_random_tokens
-    from tests.conftest import parity_args, read_metrics, run_deepspeed
-
-    hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
+    from tests.conftest import parity_args, read_metrics, train_run
     for name, n, seed in (("code", 24, 1), ("web", 40, 2), ("eval_code", 8, 3), ("eval_web", 8, 4)):
         write_random_tokens(str(tmp_path / f"{name}.jsonl"), n, 32, vocab_size=512, seed=seed)
     mixture = f"[{{path:{tmp_path}/code.jsonl,weight:3,name:code}},{{path:{tmp_path}/web.jsonl,weight:1,name:web}}]"
@@ -123,10 +120,8 @@ def test_train_py_draws_a_mixture_reports_each_source_and_resumes_exactly(tmp_pa
     }
 
     def launch(name: str, steps: int):
-        args = parity_args(str(tmp_path / "ckpt"), "", str(tmp_path / name), 32, 2, steps, {}, **common)
-        proc = run_deepspeed(4, "train.py", args, str(tmp_path / f"{name}.log"))
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-        return proc.stdout
+        args = parity_args(tiny_ckpt, "", str(tmp_path / name), 32, 2, steps, {}, **common)  # tiny_ckpt read only
+        return train_run(tmp_path, name, 4, args).stdout
 
     log = launch("straight", 8)  # one epoch of the mixture: 8 steps of 8 samples
     assert "data: a mixture of code (weight 3: 48 of each epoch's 64 samples, 24 rows), web (weight 1: 16" in log

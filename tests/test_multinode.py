@@ -29,11 +29,11 @@ import time
 
 import pytest
 
-from models.hf_io import hf_to_stages
 from models.layer_files import load_layer_file, read_tag
-from tests.conftest import RANK_ENV, REPO, free_port, read_metrics, run_deepspeed, write_random_tokens
-from tests.test_train_parity import OPTIM as PARITY_OPTIM
-from tests.test_train_parity import train_args as parity_train_args
+from tests.conftest import RANK_ENV, REPO, free_port, read_metrics
+from tests.parity import OPTIM as PARITY_OPTIM
+from tests.parity import PIPE, STEPS
+from tests.parity import train_args as parity_train_args
 
 LAUNCH = os.path.join(REPO, "scripts", "multinode", "launch_hostfile.sh")
 SBATCH = os.path.join(REPO, "scripts", "multinode", "train_slurm.sbatch")
@@ -41,7 +41,6 @@ SCRIPTS = (LAUNCH, SBATCH)
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 # fp32 losses of the same layout: the two launches reduce in the same order; the parity tests' bound.
 REL_TOL = 1e-6
-STEPS, SEQ, MICRO, NUM_SAMPLES = 4, 32, 2, 64
 NODES, RANKS_PER_NODE = 2, 2
 # Seconds for both simulated nodes together (measured ~25 s alone on 2 cores): a hang fails the test.
 TWO_NODE_TIMEOUT_S = 300
@@ -49,10 +48,9 @@ KILL_GRACE_S = 10  # after SIGTERM, before SIGKILL
 
 
 def train_args(ckpt: str, data: str, out: str) -> list[str]:
-    """The parity tests' fp32 fixed-data run as pipe 2 x data 2: global batch 8 = micro 2 x grad_acc 2 x dp 2."""
-    return parity_train_args(
-        ckpt, data, out, gradient_accumulation_steps=2, num_stages=2, ds_config="zero1", max_steps=STEPS
-    )
+    """The parity tests' fp32 fixed-data run as pipe 2 x data 2 (conftest's parity_pipe: global batch 8 =
+    micro 2 x grad_acc 2 x dp 2): the same arguments but ``out`` and the tokenized cache beside it."""
+    return parity_train_args(ckpt, data, out, **PIPE)
 
 
 def remove_shm_segments(port: int) -> list[str]:
@@ -136,23 +134,12 @@ def launch_two_nodes(args: list[str], root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_hf):
+def runs(tmp_path_factory, tiny_ckpt, parity_pipe):
+    """The one-node run is conftest's parity_pipe (4 ranks, launched and checked to succeed there, shared with
+    tests/test_train_parity.py); the two-node run trains the same on its data and the same checkpoint."""
     root = tmp_path_factory.mktemp("multinode")
-    data = str(root / "train.jsonl")
-    write_random_tokens(data, NUM_SAMPLES, SEQ, vocab_size=512)
-    hf_to_stages(tiny_hf, str(root / "ckpt"))
-
-    start = time.time()
-    one = run_deepspeed(
-        NODES * RANKS_PER_NODE,
-        "train.py",
-        train_args(str(root / "ckpt"), data, str(root / "one")),
-        str(root / "one.log"),
-    )
-    one_node_s = time.time() - start
-    assert one.returncode == 0, (one.stdout + one.stderr)[-4000:]
-
-    two = launch_two_nodes(train_args(str(root / "ckpt"), data, str(root / "two")), str(root))
+    one_node_s = parity_pipe["seconds"]
+    two = launch_two_nodes(train_args(tiny_ckpt, parity_pipe["data"], str(root / "two")), str(root))
     tails = "\n".join(
         f"--- node {n} (rc {rc}) ---\n{out[-3000:]}"
         for n, (rc, out) in enumerate(zip(two["returncodes"], two["outputs"]))
@@ -160,7 +147,7 @@ def runs(tmp_path_factory, tiny_hf):
     assert not two["timed_out"], f"two-node run still running after {TWO_NODE_TIMEOUT_S} s\n{tails}"
     assert two["returncodes"] == [0] * NODES, tails
     print(f"one node: {one_node_s:.1f} s, two simulated nodes: {two['seconds']:.1f} s")
-    return dict(root=root, two=two)
+    return dict(root=root, one=parity_pipe["root"] / "pipe", two=two)
 
 
 def rel(a: float, b: float) -> float:
@@ -169,7 +156,7 @@ def rel(a: float, b: float) -> float:
 
 @pytest.mark.multirank
 def test_two_nodes_train_the_same_losses_as_one_node(runs):
-    one = read_metrics(str(runs["root"] / "one"))
+    one = read_metrics(str(runs["one"]))
     two = read_metrics(str(runs["root"] / "two"))
     assert [m["step"] for m in two] == [m["step"] for m in one] == list(range(1, STEPS + 1))
     diffs = [rel(t["loss"], o["loss"]) for t, o in zip(two, one)]
@@ -181,7 +168,7 @@ def test_two_nodes_train_the_same_losses_as_one_node(runs):
 
 @pytest.mark.multirank
 def test_two_nodes_save_the_same_weights_as_one_node(runs):
-    one, two = str(runs["root"] / "one"), str(runs["root"] / "two")
+    one, two = str(runs["one"]), str(runs["root"] / "two")
     tag = read_tag(two)
     assert tag == read_tag(one) == f"global_step{STEPS}"
     files = sorted(f for f in os.listdir(os.path.join(one, tag)) if f.startswith("layer_"))
@@ -267,6 +254,7 @@ printf 'gpu-a01\\ngpu-a02\\n'
 """
 
 
+@pytest.mark.e2e
 def test_slurm_script_runs_one_launcher_per_node(tmp_path):
     """train_slurm.sbatch as SLURM would run it on node 0, with srun, scontrol and deepspeed stood in for."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
@@ -352,6 +340,7 @@ with open(os.path.join(os.environ["STUB_OUT"], "pdsh.json"), "w") as f:
 """
 
 
+@pytest.mark.e2e
 def test_pdsh_launch_forwards_the_environment(tmp_path):
     """launch_hostfile.sh without NODE_RANK: DeepSpeed's real runner builds the pdsh command; the
     variables this script sets, and the KEY=VALUE lines of ~/.deepspeed_env (its comments and blank

@@ -7,8 +7,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 from peft import get_peft_model
@@ -16,9 +14,10 @@ from peft import get_peft_model
 from models.families import UnsupportedModelError, config_from_dict
 from models.lora import lora_config
 from models.tiny import tiny_config
-from tests.conftest import REPO, load_entry_point
+from tests.conftest import load_entry_point, run_script
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
-from training.config import PeftConfig, override_key_problems
+from training.config import PeftConfig
+from training.overrides import override_key_problems
 
 
 def edited_copy(src: str, dst, **fields) -> str:
@@ -86,9 +85,7 @@ def test_a_typo_in_an_override_key_gets_our_message_not_hydras():
 
 @pytest.mark.e2e
 def test_train_py_names_a_mistyped_key_before_hydra():
-    proc = subprocess.run(
-        [sys.executable, "train.py", "num_stage=2", "optim.lrr=1e-4"], cwd=REPO, capture_output=True, text=True
-    )
+    proc = run_script(["train.py", "num_stage=2", "optim.lrr=1e-4"])
     assert proc.returncode == 1
     assert "train.py: error: invalid configuration:\n  unknown key num_stage: did you mean num_stages?" in proc.stderr
     assert "+num_stage" not in proc.stderr  # Hydra's advice to add the typo

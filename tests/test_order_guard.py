@@ -8,7 +8,6 @@ import re
 
 import pytest
 
-from models.hf_io import hf_to_stages
 from models.tiny import corpus_documents
 from tests.conftest import read_metrics, run_deepspeed
 
@@ -16,9 +15,9 @@ pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_hf):
+def setup(tmp_path_factory, tiny_ckpt):
     root = tmp_path_factory.mktemp("order")
-    hf_to_stages(tiny_hf, str(root / "ckpt"))
+    (root / "ckpt").symlink_to(tiny_ckpt)  # read only
     with open(root / "corpus.jsonl", "w") as f:
         for doc in corpus_documents()[:40]:
             f.write(json.dumps({"text": doc}) + "\n")

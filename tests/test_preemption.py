@@ -25,13 +25,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models.hf_io import hf_to_stages
 from models.layer_files import load_layer_file, read_tag
 from models.tiny import write_random_tokens
 from tests.conftest import RANK_ENV, REPO, free_port, read_metrics, run_deepspeed
+from tests.parity import SEQ, train_args
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from tests.test_tracking import assert_holds_metrics
-from tests.test_train_parity import SEQ, train_args
 from training.preemption import PREEMPTED_EXIT_CODE, UNSAVED_EXIT_CODE, StopAndSave
 
 
@@ -40,6 +39,7 @@ def handler_process(script: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.e2e
 def test_a_second_signal_exits_at_once_without_a_checkpoint():
     proc = handler_process(
         "s = StopAndSave(0, 30, 2, 'cpu')\nos.kill(os.getpid(), signal.SIGUSR1)\nassert s.received == 'SIGUSR1'\n"
@@ -52,6 +52,7 @@ def test_a_second_signal_exits_at_once_without_a_checkpoint():
     )
 
 
+@pytest.mark.e2e
 def test_no_checkpoint_within_the_grace_exits_and_a_signal_after_it_keeps_75():
     proc = handler_process("s = StopAndSave(0, 0.5, 0, 'cpu')\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(20)\n")
     assert proc.returncode == UNSAVED_EXIT_CODE
@@ -116,18 +117,17 @@ def weights(out: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.multirank
-def test_a_signalled_rank_stops_the_job_saved_and_the_resume_is_exact(tmp_path, tiny_hf, monkeypatch):
+def test_a_signalled_rank_stops_the_job_saved_and_the_resume_is_exact(tmp_path, tiny_ckpt, monkeypatch):
     """With eval every 2 steps and, on the stopped run, W&B (offline): its one run, across the stop and the
     resume, holds every record of metrics.jsonl."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     data = str(tmp_path / "train.jsonl")
     write_random_tokens(data, 64, SEQ, vocab_size=512)
-    hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
 
     def args(name: str, **extra) -> list[str]:
         return train_args(
-            str(tmp_path / "ckpt"),
+            tiny_ckpt,  # read only
             data,
             str(tmp_path / name),
             num_stages=2,

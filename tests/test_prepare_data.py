@@ -87,25 +87,20 @@ def test_a_run_reads_prepared_shards_and_refuses_other_settings_or_tokenizers(tm
 
 
 @pytest.mark.multirank
-def test_prepare_data_then_train_on_it(tmp_path, tiny_hf):
+def test_prepare_data_then_train_on_it(tmp_path, tiny_ckpt):
     """The script with train.py's overrides and 2 workers, then train.py on its output (pipe 2): it reads the
     shards without tokenizing, and trains the same losses as on the in-job cache of the same file."""
-    from models.hf_io import hf_to_stages
     from models.tiny import write_text_corpus
-    from tests.conftest import parity_args, read_metrics, run_deepspeed
-
-    hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
+    from tests.conftest import parity_args, read_metrics, train_run
     corpus = str(tmp_path / "corpus.jsonl")
     write_text_corpus(corpus)
     common = {"num_stages": 2, "gradient_accumulation_steps": 2, "loss_chunk_tokens": 16, "data.format": "text"}
-    args = parity_args(str(tmp_path / "ckpt"), corpus, str(tmp_path / "cached"), 64, 2, 2, {}, **common)
+    args = parity_args(tiny_ckpt, corpus, str(tmp_path / "cached"), 64, 2, 2, {}, **common)
     script = load_entry_point("scripts/prepare_data.py")
     assert script.main(["--workers", "2", "--output", str(tmp_path / "prepared"), *args]) == 0
     losses = {}
     for name, data in (("cached", corpus), ("prepared", str(tmp_path / "prepared"))):
-        run = parity_args(str(tmp_path / "ckpt"), data, str(tmp_path / name), 64, 2, 2, {}, **common)
-        proc = run_deepspeed(2, "train.py", run, str(tmp_path / f"{name}.log"))
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        train_run(tmp_path, name, 2, parity_args(tiny_ckpt, data, str(tmp_path / name), 64, 2, 2, {}, **common))
         losses[name] = [m["loss"] for m in read_metrics(str(tmp_path / name))]
     log = (tmp_path / "prepared.log").read_text()
     assert "reading prepared data" in log and "(no tokenizing)" in log and "tokenized " not in log

@@ -24,8 +24,8 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
-from training.config import model_group_config
+from tests.conftest import REPO, child_env, run_script
+from training.model_source import model_group_config
 
 README = os.path.join(REPO, "README.md")
 DOC_FILES = [README, *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]  # every file whose commands are checked
@@ -90,12 +90,7 @@ def stage(tmp_path_factory, tiny_hf, tokenizer_dir):
     real models (preflight reads config.json and the tokenizer files, never weights), a data file."""
     root = tmp_path_factory.mktemp("readme")
     ckpt = str(root / "ckpt")
-    subprocess.run(
-        [sys.executable, "convert2ckpt.py", "--input", tiny_hf, "--output", ckpt],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
+    run_script(["convert2ckpt.py", "--input", tiny_hf, "--output", ckpt]).check_returncode()
     configs = {}
     for name in ("llama2-70b", "llama3-8b", "llama3-70b"):
         path = str(root / name)
@@ -174,6 +169,8 @@ def adapter_for(words: list[str], stage: dict) -> str:
 
 
 def run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    if argv[0] == sys.executable:
+        return run_script(argv[1:], env={**child_env(), **(env or {})}, timeout=300)
     return subprocess.run(
         argv, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300
     )

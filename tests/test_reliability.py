@@ -35,14 +35,18 @@ from tests.conftest import (
     LAUNCH_TIMEOUT_S,
     RANK_ENV,
     REPO,
+    child_env,
     free_port,
     load_entry_point,
     make_hf_dir,
     read_metrics,
     run_deepspeed,
+    run_script,
     write_random_tokens,
 )
-from training.config import ConfigError, DataConfig, TrainConfig, checkpoint_size_bytes, resolve
+from training.config import ConfigError, DataConfig, TrainConfig
+from training.output_checks import checkpoint_size_bytes
+from training.validate import resolve
 
 convert2ckpt = load_entry_point("convert2ckpt.py")
 KILL_EXIT_BOUND_S = 60  # the whole job must be gone this long after a rank is killed
@@ -399,7 +403,7 @@ def test_an_unwritable_output_dir_is_refused_before_training(good, tmp_path):
 def test_too_little_free_disk_for_one_checkpoint_is_refused(good, monkeypatch):
     import shutil
 
-    import training.config as config
+    import training.output_checks as config
 
     need, _ = checkpoint_size_bytes(resolve(good, 4).model_config, "bf16", True, 4)
     real = shutil.disk_usage
@@ -421,11 +425,10 @@ def test_too_little_free_disk_for_one_checkpoint_is_refused(good, monkeypatch):
 def test_cli_refuses_output_problems_before_any_process_group(tmp_path, tiny_hf):
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
-    env = {**os.environ, "WORLD_SIZE": "4"}
+    env = {**child_env(), "WORLD_SIZE": "4"}
     env.pop("RANK", None)
-    proc = subprocess.run(
+    proc = run_script(
         [
-            sys.executable,
             "train.py",
             f"model_name_or_path={tiny_hf}",
             f"data.train_file={data}",
@@ -433,10 +436,7 @@ def test_cli_refuses_output_problems_before_any_process_group(tmp_path, tiny_hf)
             f"output_dir={tmp_path / 'out'}",
             "min_free_disk_gb=1e9",
         ],
-        cwd=REPO,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert proc.returncode == 1, proc.stderr

@@ -145,9 +145,8 @@ def test_dualpipev_memory_boundaries_balance_the_ranks():
     """pieces + 1 increasing boundaries over every spec; the ranks' largest peak below the compute split's,
     and no single boundary move lowers it."""
     from models.llama_pipe import spec_layout
-    from parallel.memory_plan import memory_boundaries
-    from parallel.partition import stage_boundaries
-    from training.config import model_group_config
+    from parallel.partition import memory_boundaries, stage_boundaries
+    from training.model_source import model_group_config
 
     config = model_group_config("llama3-8b")
     layout = Layout(stages=2, grad_accum=4, seq_len=4096, loss_chunk=1024, schedule="dualpipev")

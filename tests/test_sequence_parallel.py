@@ -28,20 +28,20 @@ from models.llama_pipe import build_sequential
 from models.loss import CausalLMLoss, causal_lm_loss, label_tokens
 from models.tiny import tiny_config, write_uneven_sft
 from parallel.layout import Layout, layout_problems
-from tests.conftest import make_hf_dir, read_metrics, run_deepspeed
-from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
-from tests.test_sft_parity import (
+from tests.conftest import make_hf_dir, read_metrics, train_run
+from tests.parity import (
     GLOBAL_BATCH,
     STEPS,
     cached_rows,
     eval_losses,
     global_batches,
     max_rel_weight_diff,
-    reference_run,
     rel,
-    train_args,
+    sft_reference_run,
+    sft_train_args,
     trained_weights,
 )
+from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from tests.test_stage_parity import copy_hf_weights, module_of, run_chain
 from training.config import PeftConfig
 
@@ -157,7 +157,7 @@ def test_what_sequence_parallelism_does_not_run_with_is_refused(good, change, me
 
 
 def test_fewer_kv_heads_per_rank_than_sequence_ranks_are_replicated(good):  # noqa: F811
-    from training.config import resolve
+    from training.validate import resolve
 
     cfg = dataclasses.replace(good, sequence_parallel=2, num_stages=1, tensor_parallel=2, loss_chunk_tokens=16)
     assert resolve(cfg, 8).layout.axes() == "pipe 1 x tensor 2 x sequence 2 x data 2"  # 1 KV head per TP rank
@@ -178,19 +178,17 @@ SEQ_SP = 128  # rows of 128 tokens: slices of 64
 
 
 @pytest.fixture(scope="module")
-def sp_runs(tmp_path_factory, tiny_hf, tokenizer_dir):
+def sp_runs(tmp_path_factory, tiny_hf, tiny_ckpt, tokenizer_dir):
     root = tmp_path_factory.mktemp("sp")
     data, eval_data = str(root / "train.jsonl"), str(root / "eval.jsonl")
     write_uneven_sft(data, 4 * STEPS * GLOBAL_BATCH, seed=0)  # packed, a row holds several examples
     write_uneven_sft(eval_data, 16, seed=1)
     mistral = make_hf_dir(root, tokenizer_dir, "hf_mistral", model_type="mistral", sliding_window=16)
-    hf_to_stages(tiny_hf, str(root / "ckpt"))
-    hf_to_stages(mistral, str(root / "ckpt_mistral"))
+    ckpts = {"ckpt": tiny_ckpt, "ckpt_mistral": str(root / "ckpt_mistral")}  # tiny_ckpt read only
+    hf_to_stages(mistral, ckpts["ckpt_mistral"])
 
     def launch(name: str, ranks: int, ckpt: str, **overrides) -> None:
-        args = train_args(str(root / ckpt), data, eval_data, str(root / name), **overrides)
-        proc = run_deepspeed(ranks, "train.py", args, str(root / f"{name}.log"))
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        train_run(root, name, ranks, sft_train_args(ckpts[ckpt], data, eval_data, str(root / name), **overrides))
 
     launch(
         "pipe2_sp2_dp2",
@@ -228,7 +226,7 @@ def sp_runs(tmp_path_factory, tiny_hf, tokenizer_dir):
     }
     results = {}
     for name, (hf_dir, steps, eval_rows, dp) in refs.items():
-        losses, model = reference_run(hf_dir, steps, "tokens")
+        losses, model = sft_reference_run(hf_dir, steps, "tokens")
         results[name] = dict(losses=losses, model=model, eval=eval_losses(model, eval_rows, dp)[0], steps=steps)
     return dict(root=root, results=results)
 

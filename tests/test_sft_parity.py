@@ -13,156 +13,40 @@ whole logits (``loss_chunk_tokens=0``) trains the same losses and weights, and b
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from data.cache import TokenBlocks
-from data.sampling import MicroBatchIterator
-from models.hf_io import hf_to_stages
-from models.layer_files import load_layer_file, read_tag
-from models.llama_pipe import layer_file_name, spec_layout
 from models.loss import label_tokens
 from models.tiny import write_uneven_sft
-from tests.conftest import parity_args, read_metrics, run_deepspeed
-from training.config import OptimConfig, TrainConfig
-from training.optim import lr_lambda, param_groups
+from tests.conftest import read_metrics, train_run
+from tests.parity import (
+    GLOBAL_BATCH,
+    REL_TOL,
+    SFT_SEQ,
+    STEPS,
+    cached_rows,
+    eval_losses,
+    global_batches,
+    max_rel_weight_diff,
+    rel,
+    sft_reference_run,
+    sft_train_args,
+    trained_weights,
+)
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
-REL_TOL = 1e-6  # fp32; the two normalisations differ by > 1e-3 on this data (asserted below)
-STEPS, SEQ, MICRO = 5, 128, 2
-GLOBAL_BATCH = 16  # micro 2 x grad_acc 4 x dp 2, and micro 2 x grad_acc 2 x dp 4
-OPTIM = dict(lr=1e-3, weight_decay=0.1, max_grad_norm=0.0)  # no clipping: every difference reaches the weights
-
-
-def train_args(ckpt: str, data: str, eval_data: str, out: str, **overrides) -> list[str]:
-    return parity_args(
-        ckpt, data, out, SEQ, MICRO, STEPS, OPTIM, **{"data.eval_file": eval_data, "data.format": "sft"}, **overrides
-    )
-
-
-def cached_rows(cache_dir: str, source: str) -> TokenBlocks:
-    """The tokenized rows train.py trained on (its cache entry for ``source``)."""
-    for entry in os.listdir(cache_dir):
-        with open(os.path.join(cache_dir, entry, "meta.json")) as f:
-            if json.load(f)["source"] == os.path.abspath(source):
-                return TokenBlocks(os.path.join(cache_dir, entry))
-    raise FileNotFoundError(source)
-
-
-def global_batches(rows: TokenBlocks, dp: int, gas: int, steps: int) -> tuple[list[list], list[int], list[int]]:
-    """Per step, the micro-batches every data-parallel rank trains on (shuffle off), rank by rank, as
-    whole rows of SEQ tokens (the reference runs on those: train.py cuts each micro-batch's common padding
-    off, which must not change the loss), the real (non-padding) tokens among them, and the tokens train.py
-    computes on (each micro-batch cut to its longest row, a multiple of 8: data.pad_to_multiple_of)."""
-    iterators = [MicroBatchIterator(rows, MICRO, r, dp, shuffle=False, seed=0) for r in range(dp)]
-    cut = [MicroBatchIterator(rows, MICRO, r, dp, False, 0, pad_multiple=8) for r in range(dp)]
-    batches, tokens, fed = [], [], []
-    for _ in range(steps):
-        before = sum(it.tokens_read for it in iterators)
-        batches.append([next(it) for it in iterators for _ in range(gas)])
-        tokens.append(sum(it.tokens_read for it in iterators) - before)
-        fed.append(sum(next(it)[1].numel() for it in cut for _ in range(gas)))
-    return batches, tokens, fed
-
-
-def hf_loss(model, batch, num_items_in_batch=None) -> torch.Tensor:
-    (input_ids, position_ids), labels = batch
-    return model(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        labels=labels,
-        use_cache=False,
-        num_items_in_batch=num_items_in_batch,
-    ).loss
-
-
-def reference_run(hf_dir: str, steps: list[list], normalization: str, norms: list | None = None, **optim):
-    """Single process: the family's ForCausalLM (LlamaForCausalLM here; tests/test_family_training.py
-    passes the others), torch AdamW, the step's loss normalised as Trainer (``tokens``:
-    sum over the global batch / its label tokens, via ``num_items_in_batch``) or per micro-batch. ``optim``
-    overrides OPTIM; with max_grad_norm > 0 the gradients are clipped (their pre-clip norms appended to
-    ``norms``)."""
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
-    cfg = TrainConfig(optim=OptimConfig(**{**OPTIM, **optim}))
-    opt = torch.optim.AdamW(
-        param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, STEPS))
-    losses = []
-    for micro_batches in steps:
-        if normalization == "tokens":
-            n = sum(label_tokens(labels) for _, labels in micro_batches)
-            loss = sum(hf_loss(model, mb, torch.tensor(n)) for mb in micro_batches)
-        else:
-            loss = torch.stack([hf_loss(model, mb) for mb in micro_batches]).mean()
-        loss.backward()
-        if cfg.optim.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm).item()
-            if norms is not None:
-                norms.append(norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model
-
-
-@torch.no_grad()
-def eval_losses(model, rows: TokenBlocks, dp: int = 2) -> tuple[float, float]:
-    """(mean over every label token of the eval set, mean of the per-micro-batch means of a dp 2 run)."""
-    batches = global_batches(rows, dp, len(rows) // dp // MICRO, 1)[0][0]
-    n = sum(label_tokens(labels) for _, labels in batches)
-    token_mean = sum(hf_loss(model, b, torch.tensor(n)) for b in batches).item()
-    return token_mean, torch.stack([hf_loss(model, b) for b in batches]).mean().item()
-
-
-def trained_weights(out: str, config) -> dict[str, torch.Tensor]:
-    """Hugging Face name -> tensor, from the final checkpoint's layer files."""
-    tag = read_tag(out)
-    return {
-        info.hf_prefix + k: v
-        for info in spec_layout(config)
-        if info.owns_file
-        for k, v in load_layer_file(os.path.join(out, tag, layer_file_name(info.index))).items()
-    }
-
-
-def max_rel_weight_diff(weights: dict[str, torch.Tensor], model) -> float:
-    """Relative L2 difference of all weights taken as one vector: ||w - ref|| / ||ref||.
-
-    Per element, Adam amplifies fp32 reduction-order noise where a gradient is near eps (one v_proj of
-    the 39 tensors measured 1.6e-6 on its own, the others <= 2.6e-7); over the model it is 1e-7."""
-    ref = model.state_dict()
-    diff = sum(((w - ref[k]) ** 2).sum() for k, w in weights.items()).sqrt()
-    return (diff / sum((ref[k] ** 2).sum() for k in weights).sqrt()).item()
-
-
-def rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
-
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_hf):
+def runs(tmp_path_factory, tiny_hf, tiny_ckpt):
     root = tmp_path_factory.mktemp("sft")
     data, eval_data = str(root / "train.jsonl"), str(root / "eval.jsonl")
     write_uneven_sft(data, STEPS * GLOBAL_BATCH, seed=0)
     write_uneven_sft(eval_data, 16, seed=1)  # whole micro-batches of 2 at dp 2 and dp 4: every row evaluated
-    hf_to_stages(tiny_hf, str(root / "ckpt"))
 
     def launch(name: str, ranks: int, **overrides) -> None:
-        proc = run_deepspeed(
-            ranks,
-            "train.py",
-            train_args(str(root / "ckpt"), data, eval_data, str(root / name), **overrides),
-            str(root / f"{name}.log"),
-        )
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        train_run(root, name, ranks, sft_train_args(tiny_ckpt, data, eval_data, str(root / name), **overrides))
 
     # loss_chunk_tokens=48: micro-batches of about 20 and 170 label tokens take one chunk, or four with a
     # partial last one (the default, 1024, would take every micro-batch here in one chunk).
@@ -185,11 +69,12 @@ def runs(tmp_path_factory, tiny_hf):
 
     rows = cached_rows(str(root / "cache"), data)
     steps, step_tokens, step_fed = global_batches(rows, dp=2, gas=4, steps=STEPS)
-    token_losses, token_model = reference_run(tiny_hf, steps, "tokens")
-    micro_losses, micro_model = reference_run(tiny_hf, steps, "micro_batch")
+    token_losses, token_model = sft_reference_run(tiny_hf, steps, "tokens")
+    micro_losses, micro_model = sft_reference_run(tiny_hf, steps, "micro_batch")
     eval_rows = cached_rows(str(root / "cache"), eval_data)
     return dict(
         root=root,
+        ckpt=tiny_ckpt,
         config=token_model.config,
         steps=steps,
         step_tokens=step_tokens,
@@ -230,15 +115,15 @@ def test_token_normalised_loss_and_weights_equal_trainer_semantics(runs, name):
     # Honest throughput: real tokens and label tokens of the global batch, counted on the ranks that read it.
     for m, step, tokens, fed in zip(metrics, runs["steps"], runs["step_tokens"], runs["step_fed"][name]):
         assert m["label_tokens"] == sum(label_tokens(labels) for _, labels in step)
-        assert m["tokens"] == tokens < GLOBAL_BATCH * SEQ  # padding is not counted
+        assert m["tokens"] == tokens < GLOBAL_BATCH * SFT_SEQ  # padding is not counted
         assert m["tokens_per_s"] == pytest.approx(tokens / m["step_s"], rel=1e-2)
-        assert tokens < fed < GLOBAL_BATCH * SEQ and m["padding"] == round(1 - tokens / fed, 4)  # rows were cut
+        assert tokens < fed < GLOBAL_BATCH * SFT_SEQ and m["padding"] == round(1 - tokens / fed, 4)  # rows were cut
 
 
 def test_padding_share_and_normalisation_are_announced(runs):
     log = (runs["root"] / "tokens.log").read_text()
     assert "loss normalised per label token of the global batch (loss_normalization=tokens)" in log
-    assert f"data: rows of {SEQ} tokens, " in log and (
+    assert f"data: rows of {SFT_SEQ} tokens, " in log and (
         "% padding; each micro-batch cut to its longest row, up to a multiple of 8 (data.group_by_length=true pads "
         "less)" in log
     )
@@ -291,8 +176,8 @@ def test_a_1f1b_checkpoint_resumes_under_dualpipev(runs, tmp_path):
     shutil.copytree(root / "tokens", out)
     shutil.rmtree(out / "global_step5")
     (out / "latest").write_text("global_step3")
-    args = train_args(
-        str(root / "ckpt"),
+    args = sft_train_args(
+        runs["ckpt"],
         str(root / "train.jsonl"),
         str(root / "eval.jsonl"),
         str(out),
@@ -303,8 +188,7 @@ def test_a_1f1b_checkpoint_resumes_under_dualpipev(runs, tmp_path):
         pipeline_schedule="dualpipev",
         **{"data.pad_to_multiple_of": 0},
     )
-    proc = run_deepspeed(4, "train.py", args, str(tmp_path / "dualpipev.log"))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    proc = train_run(tmp_path, "dualpipev", 4, args)
     assert "was saved on another layout (pipeline_schedule '1f1b' -> 'dualpipev')" in proc.stdout
     straight = {m["step"]: m["loss"] for m in read_metrics(str(root / "tokens"))}
     resumed = [m for m in read_metrics(str(out)) if m["step"] > 3]

@@ -100,6 +100,7 @@ def run_watchdog(script: str, ext_dir: str, timeout_s: float = 30) -> tuple[subp
     return proc, time.monotonic() - start
 
 
+@pytest.mark.e2e
 def test_watchdog_ends_a_stuck_start_up_naming_the_phase_and_the_stale_lock(tmp_path):
     lock = make_lock(tmp_path, "deepspeed_shm_comm")
     proc, elapsed = run_watchdog(
@@ -118,6 +119,7 @@ def test_watchdog_ends_a_stuck_start_up_naming_the_phase_and_the_stale_lock(tmp_
     ]
 
 
+@pytest.mark.e2e
 def test_watchdog_without_stale_lock_names_the_phase_only(tmp_path):
     proc, _ = run_watchdog(
         """
@@ -134,6 +136,7 @@ def test_watchdog_without_stale_lock_names_the_phase_only(tmp_path):
     )
 
 
+@pytest.mark.e2e
 def test_watchdog_stopped_in_time_does_not_fire(tmp_path):
     make_lock(tmp_path, "deepspeed_shm_comm")
     proc, _ = run_watchdog(
@@ -150,6 +153,7 @@ def test_watchdog_stopped_in_time_does_not_fire(tmp_path):
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "finished\n", "")
 
 
+@pytest.mark.e2e
 def test_watchdog_warns_early_of_a_stale_lock_once(tmp_path):
     lock = make_lock(tmp_path, "deepspeed_shm_comm")
     proc, _ = run_watchdog(
@@ -176,6 +180,7 @@ def test_watchdog_with_no_timeout_starts_no_thread(tmp_path):
     assert w._thread is None
 
 
+@pytest.mark.e2e
 def test_a_finished_run_exits_0_after_its_atexit_hooks_without_the_interpreter_teardown():
     """train.py ends a finished rank with os._exit (a C++ destructor in the teardown aborted ZeRO-3 offload
     runs now and then): a caller's atexit hook still runs, buffered output is flushed, nothing after the call."""

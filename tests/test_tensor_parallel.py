@@ -27,10 +27,8 @@ from models.hf_io import hf_to_stages
 from models.tiny import tiny_config
 from parallel.layout import Layout, layout_problems
 from parallel.tensor_parallel import model_problems
-from tests.conftest import load_entry_point, make_hf_dir, read_metrics, run_deepspeed, write_random_tokens
-from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
-from tests.test_convert import hf_tensors
-from tests.test_train_parity import (
+from tests.conftest import load_entry_point, make_hf_dir, read_metrics, train_run, write_random_tokens
+from tests.parity import (
     MICRO,
     NUM_SAMPLES,
     OPTIM,
@@ -42,6 +40,8 @@ from tests.test_train_parity import (
     rel,
     train_args,
 )
+from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
+from tests.test_convert import hf_tensors
 from training.config import PeftConfig
 
 
@@ -89,7 +89,7 @@ def test_what_tensor_parallelism_does_not_run_with_is_refused(good, change, mess
 
 
 def test_tensor_parallel_wider_than_a_node_is_warned(good, monkeypatch):  # noqa: F811
-    from training.config import resolve
+    from training.validate import resolve
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     cfg = dataclasses.replace(good, tensor_parallel=2, num_stages=1)
@@ -170,7 +170,7 @@ FAMILY_RUNS = {"qwen3": {}, "qwen2": {}, "mistral": dict(sliding_window=8)}
 
 
 @pytest.fixture(scope="module")
-def tp_runs(tmp_path_factory, tiny_hf, tiny_tied_hf, tokenizer_dir):
+def tp_runs(tmp_path_factory, tiny_hf, tiny_tied_hf, tiny_ckpt, tiny_tied_ckpt, tokenizer_dir):
     root = tmp_path_factory.mktemp("tp")
     data = str(root / "train.jsonl")
     samples = write_random_tokens(data, NUM_SAMPLES, SEQ, vocab_size=512)
@@ -178,14 +178,14 @@ def tp_runs(tmp_path_factory, tiny_hf, tiny_tied_hf, tokenizer_dir):
     hf_dirs.update(
         {f"ckpt_{t}": make_hf_dir(root, tokenizer_dir, f"hf_{t}", model_type=t, **o) for t, o in FAMILY_RUNS.items()}
     )
-    for name, hf_dir in hf_dirs.items():
-        hf_to_stages(hf_dir, str(root / name))
+    ckpts = {"ckpt": tiny_ckpt, "ckpt_tied": tiny_tied_ckpt}  # read only
+    for name in FAMILY_RUNS:
+        ckpts[f"ckpt_{name}"] = str(root / f"ckpt_{name}")
+        hf_to_stages(hf_dirs[f"ckpt_{name}"], ckpts[f"ckpt_{name}"])
 
     def launch(name: str, ranks: int, ckpt: str = "ckpt", **overrides):
-        args = train_args(str(root / ckpt), data, str(root / name), loss_chunk_tokens=16, **overrides)
-        proc = run_deepspeed(ranks, "train.py", args, str(root / f"{name}.log"))
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        return args, proc
+        args = train_args(ckpts[ckpt], data, str(root / name), loss_chunk_tokens=16, **overrides)
+        return args, train_run(root, name, ranks, args)
 
     runs = {
         "pipe2_tp2": launch(
@@ -303,8 +303,7 @@ def test_a_tensor_parallel_run_resumes_exactly(tp_runs, tmp_path, source, change
     (out / "latest").write_text("global_step3")
     changes = {**changes, "output_dir": out, "save_steps": 0}
     args = [a for a in args if a.split("=")[0] not in changes] + [f"{k}={v}" for k, v in changes.items()]
-    proc = run_deepspeed(4, "train.py", args, str(tmp_path / "resume.log"))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    proc = train_run(tmp_path, "resume", 4, args)
     assert ("read per parameter" in proc.stdout) == bool(changes.keys() - {"output_dir", "save_steps"})
     straight = {m["step"]: m["loss"] for m in read_metrics(str(root / source))}
     resumed = [m for m in read_metrics(str(out)) if m["step"] > 3]

@@ -11,100 +11,45 @@ tests/test_family_training.py (the Mistral run), and counted recomputing in test
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from models.hf_io import hf_to_stages
 from models.layer_files import load_layer_file, read_tag
 from models.llama_pipe import layer_file_name, spec_layout
-from tests.conftest import REPO, parity_args, read_metrics, run_deepspeed, write_random_tokens
+from tests.conftest import read_metrics, run_script, train_run
+from tests.parity import (
+    DATA_PARALLEL_CONFIGS,
+    MICRO,
+    OPTIM,
+    REL_TOL,
+    STEPS,
+    WEIGHT_BOUND,
+    beyond_bound,
+    reference_run,
+    rel,
+    train_args,
+)
 from tests.test_convert import hf_tensors
-from training.config import OptimConfig, TrainConfig
-from training.optim import lr_lambda, param_groups
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
-# Relative loss difference allowed, fp32. The issue asks for < 1e-4; all layouts measure ~8e-8, and a
-# real bug (DeepSpeed clipping by stage 0's gradient norm only) showed as 9e-6, which 1e-4 would miss.
-REL_TOL = 1e-6
-STEPS, SEQ, MICRO, NUM_SAMPLES = 5, 32, 2, 64
-DATA_PARALLEL_CONFIGS = ("zero2", "zero2_offload", "zero3", "zero3_offload")
-# Every ds_configs/ entry these runs train (tests/test_config.py checks that each config is either here
-# or refused before training with its reason).
-TRAINED_CONFIGS = ("zero0", "zero1", "zero1_offload", *DATA_PARALLEL_CONFIGS)
-OPTIM = dict(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, warmup_steps=2)
-
-
-# Trained weights against the reference's: Adam turns fp32 reduction-order noise into weight differences
-# where a gradient element is near eps (update sensitivity ~ lr / 4 eps), so almost every weight agrees
-# within 5% of one step's lr and a rare element (a rarely seen token's embedding) by up to a step's lr.
-WEIGHT_BOUND = 0.05 * OPTIM["lr"]
-
-
-def beyond_bound(state: dict, ref_state: dict) -> tuple[float, int, int]:
-    """(largest difference, weights differing by more than WEIGHT_BOUND, weights) of ``state`` against ``ref_state``."""
-    diffs = torch.cat([(state[k] - ref_state[k]).abs().flatten() for k in ref_state])
-    return diffs.max().item(), int((diffs > WEIGHT_BOUND).sum()), diffs.numel()
-
-
-def train_args(ckpt: str, data: str, out: str, **overrides) -> list[str]:
-    return parity_args(ckpt, data, out, SEQ, MICRO, STEPS, OPTIM, **overrides)
-
-
-def reference_run(hf_dir: str, samples: list[list[int]], global_batch: int, model=None, **optim_overrides):
-    """Plain Hugging Face loop: mean of per-micro-batch losses, AdamW, clipping, warm-up schedule.
-    Returns per step the losses, the learning rates and the pre-clip gradient norms (the whole model's,
-    and the LM head's alone, 0 where it is frozen), and the trained model: ``hf_dir``'s, or ``model`` (a
-    PEFT model, whose trainable parameters AdamW trains)."""
-    torch.manual_seed(0)
-    if model is None:
-        model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
-    cfg = TrainConfig(optim=OptimConfig(**{**OPTIM, **optim_overrides}))
-    opt = torch.optim.AdamW(
-        param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, STEPS))
-    losses, lrs, norms = [], [], []
-    for step in range(STEPS):
-        batch = torch.tensor(samples[step * global_batch : (step + 1) * global_batch])
-        micro_losses = [model(input_ids=mb, labels=mb).loss for mb in batch.split(MICRO)]
-        loss = torch.stack(micro_losses).mean()
-        loss.backward()
-        head_grad = model.get_output_embeddings().weight.grad
-        head = 0.0 if head_grad is None else head_grad.norm().item()
-        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-        trained = [p for p in model.parameters() if p.requires_grad]
-        norms.append((torch.nn.utils.clip_grad_norm_(trained, max_norm).item(), head))
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, lrs, norms, model
-
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
-    root = tmp_path_factory.mktemp("train")
-    data = str(root / "train.jsonl")
-    samples = write_random_tokens(data, NUM_SAMPLES, SEQ, vocab_size=512)
-    for name, hf_dir in (("ckpt", tiny_hf), ("ckpt_tied", tiny_tied_hf)):
-        hf_to_stages(hf_dir, str(root / name))
+def runs(parity_pipe, tiny_hf, tiny_tied_hf, tiny_ckpt, tiny_tied_ckpt):
+    # Same global batch of 8 everywhere: micro 2 x grad_acc x dp. The pipe 2 x data 2 run, ZeRO-1, is
+    # conftest's parity_pipe (tests/test_multinode.py compares two simulated nodes with it); the others
+    # train beside it, on its data.
+    root, data, samples, pipe = (parity_pipe[k] for k in ("root", "data", "samples", "proc"))
+    ckpts = {"ckpt": tiny_ckpt, "ckpt_tied": tiny_tied_ckpt}  # read only
 
     def launch(name: str, ranks: int, ckpt: str, **overrides):
-        args = train_args(str(root / ckpt), data, str(root / name), **overrides)
-        proc = run_deepspeed(ranks, "train.py", args, str(root / f"{name}.log"))
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        return proc
+        return train_run(root, name, ranks, train_args(ckpts[ckpt], data, str(root / name), **overrides))
 
-    # Same global batch of 8 everywhere: micro 2 x grad_acc x dp.
-    pipe = launch("pipe", 4, "ckpt", num_stages=2, gradient_accumulation_steps=2, ds_config="zero1")
     launch("single", 1, "ckpt", num_stages=1, gradient_accumulation_steps=4, ds_config="zero0")
     # Four stages on four ranks: stages 1 and 2 are middle stages with placeholder data. uniform splits
     # the 7 specs 2-2-2-1: the last stage holds only the LM head, hence one AdamW group where the others
@@ -142,10 +87,6 @@ def runs(tmp_path_factory, tiny_hf, tiny_tied_hf):
         tied_losses=tied_losses,
         unclipped_losses=unclipped_losses,
     )
-
-
-def rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
 
 
 def test_pipe_x_data_losses_equal_reference_and_single_rank(runs):
@@ -217,6 +158,31 @@ def test_step_memory_is_counted_on_every_rank(runs):
     assert all(peak >= p * 1e6 * 4 / 2**20 for peak, p in zip(peaks, params)), (peaks, params)
 
 
+def test_final_figures_are_the_last_metrics_record_as_printed(runs):
+    """The figures train.py prints last (peak memory, model states, with count_step_memory the second step's peak)
+    are also metrics.jsonl's last record: one entry per rank, positive, the numbers the lines print."""
+    out, log = str(runs["root"] / "deep"), (runs["root"] / "deep.log").read_text()
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        last = json.loads(f.readlines()[-1])
+    assert read_metrics(out, "final") == [last] and last["step"] == STEPS
+
+    def printed(marker: str, pattern: str) -> list[tuple]:
+        return re.findall(pattern, next(line for line in log.splitlines() if marker in line))
+
+    peaks, states, step_peaks = last["peak_memory_mib"], last["model_states_mib"], last["step_peak_mib"]
+    assert len(peaks) == len(states) == len(step_peaks) == 4 and last["step_peak_at"] == 2
+    assert all(v > 0 for p in peaks for v in p.values()) and all(s["total"] > 0 for s in states)
+    assert all(p > 0 for p in step_peaks)
+    assert printed("peak memory per rank", r"rank \d+ host (\d+)(?: / GPU (\d+))?") == [
+        (f"{p['host']:.0f}", f"{p['gpu']:.0f}" if "gpu" in p else "") for p in peaks
+    ]
+    roles = ("weights", "grads", "optimizer", "total")
+    assert printed("model states per rank", r"rank \d+ ([\d.]+) \+ ([\d.]+) \+ ([\d.]+) = ([\d.]+)") == [
+        tuple(f"{s[role]:.2f}" for role in roles) for s in states
+    ]
+    assert printed("step 2 peak of allocated tensors", r"rank \d+ ([\d.]+)") == [f"{p:.1f}" for p in step_peaks]
+
+
 def test_progress_is_announced_and_logged_once_per_step(runs):
     out = runs["pipe"].stdout
     assert "world 4 = pipe 2 x data 2" in out and "256 tokens/step" in out
@@ -230,12 +196,7 @@ def test_progress_is_announced_and_logged_once_per_step(runs):
 
 def test_hf_export_holds_exactly_the_trained_weights(runs):
     out, hf_out = str(runs["root"] / "pipe"), str(runs["root"] / "exported")
-    proc = subprocess.run(
-        [sys.executable, "convert2ckpt.py", "--to-hf", "--input", out, "--output", hf_out],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    proc = run_script(["convert2ckpt.py", "--to-hf", "--input", out, "--output", hf_out])
     assert proc.returncode == 0, proc.stderr
     exported = hf_tensors(hf_out)
     config = LlamaForCausalLM.config_class.from_pretrained(hf_out)

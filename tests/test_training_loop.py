@@ -7,8 +7,6 @@ import csv
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ import torch
 from models.hf_io import hf_to_stages
 from models.layer_files import load_layer_file
 from models.tiny import corpus_documents
-from tests.conftest import LOOP_STEPS, REPO, loop_args, read_metrics, run_args, run_deepspeed
+from tests.conftest import LOOP_STEPS, loop_args, read_metrics, run_args, run_deepspeed, run_script
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
@@ -80,9 +78,7 @@ def test_eval_records_monitors_and_plot(full_and_resumed):
     with open(csv_dir / "Train_Samples_train_loss.csv") as f:
         rows = list(csv.reader(f))
     assert len(rows) == 1 + LOOP_STEPS  # a header and every step, the last too: written before the rank's os._exit
-    proc = subprocess.run(
-        [sys.executable, "scripts/plot_metrics.py", str(root / "A")], cwd=REPO, capture_output=True, text=True
-    )
+    proc = run_script(["scripts/plot_metrics.py", str(root / "A")])
     assert proc.returncode == 0, proc.stderr
     assert (root / "A" / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -178,19 +174,15 @@ def test_zero3_data_parallel_run_resumes_exactly_and_exports(tmp_path, tiny_hf, 
         if name.startswith("layer_"):
             a_state, b_state = (load_layer_file(str(tmp_path / r / "global_step4" / name)) for r in "AB")
             assert all(torch.equal(a_state[k], b_state[k]) for k in a_state), name
-    proc = subprocess.run(
+    proc = run_script(
         [
-            sys.executable,
             "convert2ckpt.py",
-            "--to-hf",
-            "--input",
-            str(tmp_path / "A"),
-            "--output",
-            str(tmp_path / "hf"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+        "--to-hf",
+        "--input",
+        str(tmp_path / "A"),
+        "--output",
+        str(tmp_path / "hf"),
+        ]
     )
     assert proc.returncode == 0, proc.stderr
     from transformers import LlamaForCausalLM

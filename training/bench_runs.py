@@ -1,24 +1,36 @@
 """One train.py run as the benchmark scripts measure it (scripts/bench_lora.py, bench_dpo.py, bench_layouts.py):
 launched with DeepSpeed's runner, then its step time and real tokens per second from metrics.jsonl and, per
-rank, the model-state bytes and peak memory train.py reports at the end."""
+rank, the model-state bytes and peak memory train.py reports at the end (metrics.jsonl's last record)."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 
+from training.distributed import free_port
+from training.launch import deepspeed_command, remove_shm_leftovers
+from training.metrics import read_final_record
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def per_rank(log: str, marker: str, pattern: str) -> list[float]:
-    """The per-rank numbers of train.py's line holding ``marker``."""
-    line = next((x for x in log.splitlines() if marker in x), "")
-    return [float(v) for v in re.findall(pattern, line)]
+def final_figures(output_dir: str) -> dict:
+    """Per rank, train.py's final figures of the run in ``output_dir`` (metrics.jsonl's last record), as its last
+    lines print them: the model states' totals, the peak memory (GPU where there is one, else host RSS) and its
+    kind, the second step's peak (count_step_memory); a figure the run did not measure is an empty list."""
+    final = read_final_record(output_dir) or {}
+    peaks = final.get("peak_memory_mib", [])
+    gpu = [float(f"{p['gpu']:.0f}") for p in peaks if "gpu" in p]
+    return {
+        "states": [float(f"{s['total']:.2f}") for s in final.get("model_states_mib", [])],
+        "peak": gpu or [float(f"{p['host']:.0f}") for p in peaks],
+        "peak_kind": "GPU" if gpu else "host RSS",
+        "step_peak": [float(f"{p:.1f}") for p in final.get("step_peak_mib", [])],
+    }
 
 
 def measure_train(
@@ -28,25 +40,25 @@ def measure_train(
     median step time and tokens/s after ``warmup`` steps, model states and peak memory per rank (MiB).
     ``script``: what the launcher starts instead of train.py (a profiling wrapper, see ``profile_rank``)."""
     entry = script or ["train.py"]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), *entry, *overrides]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False
-    )
+    port = free_port()
+    cmd = deepspeed_command(ranks, entry[0], [*entry[1:], *overrides], port)
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False
+        )
+    finally:
+        remove_shm_leftovers(port)
     if proc.returncode:
         raise SystemExit(f"{name}: train.py failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         steps = [r for r in map(json.loads, f) if r["kind"] == "train"]
     timed = steps[warmup:] or steps
-    log = proc.stdout
-    gpu = per_rank(log, "peak memory per rank", r"GPU (\d+)")
     return {
         "step_s": statistics.median(r["step_s"] for r in timed),
         "tokens_s": statistics.median(r["tokens_per_s"] for r in timed),
-        "states": per_rank(log, "model states per rank", r"= ([\d.]+)"),
-        "peak": gpu or per_rank(log, "peak memory per rank", r"host (\d+)"),
-        "peak_kind": "GPU" if gpu else "host RSS",
+        **final_figures(output_dir),
         "loss": steps[-1]["loss"],
-        "log": log,
+        "log": proc.stdout,
     }
 
 

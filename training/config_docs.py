@@ -61,6 +61,9 @@ class _Module:
                 targets = [node.target.id]
             for name in targets:
                 self.constants[name] = node.value
+                enum = _functional_enum(node.value)
+                if enum is not None:
+                    self.classes[name] = enum
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 for alias in node.names:
                     self.imports[alias.asname or alias.name] = (node.module, alias.name)
@@ -142,6 +145,26 @@ def _is_enum(cls: ast.ClassDef) -> bool:
     return any(n.endswith("Enum") for n in names)
 
 
+def _functional_enum(node: ast.AST) -> ast.ClassDef | None:
+    """``Name = StrEnum("Name", {"1f1b": "1f1b", ...})``, an Enum's functional form (members whose names are no
+    identifiers), as the class statement it stands for: one ``name = value`` per member. Members as a dict, a list
+    of (name, value) pairs or of names, written out."""
+    if not (isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant)):
+        return None
+    func = node.func
+    if not (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")).endswith("Enum"):
+        return None
+    try:
+        members = ast.literal_eval(node.args[1])
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if isinstance(members, str):
+        members = members.replace(",", " ").split()
+    pairs = members.items() if isinstance(members, dict) else [m if isinstance(m, tuple) else (m, m) for m in members]
+    body = [ast.Assign(targets=[ast.Name(id=str(name))], value=ast.Constant(value)) for name, value in pairs]
+    return ast.ClassDef(name=str(node.args[0].value), bases=[func], keywords=[], body=body, decorator_list=[])
+
+
 def _enum_members(cls: ast.ClassDef) -> list[str]:
     members = []
     for node in cls.body:
@@ -211,6 +234,10 @@ class _Renderer:
             constant = self.resolver.constant(node.value.id, module)
             if constant is None:
                 return module.segment(node)
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):  # Enum["1f1b"]
+            found = self.resolver.find_class(node.value.id, module)
+            if found is not None and _is_enum(found[1]) and isinstance(node.slice, ast.Constant):
+                return str(node.slice.value)  # a member whose name is no identifier, set by it all the same
         if isinstance(node, ast.Name) and node.id == "MISSING":
             return "??? (required)"  # omegaconf.MISSING
         if isinstance(node, ast.Name):

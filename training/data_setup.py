@@ -24,6 +24,8 @@ from data.preference import PairBlocks, identical_pairs_report
 from data.sampling import MicroBatchIterator, PlaceholderDataset
 from data.settings import data_settings, tokenizer_dir
 from data.sources import DataError
+from parallel.dualpipev import short_eval_problem
+from parallel.layout import Layout
 from training.config import TrainConfig
 from training.distributed import on_all_ranks
 
@@ -113,18 +115,11 @@ def open_blocks(cfg: TrainConfig, entry: str) -> Dataset:
     return PairBlocks(rows) if cfg.data.format == "dpo" else rows
 
 
-def reading_stages(cfg: TrainConfig) -> tuple[int, ...]:
-    """The pipeline stages that read data: the first (inputs) and the last (labels); with DualPipeV the first
-    pipeline rank alone, which holds both ends of the V."""
-    if cfg.pipeline_schedule == "dualpipev":
-        return (0,)
-    return tuple(sorted({0, cfg.num_stages - 1}))
-
-
-def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> RankData:
-    """Collective: every rank calls it. ``coord`` is this rank's (pipe, data) topology coordinate."""
+def prepare_rank_data(cfg: TrainConfig, model_config, layout: Layout, coord) -> RankData:
+    """Collective: every rank calls it. ``coord`` is this rank's topology coordinate, its data axis counted in
+    groups that read different samples (``Layout.data_coord``); the stages that read are ``Layout.reading_stages``."""
     rank = dist.get_rank()
-    reads = coord.pipe in reading_stages(cfg)
+    reads = coord.pipe in layout.reading_stages
     host = socket.gethostname()
     peers: list = [None] * dist.get_world_size()
     dist.all_gather_object(peers, (host, rank, reads))
@@ -164,26 +159,21 @@ def prepare_rank_data(cfg: TrainConfig, model_config, coord, dp_size: int) -> Ra
     local: dict[str, RankData] = {}
 
     def open_data() -> None:  # collective too: a reader failing here must not leave the others waiting
-        local["data"] = _open_rank_data(cfg, coord, dp_size, reads, rank == builder, host, built)
+        local["data"] = _open_rank_data(cfg, coord, layout, reads, rank == builder, host, built)
 
     on_all_ranks("opening data", open_data)
     return local["data"]
 
 
 def _open_rank_data(
-    cfg: TrainConfig, coord, dp_size: int, reads: bool, is_builder: bool, host: str, built: list
+    cfg: TrainConfig, coord, layout: Layout, reads: bool, is_builder: bool, host: str, built: list
 ) -> RankData:
-    k, micro = cfg.num_stages, cfg.micro_batch_size
+    micro, dp_size = cfg.micro_batch_size, layout.dp
     names, _, weights, _ = zip(*training_sources(cfg))
     for name, _, count in built[0]["evals"]:
-        least = 2 * k if cfg.pipeline_schedule == "dualpipev" else 1  # micro-batches per eval pass
-        if cfg.pipeline_schedule == "dualpipev" and count // dp_size // micro < least:
-            raise DataError(
-                f"the eval set{f' {name}' if name else ''} has {count} samples: {count // dp_size // micro} "
-                f"micro-batches per data-parallel rank (micro_batch_size {micro} x dp {dp_size}), and DualPipeV "
-                f"needs {least} per pass (2 x num_stages): add eval data, raise data.eval_fraction, or lower "
-                "micro_batch_size"
-            )
+        short = short_eval_problem(layout, name, count)  # DualPipeV: 2 x num_stages micro-batches per pass
+        if short:
+            raise DataError(short)
         if count < dp_size * micro:
             raise DataError(
                 f"the eval set{f' {name}' if name else ''} has {count} samples, fewer than one micro-batch per "
@@ -197,9 +187,9 @@ def _open_rank_data(
         pad_multiple=cfg.data.pad_to_multiple_of,
         sources=list(names) if cfg.data.sources else [],
     )
-    peers = cfg.tensor_parallel * cfg.sequence_parallel  # ranks of a stage that read the same micro-batches
-    # the guard compares the stages that read (DualPipeV: one, reading inputs and labels together)
-    ends = reading_stages(cfg)[-1] + 1
+    # the guard compares the stages that read (DualPipeV: one, reading inputs and labels together), and the ranks
+    # of a stage that read the same micro-batches
+    ends, peers = layout.reading_stages[-1] + 1, layout.batch_peers
     guard = lambda it: OrderGuard(it, cfg.data.order_check_steps, ends, coord.data, coord.pipe, peers)  # noqa: E731
     if not reads:
         evals = [EvalSet(name, None, count, count // dp_size // micro) for name, _, count in built[0]["evals"]]

@@ -1,6 +1,6 @@
 """The DeepSpeed JSON (``ds_config``): where it is found, and its rules against the Hydra config, beside
 ``training.optim.fill_ds_config``, which writes the keys train.py owns. Checked before start, with every
-other problem, by ``training.config.resolve``."""
+other problem, by ``training.validate.resolve``."""
 
 from __future__ import annotations
 
@@ -70,10 +70,9 @@ def ds_json_conflicts(cfg: TrainConfig, ds_json: dict, layout: Layout) -> list[s
         per_step = layout.micro_batch * layout.data_axis
         if isinstance(b, int) and b % per_step == 0:
             fix = f": set gradient_accumulation_steps={b // per_step}"
-        sp = f" x sequence_parallel {layout.sp}" if layout.sp > 1 else ""
         problems.append(
-            f"train_batch {b} != micro {layout.micro_batch} x grad_acc {layout.grad_accum} x dp {layout.dp}{sp} "
-            f"(={train_batch}){fix}, or remove train_batch_size from the JSON"
+            f"train_batch {b} != {layout.ds_batch_factors()} (={train_batch}){fix}, or remove train_batch_size from "
+            "the JSON"
         )
     for section in ("optimizer", "scheduler"):
         if section in ds_json:

@@ -1,5 +1,5 @@
 """Known-harmless output of our dependencies, named in one place and filtered at start, and DeepSpeed's
-log level (``log_level``).
+log level (``log_level``); ``log0``, the ``[train]`` line from rank 0.
 
 Every rank of a job prints these lines, so a 16-rank job buried its own progress line under dozens of
 them. Only lines whose cause is understood and harmless are listed; ``log_level=info`` (or debug)
@@ -9,6 +9,7 @@ shows them all again.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import warnings
@@ -88,3 +89,9 @@ def set_log_level(level: str) -> None:
     from deepspeed.utils import logger
 
     logger.setLevel(getattr(logging, level.upper()))
+
+
+def log0(msg: str) -> None:
+    """Print from global rank 0 only: train.py's ``[train]`` lines."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[train] {msg}", flush=True)

@@ -1,4 +1,5 @@
-"""Progress lines from one rank, and ``metrics.jsonl`` (one record per step and per eval)."""
+"""Progress lines from one rank, and ``metrics.jsonl`` (one record per step and per eval, and the run's final
+figures last)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ PEAK_TFLOPS = [
     ("A10G", 125.0, 31.2),
     ("L4", 121.0, 30.3),
 ]
+
+
+FINAL = "final"  # the kind of metrics.jsonl's last record: the run's final figures
 
 
 def device_peak_tflops(precision: str, override: float = 0.0) -> float | None:
@@ -96,7 +100,7 @@ class StepLogger:
             kept = []
             if start_step and os.path.isfile(path):
                 with open(path) as f:
-                    kept = [line for line in f if json.loads(line)["step"] <= start_step]
+                    kept = [line for line in f if _kept(json.loads(line), start_step)]
             self.file = open(path, "w")
             self.file.writelines(kept)
 
@@ -199,6 +203,30 @@ class StepLogger:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+
+
+def _kept(record: dict, start_step: int) -> bool:
+    """Whether a resumed run keeps an earlier record: its steps up to the checkpoint, without the earlier run's
+    final figures (this run writes its own at its end)."""
+    return record["step"] <= start_step and record["kind"] != FINAL
+
+
+def write_final_record(output_dir: str, step: int, figures: dict) -> None:
+    """Append metrics.jsonl's last record (global rank 0, after the last step, the file closed): ``{"kind":
+    "final", "step": the step reached, **figures}``, the figures train.py prints last, per rank and unrounded
+    (training/loop.py): ``peak_memory_mib`` (``{"host": peak RSS, "gpu": peak allocated}``, gpu on CUDA only),
+    ``model_states_mib`` (``{"weights", "grads", "optimizer", "total"}``, where the census ran), and
+    ``step_peak_at`` with ``step_peak_mib`` (where measured). Not sent to the W&B sinks."""
+    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"kind": FINAL, "step": step, **figures}) + "\n")
+
+
+def read_final_record(output_dir: str) -> dict | None:
+    """The final figures of the run in ``output_dir`` (write_final_record's record); None where it wrote none (a
+    run stopped or failed before its end)."""
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        finals = [r for r in map(json.loads, f) if r["kind"] == FINAL]
+    return finals[-1] if finals else None
 
 
 def _extra_line(extra: dict[str, float] | None) -> str:

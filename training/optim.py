@@ -12,6 +12,7 @@ from torch import nn
 from models.layer_files import full_shape
 from models.llama_pipe import model_parameters
 from parallel.memory_plan import reduce_bucket_elements
+from parallel.stage import axis_plans
 from training.config import Resolved, TrainConfig
 from training.ds_json import accelerator_name
 
@@ -32,10 +33,8 @@ def fill_ds_config(resolved: Resolved) -> dict:
     ds["train_batch_size"] = resolved.layout.ds_train_batch  # the global batch x sequence_parallel
     # Written even when 0: DeepSpeed 0.19.8 clips at 1.0 when the key is absent.
     ds["gradient_clipping"] = cfg.optim.max_grad_norm
-    if resolved.layout.tp > 1:
-        # DeepSpeed would cut each tensor sent between stages over the TP group (pipe_partitioned); the
-        # stages send them whole, as the parity tests run them.
-        ds["pipeline"] = {**ds.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
+    for plan in axis_plans(resolved.layout):
+        plan.ds_config_(ds)  # tensor parallelism: the stages' tensors sent whole (its "pipeline" keys)
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": cfg.precision == "bf16"}
     ds["fp16"] = {**ds.get("fp16", {}), "enabled": cfg.precision == "fp16"}
     offload = resolved.layout.offload_optimizer

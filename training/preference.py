@@ -126,7 +126,7 @@ def compute_reference(resolved, engine, data, loss_fn: PreferenceLoss, log) -> i
     micro, dp = cfg.micro_batch_size, layout.dp
     counts = on_all_ranks("counting pairs", lambda: [p.num_pairs for p in pair_sets(data)] if data.iterator else None)
     sizes = next(c for c in counts if c is not None)
-    least = 2 * layout.stages if layout.schedule == "dualpipev" else 1
+    least = layout.least_micro_batches
     total = 0
     for index, num_pairs in enumerate(sizes):
         per_rank = math.ceil(num_pairs / (dp * micro))

@@ -13,16 +13,11 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from parallel.memory_plan import GB, schedule_report, shape_of, splitter, stage_estimates, stage_table
-from training.config import (
-    REPO_ROOT,
-    ConfigError,
-    given_keys,
-    override_key_problems,
-    register_configs,
-    resolve,
-    unknown_key_problems,
-)
+from parallel.memory_plan import GB, schedule_report, shape_of, stage_estimates, stage_table
+from parallel.partition import splitter
+from training.config import REPO_ROOT, ConfigError, register_configs
+from training.overrides import given_keys, override_key_problems, unknown_key_problems
+from training.validate import resolve
 
 INTERNAL_LINES = ("reference_type=", "object_type=")  # OmegaConf's class names in a validation error: no help to a user
 

@@ -21,7 +21,7 @@ into files:
 
 A parameter is named as layer files name weights, (spec file index, key in the file): the same in every
 layout, so any saved layout loads into any other (``load_into_engine``). Files are memory-mapped and
-read with ``weights_only=True`` (``run_checkpoints.load_deepspeed_file``): a resharded resume touches
+read with ``weights_only=True`` (``models.layer_files.load_deepspeed_file``): a resharded resume touches
 only the fragments of this rank's parameters, and runs no pickle.
 
 Written here rather than through DeepSpeed's universal checkpoint (``ds_to_universal``): that loads every
@@ -42,8 +42,19 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from models.layer_files import SIDE_FILES, CheckpointError, first_line, full_numel, load_layer_file, tp_piece
-from models.llama_pipe import layer_file_name
+from models.hf_io import atomic_output, check_output, log
+from models.layer_files import (
+    SIDE_FILES,
+    CheckpointError,
+    first_line,
+    full_numel,
+    load_deepspeed_file,
+    load_layer_file,
+    read_tag,
+    tp_piece,
+)
+from models.llama_pipe import layer_file_name, spec_layout
+from models.lora_files import saved_base_record
 
 ZERO_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 ENGINE_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -136,8 +147,6 @@ class SavedOptimizerState:
         return divmod(mp_rank, self.tp)
 
     def _load(self, path: str) -> dict:
-        from training.run_checkpoints import load_deepspeed_file
-
         if path not in self._files:
             self._files[path] = load_deepspeed_file(path, map_location="cpu", mmap=True)
         return self._files[path]
@@ -279,8 +288,6 @@ class SavedOptimizerState:
 
     def missing_layer_files(self, config) -> list[str]:
         """The layer files of ``config``'s specs that are not in the checkpoint."""
-        from models.llama_pipe import spec_layout
-
         paths = sorted({os.path.join(self.tag_dir, layer_file_name(i.file_index)) for i in spec_layout(config)})
         return [f"{p} is missing: the checkpoint is incomplete" for p in paths if not os.path.isfile(p)]
 
@@ -471,9 +478,6 @@ def reshard(input_dir: str, output: str, tag: str | None = None, overwrite: bool
     """``convert2ckpt.py --reshard``: a checkpoint saved on any layout -> a run directory whose ``latest``
     tag holds the layer files and the portable optimizer states: resumable on any layout (as output_dir,
     resume=auto), readable without DeepSpeed. Written to a temporary directory, renamed when complete."""
-    from models.hf_io import atomic_output, check_output, log
-    from models.layer_files import read_tag
-
     check_output(input_dir, output, overwrite)
     tag = read_tag(input_dir, tag)
     tag_dir = os.path.join(input_dir, tag)
@@ -495,8 +499,6 @@ def reshard(input_dir: str, output: str, tag: str | None = None, overwrite: bool
             state = json.load(f)
         state.update(portable=True, source_format=saved.format)
         if state.get("peft_base"):  # a LoRA run: the base's hashes of every stage, as its ranks recorded them
-            from models.lora import saved_base_record
-
             state["peft_base"] = saved_base_record(tag_dir)
         with open(os.path.join(out_tag, "trainer_state_rank00000.json"), "w") as f:
             json.dump(state, f)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -32,23 +31,26 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from omegaconf import OmegaConf
 
+from data.settings import tokenizer_dir
 from models.layer_files import (
     LATEST_FILE,
     CheckpointError,
     checkpoint_tags,
     copy_side_files,
     copy_tokenizer_files,
+    deepspeed_state_globals,
     first_line,
     latest_tag,
+    load_deepspeed_file,
     local_modules,
     stage_file_problems,
-    unpickling_refusal,
     write_config,
 )
 from models.llama_pipe import layer_file_name
-from models.lora import adapter_file_problems, base_mismatch, saved_base_record
-from training.config import Resolved, tokenizer_dir
-from training.optim import param_groups
+from models.lora_files import adapter_file_problems, base_mismatch, saved_base_record
+from training.config import Resolved
+from training.optim import apply_optim_settings, param_groups
+from training.reshard import SavedOptimizerState, load_into_engine, load_problems
 
 # train.py's line after each save, as scripts/stress.py and the tests read it back: (step, RSS per rank in MiB
 # as "a, b, ...", rank 0's peak RSS in MiB).
@@ -188,31 +190,6 @@ def prune(output_dir: str, limit: int, keep: str) -> list[str]:
     return doomed
 
 
-def deepspeed_state_globals() -> list[type]:
-    """What DeepSpeed pickles into its checkpoint files besides tensors and plain containers (the ZeRO
-    optimizer states' loss scaler, ZeRO stage and fragment addresses): allowed by name when loading,
-    every other class or function refused."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-def load_deepspeed_file(path: str, map_location=None, mmap: bool = False):
-    """A DeepSpeed checkpoint file (engine state, optimizer states, a layer file) with
-    ``weights_only=True``: tensors, containers and :func:`deepspeed_state_globals` only, so a tampered
-    file is refused instead of running what it names."""
-    with torch.serialization.safe_globals(deepspeed_state_globals()):
-        try:
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(
-                f"{path} holds objects a DeepSpeed checkpoint does not (a pickle that could run code when "
-                f"loaded): refused, nothing loaded ({unpickling_refusal(e)})"
-            ) from None
-
-
 class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed's own checkpoint engine, which loads with ``weights_only=False`` (any pickle runs),
     loading with :func:`load_deepspeed_file` instead. Saving is unchanged."""
@@ -330,9 +307,6 @@ def restore_resharded(resolved: Resolved, engine, iterator, total_steps: int) ->
     optimizer state is read from the saved files per parameter (training/reshard.py), then the step
     count, LR schedule position, data position and RNG of the checkpoint's rank 0. Local to each rank
     (run through on_all_ranks); returns that trainer state."""
-    from training.optim import apply_optim_settings
-    from training.reshard import SavedOptimizerState, load_into_engine, load_problems
-
     output_dir, tag = resolved.cfg.output_dir, resolved.resume_tag
     saved = SavedOptimizerState(os.path.join(output_dir, tag))
     problems = saved.problems + load_problems(saved, engine.module)

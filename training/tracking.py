@@ -1,4 +1,5 @@
-"""Weights & Biases (``monitor.wandb=true``): every record metrics.jsonl gets, from the rank that writes it.
+"""Weights & Biases (``monitor.wandb=true``): every train and eval record metrics.jsonl gets, from the rank that
+writes it.
 
 DeepSpeed's own ``wandb`` monitor logs the engine's loss and learning rate only, under a new run each start;
 this logs what the progress line and metrics.jsonl hold (real tokens/s, padding, grad norm, MFU, memory, the

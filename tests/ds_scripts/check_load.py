@@ -22,7 +22,7 @@ from safetensors.torch import load_file  # noqa: E402
 from models.families import load_config  # noqa: E402
 from models.layer_files import load_stage_weights, local_modules  # noqa: E402
 from models.llama_pipe import spec_layout  # noqa: E402
-from parallel.partition import build_pipeline_model  # noqa: E402
+from parallel.stage import build_pipeline_model  # noqa: E402
 
 out_path, pairs = sys.argv[1], sys.argv[2:]
 deepspeed.init_distributed()

@@ -62,8 +62,9 @@ if nan_steps:
     CausalLMLoss.__call__ = loss_with_nan
 
 import train  # noqa: E402  (strips the launcher's --local_rank argument)
+import training.loop  # noqa: E402  (the loop calls train_step by this module's name)
 
-_train_step = train.train_step
+_train_step = training.loop.train_step
 
 
 def train_step(resolved, engine, data, loss_fn):
@@ -75,5 +76,5 @@ def train_step(resolved, engine, data, loss_fn):
     return _train_step(resolved, engine, data, loss_fn)
 
 
-train.train_step = train_step
+training.loop.train_step = train_step
 train.main()

@@ -1,0 +1,114 @@
+"""A rank's pipeline stage built for a layout: the ranks' topology, the stage's class, and each axis's plan applied.
+
+As torchtitan's ``parallelize_llama`` applies tensor parallelism, context parallelism, ... one ``apply_*`` after the
+other, :func:`build_pipeline_model` builds the stage and applies the plans of the axes its ``Layout`` uses
+(:data:`AXES`, in order: tensor, sequence, schedule; parallel/axis.py lists the steps). The layout is the only
+source of the axes' sizes; training/ asks :func:`axis_plans` for the steps that follow the build (the DeepSpeed
+config, the engine, the announcement, the end-of-run check).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from deepspeed.runtime.pipe.topology import (
+    PipeDataParallelTopology,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+)
+from transformers import PretrainedConfig
+
+from models.attention import DOCUMENT_ATTENTION
+from models.llama_pipe import DECODER_LAYER_CLASSES, LlamaPipelineModule, build_specs
+from models.loss import CausalLMLoss, LossSplit, PreferenceLoss
+from parallel.axis import AxisPlan
+from parallel.dualpipev import DualPipeVPlan
+from parallel.layout import Layout
+from parallel.partition import DEFAULT_PARTITION_METHOD, stage_boundaries
+from parallel.sequence_parallel import SequenceParallelPlan
+from parallel.tensor_parallel import TensorParallelPlan
+
+# The axes, in the order their plans apply.
+AXES: tuple[type[AxisPlan], ...] = (TensorParallelPlan, SequenceParallelPlan, DualPipeVPlan)
+
+
+def axis_plans(layout: Layout) -> list[AxisPlan]:
+    """The plans of the axes ``layout`` uses, in the order they apply."""
+    return [axis(layout) for axis in AXES if axis.used(layout)]
+
+
+def pipeline_topology(layout: Layout) -> ProcessTopology:
+    """The ranks' topology: pipe x data, or pipe x data x model with tensor parallelism (the model axis varies
+    fastest: a tensor-parallel group is consecutive ranks, a node). Pipe is the outer axis; DeepSpeed's data axis
+    holds the sequence groups and the data-parallel ranks (``Layout.data_axis``)."""
+    if layout.tp > 1:
+        return PipeModelDataParallelTopology(num_pp=layout.stages, num_mp=layout.tp, num_dp=layout.data_axis)
+    return PipeDataParallelTopology(num_pp=layout.stages, num_dp=layout.data_axis)
+
+
+def stage_class(plans: list[AxisPlan]) -> type:
+    """``LlamaPipelineModule`` with each plan's ``stage_mixin`` before it, in the plans' order (one class per
+    combination: ``LlamaDualPipeVModule``, ``LlamaTensorParallelStage``)."""
+    return _composed(tuple(plan.stage_mixin for plan in plans if plan.stage_mixin is not None))
+
+
+@functools.cache
+def _composed(mixins: tuple[type, ...]) -> type:
+    if not mixins:
+        return LlamaPipelineModule
+    name = "Llama" + "".join(m.__name__ for m in mixins)
+    doc = f"LlamaPipelineModule with {', '.join(m.__name__ for m in mixins)} (parallel/stage.py)."
+    cls = type(name, (*mixins, LlamaPipelineModule), {"__module__": __name__, "__doc__": doc})
+    globals()[name] = cls  # defined in this module, so it pickles and shows by name
+    return cls
+
+
+def build_pipeline_model(
+    config: PretrainedConfig,
+    topology: ProcessTopology,
+    layout: Layout | None = None,
+    loss: CausalLMLoss | PreferenceLoss | None = None,
+    partition_method: str = DEFAULT_PARTITION_METHOD,
+    activation_checkpoint_interval: int = 0,
+    dynamic_shape: bool = False,
+    attention: str = DOCUMENT_ATTENTION,
+) -> LlamaPipelineModule:
+    """The Llama ``PipelineModule``; each rank builds only the layers of its own stage, with the plans of the axes
+    ``layout`` uses applied (tensor parallelism: only this rank's pieces; sequence parallelism: Ulysses over groups
+    of consecutive data-axis ranks; DualPipeV: twice as many pieces, two per rank), and ``loss`` told this rank's
+    share of it (``LossSplit``).
+
+    Must be called after ``deepspeed.init_distributed()``, with :func:`pipeline_topology`'s topology of ``layout``
+    (None: pipe x data of ``topology``, no other axis). With ``activation_checkpoint_interval`` N > 0, activations
+    are recomputed in chunks of N layers, but only chunks made of decoder layers: DeepSpeed's reentrant checkpoint
+    around the embedding (integer inputs) would get no gradient at all. ``layout`` is also what
+    ``partition_method=memory`` balances for; with its ``loss_chunk`` > 0 the last stage computes the loss chunk by
+    chunk (the stage contract above build_specs), and ``loss`` (None: the next-token loss) must chunk the same.
+    ``dynamic_shape``: micro-batches of varying length (data.pad_to_multiple_of), their shapes sent with each one.
+    ``attention``: the decoder layers' attention function (models.llama_pipe.ATTENTION_IMPLEMENTATIONS).
+    """
+    layout = layout or Layout(stages=topology.get_dim("pipe"), dp=topology.get_dim("data"))
+    loss = loss or CausalLMLoss(layout.loss_chunk)
+    if loss.chunk_tokens != layout.loss_chunk:
+        raise ValueError(f"loss_fn chunks {loss.chunk_tokens} tokens, the model {layout.loss_chunk}")
+    axes = {axis: topology.get_dim(axis) for axis in topology.get_axis_names()}
+    if (axes["pipe"], axes.get("model", 1), axes["data"]) != (layout.stages, layout.tp, layout.data_axis):
+        raise ValueError(f"the topology's axes {axes} are not those of the layout {layout.axes()}")
+    plans = axis_plans(layout)
+    for plan in plans:  # collectives first: every rank creates the axes' process groups before the stage's own
+        attention = plan.before_build(config, topology, attention)
+    model = stage_class(plans)(
+        config,
+        layers=build_specs(config, layout.loss_chunk, attention),
+        topology=topology,
+        loss_fn=loss,
+        boundaries=stage_boundaries(config, layout.pieces, partition_method, layout),
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        checkpointable_layers=[cls.__name__ for cls in DECODER_LAYER_CLASSES.values()],
+        dynamic_shape=dynamic_shape,
+    )
+    split: dict = {}
+    for plan in plans:
+        split.update(plan.apply(model))
+    loss.split_over(LossSplit(**split))
+    return model

@@ -1,0 +1,84 @@
+"""training/launch.py: ranks forked from the fork server behave as fresh ``python -u script`` processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import LAUNCHER, REPO, child_env, run_script
+from training.launch import IMPORT_TIME_PREFIXES, Launcher, imported_modules, run_ranks
+
+pytestmark = pytest.mark.e2e  # starts the fork server (the imports of train.py: seconds)
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    print("argv", sys.argv[1:], "rank", os.environ["RANK"], "flavour", os.environ.get("FLAVOUR"))
+    print("cwd", os.getcwd(), "path0", sys.path[0], "main", __name__)
+    print("to stderr", file=sys.stderr)
+    if os.environ["RANK"] == os.environ.get("FAIL_RANK"):
+        raise ValueError("rank failed on purpose")
+    if os.environ["RANK"] == os.environ.get("SLEEP_RANK"):
+        import time
+        time.sleep(60)
+    sys.exit(int(os.environ.get("CODE", "0")))
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text(SCRIPT)
+    return str(path)
+
+
+def test_a_forked_rank_has_its_own_arguments_environment_and_exit_status(script):
+    env = {**child_env(), "FLAVOUR": "mint", "CODE": "3"}
+    proc = run_ranks(LAUNCHER, 2, script, ["a=1"], env, 29531, timeout=60, grace=1.0)
+    assert LAUNCHER._forkable(env)  # these ranks were forked, not fresh interpreters
+    assert proc.returncode == 3
+    for rank in "01":
+        assert f"argv ['--local_rank={rank}', 'a=1'] rank {rank} flavour mint" in proc.stdout
+    assert f"cwd {REPO} path0 {os.path.dirname(script)} main __main__" in proc.stdout
+    assert proc.stderr.count("to stderr") == 2
+
+
+def test_a_failing_rank_ends_the_others_with_its_status_and_traceback(script):
+    env = {**child_env(), "FAIL_RANK": "1", "SLEEP_RANK": "0"}
+    proc = run_ranks(LAUNCHER, 2, script, [], env, 29532, timeout=60, grace=1.0)
+    assert proc.returncode == 1
+    assert "ValueError: rank failed on purpose" in proc.stderr
+
+
+def test_a_rank_killed_by_a_signal_reports_it_as_popen_does(script):
+    env = {**child_env(), "SLEEP_RANK": "0"}
+    with open(os.devnull, "w") as out:
+        rank = LAUNCHER.start(script, [], {**env, "RANK": "0"}, out, out)
+        rank.send_signal(signal.SIGKILL)
+        assert rank.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_run_script_is_subprocess_run(script):
+    proc = run_script([script], env={**child_env(), "RANK": "0", "CODE": "0"})
+    assert (proc.returncode, proc.args[0]) == (0, sys.executable)
+    assert "rank 0" in proc.stdout and proc.stderr == "to stderr\n"
+
+
+def test_an_environment_read_at_import_gets_fresh_interpreters():
+    env = child_env()
+    assert LAUNCHER._forkable(env)
+    for name in ("OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PYTHONPATH", "DS_ACCELERATOR"):
+        assert name.startswith(IMPORT_TIME_PREFIXES)
+        assert not LAUNCHER._forkable({**env, name: "something else"}), name
+    assert not Launcher(fork=False)._forkable(env)
+
+
+def test_the_server_imports_train_py_s_modules_not_train_py():
+    modules = imported_modules("train.py")
+    assert "training.build" in modules and "deepspeed.runtime.pipe.topology" in modules
+    assert "train" not in modules

@@ -1,0 +1,267 @@
+"""train.py's start-up phases, in the order ``main`` calls them: the process group and topology, output_dir,
+the loss, this rank's stage, its weights, LoRA, its data, the engine, and the resume onto it.
+
+Each phase that may fail on some ranks only runs under ``on_all_ranks`` (training/distributed.py), so every
+rank fails alike; those that report (weights, LoRA, data) return every rank's report for the announcement
+(training/announce.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.pipe.topology import ProcessTopology
+
+from models.host_memory import peak_rss_mb
+from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules, stage_pieces
+from models.llama_pipe import ATTENTION_IMPLEMENTATIONS, LlamaStack, init_weights_
+from models.lora import apply_lora, base_numel
+from models.lora_files import base_record, load_adapter_, load_checkpoint_adapters_
+from models.loss import CausalLMLoss, PreferenceLoss
+from models.specs import spec_layout
+from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes
+from parallel.stage import axis_plans, build_pipeline_model, pipeline_topology
+from training import run_checkpoints
+from training.config import Resolved
+from training.data_setup import RankData, prepare_rank_data
+from training.distributed import free_port, on_all_ranks, release_cpu_comm_buffer
+from training.logs import log0
+from training.optim import (
+    apply_optim_settings,
+    build_lr_scheduler,
+    param_groups,
+    reduce_grad_norm_once_across_stages,
+)
+from training.preemption import clear_stale_marker
+from training.run_lock import RunLock
+from training.startup import StartupWatchdog
+
+
+def init_topology(resolved: Resolved, extensions_dir: str) -> ProcessTopology:
+    """Start the process group and lay ranks out as the layout says (parallel.stage.pipeline_topology).
+
+    ``python train.py`` without the launcher runs as a 1-rank job. Until the process group exists no
+    collective timeout applies, so a watchdog bounds the wait (``startup_timeout_s``) and says where it was
+    (``extensions_dir``: the DeepSpeed ops cache it names when a stale build lock holds the rank).
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
+    release_cpu_comm_buffer()  # a killed job's segment of this name would be attached to (no peer has started yet)
+    with StartupWatchdog(resolved.cfg.startup_timeout_s, int(os.environ["RANK"]), extensions_dir) as watchdog:
+        watchdog.phase(
+            f"joining the process group (rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
+            f"with {resolved.world_size} ranks, DeepSpeed loading its communication op)"
+        )
+        # Every collective fails after dist_timeout_s instead of waiting forever for a hung or vanished rank.
+        deepspeed.init_distributed(timeout=timedelta(seconds=resolved.cfg.dist_timeout_s))
+    return pipeline_topology(resolved.layout)
+
+
+def lock_output_dir(resolved: Resolved) -> RunLock | None:
+    """Rank 0 holds output_dir for the run's lifetime (training/run_lock.py): a second run on it stops
+    here on every rank, before it writes anything there. Returns rank 0's lock."""
+    lock = RunLock(resolved.cfg.output_dir) if dist.get_rank() == 0 else None
+
+    def acquire() -> None:
+        warning = lock.acquire() if lock else None
+        if warning:
+            log0(warning)
+
+    on_all_ranks("locking output_dir", acquire)
+    return lock
+
+
+def make_output_dir(output_dir: str) -> None:
+    """Every rank; rank 0 also removes an earlier job's ``.stopping`` before any rank can exit at once."""
+    os.makedirs(output_dir, exist_ok=True)
+    if dist.get_rank() == 0:
+        clear_stale_marker(output_dir)
+
+
+def build_loss(resolved: Resolved) -> CausalLMLoss | PreferenceLoss:
+    """The last stage's loss: the next-token loss (train_step sets its normalisation each step), or DPO's."""
+    cfg = resolved.cfg
+    if cfg.train_objective == "dpo":
+        return PreferenceLoss(cfg.loss_chunk_tokens, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.label_smoothing)
+    return CausalLMLoss(cfg.loss_chunk_tokens)
+
+
+def build_model(resolved: Resolved, topology: ProcessTopology, loss_fn: CausalLMLoss | PreferenceLoss, ds_config: dict):
+    """The pipeline module (this rank builds only its own stage's layers), or, for num_stages=1 with
+    ZeRO 2/3, every spec in one module for DeepSpeed's data-parallel engine: under ZeRO-3 (``ds_config``,
+    the run's filled DeepSpeed config) built partitioned (``deepspeed.zero.Init``, models/zero3.py), no rank
+    ever holding the whole model."""
+    cfg = resolved.cfg
+    if not resolved.uses_pipeline:
+        stack_args = dict(
+            activation_checkpointing=cfg.activation_checkpoint_interval > 0,
+            loss_chunk_tokens=cfg.loss_chunk_tokens,
+            attention=ATTENTION_IMPLEMENTATIONS[cfg.attention],
+        )
+        if builds_partitioned(ds_config):
+            return build_partitioned_stack(resolved.model_config, ds_config, **stack_args)
+        return LlamaStack(resolved.model_config, **stack_args)
+    return build_pipeline_model(
+        resolved.model_config,
+        topology,
+        resolved.layout,
+        loss_fn,
+        partition_method=cfg.partition_method,
+        activation_checkpoint_interval=cfg.activation_checkpoint_interval,
+        dynamic_shape=cfg.data.pad_to_multiple_of > 0,
+        attention=ATTENTION_IMPLEMENTATIONS[cfg.attention],
+    )
+
+
+def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list[dict]:
+    """This stage's starting weights: its layer files from model_name_or_path, a seeded from-scratch
+    initialisation, or nothing yet when resuming (the checkpoint's weights replace them). A ZeRO-3
+    stack built partitioned is filled one tensor at a time, each rank keeping its own partition.
+    Returns every rank's report, for the announcement."""
+    cfg, config = resolved.cfg, resolved.model_config
+
+    params = [p for _, m in local_modules(model) for p in m.parameters()]
+    partitioned = any(map(is_partitioned, params))
+
+    def init() -> dict:
+        start, loaded_mib = time.time(), 0.0
+        if resolved.resume_tag and not resolved.reshard and not resolved.lora:
+            source = f"resuming {resolved.resume_tag}"  # DeepSpeed's load_checkpoint fills the stage
+        elif resolved.from_scratch and not resolved.resume_tag:
+            spec_info = spec_layout(config)  # per spec: the layer file holding its weights, whose index seeds it
+            for index, module in local_modules(model):
+                seed = cfg.seed + spec_info[index].file_index
+                if partitioned:
+                    init_partitioned_(module, model._layer_specs[index], config, seed)
+                else:
+                    init_weights_(module, config, seed=seed)
+            source = f"initialised from scratch (model={cfg.model.name}, seed {cfg.seed})"
+        else:  # model_name_or_path's layer files (a LoRA run's base), or, resuming on another layout, the checkpoint's
+            ckpt_dir, tag = (
+                (cfg.output_dir, resolved.resume_tag)
+                if resolved.resume_tag and not resolved.lora
+                else (cfg.model_name_or_path, None)
+            )
+            report = load_stage_weights(model, config, ckpt_dir, tag)
+            loaded_mib = report.bytes_read / 2**20
+            source = f"loaded {loaded_mib:.1f} MiB from {len(report.files)} layer files" + (f" of {tag}" if tag else "")
+            if resolved.lora:
+                model.lora_base = base_record(ckpt_dir, report.files)  # saved with each checkpoint, checked on resume
+        if partitioned:
+            source += f", ZeRO-3 partitioned at build: this rank holds {partition_bytes(params) / 2**20:.1f} MiB"
+        return {
+            "stage": model.stage_id,
+            "specs": [i for start, stop, _ in stage_pieces(model) for i in range(start, stop)],
+            "params": sum(full_numel(p) for p in params),
+            "param_mib": sum(full_numel(p) * p.element_size() for p in params) / 2**20,
+            "source": source,
+            "seconds": time.time() - start,
+            "rss_before_model_mib": rss_before_model_mib,
+            "peak_rss_mib": peak_rss_mb(),
+        }
+
+    return on_all_ranks("initialising stage weights", init)
+
+
+def adapt(model, resolved: Resolved) -> list[str]:
+    """LoRA (peft.method=lora): this stage's base frozen, PEFT's LoRA layers injected into its decoder
+    layers (models/lora.py), started from peft.init_from's adapter when given. Returns every rank's line."""
+    cfg = resolved.cfg
+
+    def inject() -> str:
+        local = local_modules(model)
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
+        apply_lora(local, resolved.model_config, cfg.peft, cfg.seed, compute, get_accelerator().current_device_name())
+        if resolved.reshard:  # DeepSpeed's load does not apply: the adapters from the checkpoint's layer files
+            load_checkpoint_adapters_(local, resolved.model_config, os.path.join(cfg.output_dir, resolved.resume_tag))
+        elif cfg.peft.init_from and not resolved.resume_tag:  # its settings were checked with the config
+            load_adapter_(local, resolved.model_config, cfg.peft.init_from)
+        trained = sum(full_numel(p) for _, m in local for p in m.parameters() if p.requires_grad)
+        frozen = sum(base_numel(p) for _, m in local for p in m.parameters() if not p.requires_grad)
+        if resolved.resume_tag:
+            start = f"from {resolved.resume_tag}, loaded with the optimizer states"
+        else:
+            start = f"from {cfg.peft.init_from}" if cfg.peft.init_from else "PEFT's initialisation"
+        return f"{trained / 1e6:.3f} M trained ({start}), {frozen / 1e6:.2f} M frozen"
+
+    if not resolved.lora:
+        return []
+    return on_all_ranks("adding LoRA adapters", inject)
+
+
+def build_data(resolved: Resolved, topology: ProcessTopology) -> tuple[RankData, list[dict]]:
+    """This rank's data (who tokenizes, who reads, placeholders: training/data_setup.py) and every
+    rank's data report, for the announcement."""
+    coord = resolved.layout.data_coord(topology.get_coord(dist.get_rank()))
+    data = prepare_rank_data(resolved.cfg, resolved.model_config, resolved.layout, coord)
+    reports = on_all_ranks("reporting data", lambda: {"role": data.role, "peak_rss_mib": peak_rss_mb()})
+    return data, reports
+
+
+def build_engine(resolved: Resolved, model, ds_config: dict, total_steps: int):
+    """DeepSpeed's pipeline engine with AdamW and the LR schedule from the Hydra config; ``ds_config``: the
+    run's filled DeepSpeed config (training/optim.py's ``fill_ds_config``)."""
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, resolved.cfg.optim.weight_decay),
+        config=ds_config,
+        lr_scheduler=build_lr_scheduler(resolved.cfg, total_steps),
+    )
+    reduce_grad_norm_once_across_stages(engine.optimizer)
+    for plan in axis_plans(resolved.layout):
+        plan.adopt_engine(engine)  # DualPipeV: DeepSpeed's engine made LlamaDualPipeVEngine (parallel/dualpipev.py)
+    run_checkpoints.load_without_pickles(engine)
+    return engine
+
+
+def resume_or_start(resolved: Resolved, engine, data: RankData, total_steps: int) -> int:
+    """The step to continue after: 0 for a new run, the checkpoint's step with resume=auto. Settings
+    changed since the checkpoint (validation refused those not allowed) are stated, and the optimizer's
+    are applied over the restored ones."""
+    if not resolved.resume_tag:
+        return 0
+    local: dict = {}
+    if resolved.reshard:
+        log0(
+            f"resume: {resolved.resume_tag} was saved on another layout ({resolved.reshard}): its optimizer states "
+            "are read per parameter (training/reshard.py)"
+        )
+        start = time.time()
+        on_all_ranks(
+            "reading optimizer states per parameter",
+            lambda: local.update(state=run_checkpoints.restore_resharded(resolved, engine, data.iterator, total_steps)),
+        )
+        step = local["state"]["step"]
+        log0(f"resume: optimizer states of every parameter set in {time.time() - start:.1f} s")
+    else:
+        on_all_ranks(
+            "reading trainer state", lambda: local.update(state=run_checkpoints.read_trainer_state(resolved, engine))
+        )
+        step = run_checkpoints.restore(resolved, engine, data.iterator, local["state"])
+    saved_batch = local["state"].get("global_batch", resolved.layout.global_batch)
+    if saved_batch != resolved.layout.global_batch:
+        log0(
+            f"resume: the global batch changes from {saved_batch} to {resolved.layout.global_batch} samples: the run "
+            f"continues at the next unseen sample, the LR schedule at step {step + 1}"
+        )
+    changes = resolved.resume_changes
+    if changes.changed.get("optim"):
+        apply_optim_settings(engine, resolved.cfg, total_steps)
+    for cls, effect in (
+        ("free", "as given"),
+        ("layout", "as given"),
+        ("optim", f"applied from step {step + 1}, the schedule recomputed"),
+        ("data", "the new sample stream continues at the saved position"),
+        ("model", "the checkpoint's weights are used"),
+    ):
+        if changes.changed.get(cls):
+            log0(f"resume: changed since {resolved.resume_tag}: {', '.join(changes.lines(cls))} ({effect})")
+    return step

@@ -1,0 +1,300 @@
+"""Start the ranks of one node on this machine, as ``deepspeed --num_gpus N script args`` starts them.
+
+Tests and benchmarks launch train.py and the scripts about a hundred times. Each rank of each launch
+used to import torch, DeepSpeed and transformers itself: 5-6 s of CPU per rank, four ranks on two
+cores, for runs whose training takes a second. ``Launcher`` keeps one process that has imported them
+(a fork server, as multiprocessing's ``forkserver`` start method is) and forks each rank from it: the
+rank is a fresh process that has done nothing but import, with its own environment, arguments, output
+files and exit status, and runs the script as ``python -u script`` would (``runpy`` as ``__main__``).
+A launch whose environment differs from the server's in a variable read at import time (thread counts,
+the accelerator, Hugging Face's settings) starts fresh interpreters instead, as does ``fork=False``.
+
+``deepspeed`` itself (the launcher and its runner) is not used here: it imports DeepSpeed twice before
+any rank starts. Tests of what the launcher itself does run the real command.
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import glob
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Variables read when torch, DeepSpeed or transformers are imported: a launch that sets them differently
+# from the server's environment gets fresh interpreters.
+IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "DS_", "TORCH", "HF_", "TRANSFORMERS", "PYTHON", "CUDA", "LD_", "KMP_")
+# What DeepSpeed's launcher sets per rank: not part of the server's own environment.
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")
+RANK_VARIABLES += ("LOCAL_SIZE",)
+# What the server imports before it forks: the modules the entry points import (not the entry points
+# themselves: their top-level code reads the arguments and sets the environment, so it runs in each rank),
+# and DeepSpeed's Muon optimizer, which its optimizer check imports and which calls torch.compile at import:
+# 3 s a rank.
+PRELOAD_SCRIPTS = ("train.py",)
+PRELOAD = ("deepspeed.runtime.zero.muon.muon_optimizer", "peft")
+
+
+def deepspeed_command(num_ranks: int, script: str, args: list[str], port: int | None = None) -> list[str]:
+    """``deepspeed --num_gpus N [--master_port P] script args``: DeepSpeed's launcher of this environment."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(num_ranks)]
+    return cmd + (["--master_port", str(port)] if port is not None else []) + [script, *args]
+
+
+def remove_shm_leftovers(port: int) -> list[str]:
+    """Remove the /dev/shm segments that the ranks of a job on ``port`` left (DeepSpeed's CPU shm collectives
+    leave 66 MB per rank; train.py removes its own, training/distributed.py, but scripts and killed ranks do
+    not); returns their paths."""
+    found = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")
+    for path in found:
+        os.remove(path)
+    return found
+
+
+class ForkedProcess:
+    """A process the fork server started, with ``subprocess.Popen``'s ``poll``/``wait``/``terminate``/``kill``."""
+
+    def __init__(self, server: "_Server", pid: int):
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.call(op="poll", pid=self.pid)["code"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.time() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            self.server.call(op="signal", pid=self.pid, sig=int(sig))
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Server:
+    """The client side of one fork server: a child process reading one JSON request per line."""
+
+    def __init__(self, env: dict):
+        self.env = dict(env)
+        self.lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "training.launch", "--serve"],
+            cwd=REPO,
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        ready = self.proc.stdout.readline()
+        if ready.strip() != '{"ready": true}':
+            raise RuntimeError(f"the fork server did not start: {ready!r}")
+
+    def call(self, **request) -> dict:
+        with self.lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline())
+
+    def spawn(self, argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> ForkedProcess:
+        reply = self.call(op="spawn", argv=argv, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+        return ForkedProcess(self, reply["pid"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+class Launcher:
+    """Starts processes of ``python -u script args`` from a fork server when it may, else as fresh interpreters."""
+
+    def __init__(self, fork: bool = True):
+        self.fork = fork
+        self._server: _Server | None = None
+
+    def _forkable(self, env: dict) -> bool:
+        if not self.fork:
+            return False
+        if self._server is None:
+            base = {k: v for k, v in env.items() if k not in RANK_VARIABLES}
+            self._server = _Server(base)
+            atexit.register(self._server.close)
+        server_env = self._server.env
+        changed = {k for k in set(env) | set(server_env) if env.get(k) != server_env.get(k)}
+        return not any(k.startswith(IMPORT_TIME_PREFIXES) for k in changed)
+
+    def start(self, script: str, args: list[str], env: dict, stdout, stderr, cwd: str = REPO):
+        """``python -u script args`` with ``env``, its output appended to the open files ``stdout``/``stderr``."""
+        if self._forkable(env):
+            return self._server.spawn([script, *args], env, cwd, _path_of(stdout), _path_of(stderr))
+        return subprocess.Popen([sys.executable, "-u", script, *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr)
+
+
+def _path_of(f) -> str:
+    return f.name if isinstance(getattr(f, "name", None), str) else f"/proc/{os.getpid()}/fd/{f.fileno()}"
+
+
+def run_ranks(
+    launcher: Launcher, num_ranks: int, script: str, args: list[str], env: dict, port: int, timeout: float, grace: float
+) -> subprocess.CompletedProcess:
+    """The ranks of one node, each ``python -u script --local_rank=R args`` with the launcher's variables,
+    their output interleaved into one stdout and one stderr as the launcher's children share its own. As
+    DeepSpeed's launcher does, a rank that fails ends the others (after ``grace`` seconds) and its exit
+    status is the job's; past ``timeout`` every rank is killed and ``subprocess.TimeoutExpired`` raised."""
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(num_ranks)}
+    world.update(CROSS_RANK="0", CROSS_SIZE="1", LOCAL_SIZE=str(num_ranks))
+    with tempfile.NamedTemporaryFile("w+") as out, tempfile.NamedTemporaryFile("w+") as err:
+        ranks = [
+            launcher.start(
+                script, [f"--local_rank={r}", *args], {**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)}, out, err
+            )
+            for r in range(num_ranks)
+        ]
+        deadline, status, failed_at = time.time() + timeout, 0, None
+        while None in [p.poll() for p in ranks]:  # every rank polled: a failed one is seen while others run
+            failed = [p.returncode for p in ranks if p.returncode not in (None, 0)]
+            if failed and failed_at is None:
+                status, failed_at = failed[0], time.time()
+            # The launcher ends the others (SIGTERM) once it sees a rank fail; it looks once a second, so
+            # ranks failing together still print their own error first.
+            if failed_at is not None and time.time() > failed_at + grace:
+                for p in ranks:
+                    if p.poll() is None:
+                        p.terminate()
+            if time.time() > deadline:
+                for p in ranks:
+                    p.kill()
+                    p.wait()
+                raise subprocess.TimeoutExpired([script, *args], timeout)
+            time.sleep(0.05)
+        status = status or next((p.returncode for p in ranks if p.returncode), 0)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess([script, *args], status, out.read(), err.read())
+
+
+def _run_forked(request: dict) -> None:
+    """In the forked child: become ``python -u script args`` and exit with its status."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python itself starts
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    script = request["argv"][0]
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        _finish()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    _finish()
+    os._exit(code)
+
+
+def _finish() -> None:
+    """What the interpreter does at exit: wait for non-daemon threads, run atexit handlers, flush."""
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+
+
+def imported_modules(script: str) -> list[str]:
+    """The modules ``script`` (a path from the repo root) imports at its top level, in order."""
+    with open(os.path.join(REPO, script)) as f:
+        tree = ast.parse(f.read())
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
+            names.append(node.module)
+    return names
+
+
+def serve() -> None:
+    """The fork server: import what the entry points import, then answer spawn/poll/signal requests."""
+    import importlib
+
+    # Replies go through the stdout pipe alone; whatever the imports print goes to stderr.
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for name in [*PRELOAD, *(m for script in PRELOAD_SCRIPTS for m in imported_modules(script))]:
+        importlib.import_module(name)
+    print(json.dumps({"ready": True}), file=reply, flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request["op"]
+        if op == "spawn":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                os.close(reply.fileno())
+                _run_forked(request)
+            answer = {"pid": pid}
+        elif op == "poll":
+            try:
+                done, status = os.waitpid(request["pid"], os.WNOHANG)
+                code = os.waitstatus_to_exitcode(status) if done else None
+            except ChildProcessError:
+                code = -1
+            answer = {"code": code}
+        elif op == "signal":
+            try:
+                os.kill(request["pid"], request["sig"])
+            except ProcessLookupError:
+                pass
+            answer = {}
+        else:
+            answer = {"error": f"unknown op {op}"}
+        print(json.dumps(answer), file=reply, flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        serve()

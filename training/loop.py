@@ -1,0 +1,260 @@
+"""The training loop: how many steps, each step (training/step.py) logged and checked, the saves and evals it
+calls for, and the run's final figures (its last lines, and metrics.jsonl's last record)."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from omegaconf import OmegaConf
+
+from models.host_memory import current_rss_mb, peak_rss_mb
+from models.llama_pipe import flops_per_token
+from models.loss import CausalLMLoss
+from parallel.stage import axis_plans
+from training import run_checkpoints
+from training.config import Resolved
+from training.data_setup import RankData
+from training.distributed import TrainingStopped, on_all_ranks
+from training.hang import HangWatch
+from training.logs import log0
+from training.memory_census import CensusAtStep, StepPeak
+from training.metrics import StepLogger, device_peak_tflops, write_final_record
+from training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Preempted, StopAndSave
+from training.preference import step_metrics
+from training.step import counts_tokens, eval_label_count, evaluate, train_step
+from training.straggler import ComputeClock
+
+
+def plan_steps(resolved: Resolved, data: RankData) -> tuple[int, float]:
+    """(optimizer steps to train, steps per epoch): max_steps, or num_epochs passes, whichever is first."""
+    cfg = resolved.cfg
+    micro_per_epoch = len(data.train) // resolved.dp // cfg.micro_batch_size  # per data-parallel rank
+    steps_per_epoch = micro_per_epoch / cfg.gradient_accumulation_steps
+    total = cfg.max_steps
+    if cfg.num_epochs:
+        epoch_steps = math.ceil(cfg.num_epochs * steps_per_epoch)
+        total = min(total, epoch_steps) if total else epoch_steps
+    return total, steps_per_epoch
+
+
+def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, start_step: int, total_steps: int) -> None:
+    """Steps ``start_step + 1 .. total_steps``: train, check the data order, log, evaluate, save."""
+    cfg = resolved.cfg
+    peak = device_peak_tflops(cfg.precision, cfg.mfu_peak_tflops)
+    six_n, attention = flops_per_token(resolved.model_config, resolved.layout.seq_len)
+    l = resolved.layout
+    axes = {"pipe": l.stages, "tensor": l.tp, "sequence": l.sp, "data": l.dp}  # each train record's "layout"
+    logger = StepLogger(
+        cfg.output_dir,
+        total_steps,
+        cfg.log_steps,
+        dist.get_rank() == 0,
+        start_step,
+        flops_per_token=six_n + attention,
+        peak_flops=peak * 1e12 * resolved.world_size if peak else None,
+        layout=axes,
+        sources=data.sources,
+        sinks=[tracking_run(resolved, axes)] if cfg.monitor.wandb and dist.get_rank() == 0 else None,
+    )
+    eval_labels = [eval_label_count(resolved, engine, data, e) for e in data.evals]
+    last_saved = start_step if resolved.resume_tag else None
+    stopper = StopAndSave(
+        cfg.save_every_minutes, cfg.preempt_grace_s, dist.get_rank(), get_accelerator().current_device_name()
+    )
+    clock = ComputeClock() if resolved.uses_pipeline else None  # the straggler view (training/straggler.py)
+    watch = HangWatch(cfg.output_dir, dist.get_rank(), dist.get_world_size(), cfg.hang_timeout_s, cfg.hang_action)
+    census = CensusAtStep(engine)  # model-state bytes per rank, measured before the second optimizer step
+    step_peak = StepPeak(start_step + 2, cfg.count_step_memory)  # what the second step allocates beyond the states
+    skipped: list[int] = []  # steps whose update the optimizer skipped (non-finite), with nonfinite_loss=skip
+    try:
+        for step in range(start_step + 1, total_steps + 1):
+            lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside the step
+            skipped_before = engine.skipped_steps
+            step_peak.before(step)
+            watch.step_started(step)
+            loss, counts = train_step(resolved, engine, data, loss_fn)
+            watch.step_ended()
+            # every rank: signals, rank 0's save clock, each rank's compute seconds (one all-reduce)
+            signalled, clock_due, compute = stopper.after_step(clock.take() if clock else 0.0)
+            step_peak.after(step)
+            data.guard.after_step(step)
+            if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
+                log0(
+                    f"data order check passed: first and last stage of every pipeline"
+                    f"{' (and their tensor-parallel peers)' if resolved.layout.tp > 1 else ''} loaded the same "
+                    f"{data.guard.compared} micro-batches in steps {start_step + 1}..{step}"
+                )
+            grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
+            norm = None if grad_norm is None else float(grad_norm)
+            extra = step_metrics(loss_fn, counts_tokens(resolved, engine)) if cfg.train_objective == "dpo" else None
+            logger.log(step, loss, lr, norm, *counts[:3], counts[3:], compute=compute if clock else None, extra=extra)
+            check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
+            # the checkpoint first: an eval that fails (or a signal during it) never costs the steps trained
+            with watch.saving():  # a hang exit (training/hang.py) waits for the save
+                stop = save_if_due(resolved, engine, data, step, total_steps, stopper, signalled, clock_due)
+            if stop is not None:
+                last_saved = step
+            if data.evals and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
+                for evaluation, labels in zip(data.evals, eval_labels):
+                    evaluate(resolved, engine, data, evaluation, step, logger, loss_fn, labels)
+            if stop:  # after a stop signal, the step's eval done: a resume starts at the next step
+                raise Preempted(stop)
+    finally:  # a stop signal (Preempted) or a failure: the W&B run and metrics.jsonl are closed too
+        logger.close()
+    if last_saved is None:
+        log0("no step to train (max_steps=0): nothing trained, no checkpoint written")
+    report_final_figures(resolved, census, step_peak, max(start_step, total_steps))
+
+
+def save_if_due(
+    resolved: Resolved,
+    engine,
+    data: RankData,
+    step: int,
+    total_steps: int,
+    stopper: StopAndSave,
+    signalled: list[int],
+    clock_due: bool,
+) -> str | None:
+    """Save after ``step`` when save_steps, the end, save_every_minutes or a stop signal says so (the ranks agreed
+    on the last two after the step, training/preemption.py). Returns None when nothing was saved; else, after a
+    signal before the last step, the line the job stops with (the caller raises it), or ""."""
+    cfg = resolved.cfg
+    if not ((cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps or clock_due or signalled):
+        return None
+    start = time.time()
+    tag = run_checkpoints.save(resolved, engine, step, data.iterator)
+    stopper.saved()
+    rss = on_all_ranks("reporting memory", current_rss_mb)
+    why = f", {cfg.save_every_minutes:g} minutes since the last" if clock_due else ""
+    log0(
+        f"saved checkpoint {tag} in {cfg.output_dir}{why} (RSS per rank now: {', '.join(f'{r:.0f}' for r in rss)} "
+        f"MiB; peak RSS {peak_rss_mb():.0f} MiB)"
+    )
+    if signalled and step < total_steps:  # in the last step: the run is complete, exit 0
+        return (
+            f"stop signal ({'/'.join(STOP_SIGNALS)}) on rank(s) {signalled}: checkpoint {tag} saved after step {step} "
+            f"of {total_steps} in {time.time() - start:.1f} s; exiting with code {PREEMPTED_EXIT_CODE}. The same "
+            "command (resume=auto) continues from it exactly."
+        )
+    return ""
+
+
+def tracking_run(resolved: Resolved, axes: dict):
+    """Rank 0's W&B run (monitor.wandb): the resolved config and the parallel axes' sizes (as "layout") as its
+    config."""
+    from training.tracking import WandbRun
+
+    config = OmegaConf.to_container(OmegaConf.structured(resolved.cfg))
+    return WandbRun(resolved.cfg.monitor, resolved.cfg.output_dir, {**config, "layout": axes})
+
+
+def check_finite(
+    resolved: Resolved, step: int, loss: float, update_skipped: bool, last_saved: int | None, skipped: list[int]
+) -> None:
+    """A non-finite loss (or gradient: the optimizer skipped the update) never passes silently.
+
+    ``nonfinite_loss=stop`` raises on every rank (the loss and the optimizer's skip are the same on
+    all ranks), naming the step and the last good checkpoint; ``skip`` logs the step and goes on,
+    but only where the optimizer did skip the update: where it applied a non-finite one (ZeRO 0 in
+    fp32 checks nothing), the weights are lost, and training stops either way. fp16's loss-scale
+    overflows (finite loss, skipped update) are routine and pass.
+    """
+    cfg = resolved.cfg
+    bad_loss = not math.isfinite(loss)
+    if not bad_loss and (not update_skipped or cfg.precision == "fp16"):
+        return
+    what = (
+        f"loss is {loss}"
+        if bad_loss
+        else f"loss {loss:.4f} but non-finite gradients (the optimizer skipped the update)"
+    )
+    if cfg.nonfinite_loss == "skip" and update_skipped:
+        skipped.append(step)
+        log0(
+            f"warning: step {step}: {what}: update skipped (nonfinite_loss=skip; {len(skipped)} skipped: steps "
+            f"{skipped})"
+        )
+        return
+    if last_saved is not None:
+        last = f"{os.path.join(cfg.output_dir, run_checkpoints.tag_for(last_saved))} (resume=auto continues from it)"
+    else:
+        last = f"none in {cfg.output_dir} (start again from {cfg.model_name_or_path or 'scratch'})"
+    if update_skipped:
+        advice = (
+            "The optimizer skipped this update; nothing after the last good checkpoint is saved. Lower optim.lr, "
+            "raise optim.warmup_steps, check this step's data, or set nonfinite_loss=skip to skip such steps."
+        )
+    else:
+        advice = (
+            f"The optimizer applied this update (ZeRO stage {resolved.zero_stage} with {cfg.precision} checks no "
+            f"overflow): the weights are no longer finite and are not saved. Lower optim.lr or raise "
+            f"optim.warmup_steps (nonfinite_loss=skip needs an optimizer that skips such updates, e.g. ds=zero1)."
+        )
+    raise TrainingStopped(
+        f"step {step}: {what}: training stopped (nonfinite_loss={cfg.nonfinite_loss}). "
+        f"Last good checkpoint: {last}. {advice}"
+    )
+
+
+def report_final_figures(resolved: Resolved, census: CensusAtStep, step_peak: StepPeak, step: int) -> None:
+    """The run's last lines, per rank: peak memory, the model states (where the census ran) and the second step's
+    peak (count_step_memory, or a GPU); the same figures, unrounded, as metrics.jsonl's last record (kind "final",
+    training/metrics.py), for benchmarks and tests to read as numbers."""
+    peaks = on_all_ranks("reporting memory", peak_memory_mib)
+    log0("peak memory per rank (MiB): " + ", ".join(f"rank {r} {peak_memory_text(p)}" for r, p in enumerate(peaks)))
+    figures: dict = {"peak_memory_mib": peaks}
+    states = on_all_ranks("measuring model states", lambda: census.result)
+    if all(states):
+        log0(
+            "model states per rank (MiB, tensors held: weights + grads + optimizer = total): "
+            + ", ".join(
+                f"rank {r} {s['weights'] / 2**20:.2f} + {s['grads'] / 2**20:.2f} + {s['optimizer'] / 2**20:.2f} = "
+                f"{s['total'] / 2**20:.2f}"
+                for r, s in enumerate(states)
+            )
+        )
+        figures["model_states_mib"] = [{role: size / 2**20 for role, size in s.items()} for s in states]
+    step_peaks = on_all_ranks("measuring the step's peak", lambda: step_peak.result_mib)
+    if all(p is not None for p in step_peaks):
+        where = "GPU allocator" if torch.cuda.is_available() else "tensors counted on CPU"
+        log0(
+            f"step {step_peak.at} peak of allocated tensors above its start per rank (MiB, {where}; gradients, "
+            "activations, loss buffer, temporaries): "
+            + ", ".join(f"rank {r} {p:.1f}" for r, p in enumerate(step_peaks))
+        )
+        figures.update(step_peak_at=step_peak.at, step_peak_mib=step_peaks)
+    if dist.get_rank() == 0:
+        write_final_record(resolved.cfg.output_dir, step, figures)
+
+
+def peak_memory_mib() -> dict[str, float]:
+    """This rank's peak host RSS, and its peak accelerator memory where there is one (MiB)."""
+    peak = {"host": peak_rss_mb()}
+    if torch.cuda.is_available():
+        peak["gpu"] = torch.cuda.max_memory_allocated() / 2**20
+    return peak
+
+
+def peak_memory_text(peak: dict[str, float]) -> str:
+    """``host 568``, or ``host 568 / GPU 9120``: one rank's entry of the peak memory line."""
+    host = f"host {peak['host']:.0f}"
+    if "gpu" in peak:
+        return f"{host} / GPU {peak['gpu']:.0f}"
+    return host
+
+
+def check_axes_at_end(model, resolved: Resolved) -> None:
+    """At the end of a run, each axis's own check (tensor parallelism: every replicated parameter is the same on
+    the TP peers): a failed one stops the run."""
+    for plan in axis_plans(resolved.layout):
+        problem, passed = plan.end_check(model, on_all_ranks)
+        if problem:
+            raise TrainingStopped(problem)
+        if passed:
+            log0(passed)

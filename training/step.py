@@ -1,0 +1,132 @@
+"""One optimizer step and one eval pass, with their arithmetic: who counts the global batch's tokens, the
+loss normalisation those counts give, and the means over ranks (training/loop.py runs them)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from models.loss import CausalLMLoss, label_tokens
+from training.config import Resolved
+from training.data_setup import EvalSet, RankData
+from training.distributed import TrainingStopped
+from training.metrics import StepLogger
+from training.preference import step_metrics
+
+
+def counts_tokens(resolved: Resolved, engine) -> bool:
+    """Whether this rank counts its micro-batches' tokens: the stage holding the labels (the last; the first
+    pipeline rank with DualPipeV), of its tensor-parallel and sequence-parallel peers (which hold the same
+    micro-batch) the first; or every rank of the data-parallel engine. Their sum over all ranks covers the
+    global batch once."""
+    if not resolved.uses_pipeline:
+        return True
+    grid = engine.grid
+    return resolved.layout.counts_labels(engine.stage_id, grid.get_data_parallel_rank(), grid.get_slice_parallel_rank())
+
+
+def global_sum(*values: int) -> list[int]:
+    """Every rank's values summed over all ranks (a collective: every rank calls it)."""
+    total = torch.tensor(values, dtype=torch.int64, device=get_accelerator().current_device_name())  # NCCL: on the GPU
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+def normalise_loss(resolved: Resolved, loss_fn: CausalLMLoss, micro_batches: int, label_count: int) -> None:
+    """Set the loss scale for the next step or eval pass: ``micro_batches`` per data-parallel rank
+    whose ``label_count`` label tokens (all ranks) make the denominator. DeepSpeed divides each
+    micro-batch's loss by ``micro_batches`` and averages over its data axis (dp x sequence_parallel: each
+    rank of a sequence group sums its slice's token losses), so scaling by their product over the count gives
+    the token mean of the whole global batch."""
+    if resolved.cfg.train_objective == "dpo":
+        return  # DPO's loss is a mean over each micro-batch's pairs: DeepSpeed's own divisions make the global mean
+    if resolved.cfg.loss_normalization == "micro_batch":
+        loss_fn.scale = None
+    elif label_count == 0:  # the data cache drops rows without a label token: a bug if ever seen
+        raise TrainingStopped("a global batch without a label token reached the loss: nothing to normalise by")
+    else:
+        loss_fn.scale = micro_batches * resolved.layout.data_axis / label_count
+
+
+def train_step(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss) -> tuple[float, list[int]]:
+    """One optimizer step: the loss and the global batch's counts, identical on every rank: real tokens, label
+    tokens, tokens computed on (the micro-batches' rows with their padding), then real tokens per source of a
+    mixture (data.sources).
+
+    The ranks that count tokens take the step's micro-batches from their iterator first, so the global
+    label count is known before the first micro-batch's loss is computed; the engine then reads them
+    from that list (the first stage of a longer pipeline reads its own iterator as before).
+    """
+    gas = resolved.cfg.gradient_accumulation_steps
+    batches, counts = None, [0] * (3 + len(data.sources))
+    if counts_tokens(resolved, engine):
+        before, by_source = data.iterator.tokens_read, dict(data.iterator.tokens_by_source)
+        batches = [next(data.iterator) for _ in range(gas)]
+        counts[:3] = (
+            data.iterator.tokens_read - before,
+            sum(label_tokens(labels) for _, labels in batches),
+            sum(input_ids.numel() for (input_ids, _), _ in batches),
+        )
+        for i in range(len(data.sources)):
+            counts[3 + i] = data.iterator.tokens_by_source.get(i, 0) - by_source.get(i, 0)
+    counts = global_sum(*counts)
+    normalise_loss(resolved, loss_fn, gas, counts[1])
+    if resolved.uses_pipeline:
+        loss = engine.train_batch(data_iter=iter(batches) if batches is not None else data.iterator).item()
+        return loss, counts
+    losses = []
+    for (input_ids, position_ids), labels in batches:
+        loss = loss_fn(engine(input_ids, position_ids), labels)
+        engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
+        engine.step()  # applies the optimizer at the accumulation boundary only
+        losses.append(loss.detach())
+    return mean_over_ranks(torch.stack(losses).mean()), counts
+
+
+def eval_label_count(resolved: Resolved, engine, data: RankData, evaluation: EvalSet) -> int:
+    """Label tokens of the whole eval set (every rank's shard): the eval loss's denominator."""
+    local = 0
+    if counts_tokens(resolved, engine):
+        batches = itertools.islice(data.eval_iterator(evaluation), evaluation.batches)
+        local = sum(label_tokens(labels) for _, labels in batches)
+    return global_sum(local)[0]
+
+
+def evaluate(
+    resolved: Resolved,
+    engine,
+    data: RankData,
+    evaluation: EvalSet,
+    step: int,
+    logger: StepLogger,
+    loss_fn: CausalLMLoss,
+    label_count: int,
+) -> None:
+    """One pass over an eval set (every rank's shard), without gradients; with loss_normalization=tokens
+    the loss is the mean over every label token of the set."""
+    start, n = time.time(), evaluation.batches
+    normalise_loss(resolved, loss_fn, n, label_count)
+    if resolved.uses_pipeline:
+        loss = engine.eval_batch(data_iter=data.eval_iterator(evaluation), num_micro_batches=n).item()
+    else:
+        engine.eval()
+        with torch.no_grad():
+            batches = itertools.islice(data.eval_iterator(evaluation), n)
+            losses = [loss_fn(engine(ids, pos), labels) for (ids, pos), labels in batches]
+        engine.train()
+        loss = mean_over_ranks(torch.stack(losses).mean())
+    extra = None
+    if resolved.cfg.train_objective == "dpo":
+        extra = step_metrics(loss_fn, counts_tokens(resolved, engine), prefix="eval_")
+    logger.log_eval(step, loss, time.time() - start, evaluation.name, extra)
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    """The mean of a scalar over all ranks (data-parallel engine: every rank is a replica)."""
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
