@@ -42,8 +42,10 @@ def test_the_bound_follows_the_median_step_with_a_floor(tmp_path):
 def test_a_hung_step_dumps_this_ranks_stacks(tmp_path):
     watch = HangWatch(str(tmp_path), 1, 2, 0.5, "wait")  # rank 1: writes its file, no report
     watch.step_started(4)
-    time.sleep(2.0)
-    dump = open(tmp_path / "hang" / "rank1.txt").read()
+    path, deadline = tmp_path / "hang" / "rank1.txt", time.time() + 10  # written 0.5 s into the step
+    while not (path.exists() and "test_a_hung_step" in path.read_text()) and time.time() < deadline:
+        time.sleep(0.05)
+    dump = path.read_text()
     assert dump.startswith("rank 1, step 4, ") and "test_a_hung_step_dumps_this_ranks_stacks" in dump
 
 
