@@ -40,7 +40,7 @@ def script(tmp_path):
 def test_a_forked_rank_has_its_own_arguments_environment_and_exit_status(script):
     env = {**child_env(), "FLAVOUR": "mint", "CODE": "3"}
     proc = run_ranks(LAUNCHER, 2, script, ["a=1"], env, 29531, timeout=60, grace=1.0)
-    assert LAUNCHER._forkable(env)  # these ranks were forked, not fresh interpreters
+    assert LAUNCHER.server_for(env) is not None  # these ranks were forked, not fresh interpreters
     assert proc.returncode == 3
     for rank in "01":
         assert f"argv ['--local_rank={rank}', 'a=1'] rank {rank} flavour mint" in proc.stdout
@@ -69,13 +69,19 @@ def test_run_script_is_subprocess_run(script):
     assert "rank 0" in proc.stdout and proc.stderr == "to stderr\n"
 
 
-def test_an_environment_read_at_import_gets_fresh_interpreters():
+def test_an_environment_read_at_import_gets_a_server_of_its_own():
     env = child_env()
-    assert LAUNCHER._forkable(env)
+    server = LAUNCHER.server_for(env)
+    assert server is not None and LAUNCHER.server_for({**env, "RANK": "3", "FLAVOUR": "x"}) is server
     for name in ("OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PYTHONPATH", "DS_ACCELERATOR"):
         assert name.startswith(IMPORT_TIME_PREFIXES)
-        assert not LAUNCHER._forkable({**env, name: "something else"}), name
-    assert not Launcher(fork=False)._forkable(env)
+    launcher = Launcher()
+    launcher.MAX_SERVERS = 1
+    first = launcher.server_for(env)
+    assert first.env["OMP_NUM_THREADS"] == env["OMP_NUM_THREADS"] and "RANK" not in first.env
+    assert launcher.server_for({**env, "OMP_NUM_THREADS": "2"}) is None  # over the cap: fresh interpreters
+    first.close()
+    assert Launcher(fork=False).server_for(env) is None
 
 
 def test_the_server_imports_train_py_s_modules_not_train_py():

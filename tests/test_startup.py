@@ -41,8 +41,9 @@ def test_use_venv_extensions_dir_respects_a_value_already_set(monkeypatch):
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs a virtualenv")
 @pytest.mark.parametrize("value", [None, ""])
 def test_use_venv_extensions_dir_defaults_to_the_virtualenv(monkeypatch, value):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "")  # recorded, so the value set below is undone afterwards
     if value is None:
-        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     else:
         monkeypatch.setenv("TORCH_EXTENSIONS_DIR", value)
     expected = os.path.join(sys.prefix, "torch_extensions")

@@ -6,8 +6,8 @@ cores, for runs whose training takes a second. ``Launcher`` keeps one process th
 (a fork server, as multiprocessing's ``forkserver`` start method is) and forks each rank from it: the
 rank is a fresh process that has done nothing but import, with its own environment, arguments, output
 files and exit status, and runs the script as ``python -u script`` would (``runpy`` as ``__main__``).
-A launch whose environment differs from the server's in a variable read at import time (thread counts,
-the accelerator, Hugging Face's settings) starts fresh interpreters instead, as does ``fork=False``.
+A launch whose environment differs in a variable read at import time (thread counts, the accelerator, Hugging
+Face's settings) is forked from a server started with its values; ``fork=False`` starts fresh interpreters.
 
 ``deepspeed`` itself (the launcher and its runner) is not used here: it imports DeepSpeed twice before
 any rank starts. Tests of what the launcher itself does run the real command.
@@ -125,27 +125,36 @@ class _Server:
 
 
 class Launcher:
-    """Starts processes of ``python -u script args`` from a fork server when it may, else as fresh interpreters."""
+    """Starts processes of ``python -u script args`` from a fork server when it may, else as fresh interpreters.
+
+    One server per set of the variables read at import (``IMPORT_TIME_PREFIXES``): a launch is forked from the
+    server started with exactly its values, the first launch of new values starting one (at most
+    ``MAX_SERVERS``; beyond them, fresh interpreters)."""
+
+    MAX_SERVERS = 4
 
     def __init__(self, fork: bool = True):
         self.fork = fork
-        self._server: _Server | None = None
+        self._servers: dict[tuple, _Server] = {}
 
-    def _forkable(self, env: dict) -> bool:
+    def server_for(self, env: dict) -> "_Server | None":
+        """The fork server whose imports saw ``env``'s import-time variables; None: start fresh interpreters."""
         if not self.fork:
-            return False
-        if self._server is None:
-            base = {k: v for k, v in env.items() if k not in RANK_VARIABLES}
-            self._server = _Server(base)
-            atexit.register(self._server.close)
-        server_env = self._server.env
-        changed = {k for k in set(env) | set(server_env) if env.get(k) != server_env.get(k)}
-        return not any(k.startswith(IMPORT_TIME_PREFIXES) for k in changed)
+            return None
+        key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
+        if key not in self._servers:
+            if len(self._servers) >= self.MAX_SERVERS:
+                return None
+            server = _Server({k: v for k, v in env.items() if k not in RANK_VARIABLES})
+            atexit.register(server.close)
+            self._servers[key] = server
+        return self._servers[key]
 
     def start(self, script: str, args: list[str], env: dict, stdout, stderr, cwd: str = REPO):
         """``python -u script args`` with ``env``, its output appended to the open files ``stdout``/``stderr``."""
-        if self._forkable(env):
-            return self._server.spawn([script, *args], env, cwd, _path_of(stdout), _path_of(stderr))
+        server = self.server_for(env)
+        if server is not None:
+            return server.spawn([script, *args], env, cwd, _path_of(stdout), _path_of(stderr))
         return subprocess.Popen([sys.executable, "-u", script, *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr)
 
 
