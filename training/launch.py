@@ -30,8 +30,8 @@ import time
 import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Variables read when torch, DeepSpeed or transformers are imported: a launch that sets them differently
-# from the server's environment gets fresh interpreters.
+# Variables read when torch, DeepSpeed or transformers are imported: each set of their values has a server of
+# its own (Launcher.server_for).
 IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "DS_", "TORCH", "HF_", "TRANSFORMERS", "PYTHON", "CUDA", "LD_", "KMP_")
 # What DeepSpeed's launcher sets per rank: not part of the server's own environment.
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")
