@@ -22,6 +22,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from training.launch import deepspeed_command  # noqa: E402
+
 RSS = re.compile(r"rank (\d+): data (.+?) \| peak RSS after data (\d+) MiB")
 BUILD = re.compile(
     r"tokenized .*?: (\d+) records -> \d+ examples, (\d+) tokens -> (\d+) samples .* in ([\d.]+) s \((\d+) tokens/s\)"
@@ -61,11 +63,7 @@ def main() -> None:
         corpus, cache = os.path.join(args.work, f"corpus_{n}.jsonl"), os.path.join(args.work, f"cache_{n}")
         size = write_corpus(corpus, n)
         shutil.rmtree(cache, ignore_errors=True)
-        cmd = [
-            os.path.join(os.path.dirname(sys.executable), "deepspeed"),
-            "--num_gpus",
-            "4",
-            "train.py",
+        train_args = [
             f"model_name_or_path={ckpt}",
             "num_stages=4",
             "max_steps=0",
@@ -77,6 +75,7 @@ def main() -> None:
             "precision=fp32",
             f"output_dir={os.path.join(args.work, 'out')}",
         ]
+        cmd = deepspeed_command(4, "train.py", train_args)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode != 0:
             sys.exit(f"{n} documents failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")

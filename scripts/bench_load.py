@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from training.distributed import free_port  # noqa: E402
+from training.launch import deepspeed_command  # noqa: E402
 
 REPORT = re.compile(
     r"rank (\d+): stage (\d+) .*?\(\d+ specs, ([\d.]+) M params\).*peak RSS at load (\d+) MiB "
@@ -57,13 +58,7 @@ def make_checkpoint(work: str, config) -> str:
 def load_reports(ckpt: str, k: int, data: str, out: str, tp: int = 1) -> dict[int, tuple]:
     """rank -> (stage, M params, stage MiB, RSS before stage MiB, peak RSS at load MiB) for K stages
     (each split over ``tp`` ranks)."""
-    cmd = [
-        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
-        "--num_gpus",
-        str(k * tp),
-        "--master_port",
-        str(free_port()),
-        "train.py",
+    train_args = [
         f"model_name_or_path={ckpt}",
         f"num_stages={k}",
         f"tensor_parallel={tp}",
@@ -75,6 +70,7 @@ def load_reports(ckpt: str, k: int, data: str, out: str, tp: int = 1) -> dict[in
         "precision=fp32",
         f"output_dir={out}",
     ]
+    cmd = deepspeed_command(k * tp, "train.py", train_args, port=free_port())
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         sys.exit(f"{ckpt}, num_stages={k} tensor_parallel={tp} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")

@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from training.distributed import free_port  # noqa: E402
+from training.launch import deepspeed_command  # noqa: E402
 
 RSS = re.compile(r"rank (\d+): data (.+?) \| peak RSS after data (\d+) MiB")
 SEQ = 512
@@ -131,12 +132,12 @@ def bench_startup(work: str, ckpt: str) -> None:
         data = os.path.join(work, f"prepared-{tokens:.0e}")
         synthetic_prepared(data, tokens, vocab=512)
         out = os.path.join(work, f"run-{tokens:.0e}")
-        cmd = [
-            sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", str(free_port()),
-            "train.py", f"model_name_or_path={ckpt}", f"data.train_file={data}", f"data.max_seq_length={SEQ}",
+        train_args = [
+            f"model_name_or_path={ckpt}", f"data.train_file={data}", f"data.max_seq_length={SEQ}",
             "num_stages=4", "max_steps=1", "data.shuffle=false", "precision=fp32", f"output_dir={out}",
             "save_steps=0", "min_free_disk_gb=0",
         ]  # fmt: skip
+        cmd = deepspeed_command(4, "train.py", train_args, port=free_port())
         start = time.time()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode:

@@ -32,6 +32,7 @@ sys.path.insert(0, ROOT)
 from models.hf_io import hf_to_stages  # noqa: E402
 from models.llama_pipe import model_parameters  # noqa: E402
 from models.tiny import save_random_model, tiny_config, train_tokenizer, write_random_tokens  # noqa: E402
+from training.launch import deepspeed_command  # noqa: E402
 from training.metrics import read_final_record  # noqa: E402
 
 CONVERT = """
@@ -47,7 +48,6 @@ sys.exit(rc)
 
 
 def train(work: str, out: str, stages: int, grad_acc: int, steps: int) -> str:
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     args = {
         "model_name_or_path": os.path.join(work, "ckpt"),
         "output_dir": out,
@@ -63,7 +63,7 @@ def train(work: str, out: str, stages: int, grad_acc: int, steps: int) -> str:
         "ds": "zero1",
         "min_free_disk_gb": 0,
     }
-    cmd = [launcher, "--num_gpus", "4", "train.py", *(f"{k}={v}" for k, v in args.items())]
+    cmd = deepspeed_command(4, "train.py", [f"{k}={v}" for k, v in args.items()])
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
         sys.exit(f"train.py failed:\n{(proc.stdout + proc.stderr)[-3000:]}")

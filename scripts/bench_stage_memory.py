@@ -38,6 +38,7 @@ from parallel.memory_plan import shape_of, stage_estimates  # noqa: E402
 from parallel.partition import splitter  # noqa: E402
 from training.bench_runs import final_figures  # noqa: E402
 from training.distributed import free_port  # noqa: E402
+from training.launch import deepspeed_command  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2**20
@@ -91,7 +92,6 @@ def build_model(workdir: str, args) -> tuple[str, str]:
 def run(workdir: str, ckpt: str, data: str, pipe: int, chunk: int, args) -> dict:
     """One training run; per rank: model states and step peak, in MiB."""
     out = os.path.join(workdir, f"pipe{pipe}_chunk{chunk}")
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     overrides = {
         "model_name_or_path": ckpt,
         "output_dir": out,
@@ -112,8 +112,7 @@ def run(workdir: str, ckpt: str, data: str, pipe: int, chunk: int, args) -> dict
         "count_step_memory": "true",
     }
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [launcher, "--num_gpus", str(pipe), "--master_port", str(free_port()), "train.py"]
-    cmd += [f"{k}={v}" for k, v in overrides.items()]
+    cmd = deepspeed_command(pipe, "train.py", [f"{k}={v}" for k, v in overrides.items()], port=free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     print(f"[bench] pipe {pipe}, loss_chunk_tokens {chunk}: training {STEPS} steps ...", flush=True)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

@@ -39,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from training.distributed import free_port  # noqa: E402
+from training.launch import deepspeed_command  # noqa: E402
 from training.metrics import read_final_record  # noqa: E402
 
 REPORT = re.compile(
@@ -78,13 +79,7 @@ def load_reports(ckpt: str, ds: str, ranks: int, work: str, name: str, full_buil
     """rank -> (peak RSS at load MiB, RSS before building MiB, train.py's load line, the run's peak RSS
     MiB: after deepspeed.initialize too) of one launch."""
     data = os.path.join(work, "train.jsonl")
-    cmd = [
-        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
-        "--num_gpus",
-        str(ranks),
-        "--master_port",
-        str(free_port()),
-        "train.py",
+    train_args = [
         f"model_name_or_path={ckpt}",
         "num_stages=1",
         f"ds={ds}",
@@ -95,6 +90,7 @@ def load_reports(ckpt: str, ds: str, ranks: int, work: str, name: str, full_buil
         f"data.cache_dir={os.path.join(work, 'cache')}",
         f"output_dir={os.path.join(work, 'out', name)}",
     ]
+    cmd = deepspeed_command(ranks, "train.py", train_args, port=free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1", FULL_BUILD_ENV: "1" if full_build else "0"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:

@@ -18,7 +18,6 @@ to ``<work>/results.json``. Exit status 1 if any check failed.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ from training.logs import quiet_dependencies  # noqa: E402
 quiet_dependencies("warning")  # the known-harmless lines of its dependencies filtered, as train.py does
 
 from training.distributed import free_port  # noqa: E402
+from training.launch import deepspeed_command, remove_shm_leftovers  # noqa: E402
 from training.run_checkpoints import SAVED_LINE  # noqa: E402
 
 
@@ -63,13 +63,7 @@ def run(work: str, name: str, ckpt: str, data: str, steps: int, save_steps: int,
     out = os.path.join(work, name)
     shutil.rmtree(out, ignore_errors=True)
     port = free_port()
-    cmd = [
-        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
-        "--num_gpus",
-        "4",
-        "--master_port",
-        str(port),
-        "train.py",
+    train_args = [
         f"model_name_or_path={ckpt}",
         f"data.train_file={data}",
         "data.max_seq_length=16",
@@ -85,6 +79,7 @@ def run(work: str, name: str, ckpt: str, data: str, steps: int, save_steps: int,
         "log_steps=50",
         f"output_dir={out}",
     ]
+    cmd = deepspeed_command(4, "train.py", train_args, port=port)
     start = time.time()
     proc = subprocess.run(
         cmd,
@@ -96,9 +91,7 @@ def run(work: str, name: str, ckpt: str, data: str, steps: int, save_steps: int,
     seconds = time.time() - start
     with open(os.path.join(work, f"{name}.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
-    leftovers = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")
-    for path in leftovers:
-        os.remove(path)
+    leftovers = remove_shm_leftovers(port)
     saves = {
         int(m.group(1)): {"rss_mib": [int(x) for x in m.group(2).split(", ")], "peak_rank0_mib": int(m.group(3))}
         for m in SAVED_LINE.finditer(proc.stdout)

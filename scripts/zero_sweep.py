@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)
 
 from parallel.layout import count_arg, offloads  # noqa: E402
 from training.distributed import free_port  # noqa: E402
+from training.launch import deepspeed_command  # noqa: E402
 from training.metrics import read_final_record  # noqa: E402
 from training.model_source import model_group_config  # noqa: E402
 
@@ -43,14 +44,7 @@ def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
     stages = 2 if case["ds"] in PIPELINE_CONFIGS else 1
     name = f"{case['ds']}{'_ckpt' if case['ckpt'] else ''}_ga{case['ga']}"
     out = os.path.join(work, "runs", name)
-    port = free_port()
-    cmd = [
-        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
-        "--num_gpus",
-        str(args.ranks),
-        "--master_port",
-        str(port),
-        "train.py",
+    train_args = [
         "model=tiny",
         f"model.tokenizer={tokenizer}",
         f"model.architecture.hidden_size={args.hidden}",
@@ -70,6 +64,7 @@ def run(case: dict, args, work: str, tokenizer: str, corpus: str) -> dict:
         "resume=never",
         "save_steps=0",
     ]
+    cmd = deepspeed_command(args.ranks, "train.py", train_args, port=free_port())
     if os.path.isdir(out):
         subprocess.run(["rm", "-rf", out], check=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -22,37 +22,58 @@ from models.tiny import save_random_model, tiny_config, train_tokenizer, write_r
 from tests import parity  # noqa: E402
 from tests.parity import parity_args  # noqa: E402,F401 (tests import it from here)
 from training.distributed import free_port  # noqa: E402,F401 (tests import it from here)
-from training.launch import Launcher, deepspeed_command, remove_shm_leftovers, run_ranks  # noqa: E402
+from training.launch import Launcher, RankJob, deepspeed_command, remove_shm_leftovers  # noqa: E402
 
 # Multi-rank CPU runs: one thread per rank (2 threads x 4 ranks on 2 cores ran 15-20x slower).
 RANK_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 LAUNCH_TIMEOUT_S = 600  # a hung collective fails the test instead of the whole CI run
 FAILURE_GRACE_S = 1.0  # after one rank fails, how long the others may finish before they are ended
+# ... and how long a rank that ignores that SIGTERM lives on (DeepSpeed's launcher: 30 s; ranks here exit in under
+# 1 s of it unless stuck, as the hung rank of tests/test_reliability.py is).
+KILL_AFTER_S = 5.0
 LAUNCHER = Launcher()  # one fork server for the session, started by the first launch
 
 
 def run_deepspeed(
-    num_ranks: int, script: str, args: list[str], log_path: str, launcher: bool = False
+    num_ranks: int, script: str, args: list[str], log_path: str, launcher: bool = False, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """``deepspeed --num_gpus N script args`` (N CPU ranks) from the repo root; output saved to ``log_path``.
-
-    By default the ranks are started as DeepSpeed's launcher (``deepspeed/launcher/launch.py``) starts
-    them, the same environment and command line, but without it, and forked from a process that has
-    imported what they import (training/launch.py): a launch takes 3 s here instead of 15. As the launcher
-    does, a rank that fails ends the others and its exit status is the job's. ``launcher=True`` runs the
-    real ``deepspeed`` command (tests of what the launcher itself prints or does; the demo, the
-    multi-node and the killed-rank tests run it too).
+    """``deepspeed --num_gpus N script args`` (N CPU ranks) from the repo root, ``env`` added to the
+    environment; output saved to ``log_path``. By default the ranks are started as DeepSpeed's launcher
+    (``deepspeed/launcher/launch.py``) starts them, the same environment and command line, but without it,
+    and forked from a process that has imported what they import (training/launch.py): a launch takes 3 s
+    here instead of 15. As the launcher does, a rank that fails ends the others and its exit status is the
+    job's. ``launcher=True`` runs the real ``deepspeed`` command (tests of what the launcher itself prints or
+    does; the demo, the multi-node and the killed-rank tests run it too).
     """
+    if not launcher:
+        return finish_deepspeed(start_deepspeed(num_ranks, script, args, env), log_path)
     port = free_port()
-    env = child_env()
     try:
-        if launcher:
-            cmd = deepspeed_command(num_ranks, script, args, port)
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-        else:
-            proc = run_ranks(LAUNCHER, num_ranks, script, args, env, port, LAUNCH_TIMEOUT_S, FAILURE_GRACE_S)
+        cmd = deepspeed_command(num_ranks, script, args, port)
+        proc = subprocess.run(
+            cmd, cwd=REPO, env={**child_env(), **(env or {})}, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+        )
     finally:
         remove_shm_leftovers(port)
+    with open(log_path, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    return proc
+
+
+def start_deepspeed(
+    num_ranks: int, script: str, args: list[str], env: dict | None = None, port: int | None = None
+) -> RankJob:
+    """``run_deepspeed``'s ranks (forked), started and not waited for: a test signals a rank (``job.ranks``)
+    or reads the output (``job.output()``) while they run, then calls ``finish_deepspeed``."""
+    return RankJob(LAUNCHER, num_ranks, script, args, {**child_env(), **(env or {})}, port or free_port())
+
+
+def finish_deepspeed(job: RankJob, log_path: str) -> subprocess.CompletedProcess:
+    """Wait for the ranks of ``start_deepspeed`` as ``run_deepspeed`` does; their output saved to ``log_path``."""
+    try:
+        proc = job.wait(LAUNCH_TIMEOUT_S, FAILURE_GRACE_S, KILL_AFTER_S)
+    finally:
+        remove_shm_leftovers(job.port)
     with open(log_path, "w") as f:
         f.write(proc.stdout + proc.stderr)
     return proc

@@ -86,20 +86,21 @@ def test_bench_train_plain_case_end_to_end(tmp_path):
     proc = run_script(
         [
             "scripts/bench_train.py",
-        *TINY,
-        "--cases",
-        "a",
-        "--rounds",
-        "1",
-        "--steps",
-        "1",
-        "--micro-batches",
-        "2",
-        "--max-wait",
-        "0",
-        "--work",
-        str(tmp_path),
-        ], timeout=120
+            *TINY,
+            "--cases",
+            "a",
+            "--rounds",
+            "1",
+            "--steps",
+            "1",
+            "--micro-batches",
+            "2",
+            "--max-wait",
+            "0",
+            "--work",
+            str(tmp_path),
+        ],
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| a | plain HF loop"))
@@ -114,17 +115,18 @@ def test_bench_convert_end_to_end(tmp_path):
     proc = run_script(
         [
             "scripts/bench_convert.py",
-        "--layers",
-        "1",
-        "--hidden",
-        "64",
-        "--vocab",
-        "256",
-        "--repeats",
-        "1",
-        "--work",
-        str(work),
-        ], timeout=120
+            "--layers",
+            "1",
+            "--hidden",
+            "64",
+            "--vocab",
+            "256",
+            "--repeats",
+            "1",
+            "--work",
+            str(work),
+        ],
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
@@ -150,13 +152,14 @@ def test_bench_convert_read_paths(tmp_path, tiny_hf):
     proc = run_script(
         [
             "scripts/bench_convert.py",
-        "--read-paths",
-        str(tmp_path / "ckpt" / "global_step0"),
-        "--repeats",
-        "1",
-        "--work",
-        str(tmp_path / "work"),
-        ], timeout=120
+            "--read-paths",
+            str(tmp_path / "ckpt" / "global_step0"),
+            "--repeats",
+            "1",
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| raw copy", "| export"))]

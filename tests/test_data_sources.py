@@ -148,6 +148,7 @@ def test_train_py_reads_parquet_shards_with_other_column_names(tmp_path, tiny_ck
 
     from models.tiny import write_uneven_sft
     from tests.conftest import parity_args, read_metrics, train_run
+
     write_uneven_sft(str(tmp_path / "sft.jsonl"), 48)
     pairs = [json.loads(line) for line in open(tmp_path / "sft.jsonl")]
     (tmp_path / "shards").mkdir()

@@ -222,9 +222,7 @@ def test_every_script_puts_the_repo_on_its_module_path_before_importing_it(proje
         with open(modules[module]) as f:
             tree = ast.parse(f.read())
         inserts = [
-            n.lineno
-            for n in ast.walk(tree)
-            if isinstance(n, ast.Call) and ast.unparse(n.func) == "sys.path.insert"
+            n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "sys.path.insert"
         ]
         if not inserts or min(inserts) > first_import:
             missing.append(f"{modules[module]}:{first_import}")

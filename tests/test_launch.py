@@ -6,11 +6,12 @@ import os
 import signal
 import sys
 import textwrap
+import time
 
 import pytest
 
 from tests.conftest import LAUNCHER, REPO, child_env, run_script
-from training.launch import IMPORT_TIME_PREFIXES, Launcher, imported_modules, run_ranks
+from training.launch import IMPORT_TIME_PREFIXES, Launcher, RankJob, imported_modules, run_ranks
 
 pytestmark = pytest.mark.e2e  # starts the fork server (the imports of train.py: seconds)
 
@@ -23,8 +24,14 @@ SCRIPT = textwrap.dedent(
     if os.environ["RANK"] == os.environ.get("FAIL_RANK"):
         raise ValueError("rank failed on purpose")
     if os.environ["RANK"] == os.environ.get("SLEEP_RANK"):
-        import time
-        time.sleep(60)
+        import signal, time
+        if os.environ.get("ON_TERM") == "ignore":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        elif os.environ.get("ON_TERM") == "count":
+            signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM", flush=True))
+        print("asleep", flush=True)
+        for _ in range(40 if os.environ.get("ON_TERM") == "count" else 1):
+            time.sleep(60 if os.environ.get("ON_TERM") != "count" else 0.05)
     sys.exit(int(os.environ.get("CODE", "0")))
     """
 )
@@ -53,6 +60,20 @@ def test_a_failing_rank_ends_the_others_with_its_status_and_traceback(script):
     proc = run_ranks(LAUNCHER, 2, script, [], env, 29532, timeout=60, grace=1.0)
     assert proc.returncode == 1
     assert "ValueError: rank failed on purpose" in proc.stderr
+
+
+def test_the_others_get_one_sigterm_and_sigkill_if_they_ignore_it(script):
+    """As DeepSpeed's launcher ends a job: one SIGTERM to the ranks still running, SIGKILL ``kill_after`` later."""
+    env = {**child_env(), "FAIL_RANK": "1", "SLEEP_RANK": "0", "ON_TERM": "count"}
+    proc = RankJob(LAUNCHER, 2, script, [], env, 29533).wait(timeout=60, grace=0.5, kill_after=30)
+    assert (proc.returncode, proc.stdout.count("SIGTERM")) == (1, 1)  # the sleeper exits 0 after 2 s
+    job = RankJob(LAUNCHER, 2, script, [], {**env, "ON_TERM": "ignore"}, 29534)
+    while "asleep" not in job.output():
+        time.sleep(0.05)
+    assert job.ranks[0].poll() is None  # output read while the job runs
+    start = time.time()
+    proc = job.wait(timeout=60, grace=0.5, kill_after=1)
+    assert proc.returncode == 1 and job.ranks[0].returncode == -signal.SIGKILL and time.time() - start < 20
 
 
 def test_a_rank_killed_by_a_signal_reports_it_as_popen_does(script):

@@ -185,8 +185,13 @@ def test_a_dpo_run_with_an_eval_split_and_dualpipev_alone(tmp_path, tiny_ckpt):
     assert proc.returncode == 0, log[-4000:]
     assert "[train] adapted: gradient_accumulation_steps 1 -> 4 (the default; DualPipeV keeps" in log
     assert "[train] adapted: data.pad_to_multiple_of 8 -> 0 (the default; DualPipeV sends" in log
-    assert log.count("data.group_by_length=True: groups rows of similar length so micro-batches are cut short, "
-                     "but DualPipeV feeds every row whole") == 1
+    assert (
+        log.count(
+            "data.group_by_length=True: groups rows of similar length so micro-batches are cut short, "
+            "but DualPipeV feeds every row whole"
+        )
+        == 1
+    )
     assert log.count(f"[data] warning: {data}: {IDENTICAL} of {PAIRS} preference pairs have chosen == rejected") == 1
     assert "every row fed whole\n" in log  # no cure offered that this run refuses (packing with DPO, a pad multiple)
     evals = read_metrics(out, "eval")

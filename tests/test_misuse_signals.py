@@ -5,9 +5,9 @@ progress; a signal during start-up (or SIGINT) exits at once with code 76, said 
 already exiting (``output_dir/.stopping``) exits quietly, on a signal or on a failed collective; rank 0's
 output_dir lock is released before such an exit.
 
-Multi-rank, the real ``deepspeed`` launcher (tests/sleepy_rank.py: rank 3 sleeps in each forward from step 2,
-so a step lasts seconds): SIGTERM twice to one rank mid-step -> exit 76, one line, no tracebacks from the other
-ranks; SIGUSR1 to the ``deepspeed`` command itself (which dies of it) -> its ranks notice, save after the step
+Multi-rank (tests/sleepy_rank.py: rank 3 sleeps in each forward from step 2, so a step lasts seconds): SIGTERM
+twice to one rank mid-step -> exit 76, one line, no tracebacks from the other ranks; with the real ``deepspeed``
+launcher, SIGUSR1 to the ``deepspeed`` command itself (which dies of it) -> its ranks notice, save after the step
 in flight and exit, none left running; the same command resumes and finishes.
 """
 
@@ -25,10 +25,11 @@ import pytest
 
 from models.layer_files import read_tag
 from models.tiny import write_random_tokens
-from tests.conftest import RANK_ENV, REPO, free_port, read_metrics, run_deepspeed
+from tests.conftest import REPO, child_env, finish_deepspeed, free_port, read_metrics, run_deepspeed, start_deepspeed
 from tests.parity import SEQ, train_args
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from training.hang import HANG_EXIT_CODE
+from training.launch import deepspeed_command
 from training.preemption import UNSAVED_EXIT_CODE
 
 
@@ -116,10 +117,8 @@ def test_ctrl_c_in_the_loop_exits_at_once(tmp_path):
 STEPS6 = 6
 
 
-def sleepy_launch(tmp_path, out: str, seconds: str, **popen):
-    """``deepspeed --num_gpus 4 tests/sleepy_rank.py`` (train.py, rank 3 ``seconds`` asleep per forward from
-    step 2) as a Popen; returns (the launcher, its args, the ranks once step 1 is logged)."""
-    args = train_args(
+def sleepy_args(tmp_path, out: str) -> list[str]:
+    return train_args(
         str(tmp_path / "ckpt"),
         str(tmp_path / "train.jsonl"),
         str(tmp_path / out),
@@ -128,18 +127,31 @@ def sleepy_launch(tmp_path, out: str, seconds: str, **popen):
         ds_config="zero1",
         max_steps=STEPS6,
     )
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [deepspeed, "--num_gpus", "4", "--master_port", str(free_port()), "tests/sleepy_rank.py", *args]
-    env = {**os.environ, **RANK_ENV, "PYTHONPATH": REPO, "SLEEPY_RANK": "3", "SLEEPY_STEP": "2"}
-    env["SLEEPY_SECONDS"] = seconds
-    launcher = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
-    )
-    metrics = tmp_path / out / "metrics.jsonl"
+
+
+def sleepy_env(seconds: str) -> dict:
+    """tests/sleepy_rank.py's settings: rank 3 ``seconds`` asleep per forward from step 2."""
+    return {"SLEEPY_RANK": "3", "SLEEPY_STEP": "2", "SLEEPY_SECONDS": seconds}
+
+
+def into_step_2(metrics) -> None:
+    """Wait until step 1 is logged, then a moment more: rank 3 is asleep in its forward of step 2."""
     deadline = time.time() + 300
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and time.time() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)  # into step 2: rank 3 asleep in its forward
+    time.sleep(0.5)
+
+
+def sleepy_launch(tmp_path, out: str, seconds: str, **popen):
+    """The real ``deepspeed --num_gpus 4 tests/sleepy_rank.py`` (train.py, ``sleepy_env(seconds)``) as a Popen;
+    returns (the launcher, its args, the ranks) once rank 3 is asleep in step 2."""
+    args = sleepy_args(tmp_path, out)
+    env = {**child_env(), **sleepy_env(seconds)}
+    cmd = deepspeed_command(4, "tests/sleepy_rank.py", args, free_port())
+    launcher = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
+    into_step_2(tmp_path / out / "metrics.jsonl")
     ranks = [
         p for p in psutil.Process(launcher.pid).children(recursive=True) if "--local_rank=" in " ".join(p.cmdline())
     ]
@@ -153,17 +165,18 @@ def test_signals_to_the_wrong_process_or_twice(tmp_path, tiny_ckpt):
     (tmp_path / "ckpt").symlink_to(tiny_ckpt)  # read only
 
     # 1. SIGTERM twice to one rank before the checkpoint: 76, said once; the other ranks end without tracebacks
-    launcher, _, ranks = sleepy_launch(tmp_path, "twice", "60")
-    rank3 = next(p for p in ranks if "--local_rank=3" in " ".join(p.cmdline()))
-    rank3.send_signal(signal.SIGTERM)
+    # (ranks started directly: a rank that fails ends the others, as the launcher does, test 2 runs the launcher)
+    job = start_deepspeed(4, "tests/sleepy_rank.py", sleepy_args(tmp_path, "twice"), sleepy_env("60"))
+    into_step_2(tmp_path / "twice" / "metrics.jsonl")
+    job.ranks[3].send_signal(signal.SIGTERM)
     time.sleep(0.5)
-    rank3.send_signal(signal.SIGTERM)
+    job.ranks[3].send_signal(signal.SIGTERM)
     signalled = time.time()
-    out, _ = launcher.communicate(timeout=120)
-    took = time.time() - signalled
-    assert launcher.returncode == UNSAVED_EXIT_CODE, out[-3000:]
+    proc = finish_deepspeed(job, str(tmp_path / "twice.log"))
+    took, out = time.time() - signalled, proc.stdout + proc.stderr
+    assert proc.returncode == UNSAVED_EXIT_CODE, out[-3000:]
     said = [x for x in out.splitlines() if "exiting now" in x]
-    print(f"[signals] second SIGTERM -> exit {launcher.returncode} in {took:.1f} s: {said}")
+    print(f"[signals] second SIGTERM -> exit {proc.returncode} in {took:.1f} s: {said}")
     assert said == [
         "[train] rank 3: a second SIGTERM arrived before the checkpoint was complete: exiting now without a "
         "checkpoint of this step (exit code 76); resume=auto continues from the last complete checkpoint"

@@ -103,6 +103,7 @@ def test_every_mixture_problem_is_named_before_start(good, tmp_path):  # noqa: F
 def test_train_py_draws_a_mixture_reports_each_source_and_resumes_exactly(tmp_path, tiny_ckpt):
     from models.tiny import write_random_tokens
     from tests.conftest import parity_args, read_metrics, train_run
+
     for name, n, seed in (("code", 24, 1), ("web", 40, 2), ("eval_code", 8, 3), ("eval_web", 8, 4)):
         write_random_tokens(str(tmp_path / f"{name}.jsonl"), n, 32, vocab_size=512, seed=seed)
     mixture = f"[{{path:{tmp_path}/code.jsonl,weight:3,name:code}},{{path:{tmp_path}/web.jsonl,weight:1,name:web}}]"

@@ -18,7 +18,6 @@ WORLD_SIZE 4) use gloo over loopback only, so the two "nodes" cannot collide on 
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ from tests.conftest import RANK_ENV, REPO, free_port, read_metrics
 from tests.parity import OPTIM as PARITY_OPTIM
 from tests.parity import PIPE, STEPS
 from tests.parity import train_args as parity_train_args
+from training.launch import remove_shm_leftovers
 
 LAUNCH = os.path.join(REPO, "scripts", "multinode", "launch_hostfile.sh")
 SBATCH = os.path.join(REPO, "scripts", "multinode", "train_slurm.sbatch")
@@ -51,14 +51,6 @@ def train_args(ckpt: str, data: str, out: str) -> list[str]:
     """The parity tests' fp32 fixed-data run as pipe 2 x data 2 (conftest's parity_pipe: global batch 8 =
     micro 2 x grad_acc 2 x dp 2): the same arguments but ``out`` and the tokenized cache beside it."""
     return parity_train_args(ckpt, data, out, **PIPE)
-
-
-def remove_shm_segments(port: int) -> list[str]:
-    """Remove the DeepSpeed CPU allreduce segments of jobs on ``port`` (and only those); return their names."""
-    found = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")
-    for path in found:
-        os.remove(path)
-    return [os.path.basename(p) for p in found]
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -119,7 +111,7 @@ def launch_two_nodes(args: list[str], root: str) -> dict:
     finally:
         for p in procs:
             kill_group(p)
-        segments = remove_shm_segments(port)
+        segments = [os.path.basename(p) for p in remove_shm_leftovers(port)]  # those of this job's port only
     outputs = []
     for path in logs:
         with open(path) as f:

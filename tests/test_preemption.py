@@ -27,10 +27,11 @@ import torch.distributed as dist
 
 from models.layer_files import load_layer_file, read_tag
 from models.tiny import write_random_tokens
-from tests.conftest import RANK_ENV, REPO, free_port, read_metrics, run_deepspeed
+from tests.conftest import REPO, child_env, free_port, read_metrics, run_deepspeed
 from tests.parity import SEQ, train_args
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from tests.test_tracking import assert_holds_metrics
+from training.launch import deepspeed_command
 from training.preemption import PREEMPTED_EXIT_CODE, UNSAVED_EXIT_CODE, StopAndSave
 
 
@@ -143,18 +144,10 @@ def test_a_signalled_rank_stops_the_job_saved_and_the_resume_is_exact(tmp_path, 
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     # The real launcher (the signal goes to one of the ranks it started; it ends the job with their status).
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [
-        deepspeed,
-        "--num_gpus",
-        "4",
-        "--master_port",
-        str(free_port()),
-        "train.py",
-        *args("stopped", **{"monitor.wandb": "true"}),
-    ]
-    env = {**os.environ, **RANK_ENV, "PYTHONPATH": REPO}
-    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = deepspeed_command(4, "train.py", args("stopped", **{"monitor.wandb": "true"}), free_port())
+    launcher = subprocess.Popen(
+        cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     metrics = tmp_path / "stopped" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and time.time() < deadline:

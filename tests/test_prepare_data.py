@@ -92,6 +92,7 @@ def test_prepare_data_then_train_on_it(tmp_path, tiny_ckpt):
     shards without tokenizing, and trains the same losses as on the in-job cache of the same file."""
     from models.tiny import write_text_corpus
     from tests.conftest import parity_args, read_metrics, train_run
+
     corpus = str(tmp_path / "corpus.jsonl")
     write_text_corpus(corpus)
     common = {"num_stages": 2, "gradient_accumulation_steps": 2, "loss_chunk_tokens": 16, "data.format": "text"}

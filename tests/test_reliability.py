@@ -20,7 +20,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
@@ -33,18 +32,19 @@ from models.layer_files import CheckpointError, load_layer_file, load_stage_weig
 from models.llama_pipe import layer_file_name
 from tests.conftest import (
     LAUNCH_TIMEOUT_S,
-    RANK_ENV,
     REPO,
     child_env,
+    finish_deepspeed,
     free_port,
     load_entry_point,
     make_hf_dir,
     read_metrics,
-    run_deepspeed,
     run_script,
+    start_deepspeed,
     write_random_tokens,
 )
 from training.config import ConfigError, DataConfig, TrainConfig
+from training.launch import deepspeed_command, remove_shm_leftovers
 from training.output_checks import checkpoint_size_bytes
 from training.validate import resolve
 
@@ -61,7 +61,6 @@ FAULTS = "tests/ds_scripts/train_faults.py"
 class Launch:
     returncode: int
     output: str  # stdout and stderr, interleaved
-    marks: dict  # pattern -> time its first line appeared
     killed_at: float | None
     ended_at: float
     port: int
@@ -70,45 +69,25 @@ class Launch:
         return next(line for line in self.output.splitlines() if fragment in line)
 
 
-def launch(
-    num_ranks: int,
-    script: str,
-    args: list[str],
-    log_path: str,
-    env: dict | None = None,
-    kill_rank_after: tuple[str, int] | None = None,
-    mark: tuple[str, ...] = (),
-) -> Launch:
-    """``deepspeed --num_gpus N script args``, output streamed; with ``kill_rank_after=(text, rank)``,
-    that rank gets SIGKILL as soon as a line containing ``text`` appears. Afterwards every process
-    left of the job is killed and its /dev/shm segments removed (a killed rank cannot remove its own)."""
+def launch(num_ranks: int, script: str, args: list[str], log_path: str, kill_rank_after: tuple[str, int]) -> Launch:
+    """The real ``deepspeed --num_gpus N script args``, output streamed; rank ``kill_rank_after[1]`` gets SIGKILL
+    as soon as a line containing ``kill_rank_after[0]`` appears. Afterwards every process left of the job is
+    killed and its /dev/shm segments removed (a killed rank cannot remove its own)."""
     port = free_port()
-    cmd = [
-        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
-        "--num_gpus",
-        str(num_ranks),
-        "--master_port",
-        str(port),
-        script,
-        *args,
-    ]
     proc = subprocess.Popen(
-        cmd,
+        deepspeed_command(num_ranks, script, args, port),
         cwd=REPO,
-        env={**os.environ, **RANK_ENV, **(env or {})},
+        env=child_env(),
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    lines, marks, killed_at = [], {}, None
+    lines, killed_at = [], None
     deadline = time.time() + LAUNCH_TIMEOUT_S
     try:
         for line in proc.stdout:
             lines.append(line)
-            for m in mark:
-                if m in line and m not in marks:
-                    marks[m] = time.time()
-            if kill_rank_after and killed_at is None and kill_rank_after[0] in line:
+            if killed_at is None and kill_rank_after[0] in line:
                 victim = [
                     p
                     for p in psutil.Process(proc.pid).children(recursive=True)
@@ -127,12 +106,19 @@ def launch(
                 p.kill()
             proc.kill()
             proc.wait()
-        for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-            os.remove(leftover)
+        remove_shm_leftovers(port)
     output = "".join(lines)
     with open(log_path, "w") as f:
         f.write(output)
-    return Launch(proc.returncode, output, marks, killed_at, ended_at, port)
+    return Launch(proc.returncode, output, killed_at, ended_at, port)
+
+
+def forked(num_ranks: int, script: str, args: list[str], log_path: str, env: dict | None = None) -> Launch:
+    """The ranks started directly, as tests/conftest.py's ``run_deepspeed`` starts them (a rank that fails
+    ends the others, as the launcher does), ``env`` added to their environment."""
+    job = start_deepspeed(num_ranks, script, args, env)
+    proc = finish_deepspeed(job, log_path)
+    return Launch(proc.returncode, proc.stdout + proc.stderr, None, time.time(), job.port)
 
 
 def train_args(ckpt: str, data: str, out, cache, **overrides) -> list[str]:
@@ -188,15 +174,14 @@ def chain(setup):
     cache = root / "cache"
     runs = {}
 
-    def without_kill(out: str, log: str) -> Launch:  # the ranks started directly (tests/conftest.py)
-        proc = run_deepspeed(4, "train.py", train_args(ckpt, data, root / out, cache), str(root / log))
-        return Launch(proc.returncode, proc.stdout + proc.stderr, {}, None, time.time(), 0)
+    def without_kill(out: str, log: str) -> Launch:
+        return forked(4, "train.py", train_args(ckpt, data, root / out, cache), str(root / log))
 
     runs["U"] = without_kill("U", "U.log")
     assert runs["U"].returncode == 0, runs["U"].output[-4000:]
     # C: rank 2 dies right after writing its first file of global_step4 (the others wait in the save).
     kill_time = root / "crash.time"
-    runs["crash"] = launch(
+    runs["crash"] = forked(
         4,
         FAULTS,
         train_args(ckpt, data, root / "C", cache),
@@ -208,7 +193,8 @@ def chain(setup):
         "latest": (root / "C" / "latest").read_text(),
         "step4": sorted(os.listdir(root / "C" / "global_step4")),
     }
-    # C resumed, then rank 1 killed from outside while step 8 trains (latest = global_step6 by then).
+    # C resumed, then rank 1 killed from outside while step 8 trains (latest = global_step6 by then), under the
+    # real launcher: it is what ends the job.
     runs["kill"] = launch(
         4,
         "train.py",
@@ -295,7 +281,7 @@ def test_no_shared_memory_segment_is_left_behind(chain):
     """Killed ranks cannot remove their /dev/shm segments; the launch helper does (by the job's port)."""
     for run in chain[1].values():
         if isinstance(run, Launch):
-            assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{run.port}_*"), run.port
+            assert not remove_shm_leftovers(run.port), run.port
 
 
 # ---------- 4 (NaN) and 1 (hung rank): non-finite loss, dist_timeout_s ----------
@@ -305,7 +291,7 @@ def test_no_shared_memory_segment_is_left_behind(chain):
 def test_a_nan_loss_stops_every_rank_naming_the_step_and_the_last_good_checkpoint(setup):
     root, ckpt, data = setup
     out = root / "nan-stop"
-    run = launch(
+    run = forked(
         2,
         FAULTS,
         train_args(ckpt, data, out, root / "cache", max_steps=6),
@@ -329,7 +315,7 @@ def test_nan_skip_leaves_the_weights_and_a_hung_rank_times_out(setup):
     trains. Then rank 3 hangs at step 5: the others fail after dist_timeout_s and the job exits."""
     root, ckpt, data = setup
     out, timeout_s = root / "nan-skip", 30  # above any wait between ranks at start-up, even on a busy machine
-    run = launch(
+    run = forked(
         4,
         FAULTS,
         train_args(
@@ -337,7 +323,6 @@ def test_nan_skip_leaves_the_weights_and_a_hung_rank_times_out(setup):
         ),
         str(root / "nan-skip.log"),
         env={"FAULT_NAN_AT_STEPS": "3", "FAULT_HANG_AT_STEP": "5:3"},
-        mark=("FAULT rank 3 hangs",),
     )
     assert "warning: step 3: loss is nan: update skipped (nonfinite_loss=skip; 1 skipped: steps [3])" in run.output
     losses = {m["step"]: m["loss"] for m in read_metrics(str(out))}
@@ -352,7 +337,7 @@ def test_nan_skip_leaves_the_weights_and_a_hung_rank_times_out(setup):
             for t in load_layer_file(str(out / tag / f)).values()
         ]
         assert all(torch.isfinite(t).all() for t in weights)
-    hung_at = run.marks["FAULT rank 3 hangs"]
+    hung_at = float(run.line("FAULT rank 3 hangs at step 5").split(" at time ")[1])
     exit_s = run.ended_at - hung_at
     print(
         f"rank 3 hung at step 5 with dist_timeout_s={timeout_s}: job exited {exit_s:.1f} s later, code {run.returncode}"

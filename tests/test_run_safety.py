@@ -4,7 +4,6 @@ hang, a busy master port named, and one error line per job."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import subprocess
@@ -14,8 +13,17 @@ import time
 import pytest
 
 from models.hf_io import hf_to_stages
-from tests.conftest import RANK_ENV, REPO, read_metrics, run_deepspeed, write_random_tokens
+from tests.conftest import (
+    REPO,
+    child_env,
+    finish_deepspeed,
+    read_metrics,
+    run_deepspeed,
+    start_deepspeed,
+    write_random_tokens,
+)
 from training.distributed import free_port
+from training.launch import deepspeed_command
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
@@ -46,18 +54,9 @@ def args(root, data: str, out, **overrides) -> list[str]:
 
 
 def launch(num_ranks: int, argv: list[str], log) -> subprocess.Popen:
-    cmd = [
-        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
-        "--num_gpus",
-        str(num_ranks),
-        "--master_port",
-        str(free_port()),
-        "train.py",
-        *argv,
-    ]
-    return subprocess.Popen(
-        cmd, cwd=REPO, env={**os.environ, **RANK_ENV}, stdout=log, stderr=subprocess.STDOUT, text=True
-    )
+    """The real ``deepspeed`` command (the harmless-lines test below reads what the launcher prints)."""
+    cmd = deepspeed_command(num_ranks, "train.py", argv, free_port())
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def test_a_second_run_on_the_same_output_dir_is_refused_and_the_first_is_unaffected(setup):
@@ -126,7 +125,7 @@ def test_a_stale_op_build_lock_is_named_within_the_startup_timeout(setup, tmp_pa
     old = time.time() - 3600
     os.utime(lock, (old, old))
     os.utime(lock.parent, (old, old))
-    env = {**os.environ, **RANK_ENV, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    env = {**child_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     env.pop("RANK", None)
     start = time.time()
     proc = subprocess.run(
@@ -152,20 +151,8 @@ def test_a_busy_master_port_is_named(setup, tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        cmd = [
-            os.path.join(os.path.dirname(sys.executable), "deepspeed"),
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(port),
-            "train.py",
-            *args(root, data, tmp_path / "out"),
-        ]
-        proc = subprocess.run(
-            cmd, cwd=REPO, env={**os.environ, **RANK_ENV}, capture_output=True, text=True, timeout=300
-        )
-    for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-        os.remove(leftover)
+        job = start_deepspeed(2, "train.py", args(root, data, tmp_path / "out"), port=port)
+        proc = finish_deepspeed(job, str(tmp_path / "busy.log"))
     assert proc.returncode != 0
     assert (
         f"train.py: error: the master port {port} is in use (another job on this machine?): launch with another "

@@ -177,11 +177,11 @@ def test_zero3_data_parallel_run_resumes_exactly_and_exports(tmp_path, tiny_hf, 
     proc = run_script(
         [
             "convert2ckpt.py",
-        "--to-hf",
-        "--input",
-        str(tmp_path / "A"),
-        "--output",
-        str(tmp_path / "hf"),
+            "--to-hf",
+            "--input",
+            str(tmp_path / "A"),
+            "--output",
+            str(tmp_path / "hf"),
         ]
     )
     assert proc.returncode == 0, proc.stderr

@@ -106,8 +106,14 @@ def data_lines(resolved: Resolved, data: RankData, start_step: int, total_steps:
             hint = " (data.group_by_length=true pads less)" if many and not cfg.data.group_by_length else ""
         else:
             # only what this run could take: DPO refuses packing, DualPipeV a pad multiple
-            cures = [c for c, ok in (("data.packing=true", cfg.train_objective != "dpo"),
-                                     ("data.pad_to_multiple_of=8", layout.schedule != "dualpipev")) if ok]
+            cures = [
+                c
+                for c, ok in (
+                    ("data.packing=true", cfg.train_objective != "dpo"),
+                    ("data.pad_to_multiple_of=8", layout.schedule != "dualpipev"),
+                )
+                if ok
+            ]
             fed, hint = "every row fed whole", f" (consider {' or '.join(cures)})" * (many and bool(cures))
         log0(f"data: rows of {cfg.data.max_seq_length} tokens, {100 * padding:.1f}% padding; {fed}{hint}")
     if not resolved.resume_tag and total_steps == 0:

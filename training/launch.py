@@ -162,43 +162,82 @@ def _path_of(f) -> str:
     return f.name if isinstance(getattr(f, "name", None), str) else f"/proc/{os.getpid()}/fd/{f.fileno()}"
 
 
+# After SIGTERM, how long a rank may take to exit before SIGKILL (DeepSpeed's launcher waits 30 s too).
+KILL_AFTER_S = 30.0
+
+
+class RankJob:
+    """The ranks of one node once started: ``ranks`` (each can be polled and signalled, as the processes
+    DeepSpeed's launcher starts), ``output()`` so far, and ``wait()`` for the job's status."""
+
+    def __init__(self, launcher: Launcher, num_ranks: int, script: str, args: list[str], env: dict, port: int):
+        world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(num_ranks)}
+        world.update(CROSS_RANK="0", CROSS_SIZE="1", LOCAL_SIZE=str(num_ranks))
+        self.argv, self.port = [script, *args], port
+        # The ranks' output interleaved into one stdout and one stderr, as the launcher's children share its own.
+        self._out, self._err = tempfile.NamedTemporaryFile("w+"), tempfile.NamedTemporaryFile("w+")
+        self.ranks = [
+            launcher.start(
+                script,
+                [f"--local_rank={r}", *args],
+                {**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)},
+                self._out,
+                self._err,
+            )
+            for r in range(num_ranks)
+        ]
+
+    def output(self) -> str:
+        """What the ranks have written so far, stdout then stderr."""
+        return _read(self._out.name) + _read(self._err.name)
+
+    def wait(self, timeout: float, grace: float, kill_after: float = KILL_AFTER_S) -> subprocess.CompletedProcess:
+        """As DeepSpeed's launcher does: once a rank fails, the others get SIGTERM ``grace`` seconds later (and
+        SIGKILL ``kill_after`` seconds after that) and the failed rank's status is the job's. Past ``timeout``
+        every rank is killed and ``subprocess.TimeoutExpired`` raised."""
+        deadline, status, failed_at, terminated = time.time() + timeout, 0, None, False
+        while None in [p.poll() for p in self.ranks]:  # every rank polled: a failed one is seen while others run
+            failed = [p.returncode for p in self.ranks if p.returncode not in (None, 0)]
+            if failed and failed_at is None:
+                status, failed_at = failed[0], time.time()
+            # The launcher looks once a second, so ranks failing together still print their own error first.
+            if failed_at is not None and not terminated and time.time() > failed_at + grace:
+                self._signal_running(signal.SIGTERM)
+                terminated = True
+            if time.time() > deadline or (terminated and time.time() > failed_at + grace + kill_after):
+                self._signal_running(signal.SIGKILL)
+                for p in self.ranks:
+                    p.wait()
+                if time.time() > deadline:
+                    self._close()
+                    raise subprocess.TimeoutExpired(self.argv, timeout)
+            time.sleep(0.05)
+        status = status or next((p.returncode for p in self.ranks if p.returncode), 0)
+        out, err = _read(self._out.name), _read(self._err.name)
+        self._close()
+        return subprocess.CompletedProcess(self.argv, status, out, err)
+
+    def _signal_running(self, sig: int) -> None:
+        for p in self.ranks:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    def _close(self) -> None:
+        self._out.close()
+        self._err.close()
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def run_ranks(
     launcher: Launcher, num_ranks: int, script: str, args: list[str], env: dict, port: int, timeout: float, grace: float
 ) -> subprocess.CompletedProcess:
     """The ranks of one node, each ``python -u script --local_rank=R args`` with the launcher's variables,
-    their output interleaved into one stdout and one stderr as the launcher's children share its own. As
-    DeepSpeed's launcher does, a rank that fails ends the others (after ``grace`` seconds) and its exit
-    status is the job's; past ``timeout`` every rank is killed and ``subprocess.TimeoutExpired`` raised."""
-    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(num_ranks)}
-    world.update(CROSS_RANK="0", CROSS_SIZE="1", LOCAL_SIZE=str(num_ranks))
-    with tempfile.NamedTemporaryFile("w+") as out, tempfile.NamedTemporaryFile("w+") as err:
-        ranks = [
-            launcher.start(
-                script, [f"--local_rank={r}", *args], {**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)}, out, err
-            )
-            for r in range(num_ranks)
-        ]
-        deadline, status, failed_at = time.time() + timeout, 0, None
-        while None in [p.poll() for p in ranks]:  # every rank polled: a failed one is seen while others run
-            failed = [p.returncode for p in ranks if p.returncode not in (None, 0)]
-            if failed and failed_at is None:
-                status, failed_at = failed[0], time.time()
-            # The launcher ends the others (SIGTERM) once it sees a rank fail; it looks once a second, so
-            # ranks failing together still print their own error first.
-            if failed_at is not None and time.time() > failed_at + grace:
-                for p in ranks:
-                    if p.poll() is None:
-                        p.terminate()
-            if time.time() > deadline:
-                for p in ranks:
-                    p.kill()
-                    p.wait()
-                raise subprocess.TimeoutExpired([script, *args], timeout)
-            time.sleep(0.05)
-        status = status or next((p.returncode for p in ranks if p.returncode), 0)
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess([script, *args], status, out.read(), err.read())
+    run to the end (``RankJob.wait``)."""
+    return RankJob(launcher, num_ranks, script, args, env, port).wait(timeout, grace)
 
 
 def _run_forked(request: dict) -> None:

@@ -9,7 +9,8 @@ environment variables choosing the faults:
 - ``FAULT_NAN_AT_STEPS=<step>[,<step>...]``: the loss of those optimizer steps is NaN (the last
   stage's loss function multiplies it by NaN, so the gradients are NaN too).
 - ``FAULT_HANG_AT_STEP=<step>:<rank>``: that rank stops responding at the start of that step (it
-  sleeps forever, like a rank stuck in I/O), while the others wait for it in a collective.
+  sleeps forever, like a rank stuck in I/O), while the others wait for it in a collective; the line saying
+  so ends with the time it began.
 """
 
 import os
@@ -70,7 +71,7 @@ _train_step = training.loop.train_step
 def train_step(resolved, engine, data, loss_fn):
     CURRENT["step"] = engine.global_steps + 1  # restored by load_checkpoint when resuming
     if hang and hang == (CURRENT["step"], RANK):
-        print(f"FAULT rank {RANK} hangs at step {CURRENT['step']}", flush=True)
+        print(f"FAULT rank {RANK} hangs at step {CURRENT['step']} at time {time.time()}", flush=True)
         while True:
             time.sleep(3600)
     return _train_step(resolved, engine, data, loss_fn)
