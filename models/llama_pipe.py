@@ -258,8 +258,17 @@ def build_specs(
 
 def spec_parameter_counts(config: PretrainedConfig) -> list[int]:
     """Parameters of every spec, from shapes on the meta device; a tied LM head counts the shared
-    embedding again (as DeepSpeed's partitioner counts it: the last stage holds a copy)."""
-    return [sum(math.prod(shape) for shape in expected_state_shapes(spec).values()) for spec in build_specs(config)]
+    embedding again (as DeepSpeed's partitioner counts it: the last stage holds a copy). Kept per config
+    contents: the planner's search and the partitioner ask for the same model's counts many times, and
+    building every layer on the meta device is most of what they cost."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _SPEC_COUNTS:
+        specs = build_specs(config)
+        _SPEC_COUNTS[key] = tuple(sum(math.prod(s) for s in expected_state_shapes(spec).values()) for spec in specs)
+    return list(_SPEC_COUNTS[key])
+
+
+_SPEC_COUNTS: dict[str, tuple[int, ...]] = {}
 
 
 def model_parameters(config: PretrainedConfig) -> int:

@@ -118,17 +118,10 @@ def test_planner_counts_each_dualpipev_piece_with_its_own_in_flight_micro_batche
     assert [e.loss for e in dual] == [loss_bytes(shape, dualpipev), 0] and dual[0].loss < base[1].loss
 
 
-# id(config) -> (config, parameters per spec, kind per spec): a config is not hashable, and holding it keeps
-# its id from being reused
-SPEC_COUNTS: dict = {}
-
-
 def spec_counts(config) -> tuple[list[int], list[str]]:
     from models.llama_pipe import spec_layout, spec_parameter_counts
 
-    if id(config) not in SPEC_COUNTS:
-        SPEC_COUNTS[id(config)] = config, spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
-    return SPEC_COUNTS[id(config)][1:]
+    return spec_parameter_counts(config), [info.kind for info in spec_layout(config)]
 
 
 def rank_peaks(config, layout: Layout, bounds: list[int]) -> list[float]:
