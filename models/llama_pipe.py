@@ -45,15 +45,9 @@ def prepare_config(config: PretrainedConfig, attention: str = DOCUMENT_ATTENTION
 
 
 class EmbeddingPipe(nn.Embedding):
-    """Spec 0: token embedding (``model.embed_tokens``).
-
-    Split over tensor-parallel ranks (parallel/tensor_parallel.py) it holds the rows ``vocab_range`` of
-    the vocabulary: each rank looks up the tokens of its slice, zeros for the others, and ``tp_reduce``
-    sums the ranks' lookups. (With sequence parallelism, parallel/sequence_parallel.py hands it this rank's
-    slice of every row.)"""
-
-    vocab_range: tuple[int, int] | None = None
-    tp_reduce = None
+    """Spec 0: token embedding (``model.embed_tokens``). The parallel axes change what it sees and returns with
+    forward hooks (parallel/tensor_parallel.py: this rank's vocabulary slice; parallel/sequence_parallel.py:
+    this rank's slice of every row)."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config.vocab_size, config.hidden_size, config.pad_token_id)
@@ -64,13 +58,7 @@ class EmbeddingPipe(nn.Embedding):
         if tied_head:  # the tied LM head of the chunked loss (tied_lm_head_chunked_forward)
             return inputs, handed_out(self.weight)  # hidden [B,S,H], [V,H] (or this rank's [V/tp,H])
         input_ids, position_ids = inputs  # [B,S] int64, [B,S] int64
-        if self.vocab_range is None:
-            return super().forward(input_ids), position_ids  # hidden [B,S,H]
-        start, end = self.vocab_range
-        outside = (input_ids < start) | (input_ids >= end)  # [B,S] bool
-        padding = self.padding_idx - start if self.padding_idx is not None and start <= self.padding_idx < end else None
-        local = F.embedding((input_ids - start).masked_fill(outside, 0), self.weight, padding)  # [B,S,H]
-        return self.tp_reduce(local.masked_fill(outside[..., None], 0.0)), position_ids
+        return super().forward(input_ids), position_ids  # hidden [B,S,H]
 
 
 def handed_out(weight: nn.Parameter) -> torch.Tensor:

@@ -138,7 +138,8 @@ class SliceRows:
             rows = tuple(sequence_slice(t, rank, ranks) for t in args[0])  # ([B,S/ranks] int64, [B,S/ranks] int64)
             return (rows,), kwargs
 
-        module.register_forward_pre_hook(keep_slice, with_kwargs=True)
+        # first of the pre-hooks: tensor parallelism's vocabulary hooks (registered at build) then see the slice
+        module.register_forward_pre_hook(keep_slice, with_kwargs=True, prepend=True)
 
 
 # The stage modules that change, by class: the embedding takes whole rows (the loss takes its slice of the labels

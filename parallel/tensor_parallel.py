@@ -165,12 +165,36 @@ class SummedGradient(Style):
 
 
 class VocabEmbedding(Style):
-    """The embedding's rows of this rank's vocabulary slice; lookups outside it are zeros, summed over the group."""
+    """The embedding's rows of this rank's vocabulary slice: a forward pre-hook looks up the tokens of the slice
+    (ids shifted into it, the others at row 0), a forward hook zeroes the others' rows and sums the ranks'
+    lookups. The tied LM head's call (``tied_head=True``) passes untouched."""
 
     @staticmethod
     def split(module, group, rank, world):
         start = _split_vocab_(module, rank, world)
-        module.vocab_range, module.tp_reduce = (start, start + module.weight.shape[0]), _Reduce(group)
+        end, reduce = start + module.weight.shape[0], _Reduce(group)
+        pad = module.padding_idx
+        module.padding_idx = pad - start if pad is not None and start <= pad < end else None  # no gradient to it
+        outside = []  # the forward in flight's [B,S] bool mask, from the pre-hook to the hook
+
+        def tied(args, kwargs) -> bool:
+            return kwargs.get("tied_head", args[1] if len(args) > 1 else False)
+
+        def local_ids(module, args, kwargs):
+            if tied(args, kwargs):
+                return None
+            input_ids, position_ids = args[0]  # [B,S] int64, [B,S] int64
+            outside.append((input_ids < start) | (input_ids >= end))  # [B,S] bool
+            return (((input_ids - start).masked_fill(outside[-1], 0), position_ids), *args[1:]), kwargs
+
+        def summed(module, args, kwargs, output):
+            if tied(args, kwargs):
+                return None
+            hidden, position_ids = output  # [B,S,H] (rows of other slices looked up as row 0), [B,S]
+            return reduce(hidden.masked_fill(outside.pop()[..., None], 0.0)), position_ids
+
+        module.register_forward_pre_hook(local_ids, with_kwargs=True)
+        module.register_forward_hook(summed, with_kwargs=True)
 
 
 class VocabHead(Style):
