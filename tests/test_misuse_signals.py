@@ -29,7 +29,7 @@ from tests.conftest import REPO, child_env, finish_deepspeed, free_port, read_me
 from tests.parity import SEQ, train_args
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from training.hang import HANG_EXIT_CODE
-from training.launch import deepspeed_command
+from training.launch import deepspeed_command, remove_shm_leftovers
 from training.preemption import UNSAVED_EXIT_CODE
 
 
@@ -142,12 +142,25 @@ def into_step_2(metrics) -> None:
     time.sleep(0.5)
 
 
+LAUNCH_PORTS: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def leftovers_removed():
+    yield
+    while LAUNCH_PORTS:
+        remove_shm_leftovers(LAUNCH_PORTS.pop())
+
+
 def sleepy_launch(tmp_path, out: str, seconds: str, **popen):
     """The real ``deepspeed --num_gpus 4 tests/sleepy_rank.py`` (train.py, ``sleepy_env(seconds)``) as a Popen;
-    returns (the launcher, its args, the ranks) once rank 3 is asleep in step 2."""
+    returns (the launcher, its args, the ranks) once rank 3 is asleep in step 2. Ranks that exit on a signal leave
+    their /dev/shm segments: removed by the job's port when the test ends (``leftovers_removed``)."""
     args = sleepy_args(tmp_path, out)
     env = {**child_env(), **sleepy_env(seconds)}
-    cmd = deepspeed_command(4, "tests/sleepy_rank.py", args, free_port())
+    port = free_port()
+    LAUNCH_PORTS.append(port)
+    cmd = deepspeed_command(4, "tests/sleepy_rank.py", args, port)
     launcher = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
     )
@@ -226,3 +239,4 @@ def test_ctrl_c_in_the_terminal_of_a_launch(tmp_path, tiny_ckpt):
     )
     tracebacks = out.split("Traceback")[1:]
     assert all("deepspeed/launcher/runner.py" in t and "train.py" not in t for t in tracebacks), out[-5000:]
+    assert remove_shm_leftovers(LAUNCH_PORTS[-1]) == []  # each rank removed its /dev/shm segment on the way out

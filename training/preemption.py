@@ -30,6 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from training.distributed import release_cpu_comm_buffer
+
 PREEMPTED_EXIT_CODE = 75  # BSD's EX_TEMPFAIL: saved, stopped, resume to continue (requeue)
 UNSAVED_EXIT_CODE = 76  # stopped without saving this step: resume continues from the last complete checkpoint
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
@@ -59,8 +61,9 @@ def peers_exiting() -> int | None:
 
 def exit_now(code: int) -> None:
     """End this rank at once with ``code``: rank 0's output_dir lock released (a requeued job on another node
-    would otherwise wait for its heartbeat to go stale), output flushed, no teardown."""
-    for cleanup in _job["cleanup"]:
+    would otherwise wait for its heartbeat to go stale), the CPU accelerator's /dev/shm segment removed (66 MB a
+    rank, left behind otherwise), output flushed, no teardown."""
+    for cleanup in (*_job["cleanup"], release_cpu_comm_buffer):
         try:
             cleanup()
         except Exception:  # noqa: BLE001 (exiting anyway)
