@@ -61,6 +61,12 @@ class EmbeddingPipe(nn.Embedding):
         return super().forward(input_ids), position_ids  # hidden [B,S,H]
 
 
+def tied_head_call(args: tuple, kwargs: dict) -> bool:
+    """Whether a hook's view of an ``EmbeddingPipe`` call is the tied LM head's (``tied_head=True``: hidden
+    states in, the weight out), not a lookup of rows."""
+    return kwargs.get("tied_head", args[1] if len(args) > 1 else False)
+
+
 def handed_out(weight: nn.Parameter) -> torch.Tensor:
     """The LM head weight as a forward returns it to the chunked loss: a view, except under ZeRO-3.
 

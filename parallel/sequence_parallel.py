@@ -23,7 +23,7 @@ import torch.distributed as dist
 from transformers import AttentionInterface
 
 from models.attention import document_attention
-from models.llama_pipe import EmbeddingPipe
+from models.llama_pipe import EmbeddingPipe, tied_head_call
 from parallel.axis import AxisPlan
 from parallel.layout import Layout, sequence_layout_problems
 
@@ -133,7 +133,7 @@ class SliceRows:
     @staticmethod
     def apply(module, rank: int, ranks: int) -> None:
         def keep_slice(module, args, kwargs):
-            if kwargs.get("tied_head", args[1] if len(args) > 1 else False):
+            if tied_head_call(args, kwargs):
                 return None
             rows = tuple(sequence_slice(t, rank, ranks) for t in args[0])  # ([B,S/ranks] int64, [B,S/ranks] int64)
             return (rows,), kwargs

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.layer_files import CheckpointError, fill_module_, load_layer_file, local_modules, tp_piece
-from models.llama_pipe import EmbeddingPipe, LMHeadPipe, materialize_
+from models.llama_pipe import EmbeddingPipe, LMHeadPipe, materialize_, tied_head_call
 from parallel.axis import AxisPlan
 from parallel.layout import Layout, tensor_layout_problems, tp_dividing
 
@@ -177,18 +177,15 @@ class VocabEmbedding(Style):
         module.padding_idx = pad - start if pad is not None and start <= pad < end else None  # no gradient to it
         outside = []  # the forward in flight's [B,S] bool mask, from the pre-hook to the hook
 
-        def tied(args, kwargs) -> bool:
-            return kwargs.get("tied_head", args[1] if len(args) > 1 else False)
-
         def local_ids(module, args, kwargs):
-            if tied(args, kwargs):
+            if tied_head_call(args, kwargs):
                 return None
             input_ids, position_ids = args[0]  # [B,S] int64, [B,S] int64
             outside.append((input_ids < start) | (input_ids >= end))  # [B,S] bool
             return (((input_ids - start).masked_fill(outside[-1], 0), position_ids), *args[1:]), kwargs
 
         def summed(module, args, kwargs, output):
-            if tied(args, kwargs):
+            if tied_head_call(args, kwargs):
                 return None
             hidden, position_ids = output  # [B,S,H] (rows of other slices looked up as row 0), [B,S]
             return reduce(hidden.masked_fill(outside.pop()[..., None], 0.0)), position_ids

@@ -55,9 +55,7 @@ def run_deepspeed(
         )
     finally:
         remove_shm_leftovers(port)
-    with open(log_path, "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    return proc
+    return _logged(proc, log_path)
 
 
 def start_deepspeed(
@@ -74,9 +72,26 @@ def finish_deepspeed(job: RankJob, log_path: str) -> subprocess.CompletedProcess
         proc = job.wait(LAUNCH_TIMEOUT_S, FAILURE_GRACE_S, KILL_AFTER_S)
     finally:
         remove_shm_leftovers(job.port)
+    return _logged(proc, log_path)
+
+
+def _logged(proc: subprocess.CompletedProcess, log_path: str) -> subprocess.CompletedProcess:
     with open(log_path, "w") as f:
         f.write(proc.stdout + proc.stderr)
     return proc
+
+
+def wait_for_first_step(output_dir) -> None:
+    """Wait (up to 300 s) until a running job has logged its first step to ``output_dir/metrics.jsonl``."""
+    metrics = os.path.join(str(output_dir), "metrics.jsonl")
+    deadline = time.time() + 300
+    while time.time() < deadline and not (os.path.exists(metrics) and _lines(metrics) >= 1):
+        time.sleep(0.05)
+
+
+def _lines(path: str) -> int:
+    with open(path) as f:
+        return f.read().count("\n")
 
 
 def train_run(root, name: str, ranks: int, args: list[str], ok: bool = True, launcher: bool = False):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import LAUNCHER, REPO, child_env, run_script
-from training.launch import IMPORT_TIME_PREFIXES, Launcher, RankJob, imported_modules, run_ranks
+from training.launch import IMPORT_TIME_PREFIXES, Launcher, RankJob, imported_modules
 
 pytestmark = pytest.mark.e2e  # starts the fork server (the imports of train.py: seconds)
 
@@ -46,7 +46,7 @@ def script(tmp_path):
 
 def test_a_forked_rank_has_its_own_arguments_environment_and_exit_status(script):
     env = {**child_env(), "FLAVOUR": "mint", "CODE": "3"}
-    proc = run_ranks(LAUNCHER, 2, script, ["a=1"], env, 29531, timeout=60, grace=1.0)
+    proc = RankJob(LAUNCHER, 2, script, ["a=1"], env, 29531).wait(timeout=60, grace=1.0)
     assert LAUNCHER.server_for(env) is not None  # these ranks were forked, not fresh interpreters
     assert proc.returncode == 3
     for rank in "01":
@@ -57,7 +57,7 @@ def test_a_forked_rank_has_its_own_arguments_environment_and_exit_status(script)
 
 def test_a_failing_rank_ends_the_others_with_its_status_and_traceback(script):
     env = {**child_env(), "FAIL_RANK": "1", "SLEEP_RANK": "0"}
-    proc = run_ranks(LAUNCHER, 2, script, [], env, 29532, timeout=60, grace=1.0)
+    proc = RankJob(LAUNCHER, 2, script, [], env, 29532).wait(timeout=60, grace=1.0)
     assert proc.returncode == 1
     assert "ValueError: rank failed on purpose" in proc.stderr
 

@@ -25,7 +25,16 @@ import pytest
 
 from models.layer_files import read_tag
 from models.tiny import write_random_tokens
-from tests.conftest import REPO, child_env, finish_deepspeed, free_port, read_metrics, run_deepspeed, start_deepspeed
+from tests.conftest import (
+    REPO,
+    child_env,
+    finish_deepspeed,
+    free_port,
+    read_metrics,
+    run_deepspeed,
+    start_deepspeed,
+    wait_for_first_step,
+)
 from tests.parity import SEQ, train_args
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from training.hang import HANG_EXIT_CODE
@@ -134,11 +143,9 @@ def sleepy_env(seconds: str) -> dict:
     return {"SLEEPY_RANK": "3", "SLEEPY_STEP": "2", "SLEEPY_SECONDS": seconds}
 
 
-def into_step_2(metrics) -> None:
+def into_step_2(output_dir) -> None:
     """Wait until step 1 is logged, then a moment more: rank 3 is asleep in its forward of step 2."""
-    deadline = time.time() + 300
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and time.time() < deadline:
-        time.sleep(0.05)
+    wait_for_first_step(output_dir)
     time.sleep(0.5)
 
 
@@ -164,7 +171,7 @@ def sleepy_launch(tmp_path, out: str, seconds: str, **popen):
     launcher = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
     )
-    into_step_2(tmp_path / out / "metrics.jsonl")
+    into_step_2(tmp_path / out)
     ranks = [
         p for p in psutil.Process(launcher.pid).children(recursive=True) if "--local_rank=" in " ".join(p.cmdline())
     ]
@@ -180,7 +187,7 @@ def test_signals_to_the_wrong_process_or_twice(tmp_path, tiny_ckpt):
     # 1. SIGTERM twice to one rank before the checkpoint: 76, said once; the other ranks end without tracebacks
     # (ranks started directly: a rank that fails ends the others, as the launcher does, test 2 runs the launcher)
     job = start_deepspeed(4, "tests/sleepy_rank.py", sleepy_args(tmp_path, "twice"), sleepy_env("60"))
-    into_step_2(tmp_path / "twice" / "metrics.jsonl")
+    into_step_2(tmp_path / "twice")
     job.ranks[3].send_signal(signal.SIGTERM)
     time.sleep(0.5)
     job.ranks[3].send_signal(signal.SIGTERM)

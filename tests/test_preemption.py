@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from models.layer_files import load_layer_file, read_tag
 from models.tiny import write_random_tokens
-from tests.conftest import REPO, child_env, free_port, read_metrics, run_deepspeed
+from tests.conftest import REPO, child_env, free_port, read_metrics, run_deepspeed, wait_for_first_step
 from tests.parity import SEQ, train_args
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from tests.test_tracking import assert_holds_metrics
@@ -148,10 +148,7 @@ def test_a_signalled_rank_stops_the_job_saved_and_the_resume_is_exact(tmp_path, 
     launcher = subprocess.Popen(
         cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    metrics = tmp_path / "stopped" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and time.time() < deadline:
-        time.sleep(0.05)
+    wait_for_first_step(tmp_path / "stopped")
     rank3 = next(
         p for p in psutil.Process(launcher.pid).children(recursive=True) if "--local_rank=3" in " ".join(p.cmdline())
     )

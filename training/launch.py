@@ -232,14 +232,6 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def run_ranks(
-    launcher: Launcher, num_ranks: int, script: str, args: list[str], env: dict, port: int, timeout: float, grace: float
-) -> subprocess.CompletedProcess:
-    """The ranks of one node, each ``python -u script --local_rank=R args`` with the launcher's variables,
-    run to the end (``RankJob.wait``)."""
-    return RankJob(launcher, num_ranks, script, args, env, port).wait(timeout, grace)
-
-
 def _run_forked(request: dict) -> None:
     """In the forked child: become ``python -u script args`` and exit with its status."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
