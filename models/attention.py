@@ -11,6 +11,12 @@ by one (transformers' own rule for packed rows, ``find_packed_sequence_indices``
 - otherwise (CPU, fp32) causal SDPA per document, and a sliding window in blocks of ``window`` queries,
   each against its ``2 x window`` keys, so no mask grows with the sequence.
 
+Llama 4's chunked layers (``layer_types`` ``chunked_attention``) attend within chunks of ``attention_chunk_size``
+positions: the chunk boundaries (positions that are multiples of the chunk size) cut the documents into more
+pieces, each attended causally on its own. The chunks count each document's own positions, as transformers'
+``create_chunked_causal_mask`` does for packed rows (it remaps the mask's indices to ``position_ids``), so a packed
+document is chunked as it is alone and both attention settings compute what ``Llama4ForCausalLM`` computes.
+
 The dense per-document mask (``attention=dense_mask``, transformers' ``sdpa`` with ``create_causal_mask``)
 stays available for comparison: [B,1,S,S] booleans per layer, 16 G entries at 128k tokens.
 """
@@ -34,14 +40,28 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Each row's documents as (start, end) token offsets."""
+def document_spans(position_ids: torch.Tensor, chunk: int = 0) -> list[list[tuple[int, int]]]:
+    """Each row's documents as (start, end) token offsets; with ``chunk`` > 0, cut as well where a position is a
+    multiple of ``chunk`` (Llama 4's chunked attention: each piece attends only within itself)."""
     spans = []
     seq = position_ids.shape[1]
-    for row in document_starts(position_ids).cpu():
+    cuts = document_starts(position_ids)  # [B,S] bool
+    if chunk:
+        cuts |= position_ids % chunk == 0
+    for row in cuts.cpu():
         starts = row.nonzero().squeeze(1).tolist() + [seq]
         spans.append(list(zip(starts[:-1], starts[1:])))
     return spans
+
+
+def attention_chunk(module: torch.nn.Module) -> int:
+    """The chunk size of a decoder layer's attention whose ``layer_types`` entry is ``chunked_attention`` (Llama 4's
+    RoPE layers), else 0."""
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or layer is None or layer_types[layer] != "chunked_attention":
+        return 0
+    return config.attention_chunk_size
 
 
 def _varlen(window: int):
@@ -102,7 +122,7 @@ def document_attention(
     window = sliding_window if sliding_window and sliding_window < seq else 0
     if position_ids is None:
         position_ids = torch.arange(seq, device=query.device).expand(batch, seq)
-    spans = document_spans(position_ids)
+    spans = document_spans(position_ids, attention_chunk(module))
     if not window and all(len(row) == 1 for row in spans):
         out = F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=True

@@ -10,6 +10,20 @@ code path (``models.llama_pipe``) and parity with ``<Family>ForCausalLM`` holds 
            ``layer_types`` (sliding on the layers from ``max_window_layers`` on); small sizes tie
            their embeddings.
 - qwen3:   RMSNorm of queries and keys per head (``q_norm``/``k_norm``); sliding window as qwen2.
+- qwen3_moe: Qwen3 whose MLP is a Mixture of Experts (softmax router, top-k renormalised with
+           ``norm_topk_prob``) on the layers ``mlp_only_layers`` / ``decoder_sparse_step`` pick.
+- mixtral: Mistral with a Mixture of Experts on every layer (softmax router, top-k renormalised).
+- llama4_text: Llama 4's text model (``Llama4ForCausalLM``): a Mixture of Experts (sigmoid router scores applied
+           to the input of the experts, top-k, plus a shared expert beside them) on the layers ``moe_layers`` /
+           ``interleave_moe_layer_step`` pick, dense MLPs (``intermediate_size_mlp``) on the others; chunked
+           attention (``attention_chunk_size``) on the RoPE layers, full attention with temperature tuning and no
+           RoPE on the ``no_rope_layers``; L2 norm of queries and keys (``use_qk_norm``); complex RoPE
+           frequencies. ``Llama4ForCausalLM`` adds no router loss, whatever ``output_router_logits`` says, so
+           neither do the stages (:func:`moe_spec`).
+
+The MoE families' routers and experts are Hugging Face's own modules too (:func:`moe_spec`); the stages carry
+their routing statistics for the router loss (models/router_loss.py) and parallel/expert_parallel.py splits
+their experts over ranks.
 
 Adding a family is one ``Family`` entry plus its tests (tests/test_families.py), as long as its decoder
 layer takes ``(hidden, attention_mask, position_ids, position_embeddings)`` like Llama's and its model
@@ -24,9 +38,12 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 from transformers.models.llama import modeling_llama
+from transformers.models.llama4 import modeling_llama4
 from transformers.models.mistral import modeling_mistral
+from transformers.models.mixtral import modeling_mixtral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 DEFAULT_MODEL_TYPE = "llama"  # a conf/model architecture without model_type
 
@@ -41,6 +58,8 @@ class Family:
     decoder_layer: type
     rms_norm: type
     rotary_embedding: type
+    # whether its decoder layer passes position_ids on to its attention (Llama 4's keeps them: the stage hands them)
+    layer_passes_positions: bool = True
 
     @property
     def name(self) -> str:
@@ -48,9 +67,13 @@ class Family:
         return self.causal_lm.__name__.removesuffix("ForCausalLM")
 
 
-def _family(model_type: str, module, prefix: str) -> Family:
-    """The entry of a family whose modeling module names its classes ``<prefix>ForCausalLM`` etc."""
-    causal_lm = getattr(module, f"{prefix}ForCausalLM")
+def _family(
+    model_type: str, module, prefix: str, causal_lm: str | None = None, layer_passes_positions: bool = True
+) -> Family:
+    """The entry of a family whose modeling module names its classes ``<prefix>ForCausalLM``,
+    ``<prefix>DecoderLayer`` etc.; ``causal_lm``: the model's class name where it has another prefix (Llama 4's
+    text model: ``Llama4ForCausalLM`` over ``Llama4TextDecoderLayer``)."""
+    causal_lm = getattr(module, causal_lm or f"{prefix}ForCausalLM")
     return Family(
         model_type=model_type,
         config_class=causal_lm.config_class,
@@ -58,6 +81,7 @@ def _family(model_type: str, module, prefix: str) -> Family:
         decoder_layer=getattr(module, f"{prefix}DecoderLayer"),
         rms_norm=getattr(module, f"{prefix}RMSNorm"),
         rotary_embedding=getattr(module, f"{prefix}RotaryEmbedding"),
+        layer_passes_positions=layer_passes_positions,
     )
 
 
@@ -68,10 +92,21 @@ FAMILIES: dict[str, Family] = {
         _family("mistral", modeling_mistral, "Mistral"),
         _family("qwen2", modeling_qwen2, "Qwen2"),
         _family("qwen3", modeling_qwen3, "Qwen3"),
+        _family("qwen3_moe", modeling_qwen3_moe, "Qwen3Moe"),
+        _family("mixtral", modeling_mixtral, "Mixtral"),
+        _family("llama4_text", modeling_llama4, "Llama4Text", "Llama4ForCausalLM", layer_passes_positions=False),
     )
 }
 # Every family's RMSNorm class (the from-scratch initialisation sets their weights to 1).
 RMS_NORM_CLASSES = tuple(dict.fromkeys(f.rms_norm for f in FAMILIES.values()))
+# The MoE modules whose own parameters Hugging Face draws from N(0, initializer_range): routers and fused experts.
+MOE_NORMAL_CLASSES = (
+    modeling_qwen3_moe.Qwen3MoeTopKRouter,
+    modeling_qwen3_moe.Qwen3MoeExperts,
+    modeling_mixtral.MixtralTopKRouter,
+    modeling_mixtral.MixtralExperts,
+    modeling_llama4.Llama4TextExperts,  # its router is an nn.Linear: drawn as one
+)
 
 
 class UnsupportedModelError(ValueError):
@@ -147,10 +182,58 @@ def config_from_dict(fields: dict, where: str = "model.architecture") -> Pretrai
 
 
 def attention_type(config: PretrainedConfig, layer_idx: int) -> str:
-    """``full_attention`` or ``sliding_attention`` for one decoder layer, as the family's model picks
-    its mask: per-layer ``layer_types`` (qwen2, qwen3), else a sliding window on every layer whenever
-    ``sliding_window`` is set (mistral), else full (llama)."""
+    """``full_attention``, ``sliding_attention`` or ``chunked_attention`` for one decoder layer, as the family's
+    model picks its mask: per-layer ``layer_types`` (qwen2, qwen3; llama4_text's chunked RoPE layers), else a
+    sliding window on every layer whenever ``sliding_window`` is set (mistral), else full (llama)."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return layer_types[layer_idx]
     return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What a Mixture-of-Experts family's config says about its MoE layers."""
+
+    num_experts: int
+    top_k: int
+    moe_layers: tuple[int, ...]  # decoder layer indices whose MLP is routed
+    router_loss: bool  # output_router_logits: cross entropy + router_aux_loss_coef x load-balancing loss
+    router_aux_loss_coef: float
+    router: str = "mlp.gate"  # the router module in a decoder layer; its output[0] is the router logits [T,E]
+    # the fused experts module: gate_up_proj [E,2I,H], down_proj [E,H,I]; Llama 4's the transposes, [E,H,2I], [E,I,H]
+    experts: str = "mlp.experts"
+
+
+def moe_spec(config: PretrainedConfig) -> MoESpec | None:
+    """The MoE layout of a config, or None for a dense family. The routed layers follow the family's decoder
+    layer (Qwen3MoeDecoderLayer's rule; tests/test_moe.py checks it against the layers Hugging Face builds)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == "qwen3_moe":
+        experts = config.num_experts
+        moe_layers = tuple(
+            i
+            for i in range(config.num_hidden_layers)
+            if i not in config.mlp_only_layers and experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+        )
+    elif model_type == "mixtral":
+        experts, moe_layers = config.num_local_experts, tuple(range(config.num_hidden_layers))
+    elif model_type == "llama4_text":  # Llama4TextDecoderLayer's is_moe_layer; its router returns (scores, logits)
+        return MoESpec(
+            num_experts=config.num_local_experts,
+            top_k=config.num_experts_per_tok,
+            moe_layers=tuple(i for i in range(config.num_hidden_layers) if i in config.moe_layers),
+            router_loss=False,  # Llama4ForCausalLM adds none, even with output_router_logits
+            router_aux_loss_coef=0.0,
+            router="feed_forward.router",
+            experts="feed_forward.experts",
+        )
+    else:
+        return None
+    return MoESpec(
+        num_experts=experts,
+        top_k=config.num_experts_per_tok,
+        moe_layers=moe_layers,
+        router_loss=bool(getattr(config, "output_router_logits", False)),
+        router_aux_loss_coef=float(getattr(config, "router_aux_loss_coef", 0.0)),
+    )

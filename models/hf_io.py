@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import shutil
@@ -24,6 +25,7 @@ import torch
 from torch.utils.serialization import config as serialization_config
 from transformers import PretrainedConfig
 
+from models.expert_files import EXPERTS_ON_DISK, assemble, disk_pieces
 from models.families import UnsupportedModelError
 from models.families import load_config as load_family_config
 from models.host_memory import mapped_file_span
@@ -234,12 +236,16 @@ def hf_differences(hf_dir: str, ckpt_dir: str, tag: str, config: PretrainedConfi
     for index, shapes in expected_hf_shapes(config).items():
         prefix = layout[index].hf_prefix
         state = load_layer_file(os.path.join(ckpt_dir, tag, layer_file_name(index)))
-        for hf_key in shapes:
+        for hf_key, shape in shapes.items():
             ours = state.get(hf_key[len(prefix) :])
-            if hf_key not in source.key_to_file or ours is None:
-                problems.append(f"{hf_key} is missing ({hf_dir if ours is not None else layer_file_name(index)})")
-            elif source.shape(hf_key) != tuple(ours.shape) or not torch.equal(source.get(hf_key).to(ours.dtype), ours):
-                problems.append(f"{hf_key} differs from {os.path.join(ckpt_dir, tag, layer_file_name(index))}")
+            for disk_key, disk_shape, select in disk_pieces(config, hf_key, shape):
+                if disk_key not in source.key_to_file or ours is None:
+                    where = hf_dir if ours is not None else layer_file_name(index)
+                    problems.append(f"{disk_key} is missing ({where})")
+                elif source.shape(disk_key) != disk_shape or not torch.equal(
+                    source.get(disk_key).to(ours.dtype), select(ours)
+                ):
+                    problems.append(f"{disk_key} differs from {os.path.join(ckpt_dir, tag, layer_file_name(index))}")
         del state
         source.release()
         if len(problems) >= limit:
@@ -372,7 +378,8 @@ def hf_to_stages(input_dir: str, output: str, dtype: torch.dtype | None = None, 
     config = load_config(input_dir)
     expected = expected_hf_shapes(config)
     source = HFTensorSource(input_dir)
-    want = {k: s for shapes in expected.values() for k, s in shapes.items()}
+    pieces = {k: disk_pieces(config, k, s) for shapes in expected.values() for k, s in shapes.items()}
+    want = {key: shape for parts in pieces.values() for key, shape, _ in parts}  # the tensors on disk
     problems = [
         f"missing tensor {k!r} (expected shape {tuple(s)})" for k, s in want.items() if k not in source.key_to_file
     ]
@@ -388,6 +395,11 @@ def hf_to_stages(input_dir: str, output: str, dtype: torch.dtype | None = None, 
         if k not in want and k != tied_head_key and not k.endswith(IGNORED_SUFFIXES)
     ]
     if problems:
+        if config.model_type in EXPERTS_ON_DISK and any(".experts." in p for p in problems):
+            problems.append(
+                f"a {config.model_type} checkpoint stores one tensor per expert, as released and as save_pretrained "
+                "writes it (models/expert_files.py): another layout of the experts is not one this converter reads"
+            )
         raise ConversionError(f"{input_dir} does not match its config.json:\n  " + "\n  ".join(problems))
 
     with atomic_output(input_dir, output, overwrite, "hf-to-stages") as tmp:
@@ -398,8 +410,8 @@ def hf_to_stages(input_dir: str, output: str, dtype: torch.dtype | None = None, 
         for n, (index, shapes) in enumerate(expected.items(), 1):
             prefix = layout[index].hf_prefix
             state = {}
-            for hf_key in shapes:
-                t = source.get(hf_key)
+            for hf_key, shape in shapes.items():
+                t = assemble(pieces[hf_key], shape, source.get)  # the tensor itself, or an expert stack
                 state[hf_key[len(prefix) :]] = t if dtype is None else t.to(dtype)
                 del t
             save_layer_file(state, os.path.join(tag_dir, layer_file_name(index)))
@@ -525,7 +537,9 @@ def stages_to_hf(
             for local_key, t in state.items():
                 out_dtype = t.dtype if dtype is None else dtype
                 itemsize = torch.empty((), dtype=out_dtype).element_size()
-                plan.append((index, prefix + local_key, t.numel() * itemsize, out_dtype, tuple(t.shape)))
+                for disk_key, shape, select in disk_pieces(config, prefix + local_key, tuple(t.shape)):
+                    nbytes = math.prod(shape) * itemsize
+                    plan.append((index, prefix + local_key, nbytes, out_dtype, shape, disk_key, select))
         del state
     if problems:
         raise ConversionError(f"{input_dir} (tag {tag}) does not match its config.json:\n  " + "\n  ".join(problems))
@@ -544,23 +558,23 @@ def stages_to_hf(
     with atomic_output(input_dir, output, overwrite, "stages-to-hf") as tmp:
         cache: dict[int, dict[str, torch.Tensor]] = {}  # the one layer file (memory-mapped) being read
 
-        def tensor(index: int, hf_key: str) -> torch.Tensor:
+        def tensor(index: int, hf_key: str, select) -> torch.Tensor:
             nonlocal cache
             if index not in cache:
                 cache = {}  # unmaps the previous layer file before mapping the next
                 cache = {index: load_layer_file(os.path.join(tag_dir, layer_file_name(index)))}
-            t = cache[index][hf_key[len(layout[index].hf_prefix) :]]
+            t = select(cache[index][hf_key[len(layout[index].hf_prefix) :]])  # one expert's rows of a stack
             return t if dtype is None else t.to(dtype)
 
         for n, shard in enumerate(shards, 1):
             name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
             entries = [
-                (hf_key, out_dtype, shape, nbytes, lambda i=index, k=hf_key: tensor(i, k))
-                for index, hf_key, nbytes, out_dtype, shape in shard
+                (disk_key, out_dtype, shape, nbytes, lambda i=index, k=hf_key, f=select: tensor(i, k, f))
+                for index, hf_key, nbytes, out_dtype, shape, disk_key, select in shard
             ]
             write_safetensors(os.path.join(tmp, name), entries, metadata={"format": "pt"})
-            for _, hf_key, nbytes, _, _ in shard:
-                weight_map[hf_key] = name
+            for *_, nbytes, _, _, disk_key, _ in shard:
+                weight_map[disk_key] = name
                 total += nbytes
             log(f"{n}/{len(shards)} {name} ({len(shard)} tensors, {time.time() - start:.1f}s)")
         cache = {}

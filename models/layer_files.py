@@ -226,20 +226,27 @@ def full_numel(t: torch.Tensor) -> int:
     return getattr(t, "ds_numel", t.numel())
 
 
+def split_of(t: torch.Tensor | None) -> tuple[int, int, int] | None:
+    """(dim, rank, world) of a parameter a rank holds a piece of: a tensor-parallel piece (``tp_split``,
+    parallel/tensor_parallel.py) or this rank's experts of a MoE layer (``ep_split``, parallel/expert_parallel.py)."""
+    return getattr(t, "tp_split", None) or getattr(t, "ep_split", None)
+
+
 def whole_shape(t: torch.Tensor) -> torch.Size:
     """The shape of the whole tensor in a layer file that parameter ``t`` holds (a piece of, for a
-    tensor-parallel rank: ``tp_split = (dim, rank, world)``, parallel/tensor_parallel.py)."""
+    tensor-parallel or expert-parallel rank: :func:`split_of`)."""
     shape = list(full_shape(t))
-    if hasattr(t, "tp_split"):
-        dim, _, world = t.tp_split
+    split = split_of(t)
+    if split is not None:
+        dim, _, world = split
         shape[dim] *= world
     return torch.Size(shape)
 
 
 def tp_piece(whole: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
-    """The piece of ``whole`` a tensor-parallel rank holds of parameter ``p`` (its ``tp_split = (dim, rank,
-    world)``, parallel/tensor_parallel.py), or ``whole`` for a parameter that is not split."""
-    split = getattr(p, "tp_split", None)
+    """The piece of ``whole`` a tensor- or expert-parallel rank holds of parameter ``p`` (:func:`split_of`), or
+    ``whole`` for a parameter that is not split."""
+    split = split_of(p)
     if split is None:
         return whole
     dim, rank, world = split

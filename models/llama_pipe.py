@@ -20,11 +20,16 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_chunked_causal_mask,
+    create_sliding_window_causal_mask,
+)
 
 from models.attention import DOCUMENT_ATTENTION
-from models.families import FAMILIES, RMS_NORM_CLASSES, attention_type, family_of
+from models.families import FAMILIES, MOE_NORMAL_CLASSES, RMS_NORM_CLASSES, attention_type, family_of, moe_spec
 from models.layer_files import tp_piece, whole_shape
+from models.router_loss import RouterStats
 from models.specs import SpecInfo, expected_state_shapes, layer_file_name, spec_layout  # noqa: F401 (read from here too)
 
 # Key under which the embedding and a tied LM head share one weight across stages.
@@ -37,10 +42,13 @@ ATTENTION_IMPLEMENTATIONS = {"documents": DOCUMENT_ATTENTION, "dense_mask": "sdp
 
 def prepare_config(config: PretrainedConfig, attention: str = DOCUMENT_ATTENTION) -> PretrainedConfig:
     """A copy of ``config`` with the settings every stage needs: the attention function (``attention``, a
-    registered name: per-document SDPA without a mask by default, models/attention.py), no KV cache."""
+    registered name: per-document SDPA without a mask by default, models/attention.py), no KV cache, and for a
+    MoE model the experts' kernel ``from_pretrained`` would pick."""
     config = copy.deepcopy(config)
     config._attn_implementation = attention
     config.use_cache = False
+    if moe_spec(config) is not None:  # the experts' kernel from_pretrained picks by default: one grouped matmul
+        config._experts_implementation = "grouped_mm"
     return config
 
 
@@ -51,14 +59,23 @@ class EmbeddingPipe(nn.Embedding):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.router_experts = router_stats_experts(config)  # > 0: the routing statistics start here
 
-    def forward(
-        self, inputs: tuple[torch.Tensor, torch.Tensor] | torch.Tensor, tied_head: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor] | torch.Tensor, tied_head: bool = False) -> tuple:
         if tied_head:  # the tied LM head of the chunked loss (tied_lm_head_chunked_forward)
             return inputs, handed_out(self.weight)  # hidden [B,S,H], [V,H] (or this rank's [V/tp,H])
         input_ids, position_ids = inputs  # [B,S] int64, [B,S] int64
-        return super().forward(input_ids), position_ids  # hidden [B,S,H]
+        hidden = super().forward(input_ids)  # [B,S,H]
+        if self.router_experts:
+            return hidden, position_ids, *RouterStats.initial_wire(hidden, self.router_experts)
+        return hidden, position_ids
+
+
+def router_stats_experts(config: PretrainedConfig) -> int:
+    """The experts per MoE layer when the stages carry routing statistics for the router loss (a MoE model with
+    ``output_router_logits``), else 0."""
+    moe = moe_spec(config)
+    return moe.num_experts if moe is not None and moe.router_loss else 0
 
 
 def tied_head_call(args: tuple, kwargs: dict) -> bool:
@@ -95,7 +112,11 @@ def tied_lm_head_chunked_forward(embedding: EmbeddingPipe, hidden: torch.Tensor)
 
 
 # The mask each decoder layer's attention takes, by its family's attention type (models.families).
-MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+MASK_FUNCTIONS = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+    "chunked_attention": create_chunked_causal_mask,  # Llama 4's RoPE layers
+}
 
 
 class DecoderLayerPipe(nn.Module):
@@ -108,14 +129,20 @@ class DecoderLayerPipe(nn.Module):
     O(S^2)), so each layer derives both from ``position_ids`` with the functions the family's model uses:
 
     - cos/sin from its own rotary embedding, whatever ``rope_parameters`` say (its buffers are
-      non-persistent, so the state dict stays that of the Hugging Face decoder layer);
+      non-persistent, so the state dict stays that of the Hugging Face decoder layer); Llama 4's gives
+      complex frequencies [B,S,head_dim/2] instead, which its attention takes as they are;
     - no mask by default: the attention function (models/attention.py, or Ulysses around it with sequence
-      parallelism) finds the documents of packed rows in ``position_ids`` and keeps each layer's window;
+      parallelism) finds the documents of packed rows in ``position_ids`` and keeps each layer's window
+      (or Llama 4's chunks);
     - with ``attention=dense_mask`` (transformers' ``sdpa``), the mask from ``create_causal_mask``, or
-      ``create_sliding_window_causal_mask`` on a layer with a sliding window: None (SDPA's causal kernel)
-      when positions count up from 0 in every row and no window cuts in, and a per-document [B,1,S,S] mask
-      when they restart (packed documents), so attention never crosses a document boundary, and within a
-      document never reaches past the window.
+      ``create_sliding_window_causal_mask`` on a layer with a sliding window (``create_chunked_causal_mask``
+      on a chunked one): None (SDPA's causal kernel) when positions count up from 0 in every row and no
+      window or chunk cuts in, and a per-document [B,1,S,S] mask when they restart (packed documents), so
+      attention never crosses a document boundary, and within a document never reaches past the window.
+
+    Llama 4's decoder layer keeps ``position_ids`` to itself (its attention's keyword arguments lack them):
+    a pre-hook on its attention hands them over, as the other families' layers do, for the per-document
+    attention to find the documents.
     """
 
     def __init__(self, config: PretrainedConfig, layer_idx: int):
@@ -123,10 +150,27 @@ class DecoderLayerPipe(nn.Module):
         self.rotary_emb = family_of(config).rotary_embedding(config)
         dense = config._attn_implementation == "sdpa"
         self.make_mask = MASK_FUNCTIONS[attention_type(config, layer_idx)] if dense else None
+        self._positions: torch.Tensor | None = None  # this forward's position_ids, for an attention not given them
+        if not family_of(config).layer_passes_positions:
+            self.self_attn.register_forward_pre_hook(self._hand_positions, with_kwargs=True)
+        moe = moe_spec(config)
+        self.router_top_k = 0  # > 0: this layer adds its routing to the statistics it passes on
+        if moe is not None and moe.router_loss and layer_idx in moe.moe_layers:
+            self.router_top_k = moe.top_k
+            self.get_submodule(moe.router).register_forward_hook(self._keep_router_logits)
+        self._router_logits: torch.Tensor | None = None
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, position_ids = inputs  # [B,S,H], [B,S] int64 (with sequence parallelism: this rank's slice)
-        cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B,S,head_dim]
+    def _keep_router_logits(self, module, args, output) -> None:
+        self._router_logits = output[0]  # [B*S,E]
+
+    def _hand_positions(self, module, args, kwargs) -> tuple[tuple, dict]:
+        return args, {**kwargs, "position_ids": self._positions}  # [B,S] int64, on to the attention function
+
+    def forward(self, inputs: tuple) -> tuple:
+        # [B,S,H], [B,S] int64 (with sequence parallelism: this rank's slice), and with the router loss the routing
+        # statistics so far: counts int64 [E+1], probabilities fp32 [E] (models/router_loss.py)
+        hidden, position_ids, *stats = inputs
+        cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B,S,head_dim] (Llama 4: complex [B,S,head_dim/2])
         mask = None
         if self.make_mask is not None:
             mask = self.make_mask(  # None, or bool [B,1,S,S] (packed documents, sliding window)
@@ -136,19 +180,31 @@ class DecoderLayerPipe(nn.Module):
                 past_key_values=None,
                 position_ids=position_ids,
             )
+        self._positions = position_ids
         hidden = super().forward(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
-        return hidden, position_ids
+        self._positions = None
+        logits, self._router_logits = self._router_logits, None  # [B*S,E] or None: never kept past this forward
+        if self.router_top_k and stats:
+            stats = RouterStats.from_wire(*stats).add_layer(logits, self.router_top_k).to_wire()
+        return hidden, position_ids, *stats
 
 
 class NormPipe(nn.Module):
-    """Spec L+1: final RMSNorm (``model.norm``); drops the positions, which no later spec needs.
+    """Spec L+1: final RMSNorm (``model.norm``); drops the positions, which no later spec needs, and hands the
+    routing statistics of a MoE model with the router loss to ``router_sink`` (the loss's ``RouterLoss.receive``,
+    set by parallel/stage.py's build): the loss of the same micro-batch takes them right after this stage's forward.
     The base of the per-family classes (see :func:`norm_class`)."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config.hidden_size, eps=config.rms_norm_eps)
+        self.router_sink = None
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        hidden, _position_ids = inputs
+    def forward(self, inputs: tuple) -> torch.Tensor:
+        hidden, _position_ids, *stats = inputs
+        if stats:
+            if self.router_sink is None:
+                raise RuntimeError("routing statistics reached the final norm, and no router loss takes them")
+            self.router_sink(*stats, self.training)  # counts int64 [E+1], probabilities fp32 [E]
         return super().forward(hidden)  # [B,S,H]
 
 
@@ -197,6 +253,9 @@ class LMHeadPipe(nn.Linear):
 # Stage contract: what each spec receives and returns (B micro-batch, S sequence, H hidden, V vocab).
 # Only the hidden states are floating point: DeepSpeed gives every float tensor sent between stages a
 # gradient and expects it back, so positions travel as int64 and no float mask is ever sent.
+# A MoE model with the router loss (output_router_logits) appends its routing statistics to the tuples of specs
+# 0..L, (counts int64 [E+1], router probabilities fp32 [E]) (models/router_loss.py): each MoE layer adds its own,
+# the norm hands the totals to the loss, and the probabilities' gradient comes back to every stage's routers.
 #
 #   spec 0        EmbeddingPipe     (input_ids [B,S] int64, position_ids [B,S] int64) -> (hidden [B,S,H], position_ids)
 #   spec 1..L     DecoderLayerPipe  (hidden [B,S,H], position_ids [B,S] int64)        -> (hidden [B,S,H], position_ids)
@@ -274,9 +333,10 @@ def model_parameters(config: PretrainedConfig) -> int:
 def flops_per_token(config: PretrainedConfig, seq: int) -> tuple[float, float]:
     """Training FLOPs per token, forward + backward: (6 N, causal attention).
 
-    N counts the matmul parameters (every spec but the input embedding, a lookup; a tied LM head counts),
-    and causal attention's QK^T and AV add 2 x 2 S D per layer forward, halved for causality, x3 for
-    forward + backward (the PaLM appendix B count).
+    N counts the matmul parameters (every spec but the input embedding, a lookup; a tied LM head counts), of a
+    Mixture-of-Experts layer's routed experts the top_k / E a token runs through (N: the active parameters, less
+    the embedding), and causal attention's QK^T and AV add 2 x 2 S D per layer forward, halved for causality, x3
+    for forward + backward (the PaLM appendix B count).
     """
     n = sum(spec_weights(config, "compute"))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -288,11 +348,18 @@ def spec_weights(config: PretrainedConfig, method: str) -> list[int]:
 
     ``parameters`` (DeepSpeed's method): the spec's parameter count, i.e. the memory it stores.
     ``compute``: the work per token, 2 FLOPs per parameter, so the same count, except the input
-    embedding, a lookup, which weighs nothing.
+    embedding, a lookup, which weighs nothing, and a Mixture-of-Experts layer's routed experts (its state-dict
+    keys with ``.experts.``, models/moe_counts.py's rule), of which a token runs top_k / E.
     """
     counts = spec_parameter_counts(config)
     if method == "compute":
         counts[0] = 0  # spec 0 is the input embedding (spec_layout)
+        moe = moe_spec(config)
+        specs = build_specs(config) if moe is not None else []
+        for i in [] if moe is None else [1 + layer for layer in moe.moe_layers]:  # decoder layer i is spec 1 + i
+            shapes = expected_state_shapes(specs[i]).items()
+            routed = sum(math.prod(s) for key, s in shapes if ".experts." in f".{key}")
+            counts[i] -= routed - routed * moe.top_k // moe.num_experts
     elif method != "parameters":
         raise ValueError(f"spec weights are defined for 'parameters' and 'compute', not {method!r}")
     return counts
@@ -365,7 +432,7 @@ def init_weights_(module: nn.Module, config: PretrainedConfig, seed: int) -> Non
     here), from its own seed.
 
     Linear and embedding weights ~ N(0, initializer_range), biases 0, the padding row 0, RMSNorm 1
-    (the q/k norms of Qwen3 included).
+    (the q/k norms of Qwen3 included), a MoE layer's router and fused experts ~ N(0, initializer_range).
     Seeding per spec (not per rank) gives every data-parallel replica, and both ends of a tied
     embedding, the same weights, whatever the partitioning. A tensor-parallel rank draws each whole
     weight (the same numbers as without tensor parallelism) and keeps its piece.
@@ -391,6 +458,9 @@ def init_weights_(module: nn.Module, config: PretrainedConfig, seed: int) -> Non
             normal_(m.weight, zero_row=m.padding_idx)
         elif isinstance(m, RMS_NORM_CLASSES):
             m.weight.fill_(1.0)
+        elif isinstance(m, MOE_NORMAL_CLASSES):  # fused experts [E,...] and routers [E,H], as Hugging Face's
+            for p in m.parameters(recurse=False):
+                normal_(p)
 
 
 class LlamaStack(nn.Module):

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from models.router_loss import RouterLoss
+
 # Label value that the loss ignores (prompt tokens, padding); the same value Hugging Face uses.
 IGNORE_INDEX = -100
 
@@ -194,11 +196,17 @@ class CausalLMLoss:
     ``scale`` None: the mean over this micro-batch's label tokens (``loss_normalization=micro_batch``,
     DeepSpeed's convention). Otherwise the micro-batch's summed token losses times ``scale``, which
     the trainer sets before each step (or eval pass) to ``micro-batches x dp / global label tokens``.
+
+    ``router`` (a MoE model with ``output_router_logits``, set by parallel/stage.py): each training micro-batch adds
+    ``router_aux_loss_coef`` x its load-balancing loss, unscaled, as ``<Family>ForCausalLM`` adds it per forward;
+    DeepSpeed's division by the micro-batches and mean over data-parallel ranks make it their mean. An eval pass
+    returns the cross entropy alone (the router loss is recorded apart).
     """
 
     def __init__(self, chunk_tokens: int = 0) -> None:
         self.scale: float | None = None
         self.chunk_tokens = chunk_tokens
+        self.router: RouterLoss | None = None
         self.split_over(LossSplit())
 
     def split_over(self, split: LossSplit) -> None:
@@ -226,7 +234,12 @@ class CausalLMLoss:
             loss = chunked_causal_lm_loss(
                 hidden, weight, labels, self.chunk_tokens, reduction, self.tensor_parallel, self.seq_slice
             )
-        return loss if self.scale is None else loss * self.scale
+        loss = loss if self.scale is None else loss * self.scale
+        if self.router is not None:
+            router_loss = self.router.take()
+            if self.router.training:
+                loss = loss + self.router.coef * router_loss
+        return loss
 
 
 def sequence_logps(

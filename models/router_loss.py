@@ -9,7 +9,10 @@ received, in layer order (the order Hugging Face adds them in, so the result is 
 the last stage computes the loss from the totals. T and N carry no gradient (top-k counts); R's gradient,
 E * T / N^2, flows back through the pipeline to every stage's routers as an activation's gradient does.
 
-Not used by training yet: issue 44 wires it into the MoE stages.
+Between stages the sums travel as two tensors (:meth:`RouterStats.to_wire`): the counts as int64 (no float tensor may
+travel without a gradient between DeepSpeed's stages) and the probabilities as fp32. :class:`RouterLoss` is what the
+last stage's loss adds: ``router_aux_loss_coef`` x the loss of each micro-batch, as ``<Family>ForCausalLM`` adds it to
+its cross entropy per forward.
 """
 
 from __future__ import annotations
@@ -32,6 +35,25 @@ class RouterStats:
         zero = torch.zeros(num_experts, dtype=torch.float32, device=device)
         return RouterStats(zero, zero.clone(), torch.zeros((), dtype=torch.float32, device=device))
 
+    @staticmethod
+    def initial_wire(hidden: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sums before the first layer, as the first spec sends them: counts int64 [E+1] (per expert, then the
+        rows) and probabilities fp32 [E]. The probabilities are joined to ``hidden``'s graph (x 0): DeepSpeed
+        requires every float tensor a stage sends to require a gradient, and a first stage without a MoE layer
+        would otherwise send a constant."""
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=hidden.device)
+        probs = hidden.new_zeros(num_experts, dtype=torch.float32) + hidden.reshape(-1)[:1].float().sum() * 0.0
+        return counts, probs
+
+    @staticmethod
+    def from_wire(counts: torch.Tensor, probs: torch.Tensor) -> RouterStats:
+        """The sums from what a stage received: counts int64 [E+1], probabilities fp32 [E]."""
+        return RouterStats(counts[:-1].float(), probs, counts[-1].float())
+
+    def to_wire(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counts int64 [E+1], probabilities fp32 [E]): the counts are whole numbers, exact in both types."""
+        return torch.cat([self.tokens, self.rows.reshape(1)]).round().long(), self.probs
+
     def add_layer(self, gate_logits: torch.Tensor, top_k: int) -> RouterStats:
         """These sums with one MoE layer's router logits [rows, E] added, as Hugging Face adds them."""
         num_experts = self.tokens.shape[0]
@@ -53,3 +75,39 @@ def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
     tokens_per_expert = stats.tokens / stats.rows  # [E]
     router_prob_per_expert = stats.probs / stats.rows  # [E]
     return torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0)) * num_experts
+
+
+class RouterLoss:
+    """The router loss of the last stage's ``loss_fn``: the norm spec hands it each micro-batch's totals
+    (:meth:`receive`), the loss takes ``coef x load_balancing_loss`` of them (:meth:`take`), and the sums of a step's
+    router losses and tokens per expert wait for :meth:`take_metrics` (the progress line)."""
+
+    def __init__(self, num_experts: int, top_k: int, coef: float):
+        self.num_experts, self.top_k, self.coef = num_experts, top_k, coef
+        self.pending: RouterStats | None = None
+        self.training = True
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss_sum, self.micro_batches = 0.0, 0
+        self.tokens = torch.zeros(self.num_experts, dtype=torch.float64)  # top-k assignments per expert, all layers
+
+    def receive(self, counts: torch.Tensor, probs: torch.Tensor, training: bool) -> None:
+        self.pending, self.training = RouterStats.from_wire(counts, probs), training
+
+    def take(self) -> torch.Tensor:
+        """This micro-batch's load-balancing loss (a scalar with the routers' gradient), recorded for the metrics."""
+        if self.pending is None:
+            raise RuntimeError("the router loss found no routing statistics: the norm spec did not hand them over")
+        stats, self.pending = self.pending, None
+        loss = load_balancing_loss(stats)
+        self.loss_sum += float(loss.detach())
+        self.micro_batches += 1
+        self.tokens += stats.tokens.detach().double().cpu()
+        return loss
+
+    def take_metrics(self) -> tuple[float, int, torch.Tensor]:
+        """(sum of router losses, micro-batches, tokens per expert [E]) since the last call."""
+        out = (self.loss_sum, self.micro_batches, self.tokens)
+        self._reset()
+        return out

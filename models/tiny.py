@@ -39,7 +39,22 @@ def tiny_config(model_type: str = "llama", **overrides) -> PretrainedConfig:
         eos_token_id=EOS_ID,
         tie_word_embeddings=False,
     )
-    if model_type == "qwen3":  # Qwen3Config's head_dim defaults to 128, not hidden / heads
+    if model_type == "qwen3_moe":  # 4 experts of 48, 2 per token
+        args.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    elif model_type == "mixtral":
+        args.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)
+    elif model_type == "llama4_text":  # Llama 4's differences, each visible in a 32-128 token test:
+        args.update(
+            num_local_experts=4,  # 4 experts of 48 and a shared expert of 48, top 1 (as Llama 4)
+            num_experts_per_tok=1,
+            intermediate_size=48,
+            intermediate_size_mlp=176,  # the dense layers' MLP
+            interleave_moe_layer_step=2,  # routed layers 1 and 3, dense 0 and 2
+            no_rope_layer_interval=4,  # (its default) layer 3 without RoPE, full attention; 0-2 chunked
+            attention_chunk_size=8,
+            floor_scale=8,  # temperature tuning from position 7 on (8192 in Llama 4)
+        )
+    if model_type in ("qwen3", "qwen3_moe", "llama4_text"):  # head_dim defaults to 128, not hidden / heads
         args["head_dim"] = overrides.get("hidden_size", args["hidden_size"]) // overrides.get(
             "num_attention_heads", args["num_attention_heads"]
         )

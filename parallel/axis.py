@@ -1,9 +1,10 @@
 """What a parallel axis's plan is: the steps at which an axis acts on a rank's pipeline stage and its engine.
 
-Each axis (tensor parallelism, parallel/tensor_parallel.py; sequence parallelism, parallel/sequence_parallel.py; the
-DualPipeV schedule, parallel/dualpipev.py) is one :class:`AxisPlan` subclass, built from the ``Layout`` alone, that
-overrides the steps where it acts; every other step does nothing. ``parallel.stage.axis_plans(layout)`` gives the
-plans a layout uses, in the order they apply (tensor, sequence, schedule), and the steps run in this order:
+Each axis (tensor parallelism, parallel/tensor_parallel.py; sequence parallelism, parallel/sequence_parallel.py;
+expert parallelism, parallel/expert_parallel.py; the DualPipeV schedule, parallel/dualpipev.py) is one
+:class:`AxisPlan` subclass, built from the ``Layout`` alone, that overrides the steps where it acts; every other step
+does nothing. ``parallel.stage.axis_plans(layout)`` gives the
+plans a layout uses, in the order they apply (tensor, sequence, expert, schedule), and the steps run in this order:
 
 1. ``before_build``: collectives that must precede the stage's own process groups (every rank, in the same order),
    and the attention function the decoder layers call;

@@ -71,6 +71,7 @@ class Layout:
     nf4: bool = False  # QLoRA (peft.quantize=nf4): the decoder's frozen linear weights stored in 4 bits
     tp: int = 1  # tensor parallelism inside each stage (tensor_parallel): ranks one layer is split over
     sp: int = 1  # sequence parallelism (sequence_parallel): ranks each sample's sequence is split over
+    ep: int = 1  # expert parallelism (expert_parallel): data-parallel ranks of a stage the experts divide over
     schedule: str = "1f1b"  # pipeline_schedule: 1f1b | dualpipev (two pieces per pipeline rank)
     rows_per_sample: int = 1  # rows a sample is fed as: 2 for a preference pair (train_objective=dpo)
 
@@ -98,6 +99,7 @@ class Layout:
             lora_rank=cfg.peft.r if cfg.peft.method == "lora" else 0,
             lora_targets=tuple(cfg.peft.target_modules) if cfg.peft.method == "lora" else (),
             nf4=cfg.peft.method == "lora" and cfg.peft.quantize == "nf4",
+            ep=cfg.expert_parallel,
             schedule=cfg.pipeline_schedule,
             rows_per_sample=2 if cfg.train_objective == "dpo" else 1,
         )
@@ -184,7 +186,8 @@ class Layout:
         tensor = f" x tensor {self.tp}" if self.tp > 1 else ""
         sequence = f" x sequence {self.sp}" if self.sp > 1 else ""
         schedule = " (DualPipeV)" if self.schedule == "dualpipev" else ""
-        return f"pipe {self.stages}{schedule}{tensor}{sequence} x data {self.dp}"
+        experts = f" (experts {self.ep})" if self.ep > 1 else ""
+        return f"pipe {self.stages}{schedule}{tensor}{sequence} x data {self.dp}{experts}"
 
     def batch_line(self) -> str:
         return (

@@ -70,6 +70,24 @@ keeps each phase-1 micro-batch's loss tensor until its backward (one in flight: 
 the outputs after each backward, so the previous micro-batch's logits that 1F1B's last stage keeps are gone;
 its labels (8 bytes a token) wait from the load to the phase-1 backward, negligible.
 
+Mixture of Experts (``Shape.moe``, from the specs' shapes: models/moe_counts.py) with expert parallelism
+(``Layout.ep`` = ep): each MoE layer's E experts are divided over ep data-parallel ranks of its stage, so a rank
+holds all of its stage's other parameters (attention, norms, routers, embeddings, shared experts) and 1/ep of its
+routed experts. Their gradients and optimizer states follow: ZeRO shards the other parameters' states over
+DeepSpeed's data axis Nd and the experts' over the Nd / ep ranks holding the same experts (DeepSpeed's
+expert-data-parallel group), so ZeRO-1's optimizer states stay K Psi / Nd per rank and the weights and gradients
+shrink. A stage's routed experts are its decoder layers' share of the model's (exact when every layer is a MoE
+layer, the average otherwise). Per MoE layer and token the saved activations replace the dense MLP's 4 F
+elements with those of the top_k expert copies of the token: the gathered input and the expert output (2 top_k
+H) and the SwiGLU tensors (4 top_k I, I the expert width), plus the router's logits and probabilities (2 E);
+with ep > 1 a layer's all-to-alls (dispatch to the experts' ranks and combine back) hold send and receive
+buffers of tokens x top_k x H each way as working memory, and each rank sends
+
+    2 (dispatch + combine) x tokens x top_k x H x elem x (ep-1)/ep bytes per MoE layer forward (expert_all_to_all_bytes)
+
+as much again in backward, and again in the recomputed forward with activation checkpointing. The largest
+gradient temporary may be a MoE layer's fused expert tensor, [E/ep, 2I, H] on a rank.
+
 Backward also computes each parameter's gradient into a new tensor before adding it to the accumulated
 one (every micro-batch after the first): one parameter's gradient more, at a time. On the first and the
 last stage that is the [V,H] embedding or LM head, as large as a loss chunk at a 128k vocabulary
@@ -82,6 +100,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from models.moe_counts import MoEShape, moe_shape
 from parallel.layout import (
     Layout,
     layout_problems,
@@ -116,6 +135,21 @@ class Shape:
     kv_heads: int
     vocab: int
     head_dim: int = 0  # 0: hidden / heads
+    moe: MoEShape | None = None  # a Mixture-of-Experts model's experts (models/moe_counts.py); None: dense
+
+    def stage_experts(self, layers: int) -> float:
+        """Routed-expert parameters of a stage with ``layers`` decoder layers (the layers' share of the model's)."""
+        return self.moe.expert_params * layers / self.layers if self.moe is not None and layers else 0.0
+
+    def mlp_elements(self) -> float:
+        """Saved MLP activation elements per token of a decoder layer, averaged over the layers: the dense SwiGLU's
+        4 F; a MoE layer's 2 top_k H (gathered inputs, expert outputs) + 4 top_k I (the experts' SwiGLU) + 2 E
+        (router logits and probabilities)."""
+        if self.moe is None:
+            return 4 * self.ffn
+        m = self.moe
+        routed = 2 * m.top_k * self.hidden + 4 * m.top_k * m.expert_width + 2 * m.num_experts
+        return ((self.layers - m.moe_layers) * 4 * self.ffn + m.moe_layers * routed) / self.layers
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear layer of a decoder layer, by its Hugging Face name."""
@@ -158,6 +192,7 @@ class Estimate:
     # or ZeRO-1/2's optimizer step beyond the activations and loss buffer it follows (optimizer_step_bytes)
     grad_temp: float = 0.0
     parameters: float = 0.0  # the stage's parameter count
+    experts: float = 0.0  # of those, routed-expert parameters held per GPU (the stage's / ep)
 
     @property
     def model_states(self) -> float:
@@ -168,11 +203,20 @@ class Estimate:
         return self.model_states + self.buffers + (self.activations or 0.0) + self.loss + self.grad_temp
 
 
-def model_state_bytes(psi: float, layout: Layout) -> tuple[float, float, float, float]:
+def model_state_bytes(psi: float, layout: Layout, experts: float = 0.0) -> tuple[float, float, float, float]:
     """(weights, gradients, optimizer states) bytes per GPU, and offloaded bytes per rank on the host,
-    for ``psi`` parameters of one stage."""
+    for ``psi`` parameters of one stage, ``experts`` of them routed experts: 1/ep of those on each rank, their
+    states sharded over the data axis / ep ranks that hold the same experts."""
+    if not experts:
+        return replica_state_bytes(psi, layout, layout.data_axis)
+    dense = replica_state_bytes(psi - experts, layout, layout.data_axis)
+    routed = replica_state_bytes(experts / layout.ep, layout, layout.data_axis / layout.ep)
+    return tuple(a + b for a, b in zip(dense, routed))
+
+
+def replica_state_bytes(psi: float, layout: Layout, nd: float) -> tuple[float, float, float, float]:
+    """:func:`model_state_bytes` of ``psi`` parameters that ``nd`` ranks hold alike (ZeRO's data-parallel degree)."""
     w, g, k = (4, 4, 8 if layout.zero == 0 else 12) if layout.dtype == "fp32" else (2, 2, 12)
-    nd = layout.data_axis  # DeepSpeed's data-parallel degree: sequence groups' ranks x dp
     shard = {0: (1, 1, 1), 1: (1, 1, nd), 2: (1, nd, nd), 3: (nd, nd, nd)}[layout.zero]
     if layout.dtype == "bf16" and layout.zero == 0:
         g, shard = g + 2, (1, 1, nd)  # DeepSpeed's BF16_Optimizer: + accumulation buffer, states sharded
@@ -215,8 +259,37 @@ def layer_activation_bytes(shape: Shape, layout: Layout) -> float:
     attention output, k/v and the SwiGLU tensors are split over the tp ranks (Megatron's count). With
     sequence parallelism every term is that of B*S/sp tokens (k/v with DeepSpeed's replicated KV heads)."""
     kv = ulysses_heads(shape, layout)[1] * layout.tp  # kv_heads, or as many as DeepSpeed's replicas make
-    split = (2 + 2 * kv / shape.heads) * shape.hidden + 4 * shape.ffn
+    split = (2 + 2 * kv / shape.heads) * shape.hidden + shape.mlp_elements()
     return (4 * shape.hidden + split / layout.tp) * local_tokens(layout) * elem_bytes(layout)
+
+
+def expert_buffer_bytes(shape: Shape, layout: Layout) -> float:
+    """One MoE layer's all-to-all working memory with expert parallelism (0 without): send and receive buffers of
+    the routed tokens' copies, tokens x top_k x H, for the dispatch and for the combine."""
+    if layout.ep == 1 or shape.moe is None:
+        return 0.0
+    return 4 * local_tokens(layout) * shape.moe.top_k * shape.hidden * elem_bytes(layout)
+
+
+def expert_all_to_all_bytes(shape: Shape, layout: Layout) -> float:
+    """Bytes each rank sends in one MoE layer's all-to-alls for one micro-batch, forward: its tokens' top_k copies
+    to the experts' ranks and their outputs back, the (ep-1)/ep that leave the rank; backward sends as much again.
+    0 without expert parallelism."""
+    if shape.moe is None:
+        return 0.0
+    ep = layout.ep
+    return 2 * local_tokens(layout) * shape.moe.top_k * shape.hidden * elem_bytes(layout) * (ep - 1) / ep
+
+
+def expert_all_to_all_step_bytes(shape: Shape, layout: Layout, layers_on_stage: int) -> float:
+    """Bytes each rank of a stage with ``layers_on_stage`` decoder layers (their share of the MoE layers) sends in the
+    experts' all-to-alls per optimizer step: every micro-batch's forward and backward, and with activation
+    checkpointing the recomputed forward."""
+    if shape.moe is None:
+        return 0.0
+    moe_layers = layers_on_stage * shape.moe.moe_layers / shape.layers
+    passes = 3 if layout.checkpointing else 2
+    return expert_all_to_all_bytes(shape, layout) * moe_layers * layout.grad_accum * passes
 
 
 def ulysses_buffer_bytes(shape: Shape, layout: Layout) -> float:
@@ -276,7 +349,7 @@ def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: 
     )
     layer = layer_activation_bytes(shape, layout)
     recompute = layer if layout.checkpointing else 0.0
-    work = layer + ulysses_buffer_bytes(shape, layout)
+    work = layer + ulysses_buffer_bytes(shape, layout) + expert_buffer_bytes(shape, layout)
     return held + recompute + work
 
 
@@ -317,11 +390,12 @@ def grad_temp_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: i
     if layout.zero < 2 and layout.grad_accum == 1:
         return 0.0
     elem = (4 if layout.dtype == "fp32" else 2) / layout.tp  # every large matrix is split over the tp ranks
+    experts = shape.moe.largest_expert_tensor / layout.ep if shape.moe is not None else 0  # [E/ep, 2I, H]
     if stage == layout.label_stage:
-        return shape.vocab * shape.hidden * elem
+        return max(shape.vocab * shape.hidden, experts) * elem
     if isinstance(layers_on_stage, list):
         layers_on_stage = min((n for n in layers_on_stage if n), default=0)
-    largest = shape.vocab * shape.hidden * elem if stage == 0 else shape.ffn * shape.hidden * elem
+    largest = max(shape.vocab * shape.hidden if stage == 0 else shape.ffn * shape.hidden, experts) * elem
     if layers_on_stage == 0:
         return largest if stage == 0 else 0.0
     freed = micro_batch_activation_bytes(shape, layout, layers_on_stage) + layer_activation_bytes(shape, layout)
@@ -348,14 +422,15 @@ def stage_estimate(
     pieces = layers if isinstance(layers, list) else None
     layers = sum(pieces) if pieces is not None else layers
     psi = psi / layout.tp
-    trained, frozen_bytes = psi, 0.0
+    experts = min(psi, shape.stage_experts(layers) / layout.tp) if shape is not None and layers is not None else 0.0
+    trained, frozen_bytes, trained_experts = psi, 0.0, experts
     if layout.lora_rank and shape is not None and layers is not None:
-        trained = float(layers * shape.lora_params_per_layer(layout.lora_rank, layout.lora_targets))
-        frozen_bytes = (4 if layout.dtype == "fp32" else 2) * psi
+        trained, trained_experts = float(layers * shape.lora_params_per_layer(layout.lora_rank, layout.lora_targets)), 0
+        frozen_bytes = (4 if layout.dtype == "fp32" else 2) * (psi - experts + experts / layout.ep)
         if layout.nf4:  # the decoder's linear weights in 4 bits plus an fp32 absmax per block of 64
             linear = layers * shape.linear_params_per_layer()
             frozen_bytes -= ((4 if layout.dtype == "fp32" else 2) - NF4_BYTES) * linear
-    params, grads, optim, host = model_state_bytes(trained, layout)
+    params, grads, optim, host = model_state_bytes(trained, layout, trained_experts)
     params += frozen_bytes
     acts, loss, grad_temp = None, 0.0, 0.0
     if shape is not None:
@@ -371,7 +446,17 @@ def stage_estimate(
     if layout.zero >= 2:  # one 16-bit (fp32 for fp32 training) bucket per rank, allocated whole
         buffers = (4 if layout.dtype == "fp32" else 2) * reduce_bucket_elements(total_params)
     return Estimate(
-        params, grads, optim, acts, stage, host, buffers, loss, grad_temp, psi + trained * bool(frozen_bytes)
+        params,
+        grads,
+        optim,
+        acts,
+        stage,
+        host,
+        buffers,
+        loss,
+        grad_temp,
+        psi + trained * bool(frozen_bytes),
+        experts / layout.ep,
     )
 
 
@@ -413,6 +498,7 @@ def layouts_for(
     sp_values: tuple[int, ...] = (1,),
     shape: Shape | None = None,
     schedules: tuple[str, ...] = ("1f1b",),
+    ep_values: tuple[int, ...] = (1,),
 ):
     """Every layout worth trying on ``gpus`` GPUs that train.py runs (:func:`refused`: the rules its validation
     asks), cheapest in communication and compute first; with ``lora`` (rank, target modules, nf4) LoRA layouts;
@@ -424,14 +510,16 @@ def layouts_for(
     parallelism's all-reduces); lower ZeRO stage first; a smaller pipeline bubble (fewer pipeline stages;
     DualPipeV's is below 1F1B's on as many) first;
     less tensor parallelism (``tp_values``, each within a node) first; less sequence parallelism
-    (``sp_values``, those :func:`sequence_parallel_fits` allows for ``shape``; none without one) first.
+    (``sp_values``, those :func:`sequence_parallel_fits` allows for ``shape``; none without one) first; less
+    expert parallelism (``ep_values``, those dividing the data axis and the model's experts:
+    :func:`expert_layout_problems`) first.
     """
     candidates = []
     for stages in (s for s in range(1, gpus + 1) if gpus % s == 0 and (num_layers is None or s <= num_layers)):
         options = itertools.product(
-            tp_values, sp_values, range(4), (False, True), (False, True), (False, True), schedules
+            tp_values, sp_values, ep_values, range(4), (False, True), (False, True), (False, True), schedules
         )
-        for tp, sp, zero, opt_off, par_off, ckpt, schedule in options:
+        for tp, sp, ep, zero, opt_off, par_off, ckpt, schedule in options:
             if (sp > 1 and shape is None) or (par_off and not opt_off):
                 continue  # the planner's own: Ulysses needs the heads; parameter offload with optimizer offload
             layout = Layout(
@@ -449,11 +537,12 @@ def layouts_for(
                 *lora,
                 tp=tp,
                 sp=sp,
+                ep=ep,
                 schedule=schedule,
             )
             if refused(layout, gpus, num_layers, shape):
                 continue
-            candidates.append(((par_off + opt_off, ckpt, zero, bubble_fraction(layout), tp, sp), layout))
+            candidates.append(((par_off + opt_off, ckpt, zero, bubble_fraction(layout), tp, sp, ep), layout))
     return [layout for _, layout in sorted(candidates, key=lambda c: c[0])]
 
 
@@ -468,8 +557,47 @@ def refused(layout: Layout, gpus: int, num_layers: int | None, shape: Shape | No
         or tensor_layout_problems(layout)
         or sequence_layout_problems(layout, *heads)
         or schedule_layout_problems(layout, num_layers)
+        or expert_layout_problems(layout, shape)
         or (layout.lora_rank and not layout.uses_pipeline)
     )
+
+
+def expert_layout_problems(layout: Layout, shape: Shape | None) -> list[str]:
+    """expert_parallel's rules as the planner applies them, in train.py's knobs: ep divides the data-parallel degree
+    (DeepSpeed's data axis, sequence_parallel x dp) and each MoE layer's experts; a dense model (or a bare count)
+    has none to split; no tensor parallelism with experts (the tensor-parallel plan splits linear layers, not the
+    fused expert tensors, so its memory is not planned). The planner's own until parallel/expert_parallel.py says
+    train.py's."""
+    ep, experts = layout.ep, shape.moe.num_experts if shape is not None and shape.moe is not None else 0
+    problems = []
+    if ep < 1:
+        return [f"expert_parallel {ep} < 1: set expert_parallel to 1 or more"]
+    if ep > 1 and not experts:
+        problems.append(f"expert_parallel {ep} with a dense model (no experts to split): set expert_parallel=1")
+    elif ep > 1 and experts % ep:
+        works = [n for n in range(1, experts + 1) if experts % n == 0]
+        problems.append(
+            f"expert_parallel {ep} does not divide the {experts} experts of each MoE layer: use one of {works}"
+        )
+    if ep > 1 and layout.data_axis % ep:
+        problems.append(
+            f"expert_parallel {ep} does not divide the data-parallel degree {layout.data_axis} (sequence_parallel "
+            f"{layout.sp} x dp {layout.dp}): each MoE layer's experts are split over data-parallel ranks of its stage"
+        )
+    if experts and layout.tp > 1:
+        problems.append(
+            f"tensor_parallel {layout.tp} with a Mixture-of-Experts model: the planner does not split the fused expert "
+            "tensors over tensor-parallel ranks; use tensor_parallel=1 (expert_parallel divides the experts)"
+        )
+    return problems
+
+
+def expert_parallel_sizes(shape: Shape | None, gpus: int) -> tuple[int, ...]:
+    """The expert_parallel values the fit search tries: every divisor of the model's experts up to ``gpus`` (each
+    layout keeps those dividing its data axis, :func:`expert_layout_problems`); 1 for a dense model."""
+    if shape is None or shape.moe is None:
+        return (1,)
+    return tuple(n for n in range(1, min(gpus, shape.moe.num_experts) + 1) if shape.moe.num_experts % n == 0)
 
 
 def bubble_fraction(layout: Layout) -> float:
@@ -497,6 +625,8 @@ def tensor_parallel_sizes(shape: Shape | None, node_gpus: int = 8) -> tuple[int,
     sizes = [t for t in (1, 2, 4, 8, 16) if t <= node_gpus]
     if shape is None:
         return tuple(sizes)
+    if shape.moe is not None:  # the fused experts are not split over tensor-parallel ranks (expert_layout_problems)
+        return (1,)
     return tuple(tp_dividing((shape.heads, shape.kv_heads, shape.ffn, shape.vocab), sizes))
 
 
@@ -525,11 +655,13 @@ def fitting(
     lora: tuple = (0, (), False),
     max_sp: int = SEQUENCE_PARALLEL_SIZES[-1],
     schedules: tuple[str, ...] = ("1f1b",),
+    ep_values: tuple[int, ...] | None = None,
 ) -> list[tuple[Layout, Estimate]]:
     """Layouts whose most loaded GPU fits ``gpu_mem_gb``, cheapest first (see layouts_for).
 
     ``split(layout)`` gives (parameters per piece, decoder layers per piece or None); ``max_sp``: the largest
-    sequence parallelism tried (1: none); ``schedules``: the pipeline schedules tried.
+    sequence parallelism tried (1: none); ``schedules``: the pipeline schedules tried; ``ep_values``: the expert
+    parallelism tried (None: every one the model allows, :func:`expert_parallel_sizes`).
     """
     out = []
     tp_values = tensor_parallel_sizes(shape)
@@ -546,6 +678,7 @@ def fitting(
         tuple(n for n in SEQUENCE_PARALLEL_SIZES if n <= max_sp) if shape is not None else (1,),
         shape,
         schedules,
+        expert_parallel_sizes(shape, gpus) if ep_values is None else ep_values,
     ):
         params, layers = split(layout)
         e = estimate(params, layout, shape, layers)
@@ -566,16 +699,19 @@ def shape_of(config) -> Shape | None:
         config.num_key_value_heads,
         config.vocab_size,
         getattr(config, "head_dim", None) or 0,
+        moe_shape(config),
     )
 
 
 def stage_table(estimates: list[Estimate], stage_layers: list[int] | None, layout: Layout | None = None) -> list[str]:
     """The planner's per-stage table (GB per GPU; host memory per rank where states are offloaded), the
     most loaded stage marked: what scripts/estimate_memory.py and scripts/preflight.py print (g.tmp:
-    gradient temporaries, :attr:`Estimate.grad_temp`). With a DualPipeV ``layout`` a row is a pipeline
-    rank and its layers are those of its two pieces (``stage_layers``: per piece)."""
-    host = any(e.host for e in estimates)
-    head = f"{'stage':>5} {'params':>8} {'layers':>6} {'weights':>8} {'grads':>7} {'optim':>7} {'acts':>7} {'loss':>6}"
+    gradient temporaries, :attr:`Estimate.grad_temp`; experts, for a MoE model: the routed-expert parameters each
+    GPU of the stage holds, of its params). With a DualPipeV ``layout`` a row is a pipeline rank and its layers are
+    those of its two pieces (``stage_layers``: per piece)."""
+    host, experts = any(e.host for e in estimates), any(e.experts for e in estimates)
+    head = f"{'stage':>5} {'params':>8}" + (f" {'experts':>8}" if experts else "")
+    head += f" {'layers':>6} {'weights':>8} {'grads':>7} {'optim':>7} {'acts':>7} {'loss':>6}"
     head += f" {'g.tmp':>6}"
     head += f" {'bucket':>6} {'total':>7}" + (f" {'host':>7}" if host else "")
     rows = [head + "  (params in B, memory in GB)"]
@@ -584,7 +720,8 @@ def stage_table(estimates: list[Estimate], stage_layers: list[int] | None, layou
         held = layout.rank_pieces(e.stage) if layout is not None else [e.stage]
         layers = "-" if stage_layers is None else "+".join(str(stage_layers[p]) for p in held)
         acts = "-" if e.activations is None else f"{e.activations / GB:.2f}"
-        row = f"{e.stage:>5} {e.parameters / 1e9:>8.3f} {layers:>6} {e.params / GB:>8.2f} {e.grads / GB:>7.2f}"
+        row = f"{e.stage:>5} {e.parameters / 1e9:>8.3f}" + (f" {e.experts / 1e9:>8.3f}" if experts else "")
+        row += f" {layers:>6} {e.params / GB:>8.2f} {e.grads / GB:>7.2f}"
         row += f" {e.optimizer / GB:>7.2f} {acts:>7} {e.loss / GB:>6.2f} {e.grad_temp / GB:>6.2f}"
         row += f" {e.buffers / GB:>6.2f} {e.total / GB:>7.2f}"
         row += (f" {e.host / GB:>7.2f}" if host else "") + ("  <- most loaded" if e is worst else "")
@@ -605,6 +742,30 @@ def sequence_report(layout: Layout, shape: Shape | None, stage_layers: list[int]
         f"{all_to_all_step_bytes(shape, layout, stage_layers[most]) / GB:.2f} GB per step on stage {most} "
         f"({stage_layers[most]} layers x {layout.grad_accum} micro-batches x forward, backward"
         f"{', recomputation' if layout.checkpointing else ''})"
+    ]
+
+
+def expert_report(layout: Layout, shape: Shape | None, stage_layers: list[int] | None) -> list[str]:
+    """What a Mixture-of-Experts model holds and sends on ``layout``: its experts per rank and, with expert
+    parallelism, each rank's all-to-all bytes per MoE layer and per step on its most loaded stage. Nothing for a
+    dense model."""
+    if shape is None or shape.moe is None or stage_layers is None:
+        return []
+    m, ep = shape.moe, layout.ep
+    lines = [
+        f"experts: {m.num_experts} per MoE layer on {m.moe_layers} layers, top {m.top_k}, width {m.expert_width}; "
+        f"{m.expert_params / 1e9:.2f} B routed-expert parameters, {m.num_experts // ep} experts per layer on each rank "
+        f"(expert parallelism {ep}; their gradients and optimizer states over {layout.data_axis // ep} ranks each)"
+    ]
+    if ep == 1:
+        return lines + ["  no expert all-to-all (expert parallelism 1: each rank runs every expert of its layers)"]
+    most = max(range(layout.stages), key=lambda p: stage_layers[p])
+    step = expert_all_to_all_step_bytes(shape, layout, stage_layers[most])
+    recomputed = ", recomputation" if layout.checkpointing else ""
+    return lines + [
+        f"  expert all-to-all (dispatch + combine): each rank sends {expert_all_to_all_bytes(shape, layout) / 1e6:.1f} "
+        f"MB per MoE layer per micro-batch forward, {step / GB:.2f} GB per step on stage {most} ({stage_layers[most]} "
+        f"layers x {layout.grad_accum} micro-batches x forward, backward{recomputed})"
     ]
 
 

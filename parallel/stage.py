@@ -2,7 +2,7 @@
 
 As torchtitan's ``parallelize_llama`` applies tensor parallelism, context parallelism, ... one ``apply_*`` after the
 other, :func:`build_pipeline_model` builds the stage and applies the plans of the axes its ``Layout`` uses
-(:data:`AXES`, in order: tensor, sequence, schedule; parallel/axis.py lists the steps). The layout is the only
+(:data:`AXES`, in order: tensor, sequence, expert, schedule; parallel/axis.py lists the steps). The layout is the only
 source of the axes' sizes; training/ asks :func:`axis_plans` for the steps that follow the build (the DeepSpeed
 config, the engine, the announcement, the end-of-run check).
 """
@@ -19,17 +19,21 @@ from deepspeed.runtime.pipe.topology import (
 from transformers import PretrainedConfig
 
 from models.attention import DOCUMENT_ATTENTION
-from models.llama_pipe import DECODER_LAYER_CLASSES, LlamaPipelineModule, build_specs
+from models.families import moe_spec
+from models.layer_files import local_modules
+from models.llama_pipe import DECODER_LAYER_CLASSES, LlamaPipelineModule, NormPipe, build_specs, router_stats_experts
 from models.loss import CausalLMLoss, LossSplit, PreferenceLoss
+from models.router_loss import RouterLoss
 from parallel.axis import AxisPlan
 from parallel.dualpipev import DualPipeVPlan
+from parallel.expert_parallel import ExpertParallelPlan
 from parallel.layout import Layout
 from parallel.partition import DEFAULT_PARTITION_METHOD, stage_boundaries
 from parallel.sequence_parallel import SequenceParallelPlan
 from parallel.tensor_parallel import TensorParallelPlan
 
 # The axes, in the order their plans apply.
-AXES: tuple[type[AxisPlan], ...] = (TensorParallelPlan, SequenceParallelPlan, DualPipeVPlan)
+AXES: tuple[type[AxisPlan], ...] = (TensorParallelPlan, SequenceParallelPlan, ExpertParallelPlan, DualPipeVPlan)
 
 
 def axis_plans(layout: Layout) -> list[AxisPlan]:
@@ -104,6 +108,7 @@ def build_pipeline_model(
         loss_fn=loss,
         boundaries=stage_boundaries(config, layout.pieces, partition_method, layout),
         activation_checkpoint_interval=activation_checkpoint_interval,
+        **checkpoint_function(config),
         checkpointable_layers=[cls.__name__ for cls in DECODER_LAYER_CLASSES.values()],
         dynamic_shape=dynamic_shape,
     )
@@ -111,4 +116,29 @@ def build_pipeline_model(
     for plan in plans:
         split.update(plan.apply(model))
     loss.split_over(LossSplit(**split))
+    attach_router_loss(model, config, loss)
     return model
+
+
+def checkpoint_function(config: PretrainedConfig) -> dict:
+    """A stage that sends two float tensors (the hidden states and, with the router loss, the router probabilities)
+    gets two backward calls from DeepSpeed's pipeline engine, one per tensor; DeepSpeed's reentrant checkpoint frees
+    its saved inputs in the first ('NoneType' object is not iterable in the second): the non-reentrant one keeps them
+    for as long as the graph lives."""
+    if not router_stats_experts(config):
+        return {}
+    from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+
+    return {"activation_checkpoint_func": non_reentrant_checkpoint}
+
+
+def attach_router_loss(model, config: PretrainedConfig, loss: CausalLMLoss) -> None:
+    """A MoE model with ``output_router_logits``: the loss adds the router loss, from the statistics this rank's final
+    norm (the last stage's) hands it (the stage contract above models.llama_pipe.build_specs)."""
+    moe = moe_spec(config)
+    if moe is None or not moe.router_loss:
+        return
+    loss.router = RouterLoss(moe.num_experts, moe.top_k, moe.router_aux_loss_coef)
+    for _, module in local_modules(model):
+        if isinstance(module, NormPipe):
+            module.router_sink = loss.router.receive

@@ -7,6 +7,8 @@
     python scripts/estimate_memory.py --model 7.5e9 --dp 64 --zero 3        # a bare parameter count
     python scripts/estimate_memory.py --model llama2-70b --gpus 16 --gpu-mem 80 --seq-len 4096 --lora-rank 16 [--nf4]
     python scripts/estimate_memory.py --model llama3-8b --stages 4 --grad-accum 16 --schedule both
+    python scripts/estimate_memory.py --model qwen3-30b-a3b --gpus 8 --gpu-mem 80    # tries expert parallelism too
+    python scripts/estimate_memory.py --model mixtral-8x7b --stages 2 --dp 4 --ep 4 --zero 1 --checkpointing
 
 --model is a conf/model name, a Hugging Face config.json (or its directory), or a parameter count
 (model states only: activations need an architecture).
@@ -31,6 +33,9 @@ from models.peft_targets import DECODER_LINEARS  # noqa: E402
 from parallel.layout import Layout, count_arg, layout_problems  # noqa: E402
 from parallel.memory_plan import (  # noqa: E402
     GB,
+    expert_all_to_all_step_bytes,
+    expert_layout_problems,
+    expert_report,
     fitting,
     layout_bubble,
     schedule_report,
@@ -89,7 +94,10 @@ def report(config, total, layout: Layout, method: str) -> None:
         print(f"most loaded GPU: stage {e.stage}, {e.total / GB:.2f} GB")
     if e.host:
         print(f"host memory per rank (offloaded states, not in the GPU totals): up to {e.host / GB:.2f} GB")
-    for line in schedule_report(split, layout, shape_of(config)) + sequence_report(layout, shape_of(config), layers):
+    shape = shape_of(config)
+    for line in schedule_report(split, layout, shape) + sequence_report(layout, shape, layers):
+        print(line)
+    for line in expert_report(layout, shape, layers):
         print(line)
 
 
@@ -110,21 +118,36 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
         lora(args),
         args.max_sp,
         schedules(args),
+        None if args.ep is None else (args.ep,),
     )
     print(
         f"layouts that fit {gpus} x {gpu_mem:g} GB, cheapest first (estimate incl. activations, GB per GPU; bubble: "
         "the share of a step the pipeline ranks idle, DeepSpeed's schedule simulated with equal per-layer times):"
     )
-    print(f"  {'GB':>7}  {'schedule':<9}  {'bubble':>6}  layout")
+    shape = shape_of(config)
+    moe = shape is not None and shape.moe is not None  # a MoE model: each layout's expert all-to-all bytes too
+    print(f"  {'GB':>7}  {'schedule':<9}  {'bubble':>6}  " + (f"{'a2a GB':>6}  " if moe else "") + "layout")
     for layout, e in found[: args.top]:
         bubble = layout_bubble(layout, split.work(layout))
-        print(f"  {e.total / GB:7.1f}  {layout.schedule:<9}  {bubble:6.0%}  {layout.describe()}")
+        a2a = f"{expert_a2a_per_step(shape, layout, split) / GB:6.1f}  " if moe else ""
+        print(f"  {e.total / GB:7.1f}  {layout.schedule:<9}  {bubble:6.0%}  {a2a}{layout.describe()}")
+    if moe:
+        print(
+            "  (experts N: expert parallelism, each MoE layer's experts split over N data-parallel ranks; a2a GB: the "
+            "bytes a rank of the stage with the most layers sends in the experts' all-to-alls per step)"
+        )
     if any(layout.sp > 1 for layout, _ in found[: args.top]):
         print(
             "  (x sequence N: Ulysses sequence parallelism; --sp N with the layout's sizes shows its all-to-all bytes)"
         )
     if not found:
         print("  none: add GPUs, shorten sequences or use a smaller micro-batch")
+
+
+def expert_a2a_per_step(shape, layout: Layout, split) -> float:
+    """Bytes a rank of ``layout``'s stage with the most decoder layers sends in the experts' all-to-alls per step."""
+    _, layers = split(layout)
+    return max(expert_all_to_all_step_bytes(shape, layout, n) for n in layers)
 
 
 def lora(args) -> tuple[int, tuple[str, ...], bool]:
@@ -154,6 +177,7 @@ def flag_config(args) -> TrainConfig:
         partition_method=args.partition_method,
         tensor_parallel=args.tp,
         sequence_parallel=args.sp,
+        expert_parallel=args.ep or 1,
         ds_config=f"zero{args.zero}",
         micro_batch_size=args.micro_batch,
         gradient_accumulation_steps=args.grad_accum,
@@ -175,7 +199,7 @@ def train_problems(config, layout: Layout, args) -> list[str]:
 
     cfg = flag_config(args)
     problems = tensor_parallel_problems(cfg, config, layout) + sequence_parallel_problems(cfg, config, layout)
-    problems += dualpipev_problems(cfg, config, layout)
+    problems += dualpipev_problems(cfg, config, layout) + expert_layout_problems(layout, shape_of(config))
     return problems + (peft_problems(cfg, config, layout) if layout.lora_rank else [])
 
 
@@ -194,6 +218,7 @@ FLAGS = {
     "num_stages": "--stages",
     "tensor_parallel": "--tp",
     "sequence_parallel": "--sp",
+    "expert_parallel": "--ep",
     "micro_batch_size": "--micro-batch",
     "gradient_accumulation_steps": "--grad-accum",
     "loss_chunk_tokens": "--loss-chunk-tokens",
@@ -233,6 +258,12 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=1,
         help="sequence parallelism (sequence_parallel, DeepSpeed Ulysses): ranks each sample's sequence is split over",
+    )
+    p.add_argument(
+        "--ep",
+        type=count_arg(1),
+        help="expert parallelism (expert_parallel, Mixture-of-Experts models): data-parallel ranks each MoE layer's "
+        "experts are split over; with --gpus, only this value (default: each divisor of the data axis and the experts)",
     )
     p.add_argument(
         "--max-sp",
@@ -304,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         *lora(args),
         tp=1 if fit else args.tp,  # --gpus: every tensor_parallel the model allows within a node is tried
         sp=1 if fit else args.sp,  # --gpus: and every sequence_parallel (parallel.memory_plan.SEQUENCE_PARALLEL_SIZES)
+        ep=1 if fit else args.ep or 1,  # --gpus: and every expert_parallel the model allows (or --ep's)
     )
     refuse(layout_problems(layout, layout.world_size, args.partition_method, num_layers))
     if fit:

@@ -133,10 +133,10 @@ def write_config(path, **fields) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "mixtral", None])
+@pytest.mark.parametrize("model_type", ["gemma", "deepseek_v3", None])
 def test_other_model_types_are_refused_naming_the_supported_ones(tmp_path, model_type):
     src = write_config(tmp_path / "src", model_type=model_type, hidden_size=64)
-    supported = "supported model types: llama, mistral, qwen2, qwen3"
+    supported = "supported model types: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral"
     with pytest.raises(UnsupportedModelError, match=supported):
         load_config(src)
     with pytest.raises(ConversionError, match=f"model_type {model_type!r} is not supported; {supported}"):
@@ -156,9 +156,9 @@ def test_training_refuses_other_model_types_before_starting(tmp_path):
     with pytest.raises(ConfigError, match="model_type 'gemma' is not supported; supported model types: llama"):
         resolve(cfg, world_size=4)
     cfg = TrainConfig()
-    cfg.model.architecture = {"model_type": "mixtral", "hidden_size": 64}
+    cfg.model.architecture = {"model_type": "deepseek_v3", "hidden_size": 64}
     cfg.model.tokenizer, cfg.output_dir = str(tmp_path), str(tmp_path / "out")
-    with pytest.raises(ConfigError, match="model.architecture: model_type 'mixtral' is not supported"):
+    with pytest.raises(ConfigError, match="model.architecture: model_type 'deepseek_v3' is not supported"):
         resolve(cfg, world_size=4)
 
 

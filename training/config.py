@@ -236,6 +236,10 @@ class TrainConfig:
     # (parallel/sequence_parallel.py). World size = num_stages x tensor_parallel x sequence_parallel x
     # data-parallel; the global batch counts each sample once.
     sequence_parallel: int = 1
+    # Expert parallelism (Mixture-of-Experts models): each MoE layer's experts divided over this many
+    # data-parallel ranks of its stage, tokens sent to their experts' rank and back (all-to-all, none dropped;
+    # parallel/expert_parallel.py). Divides the data-parallel degree and the number of experts.
+    expert_parallel: int = 1
     # 1f1b: DeepSpeed's pipeline schedule, a stage per pipeline rank | dualpipev: DeepSpeed's DualPipeV, the
     # model cut into 2 x num_stages pieces, rank r holding piece r and its mirror 2 x num_stages - 1 - r, so
     # micro-batches go out and come back and the first pipeline rank reads the data and computes the loss

@@ -25,8 +25,7 @@ from training.logs import log0
 from training.memory_census import CensusAtStep, StepPeak
 from training.metrics import StepLogger, device_peak_tflops, write_final_record
 from training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Preempted, StopAndSave
-from training.preference import step_metrics
-from training.step import counts_tokens, eval_label_count, evaluate, train_step
+from training.step import eval_label_count, evaluate, objective_metrics, train_step
 from training.straggler import ComputeClock
 
 
@@ -91,7 +90,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
                 )
             grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
             norm = None if grad_norm is None else float(grad_norm)
-            extra = step_metrics(loss_fn, counts_tokens(resolved, engine)) if cfg.train_objective == "dpo" else None
+            extra = objective_metrics(resolved, engine, loss_fn)
             logger.log(step, loss, lr, norm, *counts[:3], counts[3:], compute=compute if clock else None, extra=extra)
             check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
             # the checkpoint first: an eval that fails (or a signal during it) never costs the steps trained

@@ -230,5 +230,6 @@ def read_final_record(output_dir: str) -> dict | None:
 
 
 def _extra_line(extra: dict[str, float] | None) -> str:
-    """`` | rewards/chosen 0.0123 | ...``: a DPO step's metrics under TRL's names, in the progress line."""
+    """`` | rewards/chosen 0.0123 | ...``: the objective's metrics in the progress line (a DPO step's under TRL's
+    names; a MoE model's router loss and expert load, training/step.py's objective_metrics)."""
     return "".join(f" | {name} {value:.4f}" for name, value in (extra or {}).items())

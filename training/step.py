@@ -119,10 +119,38 @@ def evaluate(
             losses = [loss_fn(engine(ids, pos), labels) for (ids, pos), labels in batches]
         engine.train()
         loss = mean_over_ranks(torch.stack(losses).mean())
-    extra = None
+    logger.log_eval(
+        step, loss, time.time() - start, evaluation.name, objective_metrics(resolved, engine, loss_fn, "eval_")
+    )
+
+
+def objective_metrics(resolved: Resolved, engine, loss_fn, prefix: str = "") -> dict[str, float] | None:
+    """The objective's own figures since the last call, for the progress line and metrics.jsonl (a collective on every
+    rank when there are any): DPO's rewards and log-probabilities, or a MoE model's router loss and expert load."""
     if resolved.cfg.train_objective == "dpo":
-        extra = step_metrics(loss_fn, counts_tokens(resolved, engine), prefix="eval_")
-    logger.log_eval(step, loss, time.time() - start, evaluation.name, extra)
+        return step_metrics(loss_fn, counts_tokens(resolved, engine), prefix=prefix)
+    if getattr(loss_fn, "router", None) is not None:  # every rank's loss has it (parallel.stage.attach_router_loss)
+        return router_metrics(loss_fn, counts_tokens(resolved, engine), prefix)
+    return None
+
+
+def router_metrics(loss_fn: CausalLMLoss, counts: bool, prefix: str = "") -> dict[str, float]:
+    """A MoE model's routing since the last call, every last-stage rank's summed (``counts``: one rank per micro-batch):
+    ``router_loss``, the mean over micro-batches of the load-balancing loss (without its coefficient), and
+    ``expert_load_max``: the most tokens any expert got (over every MoE layer) / the mean per expert, 1.0 for a balanced
+    router, num_experts / top_k when every token goes to the same top_k experts. A collective."""
+    stats = torch.zeros(2 + loss_fn.router.num_experts, dtype=torch.float64)
+    loss_sum, micro_batches, tokens = loss_fn.router.take_metrics()
+    if counts:
+        stats[0], stats[1], stats[2:] = loss_sum, micro_batches, tokens
+    stats = stats.to(get_accelerator().current_device_name())
+    dist.all_reduce(stats)
+    stats = stats.cpu()
+    tokens = stats[2:]
+    return {
+        f"{prefix}router_loss": stats[0].item() / stats[1].item() if stats[1] else float("nan"),
+        f"{prefix}expert_load_max": (tokens.max() / tokens.mean()).item() if tokens.sum() else float("nan"),
+    }
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:

@@ -16,6 +16,7 @@ from data.settings import prepared_problems
 from models.layer_files import tags_newer_than_latest
 from models.lora_rules import peft_change_problems, peft_problems
 from parallel.dualpipev import dualpipev_defaults, dualpipev_problems
+from parallel.expert_parallel import expert_parallel_problems
 from parallel.layout import Layout, layout_problems, schedule_warnings
 from parallel.partition import frozen_stage_problems
 from parallel.sequence_parallel import (
@@ -173,6 +174,7 @@ def resolve(
     )
     problems += tensor_parallel_problems(cfg, model_config, layout)
     problems += sequence_parallel_problems(cfg, model_config, layout)
+    problems += expert_parallel_problems(cfg, model_config, layout)
     problems += dualpipev_problems(cfg, model_config, layout)
     warnings += tensor_parallel_warnings(layout, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     inert, harmless = inert_settings(cfg, layout)

@@ -1,0 +1,102 @@
+"""Parameters of a Mixture-of-Experts model split into routed experts and the rest, from the stage specs' shapes.
+
+A MoE layer's routed experts are the tensors of its fused experts module (``mlp.experts.gate_up_proj`` [E,2I,H] and
+``mlp.experts.down_proj`` [E,H,I] in transformers 5; Llama 4's ``feed_forward.experts.*``): every state-dict key
+with ``.experts.`` in it. Everything else is dense: attention, norms, embeddings, the LM head, the router
+(``mlp.gate.weight`` [E,H]) and a shared expert (``shared_expert.*``), which every token runs through. A token runs
+top_k of a layer's E experts, so it computes with the dense parameters and top_k / E of the expert parameters: the
+active parameters. Counted on the meta device (:func:`models.specs.expected_state_shapes`), so a new family counts
+right as soon as its specs build; dense models have no experts and every count here is theirs unchanged.
+
+Expert parallelism and the planner (parallel/memory_plan.py) read :func:`moe_shape`: per rank it holds 1/ep of
+each MoE layer's experts and all of the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from models.families import moe_spec
+from models.llama_pipe import build_specs, spec_layout, spec_parameter_counts
+from models.specs import expected_state_shapes
+
+EXPERT_KEY = ".experts."  # in a decoder spec's state-dict key (``mlp.experts.down_proj``): a routed expert's tensor
+
+
+def is_routed_expert(key: str) -> bool:
+    """Whether a spec's state-dict key is a routed expert's tensor (the router and a shared expert are not)."""
+    return EXPERT_KEY in f".{key}"
+
+
+def spec_expert_parameters(config: PretrainedConfig) -> list[int]:
+    """Routed-expert parameters of every spec (in :func:`models.specs.spec_layout` order; 0 for a dense model's
+    specs, and for every spec but the MoE decoder layers). Kept per config contents, as the spec counts are."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _EXPERT_COUNTS:
+        if moe_spec(config) is None:
+            counts = (0,) * len(spec_layout(config))
+        else:
+            counts = tuple(
+                sum(math.prod(s) for k, s in expected_state_shapes(spec).items() if is_routed_expert(k))
+                for spec in build_specs(config)
+            )
+        _EXPERT_COUNTS[key] = counts
+    return list(_EXPERT_COUNTS[key])
+
+
+_EXPERT_COUNTS: dict[str, tuple[int, ...]] = {}
+
+
+def parameter_split(config: PretrainedConfig) -> tuple[int, int]:
+    """(routed-expert parameters, all other parameters) of the whole model (a tied embedding counted once)."""
+    counts, experts = spec_parameter_counts(config), spec_expert_parameters(config)
+    owned = [info.index for info in spec_layout(config) if info.owns_file]
+    routed = sum(experts[i] for i in owned)
+    return routed, sum(counts[i] for i in owned) - routed
+
+
+def active_parameters(config: PretrainedConfig) -> int:
+    """Parameters one token computes with: all but the routed experts, plus top_k / E of those (every MoE layer
+    holds E experts of equal size, so the share is exact). A dense model's whole count."""
+    routed, rest = parameter_split(config)
+    moe = moe_spec(config)
+    return rest if moe is None else rest + routed * moe.top_k // moe.num_experts
+
+
+def active_spec_weights(config: PretrainedConfig, counts: list[int]) -> list[int]:
+    """``counts`` (one number per spec, as ``models.llama_pipe.spec_weights`` weighs them) with each spec's routed
+    experts counted at top_k / E: the work of a token. Unchanged for a dense model."""
+    moe = moe_spec(config)
+    if moe is None:
+        return list(counts)
+    experts = spec_expert_parameters(config)
+    return [c - e + e * moe.top_k // moe.num_experts for c, e in zip(counts, experts)]
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """What the planner needs to know about a model's experts (parallel/memory_plan.py's ``Shape`` carries it)."""
+
+    num_experts: int  # E per MoE layer
+    top_k: int  # experts each token is routed to
+    moe_layers: int  # decoder layers whose MLP is routed
+    expert_width: int  # I: each expert's SwiGLU intermediate size
+    expert_params: int  # routed-expert parameters of the whole model
+    largest_expert_tensor: int  # elements of the largest fused expert tensor (all E experts of one MoE layer)
+
+
+def moe_shape(config: PretrainedConfig) -> MoEShape | None:
+    """The experts of ``config`` as the planner counts them, from the specs' shapes; None for a dense model. The
+    expert width is what the shapes imply for a SwiGLU expert (3 H I parameters: gate, up and down)."""
+    moe = moe_spec(config)
+    if moe is None or not moe.moe_layers:
+        return None
+    experts = spec_expert_parameters(config)
+    layer_spec = 1 + moe.moe_layers[0]  # spec of the first MoE decoder layer (spec_layout: decoder i is spec 1 + i)
+    shapes = expected_state_shapes(build_specs(config)[layer_spec])
+    largest = max(math.prod(s) for k, s in shapes.items() if is_routed_expert(k))
+    width = experts[layer_spec] // (moe.num_experts * 3 * config.hidden_size)
+    return MoEShape(moe.num_experts, moe.top_k, len(moe.moe_layers), width, sum(experts), largest)

@@ -1,0 +1,331 @@
+"""Expert parallelism (``expert_parallel=N``): each MoE layer's experts divided over N data-parallel ranks of its stage.
+
+The N consecutive coordinates ``data = g * N + j`` of DeepSpeed's data axis form expert group g; rank j of every group
+holds experts ``j * E/N .. (j + 1) * E/N - 1`` of every MoE layer of the stage (the rows of Hugging Face's fused
+``gate_up_proj [E,2I,H]`` and ``down_proj [E,H,I]``), and nothing else changes: the router, attention and every
+other weight stay whole on every rank. In each MoE layer the router runs where the tokens are; each (token, expert)
+pair then goes to its expert's rank, which runs Hugging Face's own experts module on what it received, and the results
+come back the same way (two all-to-alls with the pairs' counts, :class:`_AllToAll`, written here because the collective
+with split sizes and a gradient is not in DeepSpeed and torch's is private); the rank weights and sums each token's
+k results in the order of the experts' indices, as Hugging Face's loop does. No pair is dropped (no capacity factor).
+
+Gradients: rank j's experts get the gradient of its group's N ranks' tokens; the ranks holding the same experts (one
+per group: the expert-data-parallel group) sum theirs and divide by the data axis, so the result is the gradient of
+the global batch, as DeepSpeed's average over the data axis is for every other weight (:class:`ExpertParallelEngine`).
+The global gradient norm counts every expert once (its squares summed over the expert group).
+
+Building: the stage is built on the meta device and only this rank's experts get memory (``ep_split``, read by
+models/layer_files.py like tensor parallelism's ``tp_split``): layer files keep every expert, and a rank reads its own
+rows of the memory-mapped file. Saving gathers the experts of each layer over the expert group and data-parallel rank
+0 writes them whole, so a checkpoint is the same file for any ``expert_parallel``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from torch import nn
+
+from models.families import moe_spec
+from models.layer_files import CheckpointError, fill_module_, load_layer_file, local_modules
+from models.llama_pipe import materialize_
+from parallel.axis import AxisPlan
+from parallel.layout import Layout
+
+
+def expert_groups(topology, ep: int):
+    """This rank's (expert group, its rank in it, expert-data-parallel group). Collective: every rank creates every
+    group in the same order (torch's rule for ``new_group``)."""
+    axes = [a for a in topology.get_axis_names() if a != "data"]
+    data = topology.get_dim("data")
+    mine: dict[str, object] = {}
+    for fixed in sorted(
+        {tuple(getattr(c, a) for a in axes) for c in map(topology.get_coord, range(topology.world_size()))}
+    ):
+        coords = dict(zip(axes, fixed))
+        for first in range(0, data, ep):  # expert groups: consecutive data coordinates
+            ranks = [topology.get_rank(**coords, data=first + j) for j in range(ep)]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine["ep"], mine["rank"] = group, ranks.index(dist.get_rank())
+        for j in range(ep):  # expert-data-parallel groups: the same slot of every expert group
+            ranks = [topology.get_rank(**coords, data=first + j) for first in range(0, data, ep)]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine["edp"] = group
+    return mine["ep"], mine["rank"], mine["edp"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` with split sizes; its gradient is the all-to-all back."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return back, None, None, None
+
+
+def _exchange_counts(send: torch.Tensor, group) -> list[int]:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.tolist()
+
+
+class ExpertParallelExperts:
+    """Mixed before a Hugging Face experts class (``Qwen3MoeExperts``, ``MixtralExperts``) whose instance holds this
+    rank's ``num_experts`` = E/N experts: its forward takes the layer's tokens and their routing over all E experts."""
+
+    ep_group = None
+    ep_rank = 0
+    ep_size = 1
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, k = top_k_index.shape  # hidden [T,H], top_k_index [T,k] global expert ids, top_k_weights [T,k]
+        local = self.num_experts
+        pair_expert = top_k_index.reshape(-1)  # [T*k]
+        order = torch.argsort(pair_expert // local, stable=True)  # [T*k]: the pairs grouped by destination rank
+        send = torch.bincount(pair_expert // local, minlength=self.ep_size)  # [N] pairs per rank
+        recv = _exchange_counts(send, self.ep_group)
+        send = send.tolist()
+        rows = _AllToAll.apply(hidden[order // k], send, recv, self.ep_group)  # [R,H] tokens for my experts
+        ids = torch.empty(sum(recv), dtype=torch.int64, device=hidden.device)
+        dist.all_to_all_single(ids, (pair_expert[order] % local).contiguous(), recv, send, group=self.ep_group)
+        ones = torch.ones(len(ids), 1, dtype=hidden.dtype, device=hidden.device)
+        out = super().forward(rows, ids[:, None], ones)  # [R,H]: Hugging Face's experts on what this rank received
+        returned = _AllToAll.apply(out, recv, send, self.ep_group)  # [T*k,H] in the order sent
+        unsort = torch.empty_like(order)
+        unsort[order] = torch.arange(len(order), device=order.device)
+        weighted = returned[unsort].view(tokens, k, -1) * top_k_weights[..., None].to(returned.dtype)  # [T,k,H]
+        by_expert = top_k_index.argsort(dim=1)  # [T,k]: each token's slots in the order of their expert ids
+        weighted = weighted.gather(1, by_expert[..., None].expand_as(weighted))
+        final = weighted[:, 0]
+        for slot in range(1, k):  # summed as Hugging Face's loop adds them: expert by expert
+            final = final + weighted[:, slot]
+        return final  # [T,H]
+
+
+_EP_CLASSES: dict[type, type] = {}
+
+
+def expert_parallel_class(cls: type) -> type:
+    """``class ExpertParallel<cls>(ExpertParallelExperts, cls)``, one per Hugging Face experts class."""
+    if cls not in _EP_CLASSES:
+        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {"__module__": __name__})
+        globals()[_EP_CLASSES[cls].__name__] = _EP_CLASSES[cls]
+    return _EP_CLASSES[cls]
+
+
+def split_experts_(model, group, rank: int, size: int) -> int:
+    """Keep this rank's experts of every MoE layer of the stage, while its parameters are on the meta device; returns
+    how many experts modules were split."""
+    moe = moe_spec(model._llama_config)
+    split = 0
+    for _, module in local_modules(model):
+        for name, experts in list(module.named_modules()):
+            if not name.endswith(moe.experts.rsplit(".", 1)[-1]) or not hasattr(experts, "gate_up_proj"):
+                continue
+            for pname, p in list(experts.named_parameters(recurse=False)):
+                local = nn.Parameter(torch.empty((p.shape[0] // size, *p.shape[1:]), dtype=p.dtype, device="meta"))
+                local.__dict__.update(p.__dict__)  # DeepSpeed's flags (ds_pipe_replicated)
+                local.ep_split = (0, rank, size)
+                # deepspeed.initialize broadcasts every weight from data-parallel rank 0, which would give every rank
+                # rank 0's experts; it skips the parameters it knows to be unique per rank (OptimizedLinear's flag)
+                local.ds_optim_param = True
+                setattr(experts, pname, local)
+            experts.num_experts = moe.num_experts // size
+            experts.__class__ = expert_parallel_class(type(experts))
+            experts.ep_group, experts.ep_rank, experts.ep_size = group, rank, size
+            split += 1
+    return split
+
+
+class ExpertParallelStage:
+    """The stage's class with expert parallelism (before ``LlamaPipelineModule``, parallel/stage.py): built with only
+    this rank's experts, saved with every expert (gathered over the expert group), loaded with its own."""
+
+    # (expert group, rank in it, size, expert-data-parallel group): set by ExpertParallelPlan.before_build, the one way
+    # into PipelineModule.__init__'s build (one model per process); the engine reads it from the stage.
+    _ep = None
+
+    def _build(self) -> None:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            super()._build()
+        split_experts_(self, *self._ep[:3])
+        materialize_(self)
+
+    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+        group, rank, size, _ = self._ep
+        if self._grid.data_parallel_id >= size:  # not in expert group 0: another rank writes these files
+            return None
+        checkpoint_engine.makedirs(save_dir, exist_ok=True)
+        writer = rank == 0
+        for idx, layer in enumerate(self.forward_funcs):
+            if not hasattr(layer, "state_dict"):
+                continue
+            state, params = {}, dict(layer.named_parameters())
+            for key, t in layer.state_dict().items():
+                if hasattr(params.get(key), "ep_split"):
+                    pieces = [torch.empty_like(t) for _ in range(size)] if writer else None
+                    dist.gather(t.contiguous(), pieces, dst=dist.get_global_rank(group, 0), group=group)
+                    t = torch.cat(pieces, 0) if writer else t  # [E,...], every expert
+                state[key] = t.clone()
+            if writer:
+                checkpoint_engine.save(state_dict=state, path=self.ckpt_layer_path(save_dir, idx))
+        return None
+
+    def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
+        for idx, layer in enumerate(self.forward_funcs):
+            if not hasattr(layer, "load_state_dict"):
+                continue
+            path = self.ckpt_layer_path(load_dir, idx)
+            problems = fill_module_(layer, load_layer_file(path), path)
+            if problems:
+                raise CheckpointError("cannot load the stage's experts:\n  " + "\n  ".join(problems))
+        return None
+
+
+class ExpertParallelEngine(PipelineEngine):
+    """DeepSpeed's pipeline engine whose gradient reduction and clipping know the experts (fp32 at ZeRO-0): every other
+    gradient averaged over the data axis as before, each expert's summed over its expert-data-parallel group and
+    divided by the data axis; the norm over every weight of the model, each expert counted once."""
+
+    def buffered_allreduce_fallback(self, grads=None, elements_per_buffer=500000000):
+        dense, experts = [], []
+        for p in self.module.parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            (experts if hasattr(p, "ep_split") else dense).append(p.grad.data)
+        self._reduce_non_expert_gradients(dense, elements_per_buffer)
+        data_axis = self.dp_world_size
+        for g in experts:
+            if dist.get_world_size(self.expert_data_group) > 1:
+                dist.all_reduce(g, group=self.expert_data_group)
+            g.div_(data_axis)
+
+    def clip_fp32_gradients(self):
+        self._global_grad_norm = clip_with_experts_(self.module.parameters(), self.gradient_clipping(), self)
+
+
+@torch.no_grad()
+def clip_with_experts_(parameters, max_norm: float, engine) -> float:
+    """Clip every gradient by the global norm of the model's: each stage's weights counted once (the model-parallel
+    flags of ``LlamaPipelineModule``), each expert once (summed over its expert group)."""
+    dense = torch.zeros((), dtype=torch.float32)
+    experts = torch.zeros((), dtype=torch.float32)
+    grads, first_stage = [], engine.mpu.get_model_parallel_rank() == 0
+    for p in parameters:
+        if p.grad is None:
+            continue
+        grads.append(p.grad)
+        if hasattr(p, "ep_split"):
+            experts += p.grad.float().pow(2).sum()
+        elif getattr(p, "model_parallel", False) or first_stage:  # DeepSpeed's rule: a tied copy on stage 0 only
+            dense += p.grad.float().pow(2).sum()
+    dist.all_reduce(experts, group=engine.expert_group)
+    total = dense + experts
+    dist.all_reduce(total, group=engine.mpu.get_model_parallel_group())
+    norm = math.sqrt(total.item())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+class ExpertParallelPlan(AxisPlan):
+    """``expert_parallel`` > 1 (parallel/axis.py's steps): the expert and expert-data-parallel groups before the stage,
+    the stage built with this rank's experts (:class:`ExpertParallelStage`), and the engine's gradient reduction and
+    clipping made the experts' (:class:`ExpertParallelEngine`)."""
+
+    stage_mixin = ExpertParallelStage
+
+    @staticmethod
+    def used(layout: Layout) -> bool:
+        return layout.ep > 1
+
+    def before_build(self, config, topology, attention: str) -> str:
+        group, rank, edp = expert_groups(topology, self.layout.ep)
+        ExpertParallelStage._ep = (group, rank, self.layout.ep, edp)
+        return attention
+
+    def adopt_engine(self, engine) -> None:
+        if type(engine) is not PipelineEngine:
+            raise RuntimeError(f"expert_parallel runs on DeepSpeed's pipeline engine, not {type(engine).__name__}")
+        engine.__class__ = ExpertParallelEngine
+        engine.expert_group, _, _, engine.expert_data_group = engine.module._ep
+
+    def announce(self, engine, gather) -> list[str]:
+        held = sum(p.numel() for p in engine.module.parameters() if hasattr(p, "ep_split"))
+        counts = gather("counting this rank's experts", lambda: held)
+        moe = moe_spec(engine.module._llama_config)
+        return [
+            f"experts: {moe.num_experts} per MoE layer over expert_parallel {self.layout.ep} ranks of each stage "
+            f"({moe.num_experts // self.layout.ep} per rank; expert parameters per rank "
+            f"{', '.join(f'{c / 1e6:.2f} M' for c in counts)})"
+        ]
+
+
+def expert_parallel_problems(cfg, model_config, layout: Layout) -> list[str]:
+    """Everything train.py refuses about a MoE model or ``expert_parallel`` (cfg: training.config.TrainConfig), with
+    the numbers and what to use instead."""
+    ep, problems = cfg.expert_parallel, []
+    moe = moe_spec(model_config) if model_config is not None else None
+    if ep < 1:
+        return [f"expert_parallel {ep} must be >= 1 (1: every rank holds every expert)"]
+    if moe is None:
+        if ep > 1 and model_config is not None:
+            problems.append(
+                f"expert_parallel {ep} with model_type {model_config.model_type}, which has no experts: "
+                "use expert_parallel=1"
+            )
+        return problems
+    kind = f"a Mixture-of-Experts model ({model_config.model_type})"
+    if not layout.uses_pipeline:
+        problems.append(
+            f"{kind} runs on the pipeline engine; num_stages=1 with ds={cfg.ds_config} (ZeRO {layout.zero}) uses "
+            "DeepSpeed's data-parallel engine: use ds=zero0 or ds=zero1"
+        )
+    for what, value, instead in (
+        ("tensor_parallel", layout.tp > 1, "expert_parallel to divide the experts, and stages"),
+        ("sequence_parallel", layout.sp > 1, "shorter rows or more stages"),
+        ("pipeline_schedule=dualpipev", layout.schedule == "dualpipev", "pipeline_schedule=1f1b"),
+        (f"peft.method={cfg.peft.method}", cfg.peft.method != "none", "full training (peft.method=none)"),
+        ("train_objective=dpo", cfg.train_objective == "dpo", "train_objective=sft"),
+    ):
+        if value:
+            problems.append(f"{what} with {kind} is not supported yet: use {instead}")
+    if ep > 1:
+        if layout.dp and layout.data_axis % ep:
+            problems.append(
+                f"expert_parallel {ep} must divide the data-parallel degree {layout.data_axis} (world size / "
+                f"num_stages): the experts are split over data-parallel ranks of each stage"
+            )
+        if model_config.model_type == "llama4_text":
+            problems.append(
+                f"expert_parallel {ep} with llama4_text: Hugging Face's Llama 4 experts run every token through every "
+                "expert (scaled by its router score), not a dispatch to k experts; use expert_parallel=1"
+            )
+        elif moe.num_experts % ep:
+            problems.append(f"expert_parallel {ep} must divide the {moe.num_experts} experts of each MoE layer")
+        if layout.zero != 0 or layout.dtype != "fp32":
+            problems.append(
+                f"expert_parallel {ep} runs with precision=fp32 and ds=zero0 in this version (here: "
+                f"precision={layout.dtype}, ZeRO {layout.zero}); each rank then holds the optimizer states of its own "
+                "experts only. For bf16 or ZeRO-1 use expert_parallel=1"
+            )
+    return problems

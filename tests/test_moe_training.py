@@ -1,0 +1,221 @@
+"""deepspeed train.py trains Mixture-of-Experts models exactly as Hugging Face would: pipe 2 x data 2 on 4 CPU ranks,
+five fp32 steps, against a single-process ``<Family>ForCausalLM(output_router_logits=True)`` + torch AdamW loop over
+the same global batches, micro-batches of one row (so the reference's router loss is per row, as the run's is per
+micro-batch). The step's loss: the cross entropy normalised as Trainer does (``num_items_in_batch``) +
+router_aux_loss_coef x the mean over the step's micro-batches of each one's load-balancing loss over every MoE layer.
+
+- qwen3_moe: a dense first layer (mlp_only_layers), the routed layers on both stages; ZeRO-0.
+- mixtral:   every layer routed; ZeRO-1; activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from data.sampling import MicroBatchIterator
+from models.families import load_config, moe_spec
+from models.hf_io import hf_to_stages
+from models.loss import label_tokens
+from models.router_loss import RouterStats, load_balancing_loss
+from models.tiny import write_uneven_sft
+from tests.conftest import make_hf_dir, parity_args, read_metrics, train_run
+from tests.parity import (
+    SFT_OPTIM,
+    STEPS,
+    cached_rows,
+    max_rel_weight_diff,
+    rel,
+    trained_weights,
+)
+from training.config import OptimConfig, TrainConfig
+from training.optim import lr_lambda, param_groups
+
+pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
+
+REL_TOL = 1e-6
+SEQ, MICRO, GAS, DP = 128, 1, 2, 2
+COEF = 0.5  # large, so that a wrong router loss shows in the loss and the weights
+CLIP = 0.5  # Mixtral's runs clip (below every step's gradient norm): the norm counts each expert once
+MOE_RUNS = {
+    # name: (model_type, config overrides, train.py overrides)
+    "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[0]), dict(ds_config="zero0", expert_parallel=2)),
+    "mixtral": (
+        "mixtral",
+        {},
+        {"ds_config": "zero0", "expert_parallel": 2, "activation_checkpoint_interval": 1, "optim.max_grad_norm": CLIP},
+    ),
+    "mixtral_zero1": ("mixtral", {}, {"ds_config": "zero1", "optim.max_grad_norm": CLIP}),
+}
+
+
+def reference_run(hf_dir: str, steps: list[list], per_stage: list[list[int]] | None = None, clip: float = 0.0):
+    """The single-process loop: per micro-batch Hugging Face's loss with ``num_items_in_batch`` (its cross entropy over
+    the step's label tokens + coef x its router loss), the router loss's share divided by the step's micro-batches
+    (the mean); AdamW, clipping at ``clip`` (0: none). Returns per step the loss, the mean router loss and the
+    pre-clip gradient norm, and the trained model. ``per_stage`` (layers per stage): the router loss computed per
+    stage instead, each over its own layers and the losses added (what a pipeline that does not combine the stages
+    would train)."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    moe = moe_spec(model.config)
+    cfg = TrainConfig(optim=OptimConfig(**{**SFT_OPTIM, "max_grad_norm": clip}))
+    opt = torch.optim.AdamW(
+        param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, STEPS))
+    losses, routers, norms = [], [], []
+    for micro_batches in steps:
+        n = torch.tensor(sum(label_tokens(labels) for _, labels in micro_batches))
+        loss, router_sum = 0.0, 0.0
+        for (input_ids, position_ids), labels in micro_batches:
+            out = model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                labels=labels,
+                use_cache=False,
+                num_items_in_batch=n,
+                output_router_logits=True,
+            )
+            router = out.aux_loss
+            if per_stage is not None:
+                logits = dict(zip(moe.moe_layers, out.router_logits))
+                router = sum(
+                    load_balancing_loss(stats_of([logits[i] for i in layers if i in logits], moe))
+                    for layers in per_stage
+                )
+            loss = loss + out.loss - COEF * out.aux_loss + COEF * router / len(micro_batches)
+            router_sum += router.item()
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf")).item())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        routers.append(router_sum / len(micro_batches))
+    return (losses, routers, norms), model
+
+
+def computed_batches(rows, len_of: bool = False) -> list[list]:
+    """Per step, the micro-batches of every data-parallel rank as train.py computes on them: each cut to its longest
+    row (a multiple of 8). The router loss counts every token a forward computes, padding included (Hugging Face's
+    forward without an attention mask), so the reference takes the same rows. ``len_of``: one pass over ``rows``
+    (an eval set), as one list."""
+    iterators = [MicroBatchIterator(rows, MICRO, r, DP, False, 0, pad_multiple=8) for r in range(DP)]
+    if len_of:
+        return [next(it) for it in iterators for _ in range(len(rows) // DP // MICRO)]
+    return [[next(it) for it in iterators for _ in range(GAS)] for _ in range(STEPS)]
+
+
+def stats_of(layer_logits: list[torch.Tensor], moe) -> RouterStats:
+    stats = RouterStats.zeros(moe.num_experts)
+    for logits in layer_logits:
+        stats = stats.add_layer(logits, moe.top_k)
+    return stats
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("moe")
+    data, eval_data = str(root / "train.jsonl"), str(root / "eval.jsonl")
+    write_uneven_sft(data, 200, seed=0)
+    write_uneven_sft(eval_data, 12, seed=1)
+    out = {"root": root}
+    for name, (model_type, config_overrides, train_overrides) in MOE_RUNS.items():
+        if model_type in out:
+            hf_dir = out[model_type]
+        else:
+            hf_dir = make_hf_dir(
+                root,
+                tokenizer_dir,
+                f"{name}-hf",
+                model_type=model_type,
+                output_router_logits=True,
+                router_aux_loss_coef=COEF,
+                **config_overrides,
+            )
+            hf_to_stages(hf_dir, str(root / f"{model_type}-ckpt"))
+        args = parity_args(
+            str(root / f"{model_type}-ckpt"),
+            data,
+            str(root / name),
+            SEQ,
+            MICRO,
+            STEPS,
+            SFT_OPTIM,
+            num_stages=2,
+            gradient_accumulation_steps=GAS,
+            partition_method="uniform",
+            **train_overrides,
+        )
+        evals = [f"data.eval_file={eval_data}"] if name == "qwen3_moe" else []
+        train_run(root, name, 4, args + ["data.format=sft", "data.packing=true", *evals])
+        out[name] = out[model_type] = hf_dir
+    out["steps"] = steps = computed_batches(cached_rows(str(root / "cache"), data))
+    out["qwen3_moe_ref"] = reference_run(out["qwen3_moe"], steps)
+    out["mixtral_ref"] = reference_run(out["mixtral"], steps, clip=CLIP)
+    out["eval"] = computed_batches(cached_rows(str(root / "cache"), eval_data), len_of=True)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MOE_RUNS))
+def test_moe_training_equals_its_hugging_face_loop(runs, name):
+    (losses, routers, norms), model = runs[f"{MOE_RUNS[name][0]}_ref"]
+    metrics = read_metrics(str(runs["root"] / name))
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    loss_diff = max(rel(m["loss"], r) for m, r in zip(metrics, losses))
+    config = load_config(runs[name])
+    weight_diff = max_rel_weight_diff(trained_weights(str(runs["root"] / name), config), model)
+    print(
+        f"{name}: vs {type(model).__name__} loop: loss {loss_diff:.2e} relative, weights {weight_diff:.2e} relative L2"
+    )
+    assert loss_diff < REL_TOL and weight_diff < REL_TOL
+    assert losses[-1] < losses[0] - 0.05
+    # the progress line's router loss (each micro-batch's, averaged) and the load of the busiest expert
+    assert max(rel(m["router_loss"], r) for m, r in zip(metrics, routers)) < REL_TOL
+    assert all(1.0 <= m["expert_load_max"] <= 2.0 for m in metrics)  # 4 experts, top-2: at most 2
+    if "optim.max_grad_norm" in MOE_RUNS[name][2]:
+        assert min(norms) > CLIP  # every step clipped: the norm decides the update
+        if name == "mixtral_zero1":  # DeepSpeed's ZeRO-1 reports the pre-clip norm (fp32 at ZeRO-0 keeps none)
+            assert max(rel(m["grad_norm"], r) for m, r in zip(metrics, norms)) < 1e-5
+
+
+def test_a_router_loss_per_stage_would_miss_by_far_more_than_the_tolerance(runs):
+    """The stages' layers 2 | 2 (uniform): each stage's router loss over its own layers, added: another model."""
+    (per_stage, _, _), _ = reference_run(runs["qwen3_moe"], runs["steps"], per_stage=[[0, 1], [2, 3]])
+    metrics = read_metrics(str(runs["root"] / "qwen3_moe"))
+    miss = max(rel(m["loss"], r) for m, r in zip(metrics, per_stage))
+    print(f"router loss per stage: {miss:.2e} relative from the run")
+    assert miss > 1000 * REL_TOL
+
+
+@torch.no_grad()
+def test_eval_reports_cross_entropy_and_the_router_loss_apart(runs):
+    """The eval loss is the cross entropy alone (over every label token of the set), the router loss beside it."""
+    _, model = runs["qwen3_moe_ref"]
+    batches = runs["eval"]
+    n = torch.tensor(sum(label_tokens(labels) for _, labels in batches))
+    ce, routers = 0.0, []
+    for (input_ids, position_ids), labels in batches:
+        out = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            labels=labels,
+            use_cache=False,
+            num_items_in_batch=n,
+            output_router_logits=True,
+        )
+        ce += (out.loss - COEF * out.aux_loss).item()
+        routers.append(out.aux_loss.item())
+    record = read_metrics(str(runs["root"] / "qwen3_moe"), "eval")[-1]
+    assert rel(record["eval_loss"], ce) < REL_TOL
+    assert rel(record["eval_router_loss"], sum(routers) / len(routers)) < REL_TOL
+    assert abs(record["eval_loss"] - ce) * 1000 < COEF * min(routers)  # the router loss is not in the eval loss
+
+
+def test_each_rank_held_its_share_of_the_experts(runs):
+    """expert_parallel 2: each rank of a stage holds 2 of the 4 experts of each MoE layer (the announcement counts them
+    per rank), and the export of the trained run holds all four."""
+    log = (runs["root"] / "qwen3_moe.log").read_text()
+    assert "world 4 = pipe 2 x data 2 (experts 2)" in log
+    assert "4 per MoE layer over expert_parallel 2 ranks of each stage (2 per rank" in log
