@@ -33,7 +33,7 @@ from models.families import moe_spec
 from models.layer_files import CheckpointError, fill_module_, load_layer_file, local_modules
 from models.llama_pipe import materialize_
 from parallel.axis import AxisPlan
-from parallel.layout import Layout
+from parallel.layout import Layout, expert_layout_problems
 
 
 def expert_groups(topology, ep: int):
@@ -217,6 +217,28 @@ class ExpertParallelEngine(PipelineEngine):
                 dist.all_reduce(g, group=self.expert_data_group)
             g.div_(data_axis)
 
+    def _common_checkpoint_state(self, module_state_dict, zero_optimizer_state, save_frozen_param):
+        """The engine file's optimizer state with every expert's Adam moments whole (gathered over the expert group),
+        as a run without expert parallelism saves them: the file data-parallel rank 0 writes holds every rank's
+        experts, and resuming on any layout cuts them again (training/reshard.py, which a run with expert_parallel
+        always resumes through)."""
+        state = super()._common_checkpoint_state(module_state_dict, zero_optimizer_state, save_frozen_param)
+        saved = state.get("optimizer")
+        if saved is None:
+            return state
+        group, rank, size, _ = self.module._ep
+        order = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for index, p in enumerate(order):
+            if not hasattr(p, "ep_split") or index not in saved["state"]:
+                continue
+            moments = dict(saved["state"][index])  # a copy: the live state keeps this rank's experts
+            for name in ("exp_avg", "exp_avg_sq"):
+                pieces = [torch.empty_like(moments[name]) for _ in range(size)]
+                dist.all_gather(pieces, moments[name].contiguous(), group=group)
+                moments[name] = torch.cat(pieces, 0)  # [E,...]
+            saved["state"][index] = moments
+        return state
+
     def clip_fp32_gradients(self):
         self._global_grad_norm = clip_with_experts_(self.module.parameters(), self.gradient_clipping(), self)
 
@@ -282,50 +304,14 @@ class ExpertParallelPlan(AxisPlan):
 
 def expert_parallel_problems(cfg, model_config, layout: Layout) -> list[str]:
     """Everything train.py refuses about a MoE model or ``expert_parallel`` (cfg: training.config.TrainConfig), with
-    the numbers and what to use instead."""
-    ep, problems = cfg.expert_parallel, []
+    the numbers and what to use instead: the layout's rules (parallel.layout.expert_layout_problems, which the planner
+    asks too) with the config's settings. Without a model config (its own problem is said) only ep >= 1."""
     moe = moe_spec(model_config) if model_config is not None else None
-    if ep < 1:
-        return [f"expert_parallel {ep} must be >= 1 (1: every rank holds every expert)"]
-    if moe is None:
-        if ep > 1 and model_config is not None:
-            problems.append(
-                f"expert_parallel {ep} with model_type {model_config.model_type}, which has no experts: "
-                "use expert_parallel=1"
-            )
-        return problems
-    kind = f"a Mixture-of-Experts model ({model_config.model_type})"
-    if not layout.uses_pipeline:
-        problems.append(
-            f"{kind} runs on the pipeline engine; num_stages=1 with ds={cfg.ds_config} (ZeRO {layout.zero}) uses "
-            "DeepSpeed's data-parallel engine: use ds=zero0 or ds=zero1"
-        )
-    for what, value, instead in (
-        ("tensor_parallel", layout.tp > 1, "expert_parallel to divide the experts, and stages"),
-        ("sequence_parallel", layout.sp > 1, "shorter rows or more stages"),
-        ("pipeline_schedule=dualpipev", layout.schedule == "dualpipev", "pipeline_schedule=1f1b"),
-        (f"peft.method={cfg.peft.method}", cfg.peft.method != "none", "full training (peft.method=none)"),
-        ("train_objective=dpo", cfg.train_objective == "dpo", "train_objective=sft"),
-    ):
-        if value:
-            problems.append(f"{what} with {kind} is not supported yet: use {instead}")
-    if ep > 1:
-        if layout.dp and layout.data_axis % ep:
-            problems.append(
-                f"expert_parallel {ep} must divide the data-parallel degree {layout.data_axis} (world size / "
-                f"num_stages): the experts are split over data-parallel ranks of each stage"
-            )
-        if model_config.model_type == "llama4_text":
-            problems.append(
-                f"expert_parallel {ep} with llama4_text: Hugging Face's Llama 4 experts run every token through every "
-                "expert (scaled by its router score), not a dispatch to k experts; use expert_parallel=1"
-            )
-        elif moe.num_experts % ep:
-            problems.append(f"expert_parallel {ep} must divide the {moe.num_experts} experts of each MoE layer")
-        if layout.zero != 0 or layout.dtype != "fp32":
-            problems.append(
-                f"expert_parallel {ep} runs with precision=fp32 and ds=zero0 in this version (here: "
-                f"precision={layout.dtype}, ZeRO {layout.zero}); each rank then holds the optimizer states of its own "
-                "experts only. For bf16 or ZeRO-1 use expert_parallel=1"
-            )
-    return problems
+    return expert_layout_problems(
+        layout,
+        model_config.model_type if model_config is not None else None,
+        None if model_config is None else moe.num_experts if moe is not None else 0,
+        cfg.peft.method,
+        cfg.ds_config,
+        cfg.train_objective,
+    )

@@ -389,6 +389,72 @@ def sequence_layout_problems(
     return problems
 
 
+def expert_layout_problems(
+    layout: Layout,
+    model_type: str | None = None,
+    num_experts: int | None = None,
+    peft_method: str | None = None,
+    ds_config: str | None = None,
+    train_objective: str = "sft",
+) -> list[str]:
+    """A Mixture-of-Experts model's rules and ``expert_parallel``'s, with the numbers and what to use instead: the
+    pipeline engine; no tensor or sequence parallelism, DualPipeV, PEFT or DPO with experts; ep dividing the
+    data-parallel degree and each MoE layer's experts, fp32 at ZeRO-0, and not with llama4_text (whose experts run
+    every token). ``num_experts``: each MoE layer's experts, 0 for a dense model, None for a model not known (only
+    ep >= 1 is checked); ``model_type`` names the model in the lines."""
+    ep = layout.ep
+    if ep < 1:
+        return [f"expert_parallel {ep} must be >= 1 (1: every rank holds every expert)"]
+    if num_experts is None:
+        return []
+    if not num_experts:
+        if ep == 1:
+            return []
+        model = f"model_type {model_type}, which has no experts" if model_type else "a dense model (no experts to split)"
+        return [f"expert_parallel {ep} with {model}: use expert_parallel=1"]
+    peft_method, ds_config = _settings(layout, peft_method, ds_config)
+    kind = f"a Mixture-of-Experts model ({model_type})" if model_type else "a Mixture-of-Experts model"
+    problems = []
+    if not layout.uses_pipeline:
+        problems.append(
+            f"{kind} runs on the pipeline engine; num_stages=1 with ds={ds_config} (ZeRO {layout.zero}) uses "
+            "DeepSpeed's data-parallel engine: use ds=zero0 or ds=zero1"
+        )
+    for what, value, instead in (
+        ("tensor_parallel", layout.tp > 1, "expert_parallel to divide the experts, and stages"),
+        ("sequence_parallel", layout.sp > 1, "shorter rows or more stages"),
+        ("pipeline_schedule=dualpipev", layout.schedule == "dualpipev", "pipeline_schedule=1f1b"),
+        (f"peft.method={peft_method}", peft_method != "none", "full training (peft.method=none)"),
+        ("train_objective=dpo", train_objective == "dpo", "train_objective=sft"),
+    ):
+        if value:
+            problems.append(f"{what} with {kind} is not supported yet: use {instead}")
+    if ep == 1:
+        return problems
+    if layout.dp and layout.data_axis % ep:
+        problems.append(
+            f"expert_parallel {ep} must divide the data-parallel degree {layout.data_axis} (world size / "
+            "num_stages): the experts are split over data-parallel ranks of each stage"
+        )
+    if model_type == "llama4_text":
+        problems.append(
+            f"expert_parallel {ep} with llama4_text: Hugging Face's Llama 4 experts run every token through every "
+            "expert (scaled by its router score), not a dispatch to k experts; use expert_parallel=1"
+        )
+    elif num_experts % ep:
+        works = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
+        problems.append(
+            f"expert_parallel {ep} must divide the {num_experts} experts of each MoE layer: use one of {works}"
+        )
+    if layout.zero != 0 or layout.dtype != "fp32":
+        problems.append(
+            f"expert_parallel {ep} runs with precision=fp32 and ds=zero0 in this version (here: "
+            f"precision={layout.dtype}, ZeRO {layout.zero}); each rank then holds the optimizer states of its own "
+            "experts only. For bf16 or ZeRO-1 use expert_parallel=1"
+        )
+    return problems
+
+
 def schedule_layout_problems(
     layout: Layout, num_layers: int | None = None, pad_to_multiple_of: int = 0, ds_config: str | None = None
 ) -> list[str]:

@@ -78,15 +78,20 @@ DeepSpeed's data axis Nd and the experts' over the Nd / ep ranks holding the sam
 expert-data-parallel group), so ZeRO-1's optimizer states stay K Psi / Nd per rank and the weights and gradients
 shrink. A stage's routed experts are its decoder layers' share of the model's (exact when every layer is a MoE
 layer, the average otherwise). Per MoE layer and token the saved activations replace the dense MLP's 4 F
-elements with those of the top_k expert copies of the token: the gathered input and the expert output (2 top_k
-H) and the SwiGLU tensors (4 top_k I, I the expert width), plus the router's logits and probabilities (2 E);
-with ep > 1 a layer's all-to-alls (dispatch to the experts' ranks and combine back) hold send and receive
-buffers of tokens x top_k x H each way as working memory, and each rank sends
+elements with those of the token's expert copies, top_k of them (all E for llama4_text: Hugging Face's Llama 4
+experts run every token through every expert, scaled by its router score): the gathered input and the expert
+output (2 top_k H) and the SwiGLU tensors (4 top_k I, I the expert width), plus the router's logits and
+probabilities (2 E) and a shared expert's SwiGLU tensors (4 I_shared; Llama 4's); with ep > 1 a layer's
+all-to-alls (dispatch to the experts' ranks and combine back) hold send and receive buffers of tokens x top_k x H
+each way as working memory, and each rank sends
 
     2 (dispatch + combine) x tokens x top_k x H x elem x (ep-1)/ep bytes per MoE layer forward (expert_all_to_all_bytes)
 
 as much again in backward, and again in the recomputed forward with activation checkpointing. The largest
-gradient temporary may be a MoE layer's fused expert tensor, [E/ep, 2I, H] on a rank.
+gradient temporary may be a MoE layer's fused expert tensor, [E/ep, 2I, H] on a rank. The formulas hold for any
+ZeRO stage; the layouts the search proposes are those train.py runs (parallel.layout.expert_layout_problems): a
+MoE model on the pipeline engine without tensor or sequence parallelism or DualPipeV, and ep > 1 in fp32 at
+ZeRO-0 only in this version.
 
 Backward also computes each parameter's gradient into a new tensor before adding it to the accumulated
 one (every micro-batch after the first): one parameter's gradient more, at a time. On the first and the
@@ -103,6 +108,7 @@ from dataclasses import dataclass
 from models.moe_counts import MoEShape, moe_shape
 from parallel.layout import (
     Layout,
+    expert_layout_problems,
     layout_problems,
     schedule_layout_problems,
     sequence_layout_problems,
@@ -136,6 +142,7 @@ class Shape:
     vocab: int
     head_dim: int = 0  # 0: hidden / heads
     moe: MoEShape | None = None  # a Mixture-of-Experts model's experts (models/moe_counts.py); None: dense
+    model_type: str | None = None  # the config's (train.py's rules name it; llama4_text has no expert parallelism)
 
     def stage_experts(self, layers: int) -> float:
         """Routed-expert parameters of a stage with ``layers`` decoder layers (the layers' share of the model's)."""
@@ -143,12 +150,14 @@ class Shape:
 
     def mlp_elements(self) -> float:
         """Saved MLP activation elements per token of a decoder layer, averaged over the layers: the dense SwiGLU's
-        4 F; a MoE layer's 2 top_k H (gathered inputs, expert outputs) + 4 top_k I (the experts' SwiGLU) + 2 E
-        (router logits and probabilities)."""
+        4 F; a MoE layer's, for the r experts each token runs through (``MoEShape.experts_per_token``: top_k, all E
+        for llama4_text), 2 r H (gathered inputs, expert outputs) + 4 r I (the experts' SwiGLU) + 2 E (router
+        logits and probabilities) + a shared expert's SwiGLU, 4 I_shared."""
         if self.moe is None:
             return 4 * self.ffn
         m = self.moe
-        routed = 2 * m.top_k * self.hidden + 4 * m.top_k * m.expert_width + 2 * m.num_experts
+        r = m.experts_per_token
+        routed = 2 * r * self.hidden + 4 * r * m.expert_width + 2 * m.num_experts + 4 * m.shared_width
         return ((self.layers - m.moe_layers) * 4 * self.ffn + m.moe_layers * routed) / self.layers
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
@@ -511,8 +520,7 @@ def layouts_for(
     DualPipeV's is below 1F1B's on as many) first;
     less tensor parallelism (``tp_values``, each within a node) first; less sequence parallelism
     (``sp_values``, those :func:`sequence_parallel_fits` allows for ``shape``; none without one) first; less
-    expert parallelism (``ep_values``, those dividing the data axis and the model's experts:
-    :func:`expert_layout_problems`) first.
+    expert parallelism (``ep_values``, those train.py runs: parallel.layout.expert_layout_problems) first.
     """
     candidates = []
     for stages in (s for s in range(1, gpus + 1) if gpus % s == 0 and (num_layers is None or s <= num_layers)):
@@ -549,52 +557,31 @@ def layouts_for(
 def refused(layout: Layout, gpus: int, num_layers: int | None, shape: Shape | None) -> bool:
     """Whether train.py refuses ``layout`` on ``gpus`` GPUs: the rules ``training.validate.resolve`` asks, on the
     layout alone (parallel/layout.py: its sizes, ZeRO stage and offload; tensor and sequence parallelism, with
-    the model's heads from ``shape``; the schedule), rows fed whole. LoRA's rule needs train.py's config
-    (models.lora_rules.peft_problems): on the pipeline engine only."""
+    the model's heads from ``shape``; the schedule; a Mixture-of-Experts model's and expert parallelism's, with its
+    experts), rows fed whole. LoRA's rule needs train.py's config (models.lora_rules.peft_problems): on the pipeline
+    engine only."""
     heads = (shape.heads, shape.kv_heads) if shape is not None else (None, None)
     return bool(
         layout_problems(layout, gpus, "compute", num_layers)
         or tensor_layout_problems(layout)
         or sequence_layout_problems(layout, *heads)
         or schedule_layout_problems(layout, num_layers)
-        or expert_layout_problems(layout, shape)
+        or expert_layout_problems(layout, *experts_of(shape))
         or (layout.lora_rank and not layout.uses_pipeline)
     )
 
 
-def expert_layout_problems(layout: Layout, shape: Shape | None) -> list[str]:
-    """expert_parallel's rules as the planner applies them, in train.py's knobs: ep divides the data-parallel degree
-    (DeepSpeed's data axis, sequence_parallel x dp) and each MoE layer's experts; a dense model (or a bare count)
-    has none to split; no tensor parallelism with experts (the tensor-parallel plan splits linear layers, not the
-    fused expert tensors, so its memory is not planned). The planner's own until parallel/expert_parallel.py says
-    train.py's."""
-    ep, experts = layout.ep, shape.moe.num_experts if shape is not None and shape.moe is not None else 0
-    problems = []
-    if ep < 1:
-        return [f"expert_parallel {ep} < 1: set expert_parallel to 1 or more"]
-    if ep > 1 and not experts:
-        problems.append(f"expert_parallel {ep} with a dense model (no experts to split): set expert_parallel=1")
-    elif ep > 1 and experts % ep:
-        works = [n for n in range(1, experts + 1) if experts % n == 0]
-        problems.append(
-            f"expert_parallel {ep} does not divide the {experts} experts of each MoE layer: use one of {works}"
-        )
-    if ep > 1 and layout.data_axis % ep:
-        problems.append(
-            f"expert_parallel {ep} does not divide the data-parallel degree {layout.data_axis} (sequence_parallel "
-            f"{layout.sp} x dp {layout.dp}): each MoE layer's experts are split over data-parallel ranks of its stage"
-        )
-    if experts and layout.tp > 1:
-        problems.append(
-            f"tensor_parallel {layout.tp} with a Mixture-of-Experts model: the planner does not split the fused expert "
-            "tensors over tensor-parallel ranks; use tensor_parallel=1 (expert_parallel divides the experts)"
-        )
-    return problems
+def experts_of(shape: Shape | None) -> tuple[str | None, int]:
+    """(model_type, experts per MoE layer) of ``shape`` for parallel.layout.expert_layout_problems: 0 experts for a
+    dense model or a bare parameter count, which expert parallelism cannot split."""
+    if shape is None:
+        return None, 0
+    return shape.model_type, shape.moe.num_experts if shape.moe is not None else 0
 
 
 def expert_parallel_sizes(shape: Shape | None, gpus: int) -> tuple[int, ...]:
     """The expert_parallel values the fit search tries: every divisor of the model's experts up to ``gpus`` (each
-    layout keeps those dividing its data axis, :func:`expert_layout_problems`); 1 for a dense model."""
+    layout keeps those train.py runs, parallel.layout.expert_layout_problems); 1 for a dense model."""
     if shape is None or shape.moe is None:
         return (1,)
     return tuple(n for n in range(1, min(gpus, shape.moe.num_experts) + 1) if shape.moe.num_experts % n == 0)
@@ -625,7 +612,7 @@ def tensor_parallel_sizes(shape: Shape | None, node_gpus: int = 8) -> tuple[int,
     sizes = [t for t in (1, 2, 4, 8, 16) if t <= node_gpus]
     if shape is None:
         return tuple(sizes)
-    if shape.moe is not None:  # the fused experts are not split over tensor-parallel ranks (expert_layout_problems)
+    if shape.moe is not None:  # no tensor parallelism with experts (parallel.layout.expert_layout_problems)
         return (1,)
     return tuple(tp_dividing((shape.heads, shape.kv_heads, shape.ffn, shape.vocab), sizes))
 
@@ -700,6 +687,7 @@ def shape_of(config) -> Shape | None:
         config.vocab_size,
         getattr(config, "head_dim", None) or 0,
         moe_shape(config),
+        config.model_type,
     )
 
 
@@ -752,8 +740,10 @@ def expert_report(layout: Layout, shape: Shape | None, stage_layers: list[int] |
     if shape is None or shape.moe is None or stage_layers is None:
         return []
     m, ep = shape.moe, layout.ep
+    every = f" (each token runs all {m.experts_per_token})" if m.experts_per_token != m.top_k else ""
     lines = [
-        f"experts: {m.num_experts} per MoE layer on {m.moe_layers} layers, top {m.top_k}, width {m.expert_width}; "
+        f"experts: {m.num_experts} per MoE layer on {m.moe_layers} layers, top {m.top_k}{every}, width "
+        f"{m.expert_width}; "
         f"{m.expert_params / 1e9:.2f} B routed-expert parameters, {m.num_experts // ep} experts per layer on each rank "
         f"(expert parallelism {ep}; their gradients and optimizer states over {layout.data_axis // ep} ranks each)"
     ]

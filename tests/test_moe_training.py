@@ -10,13 +10,15 @@ router_aux_loss_coef x the mean over the step's micro-batches of each one's load
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from data.sampling import MicroBatchIterator
 from models.families import load_config, moe_spec
-from models.hf_io import hf_to_stages
+from models.hf_io import hf_to_stages, stages_to_hf
 from models.loss import label_tokens
 from models.router_loss import RouterStats, load_balancing_loss
 from models.tiny import write_uneven_sft
@@ -40,7 +42,7 @@ COEF = 0.5  # large, so that a wrong router loss shows in the loss and the weigh
 CLIP = 0.5  # Mixtral's runs clip (below every step's gradient norm): the norm counts each expert once
 MOE_RUNS = {
     # name: (model_type, config overrides, train.py overrides)
-    "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[0]), dict(ds_config="zero0", expert_parallel=2)),
+    "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[0]), dict(ds_config="zero0", expert_parallel=2, save_steps=3)),
     "mixtral": (
         "mixtral",
         {},
@@ -151,6 +153,27 @@ def runs(tmp_path_factory, tokenizer_dir):
         evals = [f"data.eval_file={eval_data}"] if name == "qwen3_moe" else []
         train_run(root, name, 4, args + ["data.format=sft", "data.packing=true", *evals])
         out[name] = out[model_type] = hf_dir
+    # Qwen3-MoE resumed from its step-3 checkpoint (as a crash right after saving it would leave the run): on the same
+    # layout, and on one stage of 2 ranks without expert parallelism (the same global batch)
+    resumed = {"same_layout": (4, {"num_stages": 2, "expert_parallel": 2}), "ep1_one_stage": (2, {"num_stages": 1})}
+    for name, (ranks, overrides) in resumed.items():
+        shutil.copytree(root / "qwen3_moe", root / name)
+        shutil.rmtree(root / name / f"global_step{STEPS}")
+        (root / name / "latest").write_text("global_step3")
+        args = parity_args(
+            str(root / "qwen3_moe-ckpt"),
+            data,
+            str(root / name),
+            SEQ,
+            MICRO,
+            STEPS,
+            SFT_OPTIM,
+            gradient_accumulation_steps=GAS,
+            partition_method="uniform",
+            ds_config="zero0",
+            **overrides,
+        )
+        train_run(root, name, ranks, args + ["data.format=sft", "data.packing=true"])
     out["steps"] = steps = computed_batches(cached_rows(str(root / "cache"), data))
     out["qwen3_moe_ref"] = reference_run(out["qwen3_moe"], steps)
     out["mixtral_ref"] = reference_run(out["mixtral"], steps, clip=CLIP)
@@ -219,3 +242,27 @@ def test_each_rank_held_its_share_of_the_experts(runs):
     log = (runs["root"] / "qwen3_moe.log").read_text()
     assert "world 4 = pipe 2 x data 2 (experts 2)" in log
     assert "4 per MoE layer over expert_parallel 2 ranks of each stage (2 per rank" in log
+
+
+@pytest.mark.parametrize("name", ["same_layout", "ep1_one_stage"])
+def test_resumed_moe_run_continues_the_reference_exactly(runs, name):
+    """The step-3 checkpoint of the expert_parallel 2 run, resumed on its own layout and on one stage without expert
+    parallelism: steps 4-5 as the reference's (every expert's Adam moments were saved whole, each rank cut its own)."""
+    log = (runs["root"] / f"{name}.log").read_text()
+    assert f"steps 4..{STEPS} (resumed from global_step3)" in log
+    (losses, _, _), model = runs["qwen3_moe_ref"]
+    resumed = read_metrics(str(runs["root"] / name))  # steps 1-3 as the checkpoint's metrics.jsonl held them
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
+    resumed = resumed[3:]
+    assert max(rel(m["loss"], r) for m, r in zip(resumed, losses[3:])) < REL_TOL
+    config = load_config(runs["qwen3_moe"])
+    assert max_rel_weight_diff(trained_weights(str(runs["root"] / name), config), model) < REL_TOL
+
+
+def test_export_after_training_equals_the_reference_model(runs, tmp_path):
+    """The expert_parallel 2 run's final checkpoint exported to Hugging Face (one tensor per expert) loads with
+    from_pretrained as the reference model's weights."""
+    stages_to_hf(str(runs["root"] / "qwen3_moe"), str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    _, model = runs["qwen3_moe_ref"]
+    assert max_rel_weight_diff(exported.state_dict(), model) < REL_TOL

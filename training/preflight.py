@@ -1,6 +1,7 @@
 """A training command checked before booking the cluster (scripts/preflight.py): the same config
 validation train.py runs, for a given world size, then the layout and the planner's per-GPU memory
-estimate for it, with the pipeline schedule's bubble (and DualPipeV's activations against 1F1B's).
+estimate for it, with the pipeline schedule's bubble (and DualPipeV's activations against 1F1B's) and, for a
+Mixture-of-Experts model, its experts per rank and their all-to-all bytes.
 Nothing is started: no process group, no model, no data reading."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from parallel.memory_plan import GB, schedule_report, shape_of, stage_estimates, stage_table
+from parallel.memory_plan import GB, expert_report, schedule_report, shape_of, stage_estimates, stage_table
 from parallel.partition import splitter
 from training.config import REPO_ROOT, ConfigError, register_configs
 from training.overrides import given_keys, override_key_problems, unknown_key_problems
@@ -84,6 +85,7 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
     )
     lines += ["  " + line for line in stage_table(stages, layers, layout)]
     lines += schedule_report(split, layout, shape_of(config))
+    lines += expert_report(layout, shape_of(config), layers)  # a MoE model's experts per rank and all-to-all bytes
     if layout.lora_rank:
         full = max(
             stage_estimates(params, dataclasses.replace(layout, lora_rank=0), shape_of(config), layers),

@@ -51,6 +51,7 @@ from models.layer_files import (
     load_deepspeed_file,
     load_layer_file,
     read_tag,
+    split_of,
     tp_piece,
 )
 from models.llama_pipe import layer_file_name, spec_layout
@@ -369,7 +370,7 @@ def load_problems(saved: SavedOptimizerState, module) -> list[str]:
     problems = []
     for name, p in trainable_parameters(module):
         key = spec_key(name)
-        whole = full_numel(p) * (p.tp_split[2] if hasattr(p, "tp_split") else 1)  # a TP piece: the whole tensor's
+        whole = full_numel(p) * (split_of(p)[2] if split_of(p) else 1)  # a TP piece or an expert slice: the whole's
         if saved.numel(key) is None:
             problems.append(f"{saved.tag_dir} holds no optimizer state for {name} (layer file {key[0]}, {key[1]})")
         elif saved.numel(key) != whole:
@@ -380,10 +381,11 @@ def load_problems(saved: SavedOptimizerState, module) -> list[str]:
 
 
 def this_piece(p: torch.nn.Parameter, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A whole parameter's flat states cut to the piece a tensor-parallel rank holds (``p.tp_split``)."""
-    if not hasattr(p, "tp_split"):
+    """A whole parameter's flat states cut to the piece a tensor-parallel rank holds (``p.tp_split``), or an
+    expert-parallel rank's experts (``p.ep_split``)."""
+    if split_of(p) is None:
         return values
-    dim, _, world = p.tp_split
+    dim, _, world = split_of(p)
     whole = [n * world if i == dim else n for i, n in enumerate(p.shape)]
     return {s: tp_piece(v.view(whole), p).contiguous().flatten() for s, v in values.items()}
 

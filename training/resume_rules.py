@@ -34,6 +34,7 @@ RESUME_KEY_CLASSES = {
         "num_stages",
         "tensor_parallel",
         "sequence_parallel",
+        "expert_parallel",
         "pipeline_schedule",
         "partition_method",
         "ds_config",
@@ -84,7 +85,15 @@ ACCEPTABLE_CHANGES = ("optim", "data", "model")
 
 # Layout keys that change how optimizer states are cut into files: with any of them (or the world size)
 # changed, resume reads the saved states per parameter instead of DeepSpeed's own load.
-RESHARD_KEYS = ("num_stages", "tensor_parallel", "pipeline_schedule", "partition_method", "ds_config", "precision")
+RESHARD_KEYS = (
+    "num_stages",
+    "tensor_parallel",
+    "expert_parallel",
+    "pipeline_schedule",
+    "partition_method",
+    "ds_config",
+    "precision",
+)
 
 
 RESUME_EFFECT = {
@@ -180,6 +189,8 @@ def reshard_reason(
         reasons = [f"{key} {old!r} -> {new!r}" for key, (old, new) in layout.items() if key in RESHARD_KEYS]
         if saved["world_size"] != world_size:
             reasons.append(f"world size {saved['world_size']} -> {world_size}")
+        if cfg.expert_parallel > 1 and not reasons:  # DeepSpeed's load would give every rank all the experts' states
+            reasons.append(f"expert_parallel {cfg.expert_parallel}: each rank reads its own experts' states")
     if not reasons:
         return "", []
     saved_states = SavedOptimizerState(os.path.join(cfg.output_dir, tag))
