@@ -136,7 +136,7 @@ def write_config(path, **fields) -> str:
 @pytest.mark.parametrize("model_type", ["gemma", "deepseek_v3", None])
 def test_other_model_types_are_refused_naming_the_supported_ones(tmp_path, model_type):
     src = write_config(tmp_path / "src", model_type=model_type, hidden_size=64)
-    supported = "supported model types: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral"
+    supported = "supported model types: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, llama4_text"
     with pytest.raises(UnsupportedModelError, match=supported):
         load_config(src)
     with pytest.raises(ConversionError, match=f"model_type {model_type!r} is not supported; {supported}"):

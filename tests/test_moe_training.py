@@ -4,8 +4,10 @@ the same global batches, micro-batches of one row (so the reference's router los
 micro-batch). The step's loss: the cross entropy normalised as Trainer does (``num_items_in_batch``) +
 router_aux_loss_coef x the mean over the step's micro-batches of each one's load-balancing loss over every MoE layer.
 
-- qwen3_moe: a dense first layer (mlp_only_layers), the routed layers on both stages; ZeRO-0.
-- mixtral:   every layer routed; ZeRO-1; activation checkpointing.
+- qwen3_moe: a dense first layer (mlp_only_layers), the routed layers on both stages; expert_parallel 2, ZeRO-0;
+             an eval set; resumed from step 3 on its layout and on one stage without expert parallelism.
+- mixtral:   every layer routed; expert_parallel 2 with ZeRO-0, clipping and activation checkpointing; and
+             expert_parallel 1 with ZeRO-1, clipping and the chunked loss.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ MOE_RUNS = {
         {},
         {"ds_config": "zero0", "expert_parallel": 2, "activation_checkpoint_interval": 1, "optim.max_grad_norm": CLIP},
     ),
-    "mixtral_zero1": ("mixtral", {}, {"ds_config": "zero1", "optim.max_grad_norm": CLIP}),
+    "mixtral_zero1": ("mixtral", {}, {"ds_config": "zero1", "optim.max_grad_norm": CLIP, "loss_chunk_tokens": 48}),
 }
 
 
@@ -242,6 +244,8 @@ def test_each_rank_held_its_share_of_the_experts(runs):
     log = (runs["root"] / "qwen3_moe.log").read_text()
     assert "world 4 = pipe 2 x data 2 (experts 2)" in log
     assert "4 per MoE layer over expert_parallel 2 ranks of each stage (2 per rank" in log
+    layouts = {name: read_metrics(str(runs["root"] / name))[0]["layout"]["experts"] for name in MOE_RUNS}
+    assert layouts == {"qwen3_moe": 2, "mixtral": 2, "mixtral_zero1": 1}
 
 
 @pytest.mark.parametrize("name", ["same_layout", "ep1_one_stage"])

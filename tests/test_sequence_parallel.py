@@ -237,7 +237,7 @@ def test_sequence_parallel_trains_what_hugging_face_trains(sp_runs, name):
     root, ref = sp_runs["root"], sp_runs["results"][name]
     metrics = read_metrics(str(root / name))
     layout = {"pipe2_sp2_dp2": (2, 1, 2), "tp2_sp2": (1, 2, 1)}[name]
-    expected = dict(zip(("pipe", "tensor", "data"), layout), sequence=2)
+    expected = dict(zip(("pipe", "tensor", "data"), layout), sequence=2, experts=1)
     assert all(m["layout"] == expected for m in metrics), metrics[0]["layout"]
     diffs = [rel(m["loss"], r) for m, r in zip(metrics, ref["losses"])]
     (evaluation,) = read_metrics(str(root / name), "eval")[-1:]

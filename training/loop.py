@@ -47,7 +47,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
     peak = device_peak_tflops(cfg.precision, cfg.mfu_peak_tflops)
     six_n, attention = flops_per_token(resolved.model_config, resolved.layout.seq_len)
     l = resolved.layout
-    axes = {"pipe": l.stages, "tensor": l.tp, "sequence": l.sp, "data": l.dp}  # each train record's "layout"
+    axes = {"pipe": l.stages, "tensor": l.tp, "sequence": l.sp, "data": l.dp, "experts": l.ep}  # each record's "layout"
     logger = StepLogger(
         cfg.output_dir,
         total_steps,
