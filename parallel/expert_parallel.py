@@ -30,10 +30,11 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import nn
 
 from models.families import moe_spec
-from models.layer_files import CheckpointError, fill_module_, load_layer_file, local_modules
+from models.layer_files import local_modules
 from models.llama_pipe import materialize_
 from parallel.axis import AxisPlan
 from parallel.layout import Layout, expert_layout_problems
+from parallel.pieces import load_pieces, save_whole
 
 
 def expert_groups(topology, ep: int):
@@ -167,33 +168,13 @@ class ExpertParallelStage:
         materialize_(self)
 
     def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
-        group, rank, size, _ = self._ep
-        if self._grid.data_parallel_id >= size:  # not in expert group 0: another rank writes these files
-            return None
-        checkpoint_engine.makedirs(save_dir, exist_ok=True)
-        writer = rank == 0
-        for idx, layer in enumerate(self.forward_funcs):
-            if not hasattr(layer, "state_dict"):
-                continue
-            state, params = {}, dict(layer.named_parameters())
-            for key, t in layer.state_dict().items():
-                if hasattr(params.get(key), "ep_split"):
-                    pieces = [torch.empty_like(t) for _ in range(size)] if writer else None
-                    dist.gather(t.contiguous(), pieces, dst=dist.get_global_rank(group, 0), group=group)
-                    t = torch.cat(pieces, 0) if writer else t  # [E,...], every expert
-                state[key] = t.clone()
-            if writer:
-                checkpoint_engine.save(state_dict=state, path=self.ckpt_layer_path(save_dir, idx))
+        group, _, size, _ = self._ep
+        if self._grid.data_parallel_id < size:  # expert group 0 (data-parallel ranks 0..size-1) writes the files
+            save_whole(self, save_dir, checkpoint_engine, group, "ep_split")
         return None
 
     def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
-        for idx, layer in enumerate(self.forward_funcs):
-            if not hasattr(layer, "load_state_dict"):
-                continue
-            path = self.ckpt_layer_path(load_dir, idx)
-            problems = fill_module_(layer, load_layer_file(path), path)
-            if problems:
-                raise CheckpointError("cannot load the stage's experts:\n  " + "\n  ".join(problems))
+        load_pieces(self, load_dir)
         return None
 
 

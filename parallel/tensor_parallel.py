@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.layer_files import CheckpointError, fill_module_, load_layer_file, local_modules, tp_piece
+from models.layer_files import local_modules, tp_piece
 from models.llama_pipe import EmbeddingPipe, LMHeadPipe, materialize_, tied_head_call
 from parallel.axis import AxisPlan
 from parallel.layout import Layout, tensor_layout_problems, tp_dividing
+from parallel.pieces import load_pieces, save_whole
 
 
 def model_problems(config, tp: int) -> list[str]:
@@ -286,37 +287,14 @@ class TensorParallelStage:
     def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
         if not self._is_split():
             return super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
-        if self._grid.data_parallel_id != 0:
-            return None
-        group = self._grid.get_slice_parallel_group()
-        checkpoint_engine.makedirs(save_dir, exist_ok=True)
-        writer = dist.get_rank(group) == 0  # the only rank that holds a whole layer, to write it
-        for idx, layer in enumerate(self.forward_funcs):
-            if not hasattr(layer, "state_dict"):
-                continue
-            state, params = {}, dict(layer.named_parameters())
-            for key, t in layer.state_dict().items():
-                split = getattr(params.get(key), "tp_split", None)
-                if split:
-                    dim, _, world = split
-                    pieces = [torch.empty_like(t) for _ in range(world)] if writer else None
-                    dist.gather(t.contiguous(), pieces, dst=dist.get_global_rank(group, 0), group=group)
-                    t = torch.cat(pieces, dim) if writer else t  # whole, as Hugging Face names and shapes it
-                state[key] = t.clone()
-            if writer:
-                checkpoint_engine.save(state_dict=state, path=self.ckpt_layer_path(save_dir, idx))
+        if self._grid.data_parallel_id == 0:
+            save_whole(self, save_dir, checkpoint_engine, self._grid.get_slice_parallel_group(), "tp_split")
         return None
 
     def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
         if not self._is_split():
             return super().load_state_dir(load_dir, checkpoint_engine, strict)
-        for idx, layer in enumerate(self.forward_funcs):
-            if not hasattr(layer, "load_state_dict"):
-                continue
-            path = self.ckpt_layer_path(load_dir, idx)
-            problems = fill_module_(layer, load_layer_file(path), path)
-            if problems:
-                raise CheckpointError("cannot load the stage's pieces:\n  " + "\n  ".join(problems))
+        load_pieces(self, load_dir)
         return None
 
 

@@ -249,7 +249,7 @@ def test_tensor_parallel_trains_what_hugging_face_trains(tp_runs, name):
     hf_dir, (losses, _, norms, model) = tp_runs["references"][ckpt]
     metrics = read_metrics(str(root / name))
     pipe, data = {"tp2_dp2": (1, 2), "3d": (2, 2)}.get(name, (2, 1))
-    assert all(m["layout"] == {"pipe": pipe, "tensor": 2, "sequence": 1, "data": data} for m in metrics)
+    assert all(m["layout"] == {"pipe": pipe, "tensor": 2, "sequence": 1, "data": data, "experts": 1} for m in metrics)
     diffs = [rel(m["loss"], r) for m, r in zip(metrics, losses)]
     assert len(metrics) == STEPS and max(diffs) < REL_TOL, diffs
     logged = [m["grad_norm"] for m in metrics if m.get("grad_norm") is not None]
