@@ -334,8 +334,8 @@ def flops_per_token(config: PretrainedConfig, seq: int) -> tuple[float, float]:
     """Training FLOPs per token, forward + backward: (6 N, causal attention).
 
     N counts the matmul parameters (every spec but the input embedding, a lookup; a tied LM head counts), of a
-    Mixture-of-Experts layer's routed experts the top_k / E a token runs through (N: the active parameters, less
-    the embedding), and causal attention's QK^T and AV add 2 x 2 S D per layer forward, halved for causality, x3
+    Mixture-of-Experts layer's routed experts those a token runs through (top_k / E; all E for llama4_text, see
+    spec_weights), and causal attention's QK^T and AV add 2 x 2 S D per layer forward, halved for causality, x3
     for forward + backward (the PaLM appendix B count).
     """
     n = sum(spec_weights(config, "compute"))
@@ -349,17 +349,21 @@ def spec_weights(config: PretrainedConfig, method: str) -> list[int]:
     ``parameters`` (DeepSpeed's method): the spec's parameter count, i.e. the memory it stores.
     ``compute``: the work per token, 2 FLOPs per parameter, so the same count, except the input
     embedding, a lookup, which weighs nothing, and a Mixture-of-Experts layer's routed experts (its state-dict
-    keys with ``.experts.``, models/moe_counts.py's rule), of which a token runs top_k / E.
+    keys with ``.experts.``, models/moe_counts.py's rule), of which a token runs top_k / E. Not Llama 4's:
+    Hugging Face's ``Llama4TextExperts`` runs every token through all E experts (the input repeated E times,
+    scaled by the router scores), so all of them count; the shared expert, dense, counts whole in every family.
+    The one home of how many experts a token runs (models.moe_counts.experts_per_token reads it from here).
     """
     counts = spec_parameter_counts(config)
     if method == "compute":
         counts[0] = 0  # spec 0 is the input embedding (spec_layout)
         moe = moe_spec(config)
         specs = build_specs(config) if moe is not None else []
+        runs = 0 if moe is None else moe.num_experts if config.model_type == "llama4_text" else moe.top_k
         for i in [] if moe is None else [1 + layer for layer in moe.moe_layers]:  # decoder layer i is spec 1 + i
             shapes = expected_state_shapes(specs[i]).items()
             routed = sum(math.prod(s) for key, s in shapes if ".experts." in f".{key}")
-            counts[i] -= routed - routed * moe.top_k // moe.num_experts
+            counts[i] -= routed - routed * runs // moe.num_experts
     elif method != "parameters":
         raise ValueError(f"spec weights are defined for 'parameters' and 'compute', not {method!r}")
     return counts

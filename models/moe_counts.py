@@ -3,10 +3,12 @@
 A MoE layer's routed experts are the tensors of its fused experts module (``mlp.experts.gate_up_proj`` [E,2I,H] and
 ``mlp.experts.down_proj`` [E,H,I] in transformers 5; Llama 4's ``feed_forward.experts.*``): every state-dict key
 with ``.experts.`` in it. Everything else is dense: attention, norms, embeddings, the LM head, the router
-(``mlp.gate.weight`` [E,H]) and a shared expert (``shared_expert.*``), which every token runs through. A token runs
-top_k of a layer's E experts, so it computes with the dense parameters and top_k / E of the expert parameters: the
-active parameters. Counted on the meta device (:func:`models.specs.expected_state_shapes`), so a new family counts
-right as soon as its specs build; dense models have no experts and every count here is theirs unchanged.
+(``mlp.gate.weight`` [E,H]) and a shared expert (``shared_expert.*``), which every token runs through. A token is
+routed to top_k of a layer's E experts, so it computes with the dense parameters and top_k / E of the expert
+parameters: the active parameters (the model cards' count). Hugging Face's Llama 4 computes more: its experts module
+runs every token through all E experts, scaled by the router scores (:func:`experts_per_token`), which the compute
+weights and the planner count. Counted on the meta device (:func:`models.specs.expected_state_shapes`), so a new
+family counts right as soon as its specs build; dense models have no experts and every count here is theirs unchanged.
 
 Expert parallelism and the planner (parallel/memory_plan.py) read :func:`moe_shape`: per rank it holds 1/ep of
 each MoE layer's experts and all of the rest.
@@ -20,10 +22,11 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from models.families import moe_spec
-from models.llama_pipe import build_specs, spec_layout, spec_parameter_counts
+from models.llama_pipe import build_specs, spec_layout, spec_parameter_counts, spec_weights
 from models.specs import expected_state_shapes
 
 EXPERT_KEY = ".experts."  # in a decoder spec's state-dict key (``mlp.experts.down_proj``): a routed expert's tensor
+SHARED_KEY = ".shared_expert."  # Llama 4's ``feed_forward.shared_expert.gate_proj.weight``: the shared expert's
 
 
 def is_routed_expert(key: str) -> bool:
@@ -59,21 +62,26 @@ def parameter_split(config: PretrainedConfig) -> tuple[int, int]:
 
 
 def active_parameters(config: PretrainedConfig) -> int:
-    """Parameters one token computes with: all but the routed experts, plus top_k / E of those (every MoE layer
-    holds E experts of equal size, so the share is exact). A dense model's whole count."""
+    """Parameters of the experts a token is routed to: all but the routed experts, plus top_k / E of those (every MoE
+    layer holds E experts of equal size, so the share is exact), as the model cards count them. A dense model's whole
+    count. (What a token computes with is :func:`experts_per_token`'s: more for llama4_text.)"""
     routed, rest = parameter_split(config)
     moe = moe_spec(config)
     return rest if moe is None else rest + routed * moe.top_k // moe.num_experts
 
 
-def active_spec_weights(config: PretrainedConfig, counts: list[int]) -> list[int]:
-    """``counts`` (one number per spec, as ``models.llama_pipe.spec_weights`` weighs them) with each spec's routed
-    experts counted at top_k / E: the work of a token. Unchanged for a dense model."""
+def experts_per_token(config: PretrainedConfig) -> int:
+    """How many of a MoE layer's E experts each token runs through, as the compute weights count them
+    (``models.llama_pipe.spec_weights``, the rule's one home): top_k; all E for llama4_text, whose experts module
+    runs every token through every expert. Read back from the first MoE layer's compute weight, whose routed part is
+    ``routed * runs / E``; 0 for a dense model."""
     moe = moe_spec(config)
-    if moe is None:
-        return list(counts)
-    experts = spec_expert_parameters(config)
-    return [c - e + e * moe.top_k // moe.num_experts for c, e in zip(counts, experts)]
+    if moe is None or not moe.moe_layers:
+        return 0
+    layer = 1 + moe.moe_layers[0]  # spec of the first MoE decoder layer (spec_layout: decoder i is spec 1 + i)
+    routed = spec_expert_parameters(config)[layer]
+    dense = spec_parameter_counts(config)[layer] - routed
+    return (spec_weights(config, "compute")[layer] - dense) * moe.num_experts // routed
 
 
 @dataclass(frozen=True)
@@ -86,11 +94,14 @@ class MoEShape:
     expert_width: int  # I: each expert's SwiGLU intermediate size
     expert_params: int  # routed-expert parameters of the whole model
     largest_expert_tensor: int  # elements of the largest fused expert tensor (all E experts of one MoE layer)
+    experts_per_token: int = 0  # experts each token runs through (experts_per_token): top_k; E for llama4_text
+    shared_width: int = 0  # a shared expert's SwiGLU intermediate size (every token runs it); 0: none
 
 
 def moe_shape(config: PretrainedConfig) -> MoEShape | None:
     """The experts of ``config`` as the planner counts them, from the specs' shapes; None for a dense model. The
-    expert width is what the shapes imply for a SwiGLU expert (3 H I parameters: gate, up and down)."""
+    expert width is what the shapes imply for a SwiGLU expert (3 H I parameters: gate, up and down), as is the shared
+    expert's (its ``shared_expert.`` keys)."""
     moe = moe_spec(config)
     if moe is None or not moe.moe_layers:
         return None
@@ -99,4 +110,14 @@ def moe_shape(config: PretrainedConfig) -> MoEShape | None:
     shapes = expected_state_shapes(build_specs(config)[layer_spec])
     largest = max(math.prod(s) for k, s in shapes.items() if is_routed_expert(k))
     width = experts[layer_spec] // (moe.num_experts * 3 * config.hidden_size)
-    return MoEShape(moe.num_experts, moe.top_k, len(moe.moe_layers), width, sum(experts), largest)
+    shared = sum(math.prod(s) for k, s in shapes.items() if SHARED_KEY in f".{k}") // (3 * config.hidden_size)
+    return MoEShape(
+        moe.num_experts,
+        moe.top_k,
+        len(moe.moe_layers),
+        width,
+        sum(experts),
+        largest,
+        experts_per_token(config),
+        shared,
+    )

@@ -410,7 +410,9 @@ def expert_layout_problems(
     if not num_experts:
         if ep == 1:
             return []
-        model = f"model_type {model_type}, which has no experts" if model_type else "a dense model (no experts to split)"
+        model = (
+            f"model_type {model_type}, which has no experts" if model_type else "a dense model (no experts to split)"
+        )
         return [f"expert_parallel {ep} with {model}: use expert_parallel=1"]
     peft_method, ds_config = _settings(layout, peft_method, ds_config)
     kind = f"a Mixture-of-Experts model ({model_type})" if model_type else "a Mixture-of-Experts model"

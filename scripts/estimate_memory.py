@@ -7,8 +7,8 @@
     python scripts/estimate_memory.py --model 7.5e9 --dp 64 --zero 3        # a bare parameter count
     python scripts/estimate_memory.py --model llama2-70b --gpus 16 --gpu-mem 80 --seq-len 4096 --lora-rank 16 [--nf4]
     python scripts/estimate_memory.py --model llama3-8b --stages 4 --grad-accum 16 --schedule both
-    python scripts/estimate_memory.py --model qwen3-30b-a3b --gpus 8 --gpu-mem 80    # tries expert parallelism too
-    python scripts/estimate_memory.py --model mixtral-8x7b --stages 2 --dp 4 --ep 4 --zero 1 --checkpointing
+    python scripts/estimate_memory.py --model qwen3-30b-a3b --gpus 8 --gpu-mem 80 --dtype fp32   # tries --ep too
+    python scripts/estimate_memory.py --model mixtral-8x7b --stages 2 --dp 4 --ep 4 --zero 0 --dtype fp32
 
 --model is a conf/model name, a Hugging Face config.json (or its directory), or a parameter count
 (model states only: activations need an architecture).
@@ -30,12 +30,12 @@ from training.logs import quiet_dependencies  # noqa: E402
 quiet_dependencies("warning")  # before models.llama_pipe imports DeepSpeed (training/logs.py)
 
 from models.peft_targets import DECODER_LINEARS  # noqa: E402
-from parallel.layout import Layout, count_arg, layout_problems  # noqa: E402
+from parallel.layout import Layout, count_arg, expert_layout_problems, layout_problems  # noqa: E402
 from parallel.memory_plan import (  # noqa: E402
     GB,
     expert_all_to_all_step_bytes,
-    expert_layout_problems,
     expert_report,
+    experts_of,
     fitting,
     layout_bubble,
     schedule_report,
@@ -136,12 +136,28 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
             "  (experts N: expert parallelism, each MoE layer's experts split over N data-parallel ranks; a2a GB: the "
             "bytes a rank of the stage with the most layers sends in the experts' all-to-alls per step)"
         )
+        note = expert_parallel_note(shape, args.dtype)
+        if note:
+            print(f"  ({note})")
     if any(layout.sp > 1 for layout, _ in found[: args.top]):
         print(
             "  (x sequence N: Ulysses sequence parallelism; --sp N with the layout's sizes shows its all-to-all bytes)"
         )
     if not found:
         print("  none: add GPUs, shorten sequences or use a smaller micro-batch")
+
+
+def expert_parallel_note(shape, dtype: str) -> str | None:
+    """Why the search proposes no expert parallelism for a MoE model: train.py's rule for ep 2 in fp32 at ZeRO-0 where
+    it refuses that too (llama4_text), else the precision and ZeRO stage it needs, unless ``dtype`` is fp32."""
+    fp32 = expert_layout_problems(Layout(dp=2, ep=2, dtype="fp32"), *experts_of(shape))
+    if fp32:
+        return f"no expert parallelism: {in_flags(fp32[0])}"
+    if dtype != "fp32":
+        return (
+            "expert_parallel > 1 (--ep) needs --dtype fp32 and --zero 0 in this version: pass --dtype fp32 to plan it"
+        )
+    return None
 
 
 def expert_a2a_per_step(shape, layout: Layout, split) -> float:
@@ -190,8 +206,9 @@ def flag_config(args) -> TrainConfig:
 
 
 def train_problems(config, layout: Layout, args) -> list[str]:
-    """train.py's lines for this layout beyond its sizes: the rules of tensor and sequence parallelism, DualPipeV
-    and LoRA, asked of the same functions training.validate.resolve asks, given the config the flags stand for."""
+    """train.py's lines for this layout beyond its sizes: the rules of tensor and sequence parallelism, DualPipeV,
+    Mixture-of-Experts models and LoRA, asked of the same functions training.validate.resolve asks (the experts' of
+    parallel.layout, which a bare parameter count, no model, reaches too), given the config the flags stand for."""
     from models.lora_rules import peft_problems
     from parallel.dualpipev import dualpipev_problems
     from parallel.sequence_parallel import sequence_parallel_problems
@@ -199,7 +216,8 @@ def train_problems(config, layout: Layout, args) -> list[str]:
 
     cfg = flag_config(args)
     problems = tensor_parallel_problems(cfg, config, layout) + sequence_parallel_problems(cfg, config, layout)
-    problems += dualpipev_problems(cfg, config, layout) + expert_layout_problems(layout, shape_of(config))
+    problems += dualpipev_problems(cfg, config, layout)
+    problems += expert_layout_problems(layout, *experts_of(shape_of(config)), cfg.peft.method, cfg.ds_config)
     return problems + (peft_problems(cfg, config, layout) if layout.lora_rank else [])
 
 
@@ -212,6 +230,8 @@ SETTINGS = (
     (r"ds_config=zero3_offload, or remove offload_param from the JSON", "--zero 3, or --offload optimizer"),
     (r"(?:ds_config|ds)=zero(\d)", r"--zero \1"),
     (r"peft\.method=lora", "--lora-rank"),
+    (r"full training \(peft\.method=none\)", "full training (no --lora-rank)"),
+    (r"precision=(\w+)", r"--dtype \1"),
 )
 FLAGS = {
     "data.max_seq_length": "--seq-len",

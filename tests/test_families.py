@@ -18,7 +18,14 @@ from models.llama_pipe import build_sequential, model_parameters
 from models.tiny import tiny_config
 from tests.conftest import make_hf_dir
 from tests.test_convert import assert_bit_identical, hf_tensors
-from tests.test_stage_parity import TOL, assert_matches_hf, copy_hf_weights, parity_batch, run_chain
+from tests.test_stage_parity import (
+    TOL,
+    assert_matches_hf,
+    assert_packed_equals_alone,
+    copy_hf_weights,
+    parity_batch,
+    run_chain,
+)
 
 WINDOW = 8  # sliding window of the windowed cases: shorter than every test sequence and document
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1e6}
@@ -87,13 +94,7 @@ def test_packed_documents_with_a_window_equal_each_document_alone():
     config = case_config("mistral_window")
     funcs = build_sequential(config)
     copy_hf_weights(funcs, config, family_of(config).causal_lm._from_config(config).state_dict())
-    docs = [torch.randint(3, config.vocab_size, (n,)) for n in (13, 20, 7)]
-    packed = run_chain(funcs, torch.cat(docs)[None], torch.cat([torch.arange(len(d)) for d in docs])[None])[0]
-    offset = 0
-    for d in docs:
-        alone = run_chain(funcs, d[None], torch.arange(len(d))[None])[0]  # [len, V]
-        torch.testing.assert_close(packed[offset : offset + len(d)], alone, rtol=0, atol=TOL)
-        offset += len(d)
+    assert_packed_equals_alone(funcs, config.vocab_size)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

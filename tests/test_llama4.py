@@ -24,13 +24,19 @@ from models.llama_pipe import (
     build_sequential,
     init_weights_,
     layer_file_name,
-    spec_layout,
 )
 from models.loss import causal_lm_loss
 from models.tiny import tiny_config
 from tests.conftest import make_hf_dir
 from tests.test_convert import assert_bit_identical, hf_tensors
-from tests.test_stage_parity import TOL, copy_hf_weights, module_of, parity_batch, run_chain
+from tests.test_stage_parity import (
+    TOL,
+    assert_matches_hf,
+    assert_packed_equals_alone,
+    copy_hf_weights,
+    parity_batch,
+    run_chain,
+)
 
 ATTENTION = sorted(ATTENTION_IMPLEMENTATIONS)  # documents (per-document SDPA, chunks cut there), dense_mask
 
@@ -45,32 +51,14 @@ def hf_model(config) -> Llama4ForCausalLM:
 
 def stages_against_hf(config, attention: str, batch, hf=None) -> float:
     """The stages chained with ``attention`` vs ``Llama4ForCausalLM`` with the same weights: logits, loss and every
-    gradient within TOL (every parameter of the model has a stage twin). Returns the largest difference."""
-    input_ids, position_ids, labels = batch
-    hf = hf or hf_model(config)
-    funcs = build_sequential(config, attention=ATTENTION_IMPLEMENTATIONS[attention])
-    copy_hf_weights(funcs, config, hf.state_dict())
-    ref = hf(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False)
-    logits = run_chain(funcs, input_ids, position_ids)
-    loss = causal_lm_loss(logits, labels)
-    torch.testing.assert_close(logits, ref.logits, rtol=0, atol=TOL)
-    worst = max((logits - ref.logits).abs().max().item(), abs(loss.item() - ref.loss.item()))
-    assert worst < TOL
-    ref.loss.backward()
-    loss.backward()
-    checked = 0
-    for info in spec_layout(config):
-        if not info.owns_file:
-            continue
-        for key, p in module_of(funcs[info.index]).named_parameters():
-            ref_grad = hf.get_parameter(info.hf_prefix + key).grad
-            torch.testing.assert_close(p.grad, ref_grad, rtol=0, atol=TOL, msg=info.hf_prefix + key)
-            worst = max(worst, (p.grad - ref_grad).abs().max().item())
-            checked += 1
-            if "feed_forward.router" in key or "feed_forward.experts" in key or "shared_expert" in key:
-                assert p.grad.abs().max() > 0, info.hf_prefix + key  # routing and both kinds of expert learn
-    assert checked == len(list(hf.parameters()))
-    return worst
+    gradient within TOL, the router and both kinds of expert learning. Returns the largest difference."""
+    return assert_matches_hf(
+        config,
+        *batch,
+        attention=ATTENTION_IMPLEMENTATIONS[attention],
+        hf=hf or hf_model(config),
+        learns=("feed_forward.router", "feed_forward.experts", "shared_expert"),
+    )
 
 
 def test_routed_layers_are_those_hugging_face_builds():
@@ -159,14 +147,7 @@ def test_packed_documents_are_chunked_as_each_alone():
     config = llama4_config(attn_temperature_tuning=False)
     funcs = build_sequential(config)
     copy_hf_weights(funcs, config, hf_model(config).state_dict())
-    docs = [torch.randint(3, config.vocab_size, (n,)) for n in (13, 20, 7)]
-    with torch.no_grad():
-        packed = run_chain(funcs, torch.cat(docs)[None], torch.cat([torch.arange(len(d)) for d in docs])[None])[0]
-        offset = 0
-        for d in docs:
-            alone = run_chain(funcs, d[None], torch.arange(len(d))[None])[0]  # [len, V]
-            torch.testing.assert_close(packed[offset : offset + len(d)], alone, rtol=0, atol=TOL)
-            offset += len(d)
+    assert_packed_equals_alone(funcs, config.vocab_size)
 
 
 def test_llama4_adds_no_router_loss_even_when_asked():

@@ -12,15 +12,22 @@ import yaml
 
 from models.families import FAMILIES, config_from_dict, family_of
 from models.llama_pipe import flops_per_token, model_parameters, spec_parameter_counts, spec_weights
-from models.moe_counts import active_parameters, moe_shape, parameter_split, spec_expert_parameters
-from parallel.layout import Layout
+from models.moe_counts import (
+    active_parameters,
+    experts_per_token,
+    moe_shape,
+    parameter_split,
+    spec_expert_parameters,
+)
+from parallel.expert_parallel import expert_parallel_problems
+from parallel.layout import Layout, expert_layout_problems
 from parallel.memory_plan import (
     Shape,
     estimate,
     expert_all_to_all_bytes,
     expert_all_to_all_step_bytes,
     expert_buffer_bytes,
-    expert_layout_problems,
+    expert_report,
     fitting,
     layer_activation_bytes,
     layouts_for,
@@ -28,6 +35,7 @@ from parallel.memory_plan import (
 )
 from parallel.partition import splitter
 from tests.conftest import REPO, load_entry_point
+from training.config import TrainConfig
 
 # conf/model entry: (published total, published active parameters), from the model cards.
 PUBLISHED = {
@@ -166,57 +174,193 @@ def test_routed_activations_and_the_all_to_all():
 
 
 def test_expert_parallelism_must_divide_the_data_axis_and_the_experts():
-    _, shape = mixtral()
-    assert not expert_layout_problems(Layout(dp=8, ep=8), shape)
-    assert not expert_layout_problems(Layout(dp=2, sp=2, ep=4), shape)  # DeepSpeed's data axis: sp x dp
-    assert "does not divide the data-parallel degree 4" in expert_layout_problems(Layout(dp=4, ep=8), shape)[0]
-    assert "does not divide the 8 experts" in expert_layout_problems(Layout(dp=6, ep=3), shape)[0]
-    assert "dense model" in expert_layout_problems(Layout(dp=4, ep=2), None)[0]
-    assert "tensor_parallel 2" in expert_layout_problems(Layout(dp=4, tp=2), shape)[0]
+    fp32 = Layout(dtype="fp32")  # expert_parallel > 1 runs in fp32 at ZeRO-0 in this version
+    moe = ("mixtral", 8)
+    assert not expert_layout_problems(dataclasses.replace(fp32, dp=8, ep=8), *moe)
+    assert (
+        "must divide the data-parallel degree 4"
+        in expert_layout_problems(dataclasses.replace(fp32, dp=4, ep=8), *moe)[0]
+    )
+    assert (
+        "must divide the 8 experts of each MoE layer: use one of [1, 2, 4, 8]"
+        in expert_layout_problems(dataclasses.replace(fp32, dp=6, ep=3), *moe)[0]
+    )
+    assert "dense model" in expert_layout_problems(Layout(dp=4, ep=2), None, 0)[0]
+    assert "model_type llama, which has no experts" in expert_layout_problems(Layout(dp=4, ep=2), "llama", 0)[0]
+    assert not expert_layout_problems(Layout(dp=4, ep=2))  # no model known: nothing to check but ep >= 1
+    assert expert_layout_problems(Layout(ep=0)) == ["expert_parallel 0 must be >= 1 (1: every rank holds every expert)"]
+    assert "precision=bf16, ZeRO 1" in expert_layout_problems(Layout(dp=4, ep=2, zero=1), *moe)[0]
+
+
+# train.py's MoE rules, each a layout the planner must not propose: (Layout changes, a word of the line).
+REFUSED_WITH_EXPERTS = [
+    (dict(tp=2, dp=4), "tensor_parallel with a Mixture-of-Experts model (mixtral) is not supported yet"),
+    (dict(sp=2, dp=4), "sequence_parallel with a Mixture-of-Experts model (mixtral) is not supported yet"),
+    (dict(stages=2, dp=4, schedule="dualpipev", grad_accum=8), "pipeline_schedule=dualpipev with"),
+    (dict(dp=8, zero=2), "runs on the pipeline engine; num_stages=1 with ds=zero2"),
+    (dict(dp=8, zero=3), "runs on the pipeline engine; num_stages=1 with ds=zero3"),
+    (dict(dp=8, ep=2, dtype="bf16"), "expert_parallel 2 runs with precision=fp32 and ds=zero0"),
+    (dict(stages=2, dp=4, ep=2, zero=1, dtype="fp32"), "expert_parallel 2 runs with precision=fp32 and ds=zero0"),
+    (dict(dp=8, lora_rank=8, lora_targets=("q_proj",)), "peft.method=lora with a Mixture-of-Experts model"),
+]
+
+
+@pytest.mark.parametrize("changes, line", REFUSED_WITH_EXPERTS, ids=[c[1][:40] for c in REFUSED_WITH_EXPERTS])
+def test_train_py_and_the_planner_refuse_a_moe_layout_with_one_rule(changes, line):
+    """parallel.expert_parallel.expert_parallel_problems (train.py's validation) says the lines of
+    parallel.layout.expert_layout_problems with the config's settings, and the fit search proposes none of these."""
+    config, shape = mixtral()
+    layout = dataclasses.replace(Layout(dtype="fp32"), **changes)
+    ours = expert_layout_problems(layout, "mixtral", 8)
+    assert any(line in p for p in ours), ours
+    cfg = TrainConfig(
+        num_stages=layout.stages,
+        tensor_parallel=layout.tp,
+        sequence_parallel=layout.sp,
+        expert_parallel=layout.ep,
+        ds_config=f"zero{layout.zero}",
+        pipeline_schedule=layout.schedule,
+    )
+    cfg.peft.method = "lora" if layout.lora_rank else "none"
+    assert expert_parallel_problems(cfg, config, layout) == ours
+    assert layout not in set(
+        layouts_for(
+            8,
+            32,
+            1,
+            2048,
+            8,
+            layout.dtype,
+            1024,
+            (0, (), False),
+            (1, 2),
+            (1, 2),
+            shape,
+            ("1f1b", "dualpipev"),
+            (1, 2, 4, 8),
+        )
+    )
+
+
+def test_the_fit_search_proposes_only_layouts_train_py_runs_for_a_moe_model():
+    """Mixtral on 16 x 80 GB, bf16 and fp32: the pipeline engine, no tensor or sequence parallelism, no DualPipeV;
+    expert parallelism only in fp32 at ZeRO-0 (none in bf16)."""
+    config, shape = mixtral()
+    split = splitter(config, None)
+    for dtype in ("bf16", "fp32"):
+        found = fitting(split, shape, 16, 80, 32, 1, 2048, 16, dtype, 1024, schedules=("1f1b", "dualpipev"))
+        assert found
+        for layout, _ in found:
+            assert layout.tp == layout.sp == 1 and layout.schedule == "1f1b" and layout.uses_pipeline, layout
+            assert layout.ep == 1 or (layout.dtype == "fp32" and layout.zero == 0), layout
+        assert {layout.ep for layout, _ in found} == ({1} if dtype == "bf16" else {1, 2, 4, 8}), dtype
 
 
 def test_the_fit_search_tries_expert_parallelism_and_only_where_it_divides():
-    """Mixtral on 8 x 80 GB: layouts with ep > 1 are proposed, each ep dividing the data axis and the 8 experts;
-    the same search without expert parallelism (ep_values (1,)) finds only those of them with ep 1."""
+    """Mixtral on 16 x 80 GB in fp32: layouts with ep > 1 are proposed, each ep dividing the data axis and the 8
+    experts; the same search without expert parallelism (ep_values (1,)) finds only those of them with ep 1."""
     config, shape = mixtral()
     split = splitter(config, None)
-    found = fitting(split, shape, 8, 80, 32, 1, 2048, 8, "bf16", 1024)
+    found = fitting(split, shape, 16, 80, 32, 1, 2048, 8, "fp32", 1024)
     eps = {layout.ep for layout, _ in found}
     assert eps - {1}, eps
     for layout, _ in found:
         assert layout.data_axis % layout.ep == 0 and 8 % layout.ep == 0 and layout.tp == 1
-    without = fitting(split, shape, 8, 80, 32, 1, 2048, 8, "bf16", 1024, ep_values=(1,))
+    without = fitting(split, shape, 16, 80, 32, 1, 2048, 8, "fp32", 1024, ep_values=(1,))
     assert {layout for layout, _ in without} < {layout for layout, _ in found}  # those with ep 1, and more
-    tried = layouts_for(12, 32, 1, 2048, 8, "bf16", 1024, shape=shape, ep_values=(1, 2, 3, 4, 6, 8))
+    tried = layouts_for(12, 32, 1, 2048, 8, "fp32", 1024, shape=shape, ep_values=(1, 2, 3, 4, 6, 8))
     assert {(l.data_axis, l.ep) for l in tried if l.ep > 1} <= {  # noqa: E741
         (a, e) for a in range(1, 13) for e in (2, 4, 8) if a % e == 0
     }
     assert any(l.ep == 4 for l in tried) and not any(l.ep in (3, 6) for l in tried)  # noqa: E741
     dense = shape_of(config_from_dict(architecture_of_dense()))
-    assert {l.ep for l in layouts_for(8, 36, 1, 2048, 8, "bf16", shape=dense, ep_values=(1, 2, 4))} == {1}  # noqa: E741
+    assert {l.ep for l in layouts_for(8, 36, 1, 2048, 8, "fp32", shape=dense, ep_values=(1, 2, 4))} == {1}  # noqa: E741
 
 
 def test_estimate_memory_reports_experts_and_their_all_to_all(capsys):
     script = load_entry_point("scripts/estimate_memory.py")
-    script.main(["--model", "mixtral-8x7b", "--stages", "2", "--dp", "4", "--ep", "4", "--zero", "1"])
+    fp32 = ["--zero", "0", "--dtype", "fp32"]
+    script.main(["--model", "mixtral-8x7b", "--stages", "2", "--dp", "4", "--ep", "4", *fp32])
     out = capsys.readouterr().out
-    assert "layout: pipe 2 x data 4 (experts 4), ZeRO-1" in out
+    assert "layout: pipe 2 x data 4 (experts 4), ZeRO-0" in out
     assert "2 experts per layer on each rank (expert parallelism 4" in out
-    per_layer = 2 * 2048 * 2 * 4096 * 2 * 3 / 4
+    per_layer = 2 * 2048 * 2 * 4096 * 4 * 3 / 4
     assert f"each rank sends {per_layer / 1e6:.1f} MB per MoE layer per micro-batch forward" in out
     with pytest.raises(SystemExit) as exit_:
-        script.main(["--model", "mixtral-8x7b", "--stages", "2", "--dp", "4", "--ep", "8", "--zero", "1"])
+        script.main(["--model", "mixtral-8x7b", "--stages", "2", "--dp", "4", "--ep", "8", *fp32])
     err = capsys.readouterr().err
-    assert exit_.value.code == 1 and "--ep 8 does not divide the data-parallel degree 4" in err
+    assert exit_.value.code == 1 and "--ep 8 must divide the data-parallel degree 4" in err
+    with pytest.raises(SystemExit) as exit_:  # train.py's rule, in the script's flags
+        script.main(["--model", "mixtral-8x7b", "--stages", "2", "--dp", "4", "--ep", "4", "--zero", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 1 and err == [
+        "estimate_memory.py: error: --ep 4 runs with --dtype fp32 and --zero 0 in this version (here: --dtype bf16, "
+        "ZeRO 1); each rank then holds the optimizer states of its own experts only. For bf16 or ZeRO-1 use --ep 1"
+    ]
+    with pytest.raises(SystemExit) as exit_:
+        script.main(["--model", "mixtral-8x7b", "--sp", "2", "--dp", "4"])
+    err = capsys.readouterr().err
+    assert "--sp with a Mixture-of-Experts model (mixtral) is not supported yet" in err
 
 
 def test_estimate_memory_lists_expert_parallel_layouts_that_fit(capsys):
     script = load_entry_point("scripts/estimate_memory.py")
-    script.main(["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", "80", "--top", "40"])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if "ZeRO-" in line]
+    fit = ["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", "80", "--top", "40"]
+    script.main([*fit, "--dtype", "fp32"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if "ZeRO-" in line]
     assert any("(experts" in r for r in rows) and all(
-        float(r[0]) <= 80 and r[3] != "0.0" for r in rows if "(experts" in r
+        float(r[0]) <= 80 and r[3] != "0.0" and "ZeRO-0," in r for r in rows if "(experts" in r
     )
-    script.main(["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", "80", "--ep", "1", "--top", "40"])
+    assert not any("sequence" in r or "tensor" in r for r in rows) and "needs --dtype fp32" not in out
+    script.main([*fit, "--dtype", "fp32", "--ep", "1"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if "ZeRO-" in line]
     assert rows and not any("(experts" in r for r in rows) and {r[3] for r in rows} == {"0.0"}  # no all-to-all
+    script.main(fit)  # bf16: no expert parallelism, and the line that says why
+    out = capsys.readouterr().out
+    assert not any("(experts" in line for line in out.splitlines() if "ZeRO-" in line)
+    assert (
+        "expert_parallel > 1 (--ep) needs --dtype fp32 and --zero 0 in this version: pass --dtype fp32 to plan it"
+        in out
+    )
+
+
+def llama4_scout():
+    config = config_from_dict(architecture("llama4-scout-17b-16e"))
+    return config, shape_of(config)
+
+
+def test_llama4_computes_every_expert_for_every_token():
+    """Hugging Face's Llama4TextExperts runs every token through all E = 16 experts (the input repeated E times,
+    scaled by the router scores), not top_k = 1: the compute weights, the FLOPs and the planner's routed activations
+    count all 16, plus the shared expert; the model card's active parameters stay top_k's. Other families: top_k."""
+    config, shape = llama4_scout()
+    counts = spec_parameter_counts(config)
+    assert experts_per_token(config) == 16 and shape.moe.experts_per_token == 16 and shape.moe.top_k == 1
+    assert spec_weights(config, "compute")[1:] == counts[1:]  # every expert of every layer counts
+    assert flops_per_token(config, 2048)[0] == 6.0 * (model_parameters(config) - counts[0])
+    assert active_parameters(config) < flops_per_token(config, 2048)[0] / 6 / 5  # 17 B against 107 B
+    h, i, e = 5120, 8192, 16
+    assert (shape.moe.expert_width, shape.moe.shared_width) == (i, i)
+    assert shape.mlp_elements() == 2 * e * h + 4 * e * i + 2 * e + 4 * i  # all 48 layers are MoE layers
+    assert experts_per_token(config_from_dict(architecture("qwen3-30b-a3b"))) == 8
+    assert experts_per_token(config_from_dict(architecture_of_dense())) == 0
+    line = expert_report(Layout(stages=4, dp=2), shape, [12] * 4)[0]
+    assert "16 per MoE layer on 48 layers, top 1 (each token runs all 16)" in line
+    assert (
+        "expert_parallel 2 with llama4_text"
+        in expert_layout_problems(Layout(dp=2, ep=2, dtype="fp32"), "llama4_text", 16)[0]
+    )
+
+
+def test_preflight_prints_the_experts_of_a_moe_model(tmp_path, tokenizer_dir):
+    """training/preflight.py: train.py's validation, the planner's table and its expert report."""
+    from training.preflight import check
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "a"}\n')
+    overrides = ["model=mixtral-8x7b", f"model.tokenizer={tokenizer_dir}", "data=text", f"data.train_file={data}"]
+    overrides += ["num_stages=2", "expert_parallel=4", "precision=fp32", "ds_config=zero0"]
+    lines = check(8, [*overrides, f"output_dir={tmp_path / 'out'}", "min_free_disk_gb=0"])
+    assert any(line.startswith("experts: 8 per MoE layer on 32 layers, top 2, width 14336") for line in lines), lines
+    assert any(line.startswith("  expert all-to-all (dispatch + combine): each rank sends") for line in lines), lines

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from models.attention import DOCUMENT_ATTENTION
 from models.families import family_of
 from models.llama_pipe import build_sequential, model_parameters, spec_layout, spec_parameter_counts
 from models.loss import IGNORE_INDEX, causal_lm_loss
@@ -58,11 +59,14 @@ def run_chain(funcs, input_ids, position_ids):
     return x
 
 
-def assert_matches_hf(config, input_ids, position_ids, labels) -> float:
-    """Stages chained in one process vs the family's own ``<Family>ForCausalLM`` with the same weights:
-    logits, loss and every gradient within TOL. Returns the largest difference seen."""
-    hf = family_of(config).causal_lm._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    funcs = build_sequential(config)
+def assert_matches_hf(
+    config, input_ids, position_ids, labels, attention: str = DOCUMENT_ATTENTION, hf=None, learns: tuple = ()
+) -> float:
+    """Stages chained in one process (``attention``: the attention function's registered name) vs the family's own
+    ``<Family>ForCausalLM`` (``hf``, else a random one) with the same weights: logits, loss and every gradient within
+    TOL; the parameters whose names hold one of ``learns`` get a gradient. Returns the largest difference seen."""
+    hf = hf or family_of(config).causal_lm._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    funcs = build_sequential(config, attention=attention)
     copy_hf_weights(funcs, config, hf.state_dict())
     # use_cache=False: with a KV cache, the model ignores packed position_ids and attends across documents.
     ref = hf(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False)
@@ -84,8 +88,22 @@ def assert_matches_hf(config, input_ids, position_ids, labels) -> float:
             torch.testing.assert_close(param.grad, ref_grad, rtol=0, atol=TOL, msg=info.hf_prefix + key)
             worst = max(worst, (param.grad - ref_grad).abs().max().item())
             checked += 1
+            if any(part in key for part in learns):
+                assert param.grad.abs().max() > 0, info.hf_prefix + key
     assert checked == len(list(hf.parameters()))  # every HF parameter has a stage twin (tied counted once)
     return worst
+
+
+@torch.no_grad()
+def assert_packed_equals_alone(funcs, vocab_size: int, lengths=(13, 20, 7)) -> None:
+    """Per-token logits of one packed row of documents of ``lengths`` equal those of each document run alone."""
+    docs = [torch.randint(3, vocab_size, (n,)) for n in lengths]
+    packed = run_chain(funcs, torch.cat(docs)[None], torch.cat([torch.arange(len(d)) for d in docs])[None])[0]
+    offset = 0
+    for d in docs:
+        alone = run_chain(funcs, d[None], torch.arange(len(d))[None])[0]  # [len, V]
+        torch.testing.assert_close(packed[offset : offset + len(d)], alone, rtol=0, atol=TOL)
+        offset += len(d)
 
 
 def parity_batch(vocab_size: int, batch: int = 3, seq: int = 40, packed: bool = True):
