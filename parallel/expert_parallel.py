@@ -199,24 +199,26 @@ class ExpertParallelEngine(PipelineEngine):
             g.div_(data_axis)
 
     def _common_checkpoint_state(self, module_state_dict, zero_optimizer_state, save_frozen_param):
-        """The engine file's optimizer state with every expert's Adam moments whole (gathered over the expert group),
-        as a run without expert parallelism saves them: the file data-parallel rank 0 writes holds every rank's
-        experts, and resuming on any layout cuts them again (training/reshard.py, which a run with expert_parallel
-        always resumes through)."""
+        """The engine file's optimizer state with every expert's Adam moments whole, as a run without expert parallelism
+        saves them: gathered over expert group 0 to data-parallel rank 0, the one rank that writes the file (the other
+        ranks hold nothing more), so resuming on any layout cuts them again (training/reshard.py, which a run with
+        expert_parallel always resumes through)."""
         state = super()._common_checkpoint_state(module_state_dict, zero_optimizer_state, save_frozen_param)
         saved = state.get("optimizer")
-        if saved is None:
+        group, _, size, _ = self.module._ep
+        if saved is None or self._grid.data_parallel_id >= size:  # not in expert group 0: nothing of theirs is written
             return state
-        group, rank, size, _ = self.module._ep
+        writer = self._grid.data_parallel_id == 0
         order = [p for g in self.optimizer.param_groups for p in g["params"]]
         for index, p in enumerate(order):
             if not hasattr(p, "ep_split") or index not in saved["state"]:
                 continue
             moments = dict(saved["state"][index])  # a copy: the live state keeps this rank's experts
             for name in ("exp_avg", "exp_avg_sq"):
-                pieces = [torch.empty_like(moments[name]) for _ in range(size)]
-                dist.all_gather(pieces, moments[name].contiguous(), group=group)
-                moments[name] = torch.cat(pieces, 0)  # [E,...]
+                pieces = [torch.empty_like(moments[name]) for _ in range(size)] if writer else None
+                dist.gather(moments[name].contiguous(), pieces, dst=dist.get_global_rank(group, 0), group=group)
+                if writer:
+                    moments[name] = torch.cat(pieces, 0)  # [E,...]
             saved["state"][index] = moments
         return state
 

@@ -1,5 +1,6 @@
 """Smoke tests of the benchmark scripts at tiny sizes (scripts/bench_train.py, bench_convert.py, bench_load.py,
-bench_lora.py, bench_dpo.py, bench_prepare.py, bench_padding.py, bench_attention.py, bench_long_context.py).
+bench_lora.py, bench_dpo.py, bench_prepare.py, bench_padding.py, bench_attention.py, bench_long_context.py,
+bench_moe.py).
 
 They check that each script runs end to end and that its arithmetic is right; the numbers themselves
 are in BENCHMARKS.md. About 20 s on the 2-core CPU machine (start-up of the subprocesses, mostly).
@@ -292,3 +293,23 @@ def test_bench_dpo_gives_sft_the_same_texts_as_rows(tmp_path):
         assert sft_rows[2 * i] == {"prompt": p["prompt"], "response": p["chosen"]}
         assert sft_rows[2 * i + 1] == {"prompt": p["prompt"], "response": p["rejected"]}
         assert 3 <= len(p["chosen"].split()) <= 5 and len(p["prompt"].split()) == args.prompt_words
+
+
+@pytest.mark.multirank  # the script launches train.py twice on 4 CPU ranks: about 75 s here
+def test_bench_moe_quick_halves_the_experts_per_rank(tmp_path):
+    """scripts/bench_moe.py --quick: a tiny Qwen3-MoE on data 4 with expert_parallel 1 and 2; one table row each, a rank
+    of the second holding half the experts (train.py's own ``experts:`` line) and fewer model-state bytes, and the
+    same loss (the same model and batches)."""
+    proc = run_script(["scripts/bench_moe.py", "--quick", "--work-dir", str(tmp_path)], timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| expert_parallel |"))
+    rows = {
+        int(r.split("|")[1]): r.split("|")[1:-1] for r in proc.stdout.splitlines() if r.startswith(("| 1 |", "| 2 |"))
+    }
+    assert sorted(rows) == [1, 2] and all(len(r) == header.count("|") - 1 for r in rows.values()), proc.stdout
+    experts = {ep: float(r[4].split(" M")[0]) for ep, r in rows.items()}  # every rank the same: the figure once
+    assert experts[2] == pytest.approx(experts[1] / 2, abs=0.01), proc.stdout
+    states = {ep: max(float(v) for v in r[5].split(",")) for ep, r in rows.items()}
+    assert states[2] < states[1] and all(float(r[1]) > 0 for r in rows.values())  # s/step
+    assert float(rows[1][3]) == 0 < float(rows[2][3])  # time in all-to-alls: none without expert parallelism
+    assert rows[1][-1] == rows[2][-1]  # last loss

@@ -303,6 +303,7 @@ def test_estimate_memory_reports_experts_and_their_all_to_all(capsys):
     assert "--sp with a Mixture-of-Experts model (mixtral) is not supported yet" in err
 
 
+@pytest.mark.e2e  # three fit searches over every layout of 8 GPUs: seconds
 def test_estimate_memory_lists_expert_parallel_layouts_that_fit(capsys):
     script = load_entry_point("scripts/estimate_memory.py")
     fit = ["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", "80", "--top", "40"]

@@ -164,8 +164,6 @@ def profile_rank(out_dir: str, train_argv: list[str]) -> None:
     """Run train.py in this process with the pipeline engines' instructions timed (1F1B's and DualPipeV's, as
     each schedule calls them through its engine's instruction map); per step, write ``out_dir/rank<R>.json``:
     [{instruction: [calls, wall s, cpu s]}, ...] (one dict per train_batch)."""
-    import atexit
-    import runpy
     import time
 
     from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -200,6 +198,14 @@ def profile_rank(out_dir: str, train_argv: list[str]) -> None:
             steps.append({k2: list(v) for k2, v in current.items()})
 
     PipelineEngine.train_batch = train_batch_and_record
+    run_train_recording(out_dir, train_argv, steps)
+
+
+def run_train_recording(out_dir: str, train_argv: list[str], steps: list) -> None:
+    """Run train.py in this rank's process; at exit write ``steps`` (what the caller's wrappers record per step) to
+    ``out_dir/rank<R>.json``."""
+    import atexit
+    import runpy
 
     def dump():
         with open(os.path.join(out_dir, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
