@@ -311,17 +311,45 @@ def build_specs(
 
 def spec_parameter_counts(config: PretrainedConfig) -> list[int]:
     """Parameters of every spec, from shapes on the meta device; a tied LM head counts the shared
-    embedding again (as DeepSpeed's partitioner counts it: the last stage holds a copy). Kept per config
-    contents: the planner's search and the partitioner ask for the same model's counts many times, and
-    building every layer on the meta device is most of what they cost."""
+    embedding again (as DeepSpeed's partitioner counts it: the last stage holds a copy)."""
+    return list(_spec_counts(config)[0])
+
+
+def spec_routed_expert_counts(config: PretrainedConfig) -> list[int]:
+    """Routed-expert parameters of every spec: a MoE decoder layer's state-dict keys with ``.experts.`` (the router
+    and a shared expert are not routed); 0 for every other spec and every spec of a dense model."""
+    return list(_spec_counts(config)[1])
+
+
+def is_routed_expert(key: str) -> bool:
+    """Whether a spec's state-dict key is a routed expert's tensor (``mlp.experts.down_proj``)."""
+    return ".experts." in f".{key}"
+
+
+def _spec_counts(config: PretrainedConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(parameters, routed-expert parameters) of every spec. Kept per config contents: the planner's search and the
+    partitioner ask for the same model's counts many times, and building layers on the meta device is most of what
+    they cost: one decoder layer of each kind is built (dense or routed: every other difference between a family's
+    layers, windows, chunks, RoPE, holds no parameter)."""
     key = config.to_json_string(use_diff=False)
     if key not in _SPEC_COUNTS:
-        specs = build_specs(config)
-        _SPEC_COUNTS[key] = tuple(sum(math.prod(s) for s in expected_state_shapes(spec).values()) for spec in specs)
-    return list(_SPEC_COUNTS[key])
+        moe = moe_spec(config)
+        routed = set(moe.moe_layers) if moe is not None else set()
+        counts, by_kind = [], {}
+        for info, spec in zip(spec_layout(config), build_specs(config)):
+            kind = ("decoder", info.index - 1 in routed) if info.kind == "decoder" else ("spec", info.index)
+            if kind not in by_kind:
+                shapes = expected_state_shapes(spec)
+                by_kind[kind] = (
+                    sum(math.prod(s) for s in shapes.values()),
+                    sum(math.prod(s) for k, s in shapes.items() if is_routed_expert(k)),
+                )
+            counts.append(by_kind[kind])
+        _SPEC_COUNTS[key] = (tuple(c for c, _ in counts), tuple(r for _, r in counts))
+    return _SPEC_COUNTS[key]
 
 
-_SPEC_COUNTS: dict[str, tuple[int, ...]] = {}
+_SPEC_COUNTS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
 
 def model_parameters(config: PretrainedConfig) -> int:
@@ -349,7 +377,7 @@ def spec_weights(config: PretrainedConfig, method: str) -> list[int]:
     ``parameters`` (DeepSpeed's method): the spec's parameter count, i.e. the memory it stores.
     ``compute``: the work per token, 2 FLOPs per parameter, so the same count, except the input
     embedding, a lookup, which weighs nothing, and a Mixture-of-Experts layer's routed experts (its state-dict
-    keys with ``.experts.``, models/moe_counts.py's rule), of which a token runs top_k / E. Not Llama 4's:
+    keys with ``.experts.``, :func:`spec_routed_expert_counts`), of which a token runs top_k / E. Not Llama 4's:
     Hugging Face's ``Llama4TextExperts`` runs every token through all E experts (the input repeated E times,
     scaled by the router scores), so all of them count; the shared expert, dense, counts whole in every family.
     The one home of how many experts a token runs (models.moe_counts.experts_per_token reads it from here).
@@ -358,12 +386,10 @@ def spec_weights(config: PretrainedConfig, method: str) -> list[int]:
     if method == "compute":
         counts[0] = 0  # spec 0 is the input embedding (spec_layout)
         moe = moe_spec(config)
-        specs = build_specs(config) if moe is not None else []
         runs = 0 if moe is None else moe.num_experts if config.model_type == "llama4_text" else moe.top_k
-        for i in [] if moe is None else [1 + layer for layer in moe.moe_layers]:  # decoder layer i is spec 1 + i
-            shapes = expected_state_shapes(specs[i]).items()
-            routed = sum(math.prod(s) for key, s in shapes if ".experts." in f".{key}")
-            counts[i] -= routed - routed * runs // moe.num_experts
+        for i, routed in enumerate(spec_routed_expert_counts(config)):
+            if routed:
+                counts[i] -= routed - routed * runs // moe.num_experts
     elif method != "parameters":
         raise ValueError(f"spec weights are defined for 'parameters' and 'compute', not {method!r}")
     return counts

@@ -22,35 +22,23 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from models.families import moe_spec
-from models.llama_pipe import build_specs, spec_layout, spec_parameter_counts, spec_weights
+from models.llama_pipe import (
+    build_specs,
+    is_routed_expert,
+    spec_layout,
+    spec_parameter_counts,
+    spec_routed_expert_counts,
+    spec_weights,
+)
 from models.specs import expected_state_shapes
 
-EXPERT_KEY = ".experts."  # in a decoder spec's state-dict key (``mlp.experts.down_proj``): a routed expert's tensor
 SHARED_KEY = ".shared_expert."  # Llama 4's ``feed_forward.shared_expert.gate_proj.weight``: the shared expert's
-
-
-def is_routed_expert(key: str) -> bool:
-    """Whether a spec's state-dict key is a routed expert's tensor (the router and a shared expert are not)."""
-    return EXPERT_KEY in f".{key}"
 
 
 def spec_expert_parameters(config: PretrainedConfig) -> list[int]:
     """Routed-expert parameters of every spec (in :func:`models.specs.spec_layout` order; 0 for a dense model's
-    specs, and for every spec but the MoE decoder layers). Kept per config contents, as the spec counts are."""
-    key = config.to_json_string(use_diff=False)
-    if key not in _EXPERT_COUNTS:
-        if moe_spec(config) is None:
-            counts = (0,) * len(spec_layout(config))
-        else:
-            counts = tuple(
-                sum(math.prod(s) for k, s in expected_state_shapes(spec).items() if is_routed_expert(k))
-                for spec in build_specs(config)
-            )
-        _EXPERT_COUNTS[key] = counts
-    return list(_EXPERT_COUNTS[key])
-
-
-_EXPERT_COUNTS: dict[str, tuple[int, ...]] = {}
+    specs, and for every spec but the MoE decoder layers)."""
+    return spec_routed_expert_counts(config)
 
 
 def parameter_split(config: PretrainedConfig) -> tuple[int, int]:
