@@ -92,13 +92,13 @@ def stage(tmp_path_factory, tiny_hf, tokenizer_dir):
     ckpt = str(root / "ckpt")
     run_script(["convert2ckpt.py", "--input", tiny_hf, "--output", ckpt]).check_returncode()
     configs = {}
-    for name in ("llama2-70b", "llama3-8b", "llama3-70b"):
+    for name in ("llama2-70b", "llama3-8b", "llama3-70b", "qwen3-30b-a3b"):
         path = str(root / name)
         model_group_config(name).save_pretrained(path)
         for tok in os.listdir(tokenizer_dir):
             with open(os.path.join(tokenizer_dir, tok), "rb") as src, open(os.path.join(path, tok), "wb") as dst:
                 dst.write(src.read())
-        configs[name.replace(".", "").replace("llama", "")] = path  # "2-70b", "3-8b", "3-70b"
+        configs[name.replace(".", "").replace("llama", "")] = path  # "2-70b", "3-8b", "3-70b", "qwen3-30b-a3b"
     data = str(root / "train.jsonl")
     with open(data, "w") as f:
         # one record every format reads (data=text, tokens, sft and dpo commands share this file)
