@@ -23,6 +23,8 @@ rows of the memory-mapped file. Saving gathers the experts of each layer over th
 from __future__ import annotations
 
 import math
+import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,15 @@ from models.llama_pipe import materialize_
 from parallel.axis import AxisPlan
 from parallel.layout import Layout, expert_layout_problems
 from parallel.pieces import load_pieces, save_whole
+
+
+def expert_moments_file(stage: int, rank: int) -> str:
+    """The file of stage ``stage``'s expert-parallel rank ``rank`` (> 0) holding its experts' Adam moments, by the
+    positions of the optimizer's parameters, as DeepSpeed's ``mp_rank_<stage>_model_states.pt`` holds rank 0's."""
+    return f"expert_moments_mp_rank_{stage:02d}_ep_{rank:02d}.pt"
+
+
+EXPERT_MOMENTS_FILE = re.compile(r"^expert_moments_mp_rank_(\d+)_ep_(\d+)\.pt$")
 
 
 def expert_groups(topology, ep: int):
@@ -198,29 +209,22 @@ class ExpertParallelEngine(PipelineEngine):
                 dist.all_reduce(g, group=self.expert_data_group)
             g.div_(data_axis)
 
-    def _common_checkpoint_state(self, module_state_dict, zero_optimizer_state, save_frozen_param):
-        """The engine file's optimizer state with every expert's Adam moments whole, as a run without expert parallelism
-        saves them: gathered over expert group 0 to data-parallel rank 0, the one rank that writes the file (the other
-        ranks hold nothing more), so resuming on any layout cuts them again (training/reshard.py, which a run with
-        expert_parallel always resumes through)."""
-        state = super()._common_checkpoint_state(module_state_dict, zero_optimizer_state, save_frozen_param)
-        saved = state.get("optimizer")
-        group, _, size, _ = self.module._ep
-        if saved is None or self._grid.data_parallel_id >= size:  # not in expert group 0: nothing of theirs is written
-            return state
-        writer = self._grid.data_parallel_id == 0
+    def _save_checkpoint(self, save_dir, tag, client_state={}, exclude_frozen_parameters=False):
+        """DeepSpeed's engine file (data-parallel rank 0: its own experts' Adam moments among the rest), and from each
+        other rank of expert group 0 its experts' moments (:func:`expert_moments_file`), so no rank ever holds more
+        than its own; training/reshard.py joins them, and a run with expert_parallel always resumes through it."""
+        super()._save_checkpoint(save_dir, tag, client_state, exclude_frozen_parameters)
+        _, rank, size, _ = self.module._ep
+        if self.optimizer is None or self._grid.data_parallel_id >= size or rank == 0:
+            return
         order = [p for g in self.optimizer.param_groups for p in g["params"]]
-        for index, p in enumerate(order):
-            if not hasattr(p, "ep_split") or index not in saved["state"]:
-                continue
-            moments = dict(saved["state"][index])  # a copy: the live state keeps this rank's experts
-            for name in ("exp_avg", "exp_avg_sq"):
-                pieces = [torch.empty_like(moments[name]) for _ in range(size)] if writer else None
-                dist.gather(moments[name].contiguous(), pieces, dst=dist.get_global_rank(group, 0), group=group)
-                if writer:
-                    moments[name] = torch.cat(pieces, 0)  # [E,...]
-            saved["state"][index] = moments
-        return state
+        moments = {
+            index: {name: self.optimizer.state[p][name] for name in ("exp_avg", "exp_avg_sq")}
+            for index, p in enumerate(order)
+            if hasattr(p, "ep_split") and p in self.optimizer.state
+        }
+        path = os.path.join(save_dir, str(tag), expert_moments_file(self._grid.get_pipe_parallel_rank(), rank))
+        self.checkpoint_engine.save(state_dict={"optimizer": {"state": moments}}, path=path)
 
     def clip_fp32_gradients(self):
         self._global_grad_norm = clip_with_experts_(self.module.parameters(), self.gradient_clipping(), self)

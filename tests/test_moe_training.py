@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from data.sampling import MicroBatchIterator
 from models.families import load_config, moe_spec
 from models.hf_io import hf_to_stages, stages_to_hf
+from models.layer_files import load_deepspeed_file
 from models.loss import label_tokens
 from models.router_loss import RouterStats, load_balancing_loss
 from models.tiny import write_uneven_sft
@@ -269,3 +270,21 @@ def test_export_after_training_equals_the_reference_model(runs, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
     _, model = runs["qwen3_moe_ref"]
     assert max_rel_weight_diff(exported.state_dict(), model) < REL_TOL
+
+
+def test_each_rank_saves_only_its_experts_moments(runs, tmp_path):
+    """expert_parallel 2: DeepSpeed's engine file of each stage holds data-parallel rank 0's experts' Adam moments, the
+    other expert rank's are in a file of its own (no rank gathers them); a checkpoint missing one is refused whole."""
+    from training.reshard import SavedOptimizerState
+
+    tag = runs["root"] / "qwen3_moe" / "global_step3"
+    engine = load_deepspeed_file(str(tag / "mp_rank_01_model_states.pt"))["optimizer"]["state"]
+    own = load_deepspeed_file(str(tag / "expert_moments_mp_rank_01_ep_01.pt"))["optimizer"]["state"]
+    assert own and all(engine[i]["exp_avg"].shape == own[i]["exp_avg"].shape for i in own)
+    assert {engine[i]["exp_avg"].shape[0] for i in own} == {2}  # 2 of the 4 experts each
+    shutil.copytree(tag, tmp_path / "tag")
+    (tmp_path / "tag" / "expert_moments_mp_rank_01_ep_01.pt").unlink()
+    assert (
+        "stage 1's expert-parallel ranks [1] are expected, [] found"
+        in SavedOptimizerState(str(tmp_path / "tag")).problems[0]
+    )

@@ -56,6 +56,7 @@ from models.layer_files import (
 )
 from models.llama_pipe import layer_file_name, spec_layout
 from models.lora_files import saved_base_record
+from parallel.expert_parallel import EXPERT_MOMENTS_FILE
 
 ZERO_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 ENGINE_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -113,7 +114,7 @@ class SavedOptimizerState:
         self._zero0: dict[Key, tuple[str, int]] = {}  # key -> (engine file, state index)
         self._portable: dict[Key, str] = {}
         # Tensor parallelism: each TP rank's files hold its piece of a split parameter, cut along this dim.
-        self.tp, self._split_dims = 1, {}
+        self.tp, self.expert_parallel, self._split_dims = 1, 1, {}
         self._pieces: dict[Key, list] = {}  # key -> per TP rank: its fragments (ZeRO) or (file, index) (ZeRO-0)
         names = sorted(os.listdir(tag_dir)) if os.path.isdir(tag_dir) else []
         self._read_tensor_parallel(names)
@@ -141,6 +142,7 @@ class SavedOptimizerState:
                 with open(os.path.join(self.tag_dir, n)) as f:
                     state = json.load(f)
                 self.tp = state.get("tensor_parallel", 1)
+                self.expert_parallel = state.get("expert_parallel", 1)
                 self._split_dims.update({spec_key(k): d for k, d in state.get("tp_split_dims", {}).items()})
 
     def _stage_and_tp_rank(self, mp_rank: int) -> tuple[int, int]:
@@ -265,12 +267,38 @@ class SavedOptimizerState:
                 self.problems.append(f"{path} holds no optimizer state")
                 continue
             self._note_step(optimizer["state"])
+            experts = self._expert_pieces(stage, names)  # optimizer position -> the other expert ranks' pieces
             for index, name in enumerate(n for group in groups for n in group):
                 key = spec_key(name)
                 if (t and key not in self._split_dims) or key in self._zero0 and self._zero0[key][t]:
                     continue  # a replicated parameter's copy on another TP rank; a tied copy
                 self._zero0.setdefault(key, [None] * self.tp)[t] = (path, index)
                 self._numel[key] = self._numel.get(key, 0) + optimizer["state"][index]["exp_avg"].numel()
+                for piece in experts.get(index, []):  # rank 0's experts above, then every other rank's
+                    self._zero0[key].append(piece)
+                    self._numel[key] += self._load(piece[0])["optimizer"]["state"][index]["exp_avg"].numel()
+                    self._split_dims[key] = 0
+
+    def _expert_pieces(self, stage: int, names: list[str]) -> dict[int, list[tuple[str, int]]]:
+        """With expert parallelism (parallel/expert_parallel.py): the expert ranks 1.. of ``stage`` saved their
+        experts' moments in files of their own; {optimizer position: [(file, position), ...] in rank order}."""
+        files = {}
+        for n in names:
+            m = EXPERT_MOMENTS_FILE.match(n)
+            if m and int(m.group(1)) == stage:
+                files[int(m.group(2))] = os.path.join(self.tag_dir, n)
+        expected = list(range(1, self.expert_parallel))
+        if sorted(files) != expected:
+            self.problems.append(
+                f"{self.tag_dir}: the expert moments of stage {stage}'s expert-parallel ranks {expected} are expected, "
+                f"{sorted(files)} found: the checkpoint is incomplete"
+            )
+            return {}
+        pieces: dict[int, list[tuple[str, int]]] = {}
+        for rank in expected:
+            for index in self._load(files[rank])["optimizer"]["state"]:
+                pieces.setdefault(index, []).append((files[rank], index))
+        return pieces
 
     def _scan_portable(self, names: list[str]) -> None:
         self.format = "portable"

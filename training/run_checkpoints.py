@@ -105,6 +105,7 @@ def save(resolved: Resolved, engine, step: int, iterator) -> str:
         "stage": rank // (resolved.layout.data_axis * resolved.layout.tp),  # pipe is the outer axis of the topology
         "dp_rank": rank // resolved.layout.tp % resolved.layout.data_axis,  # tensor-parallel peers are consecutive
         "tensor_parallel": resolved.layout.tp,
+        "expert_parallel": resolved.layout.ep,  # > 1: expert moments in files of their own (training/reshard.py)
         "global_batch": resolved.layout.global_batch,
         "global_samples": engine.global_samples,
         "skipped_steps": engine.skipped_steps,
