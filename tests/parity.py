@@ -160,6 +160,12 @@ def global_batches(rows: TokenBlocks, dp: int, gas: int, steps: int) -> tuple[li
 
 
 def hf_loss(model, batch, num_items_in_batch=None) -> torch.Tensor:
+    return hf_forward(model, batch, num_items_in_batch).loss
+
+
+def hf_forward(model, batch, num_items_in_batch=None, **kwargs):
+    """``<Family>ForCausalLM`` on one micro-batch ((input_ids, position_ids), labels), its loss over
+    ``num_items_in_batch`` label tokens when given; ``kwargs`` to the model (``output_router_logits``)."""
     (input_ids, position_ids), labels = batch
     return model(
         input_ids=input_ids,
@@ -167,7 +173,8 @@ def hf_loss(model, batch, num_items_in_batch=None) -> torch.Tensor:
         labels=labels,
         use_cache=False,
         num_items_in_batch=num_items_in_batch,
-    ).loss
+        **kwargs,
+    )
 
 
 def sft_reference_run(hf_dir: str, steps: list[list], normalization: str, norms: list | None = None, **optim):

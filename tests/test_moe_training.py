@@ -30,6 +30,7 @@ from tests.parity import (
     SFT_OPTIM,
     STEPS,
     cached_rows,
+    hf_forward,
     max_rel_weight_diff,
     rel,
     trained_weights,
@@ -74,7 +75,7 @@ def reference_run(hf_dir: str, steps: list[list], per_stage: list[list[int]] | N
         n = torch.tensor(sum(label_tokens(labels) for _, labels in micro_batches))
         loss, router_sum = 0.0, 0.0
         for batch in micro_batches:
-            out = hf_forward(model, batch, n)
+            out = hf_forward(model, batch, n, output_router_logits=True)
             router = out.aux_loss
             if per_stage is not None:
                 logits = dict(zip(moe.moe_layers, out.router_logits))
@@ -103,19 +104,6 @@ def computed_batches(rows, len_of: bool = False) -> list[list]:
     if len_of:
         return [next(it) for it in iterators for _ in range(len(rows) // DP // MICRO)]
     return [[next(it) for it in iterators for _ in range(GAS)] for _ in range(STEPS)]
-
-
-def hf_forward(model, batch, n: torch.Tensor):
-    """``<Family>ForCausalLM`` on one micro-batch: its loss with the step's label count, and the router loss."""
-    (input_ids, position_ids), labels = batch
-    return model(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        labels=labels,
-        use_cache=False,
-        num_items_in_batch=n,
-        output_router_logits=True,
-    )
 
 
 def stats_of(layer_logits: list[torch.Tensor], moe) -> RouterStats:
@@ -229,7 +217,7 @@ def test_eval_reports_cross_entropy_and_the_router_loss_apart(runs):
     n = torch.tensor(sum(label_tokens(labels) for _, labels in batches))
     ce, routers = 0.0, []
     for batch in batches:
-        out = hf_forward(model, batch, n)
+        out = hf_forward(model, batch, n, output_router_logits=True)
         ce += (out.loss - COEF * out.aux_loss).item()
         routers.append(out.aux_loss.item())
     record = read_metrics(str(runs["root"] / "qwen3_moe"), "eval")[-1]
