@@ -2,7 +2,7 @@
 
     python scripts/bench_moe.py                  # CPU: 4 ranks, num_stages=1 (data 4), expert_parallel 1,2,4
     python scripts/bench_moe.py --stages 2 --eps 1,2     # pipe 2 x data 2
-    python scripts/bench_moe.py --quick          # a tiny model, expert_parallel 1,2, 2 steps (the test's run)
+    python scripts/bench_moe.py --quick          # a tiny model on 2 ranks, expert_parallel 1,2, 2 steps (the test's)
 
 A random Qwen3-MoE whose routed experts hold most of its weights (defaults: hidden 256, 4 layers, 16 experts of
 512, top 2, vocabulary 4096: 27.4 M parameters, 25.2 M of them experts) is written and converted once; train.py
@@ -47,7 +47,17 @@ LOAD = re.compile(
 # parallel/expert_parallel.py's line (expert_parallel > 1 only)
 EXPERTS = re.compile(r"experts: \d+ per MoE layer over expert_parallel \d+ .*?expert parameters per rank ([^)]*)\)")
 QUICK = dict(
-    hidden=64, layers=2, experts=8, moe_intermediate=64, vocab=512, seq=32, steps=2, warmup=1, eps="1,2", grad_accum=1
+    hidden=64,
+    layers=2,
+    experts=8,
+    moe_intermediate=64,
+    vocab=512,
+    seq=32,
+    steps=2,
+    warmup=1,
+    eps="1,2",
+    grad_accum=1,
+    gpus=2,  # data 2: expert_parallel 2 needs no more
 )
 
 
@@ -67,7 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the median")
-    p.add_argument("--quick", action="store_true", help="a tiny model, expert_parallel 1,2, 2 steps (smoke test)")
+    p.add_argument(
+        "--quick", action="store_true", help="a tiny model on 2 ranks, expert_parallel 1,2, 2 steps (smoke test)"
+    )
     p.add_argument("--work-dir", default=None, help="where the model and runs go (default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (a --work-dir is always kept)")
     args = p.parse_args(argv)

@@ -297,7 +297,7 @@ def test_bench_dpo_gives_sft_the_same_texts_as_rows(tmp_path):
 
 @pytest.mark.multirank  # the script launches train.py twice on 4 CPU ranks: about 75 s here
 def test_bench_moe_quick_halves_the_experts_per_rank(tmp_path):
-    """scripts/bench_moe.py --quick: a tiny Qwen3-MoE on data 4 with expert_parallel 1 and 2; one table row each, a rank
+    """scripts/bench_moe.py --quick: a tiny Qwen3-MoE on data 2 with expert_parallel 1 and 2; one table row each, a rank
     of the second holding half the experts (train.py's own ``experts:`` line) and fewer model-state bytes, and the
     same loss (the same model and batches)."""
     proc = run_script(["scripts/bench_moe.py", "--quick", "--work-dir", str(tmp_path)], timeout=400)
