@@ -209,6 +209,7 @@ def _race_worker(output_dir, barrier, results, done):
     lock.release()
 
 
+@pytest.mark.e2e  # nine rounds of three forked processes racing for the lock
 def test_racing_for_a_stale_lock_exactly_one_wins(tmp_path):
     ctx = multiprocessing.get_context("fork")
     stale_kinds = {
