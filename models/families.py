@@ -200,6 +200,9 @@ class MoESpec:
     moe_layers: tuple[int, ...]  # decoder layer indices whose MLP is routed
     router_loss: bool  # output_router_logits: cross entropy + router_aux_loss_coef x load-balancing loss
     router_aux_loss_coef: float
+    # experts each token runs through: top_k; all E for Llama 4, whose Hugging Face experts module runs every token
+    # through every expert, scaled by the router scores (what the compute weights and the planner count)
+    experts_per_token: int
     router: str = "mlp.gate"  # the router module in a decoder layer; its output[0] is the router logits [T,E]
     # the fused experts module: gate_up_proj [E,2I,H], down_proj [E,H,I]; Llama 4's the transposes, [E,H,2I], [E,I,H]
     experts: str = "mlp.experts"
@@ -225,6 +228,7 @@ def moe_spec(config: PretrainedConfig) -> MoESpec | None:
             moe_layers=tuple(i for i in range(config.num_hidden_layers) if i in config.moe_layers),
             router_loss=False,  # Llama4ForCausalLM adds none, even with output_router_logits
             router_aux_loss_coef=0.0,
+            experts_per_token=config.num_local_experts,
             router="feed_forward.router",
             experts="feed_forward.experts",
         )
@@ -236,4 +240,5 @@ def moe_spec(config: PretrainedConfig) -> MoESpec | None:
         moe_layers=moe_layers,
         router_loss=bool(getattr(config, "output_router_logits", False)),
         router_aux_loss_coef=float(getattr(config, "router_aux_loss_coef", 0.0)),
+        experts_per_token=config.num_experts_per_tok,
     )

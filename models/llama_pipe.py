@@ -377,19 +377,17 @@ def spec_weights(config: PretrainedConfig, method: str) -> list[int]:
     ``parameters`` (DeepSpeed's method): the spec's parameter count, i.e. the memory it stores.
     ``compute``: the work per token, 2 FLOPs per parameter, so the same count, except the input
     embedding, a lookup, which weighs nothing, and a Mixture-of-Experts layer's routed experts (its state-dict
-    keys with ``.experts.``, :func:`spec_routed_expert_counts`), of which a token runs top_k / E. Not Llama 4's:
-    Hugging Face's ``Llama4TextExperts`` runs every token through all E experts (the input repeated E times,
-    scaled by the router scores), so all of them count; the shared expert, dense, counts whole in every family.
-    The one home of how many experts a token runs (models.moe_counts.experts_per_token reads it from here).
+    keys with ``.experts.``, :func:`spec_routed_expert_counts`), of which a token runs ``experts_per_token`` / E
+    (``models.families.MoESpec``: top_k; all E for Llama 4, whose Hugging Face experts module runs every token
+    through every expert); the shared expert, dense, counts whole in every family.
     """
     counts = spec_parameter_counts(config)
     if method == "compute":
         counts[0] = 0  # spec 0 is the input embedding (spec_layout)
         moe = moe_spec(config)
-        runs = 0 if moe is None else moe.num_experts if config.model_type == "llama4_text" else moe.top_k
         for i, routed in enumerate(spec_routed_expert_counts(config)):
             if routed:
-                counts[i] -= routed - routed * runs // moe.num_experts
+                counts[i] -= routed - routed * moe.experts_per_token // moe.num_experts
     elif method != "parameters":
         raise ValueError(f"spec weights are defined for 'parameters' and 'compute', not {method!r}")
     return counts

@@ -28,22 +28,15 @@ from models.llama_pipe import (
     spec_layout,
     spec_parameter_counts,
     spec_routed_expert_counts,
-    spec_weights,
 )
 from models.specs import expected_state_shapes
 
 SHARED_KEY = ".shared_expert."  # Llama 4's ``feed_forward.shared_expert.gate_proj.weight``: the shared expert's
 
 
-def spec_expert_parameters(config: PretrainedConfig) -> list[int]:
-    """Routed-expert parameters of every spec (in :func:`models.specs.spec_layout` order; 0 for a dense model's
-    specs, and for every spec but the MoE decoder layers)."""
-    return spec_routed_expert_counts(config)
-
-
 def parameter_split(config: PretrainedConfig) -> tuple[int, int]:
     """(routed-expert parameters, all other parameters) of the whole model (a tied embedding counted once)."""
-    counts, experts = spec_parameter_counts(config), spec_expert_parameters(config)
+    counts, experts = spec_parameter_counts(config), spec_routed_expert_counts(config)
     owned = [info.index for info in spec_layout(config) if info.owns_file]
     routed = sum(experts[i] for i in owned)
     return routed, sum(counts[i] for i in owned) - routed
@@ -59,17 +52,11 @@ def active_parameters(config: PretrainedConfig) -> int:
 
 
 def experts_per_token(config: PretrainedConfig) -> int:
-    """How many of a MoE layer's E experts each token runs through, as the compute weights count them
-    (``models.llama_pipe.spec_weights``, the rule's one home): top_k; all E for llama4_text, whose experts module
-    runs every token through every expert. Read back from the first MoE layer's compute weight, whose routed part is
-    ``routed * runs / E``; 0 for a dense model."""
+    """How many of a MoE layer's E experts each token runs through (``models.families.MoESpec``, what the compute
+    weights count): top_k; all E for llama4_text, whose experts module runs every token through every expert; 0 for a
+    dense model."""
     moe = moe_spec(config)
-    if moe is None or not moe.moe_layers:
-        return 0
-    layer = 1 + moe.moe_layers[0]  # spec of the first MoE decoder layer (spec_layout: decoder i is spec 1 + i)
-    routed = spec_expert_parameters(config)[layer]
-    dense = spec_parameter_counts(config)[layer] - routed
-    return (spec_weights(config, "compute")[layer] - dense) * moe.num_experts // routed
+    return 0 if moe is None or not moe.moe_layers else moe.experts_per_token
 
 
 @dataclass(frozen=True)
@@ -93,7 +80,7 @@ def moe_shape(config: PretrainedConfig) -> MoEShape | None:
     moe = moe_spec(config)
     if moe is None or not moe.moe_layers:
         return None
-    experts = spec_expert_parameters(config)
+    experts = spec_routed_expert_counts(config)
     layer_spec = 1 + moe.moe_layers[0]  # spec of the first MoE decoder layer (spec_layout: decoder i is spec 1 + i)
     shapes = expected_state_shapes(build_specs(config)[layer_spec])
     largest = max(math.prod(s) for k, s in shapes.items() if is_routed_expert(k))

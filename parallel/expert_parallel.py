@@ -17,7 +17,8 @@ The global gradient norm counts every expert once (its squares summed over the e
 Building: the stage is built on the meta device and only this rank's experts get memory (``ep_split``, read by
 models/layer_files.py like tensor parallelism's ``tp_split``): layer files keep every expert, and a rank reads its own
 rows of the memory-mapped file. Saving gathers the experts of each layer over the expert group and data-parallel rank
-0 writes them whole, so a checkpoint is the same file for any ``expert_parallel``.
+0 writes them whole, so a layer file is the same for any ``expert_parallel``; each expert rank writes its own experts'
+Adam moments (:func:`expert_moments_file`), which training/reshard.py joins.
 """
 
 from __future__ import annotations

@@ -11,14 +11,14 @@ import torch
 import yaml
 
 from models.families import FAMILIES, config_from_dict, family_of
-from models.llama_pipe import flops_per_token, model_parameters, spec_parameter_counts, spec_weights
-from models.moe_counts import (
-    active_parameters,
-    experts_per_token,
-    moe_shape,
-    parameter_split,
-    spec_expert_parameters,
+from models.llama_pipe import (
+    flops_per_token,
+    model_parameters,
+    spec_parameter_counts,
+    spec_routed_expert_counts,
+    spec_weights,
 )
+from models.moe_counts import active_parameters, experts_per_token, moe_shape, parameter_split
 from parallel.expert_parallel import expert_parallel_problems
 from parallel.layout import Layout, expert_layout_problems
 from parallel.memory_plan import (
@@ -83,7 +83,7 @@ def test_experts_are_the_fused_expert_tensors_not_the_router():
     [8, 4096] and everything else is the rest."""
     config = config_from_dict(architecture("mixtral-8x7b"))
     per_layer = 8 * 3 * 14336 * 4096
-    experts = spec_expert_parameters(config)
+    experts = spec_routed_expert_counts(config)
     assert experts[0] == experts[-1] == experts[-2] == 0 and set(experts[1:33]) == {per_layer}
     assert parameter_split(config)[0] == 32 * per_layer
     shape = moe_shape(config)
@@ -101,7 +101,7 @@ def test_compute_weights_count_the_active_experts_and_dense_models_are_unchanged
     """partition_method=compute weighs a MoE layer by its active work (top_k / E of its experts); the FLOPs per
     token are 6 x the active parameters less the input embedding. A dense model: its parameter counts."""
     config = config_from_dict(architecture("qwen3-30b-a3b"))
-    counts, experts = spec_parameter_counts(config), spec_expert_parameters(config)
+    counts, experts = spec_parameter_counts(config), spec_routed_expert_counts(config)
     compute = spec_weights(config, "compute")
     assert compute[1:] == [c - e + e * 8 // 128 for c, e in zip(counts[1:], experts[1:])]
     assert sum(compute) == active_parameters(config) - counts[0]

@@ -98,3 +98,13 @@ def exit_finished_run(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def counted_sum(stats, counts: bool):
+    """The sum over all ranks of the ranks' ``stats`` (a tensor) where ``counts`` (one rank per micro-batch counts it,
+    the others add zeros), back on the CPU. A collective: every rank calls it."""
+    from deepspeed.accelerator import get_accelerator
+
+    stats = (stats * float(counts)).to(get_accelerator().current_device_name())  # NCCL: on the GPU
+    dist.all_reduce(stats)
+    return stats.cpu()

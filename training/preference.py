@@ -20,11 +20,10 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 
 from data.preference import PairBlocks, load_reference, model_key, reference_path, save_reference
 from models.loss import PREFERENCE_METRICS, PreferenceLoss
-from training.distributed import StartupError, on_all_ranks
+from training.distributed import StartupError, counted_sum, on_all_ranks
 
 PROGRESS_EVERY_S = 30.0  # seconds between progress lines of a long reference pass
 PASS_MICRO_BATCHES = 32  # micro-batches per data-parallel rank in one forward-only pipeline pass
@@ -180,9 +179,7 @@ def forward_only(resolved, engine, iterator, micro_batches: int, loss_fn) -> Non
 def step_metrics(loss_fn: PreferenceLoss, counts: bool, prefix: str = "") -> dict[str, float]:
     """TRL's metrics over the pairs since the last call, every rank's summed (``counts``: whether this rank's
     pairs count, one rank per micro-batch). A collective."""
-    stats = loss_fn.take_stats() * float(counts)
-    stats = stats.to(get_accelerator().current_device_name())
-    dist.all_reduce(stats)
+    stats = counted_sum(loss_fn.take_stats(), counts)
     pairs = stats[0].item()
     return {
         f"{prefix}{name}": (stats[1 + i].item() / pairs if pairs else math.nan)

@@ -13,7 +13,7 @@ from deepspeed.accelerator import get_accelerator
 from models.loss import CausalLMLoss, label_tokens
 from training.config import Resolved
 from training.data_setup import EvalSet, RankData
-from training.distributed import TrainingStopped
+from training.distributed import TrainingStopped, counted_sum
 from training.metrics import StepLogger
 from training.preference import step_metrics
 
@@ -139,13 +139,8 @@ def router_metrics(loss_fn: CausalLMLoss, counts: bool, prefix: str = "") -> dic
     ``router_loss``, the mean over micro-batches of the load-balancing loss (without its coefficient), and
     ``expert_load_max``: the most tokens any expert got (over every MoE layer) / the mean per expert, 1.0 for a balanced
     router, num_experts / top_k when every token goes to the same top_k experts. A collective."""
-    stats = torch.zeros(2 + loss_fn.router.num_experts, dtype=torch.float64)
     loss_sum, micro_batches, tokens = loss_fn.router.take_metrics()
-    if counts:
-        stats[0], stats[1], stats[2:] = loss_sum, micro_batches, tokens
-    stats = stats.to(get_accelerator().current_device_name())
-    dist.all_reduce(stats)
-    stats = stats.cpu()
+    stats = counted_sum(torch.cat([torch.tensor([loss_sum, micro_batches], dtype=torch.float64), tokens]), counts)
     tokens = stats[2:]
     return {
         f"{prefix}router_loss": stats[0].item() / stats[1].item() if stats[1] else float("nan"),
