@@ -13,14 +13,17 @@ plans a layout uses, in the order they apply (tensor, sequence, expert, schedule
 3. ``apply``: the built stage changed in place; returns what the loss needs to know of this rank's share (fields of
    ``models.loss.LossSplit``), which ``build_pipeline_model`` hands to the loss;
 4. ``ds_config_``: the keys of the DeepSpeed config the axis needs (training/optim.py's ``fill_ds_config``);
-5. ``adopt_engine``: the engine ``deepspeed.initialize`` built, made the axis's (training/build.py);
-6. ``announce``: the axis's start-up lines (training/announce.py);
-7. ``end_check``: a check at the end of a run (training/loop.py).
+5. ``building_engine``: a context around ``deepspeed.initialize`` (training/build.py);
+6. ``adopt_engine``: the engine ``deepspeed.initialize`` built, made the axis's (training/build.py);
+7. ``announce``: the axis's start-up lines (training/announce.py);
+8. ``end_check``: a check at the end of a run (training/loop.py).
 
 A new axis is a new ``Layout`` field, a subclass in its own module, and an entry in ``parallel.stage.AXES``.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from parallel.layout import Layout
 
@@ -49,6 +52,10 @@ class AxisPlan:
 
     def ds_config_(self, ds: dict) -> None:
         """Set the keys of the DeepSpeed config ``ds`` that the axis needs."""
+
+    def building_engine(self) -> contextlib.AbstractContextManager:
+        """A context ``deepspeed.initialize`` runs in (expert parallelism: DeepSpeed's MoE paths turned on)."""
+        return contextlib.nullcontext()
 
     def adopt_engine(self, engine) -> None:
         """Make the engine ``deepspeed.initialize`` built the axis's."""

@@ -11,25 +11,35 @@ k results in the order of the experts' indices, as Hugging Face's loop does. No 
 
 Gradients: rank j's experts get the gradient of its group's N ranks' tokens; the ranks holding the same experts (one
 per group: the expert-data-parallel group) sum theirs and divide by the data axis, so the result is the gradient of
-the global batch, as DeepSpeed's average over the data axis is for every other weight (:class:`ExpertParallelEngine`).
-The global gradient norm counts every expert once (its squares summed over the expert group).
+the global batch, as DeepSpeed's average over the data axis is for every other weight. The global gradient norm counts
+every expert once (its squares summed over the expert group). Both are DeepSpeed's own MoE paths, for every optimizer
+it runs here (fp32 at ZeRO-0, its bf16 optimizer, ZeRO-1): the expert parameters carry its MoE flags and the groups
+are in its registry (:func:`register_expert_groups`), the engine is built with its MoE paths on
+(:meth:`ExpertParallelPlan.building_engine`), and the optimizer partitions the experts' states over the
+expert-data-parallel group only (DeepSpeed's ``moe`` parameter groups). Only fp32 at ZeRO-0's clipping is ours
+(:func:`clip_with_experts_`): DeepSpeed's there averages the ranks' norms.
 
 Building: the stage is built on the meta device and only this rank's experts get memory (``ep_split``, read by
 models/layer_files.py like tensor parallelism's ``tp_split``): layer files keep every expert, and a rank reads its own
 rows of the memory-mapped file. Saving gathers the experts of each layer over the expert group and data-parallel rank
-0 writes them whole, so a layer file is the same for any ``expert_parallel``; each expert rank writes its own experts'
-Adam moments (:func:`expert_moments_file`), which training/reshard.py joins.
+0 writes them whole, so a layer file is the same for any ``expert_parallel``. The optimizer states: ZeRO-1 and bf16
+write every data-parallel rank's partitions (the experts' over their expert-data-parallel group); in fp32 at ZeRO-0
+each expert rank writes its own experts' Adam moments (:func:`expert_moments_file`). training/reshard.py joins both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 
+import deepspeed.runtime.engine
 import torch
 import torch.distributed as dist
+from deepspeed.moe.layer import MoE
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.utils import groups
 from torch import nn
 
 from models.families import moe_spec
@@ -49,9 +59,14 @@ def expert_moments_file(stage: int, rank: int) -> str:
 EXPERT_MOMENTS_FILE = re.compile(r"^expert_moments_mp_rank_(\d+)_ep_(\d+)\.pt$")
 
 
+def expert_group_name(ep: int) -> str:
+    """The name DeepSpeed's registry and its MoE parameters know the groups by (its own ``ep_size_<N>``)."""
+    return f"ep_size_{ep}"
+
+
 def expert_groups(topology, ep: int):
-    """This rank's (expert group, its rank in it, expert-data-parallel group). Collective: every rank creates every
-    group in the same order (torch's rule for ``new_group``)."""
+    """This rank's (expert group, its rank in it, expert-data-parallel group, the two groups' global ranks).
+    Collective: every rank creates every group in the same order (torch's rule for ``new_group``)."""
     axes = [a for a in topology.get_axis_names() if a != "data"]
     data = topology.get_dim("data")
     mine: dict[str, object] = {}
@@ -63,13 +78,23 @@ def expert_groups(topology, ep: int):
             ranks = [topology.get_rank(**coords, data=first + j) for j in range(ep)]
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
-                mine["ep"], mine["rank"] = group, ranks.index(dist.get_rank())
+                mine["ep"], mine["rank"], mine["ep_ranks"] = group, ranks.index(dist.get_rank()), ranks
         for j in range(ep):  # expert-data-parallel groups: the same slot of every expert group
             ranks = [topology.get_rank(**coords, data=first + j) for first in range(0, data, ep)]
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
-                mine["edp"] = group
-    return mine["ep"], mine["rank"], mine["edp"]
+                mine["edp"], mine["edp_ranks"] = group, ranks
+    return mine["ep"], mine["rank"], mine["edp"], mine["ep_ranks"], mine["edp_ranks"]
+
+
+def register_expert_groups(ep: int, ep_group, edp_group, ep_ranks: list[int], edp_ranks: list[int]) -> None:
+    """This rank's groups in DeepSpeed's registry (``deepspeed.utils.groups``), under :func:`expert_group_name`, where
+    its engine, bf16 optimizer and ZeRO optimizer look them up by the parameters' ``group_name``; what
+    ``deepspeed.moe``'s own layer does with the groups DeepSpeed lays out, here with ours (data-parallel ranks of
+    one stage)."""
+    name = expert_group_name(ep)
+    groups._EXPERT_PARALLEL_GROUP[name], groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ep_group, ep_ranks
+    groups._EXPERT_DATA_PARALLEL_GROUP[name], groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = edp_group, edp_ranks
 
 
 class _AllToAll(torch.autograd.Function):
@@ -152,8 +177,11 @@ def split_experts_(model, group, rank: int, size: int) -> int:
                 local = nn.Parameter(torch.empty((p.shape[0] // size, *p.shape[1:]), dtype=p.dtype, device="meta"))
                 local.__dict__.update(p.__dict__)  # DeepSpeed's flags (ds_pipe_replicated)
                 local.ep_split = (0, rank, size)
-                # deepspeed.initialize broadcasts every weight from data-parallel rank 0, which would give every rank
-                # rank 0's experts; it skips the parameters it knows to be unique per rank (OptimizedLinear's flag)
+                # DeepSpeed's MoE flags: reduced over the expert-data-parallel group, in the optimizer's moe groups
+                local.allreduce, local.group_name = False, expert_group_name(size)
+                # deepspeed.initialize broadcasts the experts within that group from a rank its registry computes
+                # for its own layout; each rank reads its experts from the layer files instead (OptimizedLinear's
+                # flag: a parameter unique per rank)
                 local.ds_optim_param = True
                 setattr(experts, pname, local)
             experts.num_experts = moe.num_experts // size
@@ -191,32 +219,22 @@ class ExpertParallelStage:
 
 
 class ExpertParallelEngine(PipelineEngine):
-    """DeepSpeed's pipeline engine whose gradient reduction and clipping know the experts (fp32 at ZeRO-0): every other
-    gradient averaged over the data axis as before, each expert's summed over its expert-data-parallel group and
-    divided by the data axis; the norm over every weight of the model, each expert counted once."""
+    """DeepSpeed's pipeline engine, built with its MoE paths on (gradient reduction, bf16 and ZeRO-1 optimizers),
+    whose fp32 ZeRO-0 clipping counts each expert once and whose checkpoint is the pipeline's layer files and engine
+    file rather than DeepSpeed's MoE checkpoint (per-expert files of its own MoE layer)."""
 
-    def buffered_allreduce_fallback(self, grads=None, elements_per_buffer=500000000):
-        dense, experts = [], []
-        for p in self.module.parameters():
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            (experts if hasattr(p, "ep_split") else dense).append(p.grad.data)
-        self._reduce_non_expert_gradients(dense, elements_per_buffer)
-        data_axis = self.dp_world_size
-        for g in experts:
-            if dist.get_world_size(self.expert_data_group) > 1:
-                dist.all_reduce(g, group=self.expert_data_group)
-            g.div_(data_axis)
+    def _save_moe_checkpoint(self, save_dir, tag, client_state={}, exclude_frozen_parameters=False):
+        self.save_non_zero_checkpoint = self._save_engine_file  # DeepSpeed's MoE branch turned it off
+        self._save_checkpoint(save_dir, tag, client_state, exclude_frozen_parameters)
 
     def _save_checkpoint(self, save_dir, tag, client_state={}, exclude_frozen_parameters=False):
-        """DeepSpeed's engine file (data-parallel rank 0: its own experts' Adam moments among the rest), and from each
-        other rank of expert group 0 its experts' moments (:func:`expert_moments_file`), so no rank ever holds more
-        than its own; training/reshard.py joins them, and a run with expert_parallel always resumes through it."""
+        """DeepSpeed's engine file (data-parallel rank 0), and in fp32 at ZeRO-0, where that file holds rank 0's Adam
+        moments, the moments of each other rank of expert group 0's experts (:func:`expert_moments_file`), so no rank
+        ever holds more than its own; training/reshard.py joins them, and a run with expert_parallel always resumes
+        through it. ZeRO-1 and bf16 write every rank's partitions in DeepSpeed's own files."""
         super()._save_checkpoint(save_dir, tag, client_state, exclude_frozen_parameters)
         _, rank, size, _ = self.module._ep
-        if self.optimizer is None or self._grid.data_parallel_id >= size or rank == 0:
+        if self.optimizer is None or self.save_zero_checkpoint or self._grid.data_parallel_id >= size or rank == 0:
             return
         order = [p for g in self.optimizer.param_groups for p in g["params"]]
         moments = {
@@ -269,15 +287,38 @@ class ExpertParallelPlan(AxisPlan):
         return layout.ep > 1
 
     def before_build(self, config, topology, attention: str) -> str:
-        group, rank, edp = expert_groups(topology, self.layout.ep)
+        group, rank, edp, ep_ranks, edp_ranks = expert_groups(topology, self.layout.ep)
+        register_expert_groups(self.layout.ep, group, edp, ep_ranks, edp_ranks)
         ExpertParallelStage._ep = (group, rank, self.layout.ep, edp)
         return attention
+
+    def ds_config_(self, ds: dict) -> None:
+        # DeepSpeed's ZeRO-1 reduces the experts' gradients over their group in its reduce-scatter path only
+        # (stage_1_and_2.py asserts it with MoE); train.py's CPU default turns that path off (training/optim.py)
+        zero = ds.setdefault("zero_optimization", {})
+        if zero.get("stage", 0) == 1:
+            zero.setdefault("reduce_scatter", True)
+            zero.setdefault("contiguous_gradients", True)
+
+    @contextlib.contextmanager
+    def building_engine(self):
+        """DeepSpeed's engine turns its MoE paths on when it finds its own MoE layer among the modules
+        (``_configure_distributed_model``): while it is built, the experts modules of this plan count as one."""
+        found = deepspeed.runtime.engine.MoE
+        deepspeed.runtime.engine.MoE = (MoE, ExpertParallelExperts)
+        try:
+            yield
+        finally:
+            deepspeed.runtime.engine.MoE = found
 
     def adopt_engine(self, engine) -> None:
         if type(engine) is not PipelineEngine:
             raise RuntimeError(f"expert_parallel runs on DeepSpeed's pipeline engine, not {type(engine).__name__}")
+        if not engine.has_moe_layers:
+            raise RuntimeError("DeepSpeed's engine was built without its MoE paths: the experts would be reduced wrong")
         engine.__class__ = ExpertParallelEngine
         engine.expert_group, _, _, engine.expert_data_group = engine.module._ep
+        engine._save_engine_file = engine.save_non_zero_checkpoint
 
     def announce(self, engine, gather) -> list[str]:
         held = sum(p.numel() for p in engine.module.parameters() if hasattr(p, "ep_split"))
@@ -290,12 +331,19 @@ class ExpertParallelPlan(AxisPlan):
         ]
 
 
-def expert_parallel_problems(cfg, model_config, layout: Layout) -> list[str]:
+def expert_parallel_problems(cfg, model_config, layout: Layout, ds_json: dict | None = None) -> list[str]:
     """Everything train.py refuses about a MoE model or ``expert_parallel`` (cfg: training.config.TrainConfig), with
     the numbers and what to use instead: the layout's rules (parallel.layout.expert_layout_problems, which the planner
-    asks too) with the config's settings. Without a model config (its own problem is said) only ep >= 1."""
+    asks too) with the config's settings, and the DeepSpeed JSON's ZeRO-1 reduce-scatter. Without a model config (its
+    own problem is said) only ep >= 1."""
     moe = moe_spec(model_config) if model_config is not None else None
-    return expert_layout_problems(
+    problems = []
+    if layout.ep > 1 and (ds_json or {}).get("zero_optimization", {}).get("reduce_scatter") is False:
+        problems.append(
+            f"expert_parallel {layout.ep} with zero_optimization.reduce_scatter=false in {cfg.ds_config}: DeepSpeed "
+            "reduces the experts' gradients over their group in its reduce-scatter path only; remove the key"
+        )
+    return problems + expert_layout_problems(
         layout,
         model_config.model_type if model_config is not None else None,
         None if model_config is None else moe.num_experts if moe is not None else 0,

@@ -399,8 +399,8 @@ def expert_layout_problems(
 ) -> list[str]:
     """A Mixture-of-Experts model's rules and ``expert_parallel``'s, with the numbers and what to use instead: the
     pipeline engine; no tensor or sequence parallelism, DualPipeV, PEFT or DPO with experts; ep dividing the
-    data-parallel degree and each MoE layer's experts, fp32 at ZeRO-0, and not with llama4_text (whose experts run
-    every token). ``num_experts``: each MoE layer's experts, 0 for a dense model, None for a model not known (only
+    data-parallel degree and each MoE layer's experts, no optimizer offload, and not with llama4_text (whose experts
+    run every token). ``num_experts``: each MoE layer's experts, 0 for a dense model, None for a model not known (only
     ep >= 1 is checked); ``model_type`` names the model in the lines."""
     ep = layout.ep
     if ep < 1:
@@ -448,11 +448,11 @@ def expert_layout_problems(
         problems.append(
             f"expert_parallel {ep} must divide the {num_experts} experts of each MoE layer: use one of {works}"
         )
-    if layout.zero != 0 or layout.dtype != "fp32":
+    if layout.offload_optimizer:
         problems.append(
-            f"expert_parallel {ep} runs with precision=fp32 and ds=zero0 in this version (here: "
-            f"precision={layout.dtype}, ZeRO {layout.zero}); each rank then holds the optimizer states of its own "
-            "experts only. For bf16 or ZeRO-1 use expert_parallel=1"
+            f"expert_parallel {ep} with the optimizer offloaded (ds={ds_config}): not supported yet (DeepSpeed's "
+            "CPU Adam is not run with its MoE parameter groups here); keep the optimizer states on the GPU (ds=zero1 "
+            "shards them over the data axis) or use expert_parallel=1"
         )
     return problems
 

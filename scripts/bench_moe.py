@@ -6,8 +6,8 @@
 
 A random Qwen3-MoE whose routed experts hold most of its weights (defaults: hidden 256, 4 layers, 16 experts of
 512, top 2, vocabulary 4096: 27.4 M parameters, 25.2 M of them experts) is written and converted once; train.py
-then runs it on ``--gpus`` ranks with each ``--eps`` value (fp32, ds=zero0, as expert_parallel requires; the same
-data, global batch and steps), each rank one CPU thread on CPU. Per run the table gives:
+then runs it on ``--gpus`` ranks with each ``--eps`` value (``--precision`` and ``--ds``, default fp32 and ZeRO-0; the
+same data, global batch and steps), each rank one CPU thread on CPU. Per run the table gives:
 
 - the median step time after ``--warmup`` steps and real tokens per second;
 - each rank's routed-expert parameters (the model's / expert_parallel; train.py's ``experts:`` line where it prints
@@ -66,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=4, help="ranks (CPU processes here, GPUs elsewhere)")
     p.add_argument("--stages", type=int, default=1, help="num_stages (data parallel: the rest)")
     p.add_argument("--eps", default="1,2,4", help="comma-separated expert_parallel values")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--ds", default="zero0", choices=("zero0", "zero1"), help="the ZeRO config (conf/ds)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer")
@@ -86,7 +88,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    args.precision, args.ds = "fp32", "zero0"  # what expert_parallel > 1 runs with (run_overrides reads them)
     return args
 
 
@@ -211,9 +212,9 @@ def print_table(args, config, results: dict[int, dict]) -> None:
     print(
         f"qwen3_moe: hidden {args.hidden}, {args.layers} layers, {args.experts} experts of {args.moe_intermediate} "
         f"(top {args.top_k}), vocab {args.vocab}: {(routed + rest) / 1e6:.2f} M parameters, {routed / 1e6:.2f} M "
-        f"routed experts ({routed / (routed + rest):.0%}); {args.gpus} ranks, pipe {args.stages} x data {dp}, fp32, "
-        f"ds=zero0; seq {args.seq}, micro {args.micro_batch} x grad_acc {args.grad_accum} x dp {dp}; {args.steps} "
-        f"steps (median after {args.warmup})"
+        f"routed experts ({routed / (routed + rest):.0%}); {args.gpus} ranks, pipe {args.stages} x data {dp}, "
+        f"{args.precision}, ds={args.ds}; seq {args.seq}, micro {args.micro_batch} x grad_acc {args.grad_accum} "
+        f"x dp {dp}; {args.steps} steps (median after {args.warmup})"
     )
     print(
         "| expert_parallel | s/step | tokens/s | in all-to-all s/step | expert params per rank | model states per "

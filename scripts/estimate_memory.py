@@ -136,7 +136,7 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
             "  (experts N: expert parallelism, each MoE layer's experts split over N data-parallel ranks; a2a GB: the "
             "bytes a rank of the stage with the most layers sends in the experts' all-to-alls per step)"
         )
-        note = expert_parallel_note(shape, args.dtype)
+        note = expert_parallel_note(shape)
         if note:
             print(f"  ({note})")
     if any(layout.sp > 1 for layout, _ in found[: args.top]):
@@ -147,17 +147,11 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
         print("  none: add GPUs, shorten sequences or use a smaller micro-batch")
 
 
-def expert_parallel_note(shape, dtype: str) -> str | None:
-    """Why the search proposes no expert parallelism for a MoE model: train.py's rule for ep 2 in fp32 at ZeRO-0 where
-    it refuses that too (llama4_text), else the precision and ZeRO stage it needs, unless ``dtype`` is fp32."""
-    fp32 = expert_layout_problems(Layout(dp=2, ep=2, dtype="fp32"), *experts_of(shape))
-    if fp32:
-        return f"no expert parallelism: {in_flags(fp32[0])}"
-    if dtype != "fp32":
-        return (
-            "expert_parallel > 1 (--ep) needs --dtype fp32 and --zero 0 in this version: pass --dtype fp32 to plan it"
-        )
-    return None
+def expert_parallel_note(shape) -> str | None:
+    """Why the search proposes no expert parallelism for a MoE model: train.py's rule for ep 2 where it refuses it
+    (llama4_text)."""
+    problems = expert_layout_problems(Layout(dp=2, ep=2), *experts_of(shape))
+    return f"no expert parallelism: {in_flags(problems[0])}" if problems else None
 
 
 def expert_a2a_per_step(shape, layout: Layout, split) -> float:

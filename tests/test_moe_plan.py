@@ -174,7 +174,7 @@ def test_routed_activations_and_the_all_to_all():
 
 
 def test_expert_parallelism_must_divide_the_data_axis_and_the_experts():
-    fp32 = Layout(dtype="fp32")  # expert_parallel > 1 runs in fp32 at ZeRO-0 in this version
+    fp32 = Layout(dtype="fp32")
     moe = ("mixtral", 8)
     assert not expert_layout_problems(dataclasses.replace(fp32, dp=8, ep=8), *moe)
     assert (
@@ -189,7 +189,9 @@ def test_expert_parallelism_must_divide_the_data_axis_and_the_experts():
     assert "model_type llama, which has no experts" in expert_layout_problems(Layout(dp=4, ep=2), "llama", 0)[0]
     assert not expert_layout_problems(Layout(dp=4, ep=2))  # no model known: nothing to check but ep >= 1
     assert expert_layout_problems(Layout(ep=0)) == ["expert_parallel 0 must be >= 1 (1: every rank holds every expert)"]
-    assert "precision=bf16, ZeRO 1" in expert_layout_problems(Layout(dp=4, ep=2, zero=1), *moe)[0]
+    assert not expert_layout_problems(Layout(dp=4, ep=2, zero=1), *moe)  # bf16 at ZeRO-1: DeepSpeed's MoE groups
+    offloaded = Layout(dp=4, ep=2, zero=1, offload_optimizer=True)
+    assert "with the optimizer offloaded (ds=zero1)" in expert_layout_problems(offloaded, *moe)[0]
 
 
 # train.py's MoE rules, each a layout the planner must not propose: (Layout changes, a word of the line).
@@ -199,8 +201,7 @@ REFUSED_WITH_EXPERTS = [
     (dict(stages=2, dp=4, schedule="dualpipev", grad_accum=8), "pipeline_schedule=dualpipev with"),
     (dict(dp=8, zero=2), "runs on the pipeline engine; num_stages=1 with ds=zero2"),
     (dict(dp=8, zero=3), "runs on the pipeline engine; num_stages=1 with ds=zero3"),
-    (dict(dp=8, ep=2, dtype="bf16"), "expert_parallel 2 runs with precision=fp32 and ds=zero0"),
-    (dict(stages=2, dp=4, ep=2, zero=1, dtype="fp32"), "expert_parallel 2 runs with precision=fp32 and ds=zero0"),
+    (dict(stages=2, dp=4, ep=2, zero=1, offload_optimizer=True), "expert_parallel 2 with the optimizer offloaded"),
     (dict(dp=8, lora_rank=8, lora_targets=("q_proj",)), "peft.method=lora with a Mixture-of-Experts model"),
 ]
 
@@ -244,7 +245,7 @@ def test_train_py_and_the_planner_refuse_a_moe_layout_with_one_rule(changes, lin
 
 def test_the_fit_search_proposes_only_layouts_train_py_runs_for_a_moe_model():
     """Mixtral on 16 x 80 GB, bf16 and fp32: the pipeline engine, no tensor or sequence parallelism, no DualPipeV;
-    expert parallelism only in fp32 at ZeRO-0 (none in bf16)."""
+    expert parallelism in both, never with the optimizer offloaded."""
     config, shape = mixtral()
     split = splitter(config, None)
     for dtype in ("bf16", "fp32"):
@@ -252,8 +253,8 @@ def test_the_fit_search_proposes_only_layouts_train_py_runs_for_a_moe_model():
         assert found
         for layout, _ in found:
             assert layout.tp == layout.sp == 1 and layout.schedule == "1f1b" and layout.uses_pipeline, layout
-            assert layout.ep == 1 or (layout.dtype == "fp32" and layout.zero == 0), layout
-        assert {layout.ep for layout, _ in found} == ({1} if dtype == "bf16" else {1, 2, 4, 8}), dtype
+            assert layout.ep == 1 or not layout.offload_optimizer, layout
+        assert {layout.ep for layout, _ in found} == {1, 2, 4, 8}, dtype
 
 
 def test_the_fit_search_tries_expert_parallelism_and_only_where_it_divides():
@@ -291,11 +292,27 @@ def test_estimate_memory_reports_experts_and_their_all_to_all(capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 1 and "--ep 8 must divide the data-parallel degree 4" in err
     with pytest.raises(SystemExit) as exit_:  # train.py's rule, in the script's flags
-        script.main(["--model", "mixtral-8x7b", "--stages", "2", "--dp", "4", "--ep", "4", "--zero", "1"])
+        script.main(
+            [
+                "--model",
+                "mixtral-8x7b",
+                "--stages",
+                "2",
+                "--dp",
+                "4",
+                "--ep",
+                "4",
+                "--zero",
+                "1",
+                "--offload",
+                "optimizer",
+            ]
+        )
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 1 and err == [
-        "estimate_memory.py: error: --ep 4 runs with --dtype fp32 and --zero 0 in this version (here: --dtype bf16, "
-        "ZeRO 1); each rank then holds the optimizer states of its own experts only. For bf16 or ZeRO-1 use --ep 1"
+        "estimate_memory.py: error: --ep 4 with the optimizer offloaded (--zero 1): not supported yet (DeepSpeed's "
+        "CPU Adam is not run with its MoE parameter groups here); keep the optimizer states on the GPU (--zero 1 "
+        "shards them over the data axis) or use --ep 1"
     ]
     with pytest.raises(SystemExit) as exit_:
         script.main(["--model", "mixtral-8x7b", "--sp", "2", "--dp", "4"])
@@ -307,23 +324,15 @@ def test_estimate_memory_reports_experts_and_their_all_to_all(capsys):
 def test_estimate_memory_lists_expert_parallel_layouts_that_fit(capsys):
     script = load_entry_point("scripts/estimate_memory.py")
     fit = ["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", "80", "--top", "40"]
-    script.main([*fit, "--dtype", "fp32"])
-    out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if "ZeRO-" in line]
-    assert any("(experts" in r for r in rows) and all(
-        float(r[0]) <= 80 and r[3] != "0.0" and "ZeRO-0," in r for r in rows if "(experts" in r
-    )
-    assert not any("sequence" in r or "tensor" in r for r in rows) and "needs --dtype fp32" not in out
+    for dtype in ("fp32", "bf16"):
+        script.main([*fit, "--dtype", dtype])
+        rows = [line.split() for line in capsys.readouterr().out.splitlines() if "ZeRO-" in line]
+        experts = [r for r in rows if "(experts" in r]
+        assert experts and all(float(r[0]) <= 80 and r[3] != "0.0" and "+offload(opt)," not in r for r in experts)
+        assert not any("sequence" in r or "tensor" in r for r in rows)
     script.main([*fit, "--dtype", "fp32", "--ep", "1"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if "ZeRO-" in line]
     assert rows and not any("(experts" in r for r in rows) and {r[3] for r in rows} == {"0.0"}  # no all-to-all
-    script.main(fit)  # bf16: no expert parallelism, and the line that says why
-    out = capsys.readouterr().out
-    assert not any("(experts" in line for line in out.splitlines() if "ZeRO-" in line)
-    assert (
-        "expert_parallel > 1 (--ep) needs --dtype fp32 and --zero 0 in this version: pass --dtype fp32 to plan it"
-        in out
-    )
 
 
 def llama4_scout():

@@ -6,8 +6,10 @@ router_aux_loss_coef x the mean over the step's micro-batches of each one's load
 
 - qwen3_moe: a dense first layer (mlp_only_layers), the routed layers on both stages; expert_parallel 2, ZeRO-0;
              an eval set; resumed from step 3 on its layout and on one stage without expert parallelism.
-- mixtral:   every layer routed; expert_parallel 2 with ZeRO-0, clipping and activation checkpointing; and
-             expert_parallel 1 with ZeRO-1, clipping and the chunked loss.
+- mixtral:   every layer routed; expert_parallel 2 with ZeRO-0, clipping and activation checkpointing; expert_parallel
+             2 with ZeRO-1, clipping and the chunked loss, resumed from step 3 on one stage without expert parallelism;
+             and on one stage of data 4 (each expert on two ranks: its states partitioned over them) in bf16 at ZeRO-1
+             and at ZeRO-0 (DeepSpeed's bf16 optimizer), against the fp32 reference within bf16's rounding.
 """
 
 from __future__ import annotations
@@ -52,8 +54,26 @@ MOE_RUNS = {
         {},
         {"ds_config": "zero0", "expert_parallel": 2, "activation_checkpoint_interval": 1, "optim.max_grad_norm": CLIP},
     ),
-    "mixtral_zero1": ("mixtral", {}, {"ds_config": "zero1", "optim.max_grad_norm": CLIP, "loss_chunk_tokens": 48}),
+    "mixtral_zero1": (
+        "mixtral",
+        {},
+        {
+            "ds_config": "zero1",
+            "expert_parallel": 2,
+            "optim.max_grad_norm": CLIP,
+            "loss_chunk_tokens": 48,
+            "save_steps": 3,
+        },
+    ),
 }
+# One stage, data 4, expert_parallel 2: the expert-data-parallel groups have two ranks, over which DeepSpeed's MoE
+# parameter groups partition the experts' states and reduce their gradients; bf16, so compared with the fp32 reference
+# within bf16's rounding, far below what a wrong expert gives (the test shows it)
+BF16_RUNS = {
+    "mixtral_bf16_zero1": {"ds_config": "zero1"},
+    "mixtral_bf16_zero0": {"ds_config": "zero0"},
+}
+BF16_LOSS_REL, BF16_WEIGHT_REL = 2e-3, 1e-2
 
 
 def reference_run(hf_dir: str, steps: list[list], per_stage: list[list[int]] | None = None, clip: float = 0.0):
@@ -95,15 +115,15 @@ def reference_run(hf_dir: str, steps: list[list], per_stage: list[list[int]] | N
     return (losses, routers, norms), model
 
 
-def computed_batches(rows, len_of: bool = False) -> list[list]:
+def computed_batches(rows, len_of: bool = False, dp: int = DP, gas: int = GAS) -> list[list]:
     """Per step, the micro-batches of every data-parallel rank as train.py computes on them: each cut to its longest
     row (a multiple of 8). The router loss counts every token a forward computes, padding included (Hugging Face's
     forward without an attention mask), so the reference takes the same rows. ``len_of``: one pass over ``rows``
     (an eval set), as one list."""
-    iterators = [MicroBatchIterator(rows, MICRO, r, DP, False, 0, pad_multiple=8) for r in range(DP)]
+    iterators = [MicroBatchIterator(rows, MICRO, r, dp, False, 0, pad_multiple=8) for r in range(dp)]
     if len_of:
-        return [next(it) for it in iterators for _ in range(len(rows) // DP // MICRO)]
-    return [[next(it) for it in iterators for _ in range(GAS)] for _ in range(STEPS)]
+        return [next(it) for it in iterators for _ in range(len(rows) // dp // MICRO)]
+    return [[next(it) for it in iterators for _ in range(gas)] for _ in range(STEPS)]
 
 
 def stats_of(layer_logits: list[torch.Tensor], moe) -> RouterStats:
@@ -150,15 +170,41 @@ def runs(tmp_path_factory, tokenizer_dir):
         evals = [f"data.eval_file={eval_data}"] if name == "qwen3_moe" else []
         train_run(root, name, 4, args + ["data.format=sft", "data.packing=true", *evals])
         out[name] = out[model_type] = hf_dir
-    # Qwen3-MoE resumed from its step-3 checkpoint (as a crash right after saving it would leave the run): on the same
-    # layout, and on one stage of 2 ranks without expert parallelism (the same global batch)
-    resumed = {"same_layout": (4, {"num_stages": 2, "expert_parallel": 2}), "ep1_one_stage": (2, {"num_stages": 1})}
-    for name, (ranks, overrides) in resumed.items():
-        shutil.copytree(root / "qwen3_moe", root / name)
+    for name, overrides in BF16_RUNS.items():
+        args = parity_args(
+            str(root / "mixtral-ckpt"),
+            data,
+            str(root / name),
+            SEQ,
+            MICRO,
+            STEPS,
+            SFT_OPTIM,
+            num_stages=1,
+            gradient_accumulation_steps=1,
+            precision="bf16",
+            expert_parallel=2,
+            **{"optim.max_grad_norm": CLIP},
+            **overrides,
+        )
+        train_run(root, name, 4, args + ["data.format=sft", "data.packing=true"])
+    # Resumed from a step-3 checkpoint (as a crash right after saving it would leave the run): Qwen3-MoE's (ZeRO-0) on
+    # the same layout and on one stage of 2 ranks without expert parallelism (the same global batch), Mixtral's
+    # (ZeRO-1: DeepSpeed's MoE parameter groups in its files) on one stage of 2 ranks without expert parallelism
+    resumed = {
+        "same_layout": ("qwen3_moe", 4, {"num_stages": 2, "expert_parallel": 2, "ds_config": "zero0"}),
+        "ep1_one_stage": ("qwen3_moe", 2, {"num_stages": 1, "ds_config": "zero0"}),
+        "zero1_ep1_one_stage": (
+            "mixtral_zero1",
+            2,
+            {"num_stages": 1, "ds_config": "zero1", "optim.max_grad_norm": CLIP, "loss_chunk_tokens": 48},
+        ),
+    }
+    for name, (source, ranks, overrides) in resumed.items():
+        shutil.copytree(root / source, root / name)
         shutil.rmtree(root / name / f"global_step{STEPS}")
         (root / name / "latest").write_text("global_step3")
         args = parity_args(
-            str(root / "qwen3_moe-ckpt"),
+            str(root / f"{MOE_RUNS[source][0]}-ckpt"),
             data,
             str(root / name),
             SEQ,
@@ -167,13 +213,14 @@ def runs(tmp_path_factory, tokenizer_dir):
             SFT_OPTIM,
             gradient_accumulation_steps=GAS,
             partition_method="uniform",
-            ds_config="zero0",
             **overrides,
         )
         train_run(root, name, ranks, args + ["data.format=sft", "data.packing=true"])
     out["steps"] = steps = computed_batches(cached_rows(str(root / "cache"), data))
     out["qwen3_moe_ref"] = reference_run(out["qwen3_moe"], steps)
     out["mixtral_ref"] = reference_run(out["mixtral"], steps, clip=CLIP)
+    data4 = computed_batches(cached_rows(str(root / "cache"), data), dp=4, gas=1)
+    out["mixtral_data4_ref"] = reference_run(out["mixtral"], data4, clip=CLIP)
     out["eval"] = computed_batches(cached_rows(str(root / "cache"), eval_data), len_of=True)
     return out
 
@@ -232,22 +279,49 @@ def test_each_rank_held_its_share_of_the_experts(runs):
     log = (runs["root"] / "qwen3_moe.log").read_text()
     assert "world 4 = pipe 2 x data 2 (experts 2)" in log
     assert "4 per MoE layer over expert_parallel 2 ranks of each stage (2 per rank" in log
-    layouts = {name: read_metrics(str(runs["root"] / name))[0]["layout"]["experts"] for name in MOE_RUNS}
-    assert layouts == {"qwen3_moe": 2, "mixtral": 2, "mixtral_zero1": 1}
+    layouts = {name: read_metrics(str(runs["root"] / name))[0]["layout"]["experts"] for name in (*MOE_RUNS, *BF16_RUNS)}
+    assert layouts == {
+        "qwen3_moe": 2,
+        "mixtral": 2,
+        "mixtral_zero1": 2,
+        "mixtral_bf16_zero1": 2,
+        "mixtral_bf16_zero0": 2,
+    }
 
 
-@pytest.mark.parametrize("name", ["same_layout", "ep1_one_stage"])
+@pytest.mark.parametrize("name", sorted(BF16_RUNS))
+def test_bf16_expert_parallel_runs_follow_the_fp32_reference_within_bf16s_rounding(runs, name):
+    """Data 4, expert_parallel 2, bf16 (ZeRO-1; ZeRO-0: DeepSpeed's bf16 optimizer): each expert's states on the two
+    ranks holding it, its gradient summed over them. Losses, pre-clip gradient norms (each expert counted once) and
+    weights follow the fp32 reference within bf16's rounding; a model whose experts of one rank were the other's (what
+    partitioning over the whole data axis did) is 10 times farther."""
+    (losses, _, norms), model = runs["mixtral_data4_ref"]
+    metrics = read_metrics(str(runs["root"] / name))
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    loss_diff = max(rel(m["loss"], r) for m, r in zip(metrics, losses))
+    norm_diff = max(rel(m["grad_norm"], r) for m, r in zip(metrics, norms))
+    weights = trained_weights(str(runs["root"] / name), load_config(runs["mixtral"]))
+    weight_diff = max_rel_weight_diff(weights, model)
+    print(f"{name}: vs the fp32 loop: loss {loss_diff:.2e}, grad norm {norm_diff:.2e}, weights {weight_diff:.2e}")
+    assert loss_diff < BF16_LOSS_REL and norm_diff < 5 * BF16_LOSS_REL and weight_diff < BF16_WEIGHT_REL
+    assert min(norms) > CLIP
+    swapped = {k: torch.cat([v[:2], v[:2]]) if ".experts." in k else v for k, v in model.state_dict().items()}
+    assert max_rel_weight_diff(swapped, model) > 10 * BF16_WEIGHT_REL
+
+
+@pytest.mark.parametrize("name", ["same_layout", "ep1_one_stage", "zero1_ep1_one_stage"])
 def test_resumed_moe_run_continues_the_reference_exactly(runs, name):
-    """The step-3 checkpoint of the expert_parallel 2 run, resumed on its own layout and on one stage without expert
-    parallelism: steps 4-5 as the reference's (every expert's Adam moments were saved whole, each rank cut its own)."""
+    """The step-3 checkpoint of an expert_parallel 2 run, resumed on its own layout and on one stage without expert
+    parallelism: steps 4-5 as the reference's (every expert's Adam moments were saved, each rank read its own)."""
     log = (runs["root"] / f"{name}.log").read_text()
     assert f"steps 4..{STEPS} (resumed from global_step3)" in log
-    (losses, _, _), model = runs["qwen3_moe_ref"]
+    family = "mixtral" if name.startswith("zero1") else "qwen3_moe"
+    (losses, _, _), model = runs[f"{family}_ref"]
     resumed = read_metrics(str(runs["root"] / name))  # steps 1-3 as the checkpoint's metrics.jsonl held them
     assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
     resumed = resumed[3:]
     assert max(rel(m["loss"], r) for m, r in zip(resumed, losses[3:])) < REL_TOL
-    config = load_config(runs["qwen3_moe"])
+    config = load_config(runs[family])
     assert max_rel_weight_diff(trained_weights(str(runs["root"] / name), config), model) < REL_TOL
 
 

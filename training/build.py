@@ -8,6 +8,7 @@ rank fails alike; those that report (weights, LoRA, data) return every rank's re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from datetime import timedelta
@@ -209,14 +210,18 @@ def build_data(resolved: Resolved, topology: ProcessTopology) -> tuple[RankData,
 def build_engine(resolved: Resolved, model, ds_config: dict, total_steps: int):
     """DeepSpeed's pipeline engine with AdamW and the LR schedule from the Hydra config; ``ds_config``: the
     run's filled DeepSpeed config (training/optim.py's ``fill_ds_config``)."""
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=param_groups(model, resolved.cfg.optim.weight_decay),
-        config=ds_config,
-        lr_scheduler=build_lr_scheduler(resolved.cfg, total_steps),
-    )
+    plans = axis_plans(resolved.layout)
+    with contextlib.ExitStack() as building:
+        for plan in plans:
+            building.enter_context(plan.building_engine())  # expert parallelism: DeepSpeed's MoE paths on
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=param_groups(model, resolved.cfg.optim.weight_decay),
+            config=ds_config,
+            lr_scheduler=build_lr_scheduler(resolved.cfg, total_steps),
+        )
     reduce_grad_norm_once_across_stages(engine.optimizer)
-    for plan in axis_plans(resolved.layout):
+    for plan in plans:
         plan.adopt_engine(engine)  # DualPipeV: DeepSpeed's engine made LlamaDualPipeVEngine (parallel/dualpipev.py)
     run_checkpoints.load_without_pickles(engine)
     return engine

@@ -7,6 +7,7 @@ import math
 import os
 
 import torch
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from torch import nn
 
 from models.layer_files import full_shape
@@ -107,9 +108,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) < 2]
     groups = [
-        {"params": decay, "weight_decay": weight_decay, "decay": True},
-        {"params": no_decay, "weight_decay": 0.0, "decay": False},
+        {"params": decay, "weight_decay": weight_decay, "decay": True, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "decay": False, "name": "no_decay"},
     ]
+    if any(is_moe_param(p) for g in groups for p in g["params"]):
+        # Expert parallelism: DeepSpeed's MoE groups (the experts' states partitioned over their own group), made
+        # here rather than by its engine so that the order train.py records (optimizer_param_names) is the optimizer's
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
     return [g for g in groups if g["params"]]
 
 

@@ -16,6 +16,9 @@ into files:
 - With tensor parallelism, the ZeRO and ZeRO-0 files above per model-parallel rank (stage x tp + TP rank),
   each holding its pieces of the split parameters: joined along the dimension each was cut
   (``tp_split_dims`` in the trainer state), and cut again for a split rank of the new layout.
+- With expert parallelism, each expert slot's experts joined along the experts' dimension: at ZeRO-1 and bf16
+  from DeepSpeed's MoE parameter groups (the slot's partitions over its expert-data-parallel ranks), in fp32 at
+  ZeRO-0 from the engine file and the other slots' ``expert_moments_*`` files.
 - The portable form (``convert2ckpt.py --reshard``): ``optimizer_XX.safetensors`` per layer file, the
   same keys as the layer file with ``.exp_avg``, ``.exp_avg_sq`` and, where kept, ``.fp32`` appended.
 
@@ -190,14 +193,22 @@ class SavedOptimizerState:
             for d in range(dp):
                 state = self._load(ranks[d])["optimizer_state_dict"]
                 self._note_step(state["base_optimizer_state"]["state"])
+                saved_groups = state["base_optimizer_state"].get("param_groups", [])
                 for g, mapping in enumerate(state["param_slice_mappings"]):
+                    # DeepSpeed's MoE group (expert parallelism): the experts of data-parallel rank d's expert slot
+                    # d % ep, partitioned over that slot's ranks (parallel/expert_parallel.py lays the groups out)
+                    experts = g < len(saved_groups) and saved_groups[g].get("moe", False)
+                    piece = d % self.expert_parallel if experts else t
                     for name, address in mapping.items():
                         key = spec_key(name)
                         if owner.setdefault(key, stage) != stage or (t and key not in self._split_dims):
                             continue  # a tied copy; a replicated parameter's copy on another TP rank
-                        fragments = self._pieces.setdefault(key, [[] for _ in range(self.tp)])[t]
+                        slots = max(self.tp, self.expert_parallel)
+                        fragments = self._pieces.setdefault(key, [[] for _ in range(slots)])[piece]
                         offset = sum(f.numel for f in fragments)
                         fragments.append(Fragment(ranks[d], g, address.start, address.numel, offset))
+                        if experts:
+                            self._split_dims[key] = 0
         self._numel = {k: sum(f.numel for fs in pieces for f in fs) for k, pieces in self._pieces.items()}
 
     def _scan_zero3(self, files: dict[int, dict[int, str]]) -> None:

@@ -174,7 +174,7 @@ def resolve(
     )
     problems += tensor_parallel_problems(cfg, model_config, layout)
     problems += sequence_parallel_problems(cfg, model_config, layout)
-    problems += expert_parallel_problems(cfg, model_config, layout)
+    problems += expert_parallel_problems(cfg, model_config, layout, ds_json)
     problems += dualpipev_problems(cfg, model_config, layout)
     warnings += tensor_parallel_warnings(layout, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     inert, harmless = inert_settings(cfg, layout)
