@@ -350,3 +350,24 @@ def test_each_rank_saves_only_its_experts_moments(runs, tmp_path):
         "stage 1's expert-parallel ranks [1] are expected, [] found"
         in SavedOptimizerState(str(tmp_path / "tag")).problems[0]
     )
+
+
+def test_zero1_expert_states_reshard_to_the_portable_form(runs, tmp_path):
+    """convert2ckpt.py --reshard of the expert_parallel 2 ZeRO-1 checkpoint: every expert's states joined from
+    DeepSpeed's MoE parameter groups (each expert slot's partitions), the same in the portable form; the experts of
+    the two slots differ (a join that took one slot twice would not)."""
+    from training.reshard import SavedOptimizerState, reshard
+
+    tag = runs["root"] / "mixtral_zero1" / "global_step3"
+    saved = SavedOptimizerState(str(tag))
+    assert not saved.problems and saved.format == "ZeRO-1/2"
+    reshard(str(runs["root"] / "mixtral_zero1"), str(tmp_path / "portable"), tag="global_step3")
+    portable = SavedOptimizerState(str(tmp_path / "portable" / "global_step3"))
+    experts = [k for k in saved.keys() if k[1].endswith("experts.gate_up_proj")]
+    assert len(experts) == 4  # one per layer
+    for key in experts:
+        whole, again = saved.get(key), portable.get(key)
+        assert set(whole) == {"fp32", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(whole[s], again[s]) for s in whole)
+        halves = whole["exp_avg"].view(4, -1)
+        assert not torch.equal(halves[:2], halves[2:])
