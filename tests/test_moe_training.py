@@ -198,6 +198,19 @@ def runs(tmp_path_factory, tokenizer_dir):
             2,
             {"num_stages": 1, "ds_config": "zero1", "optim.max_grad_norm": CLIP, "loss_chunk_tokens": 48},
         ),
+        # data 2 -> 4 with expert_parallel 2: each expert's states now cut over the two ranks holding it
+        "zero1_data4_ep2": (
+            "mixtral_zero1",
+            4,
+            {
+                "num_stages": 1,
+                "gradient_accumulation_steps": 1,
+                "ds_config": "zero1",
+                "expert_parallel": 2,
+                "optim.max_grad_norm": CLIP,
+                "loss_chunk_tokens": 48,
+            },
+        ),
     }
     for name, (source, ranks, overrides) in resumed.items():
         shutil.copytree(root / source, root / name)
@@ -211,9 +224,7 @@ def runs(tmp_path_factory, tokenizer_dir):
             MICRO,
             STEPS,
             SFT_OPTIM,
-            gradient_accumulation_steps=GAS,
-            partition_method="uniform",
-            **overrides,
+            **{"gradient_accumulation_steps": GAS, "partition_method": "uniform", **overrides},
         )
         train_run(root, name, ranks, args + ["data.format=sft", "data.packing=true"])
     out["steps"] = steps = computed_batches(cached_rows(str(root / "cache"), data))
@@ -309,10 +320,11 @@ def test_bf16_expert_parallel_runs_follow_the_fp32_reference_within_bf16s_roundi
     assert max_rel_weight_diff(swapped, model) > 10 * BF16_WEIGHT_REL
 
 
-@pytest.mark.parametrize("name", ["same_layout", "ep1_one_stage", "zero1_ep1_one_stage"])
+@pytest.mark.parametrize("name", ["same_layout", "ep1_one_stage", "zero1_ep1_one_stage", "zero1_data4_ep2"])
 def test_resumed_moe_run_continues_the_reference_exactly(runs, name):
-    """The step-3 checkpoint of an expert_parallel 2 run, resumed on its own layout and on one stage without expert
-    parallelism: steps 4-5 as the reference's (every expert's Adam moments were saved, each rank read its own)."""
+    """The step-3 checkpoint of an expert_parallel 2 run, resumed on its own layout, on one stage without expert
+    parallelism, and on one stage of data 4 (the same global batch): steps 4-5 as the reference's (every expert's
+    Adam moments were saved, each rank read its own)."""
     log = (runs["root"] / f"{name}.log").read_text()
     assert f"steps 4..{STEPS} (resumed from global_step3)" in log
     family = "mixtral" if name.startswith("zero1") else "qwen3_moe"
