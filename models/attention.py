@@ -100,6 +100,9 @@ def _window_blocks(q, k, v, window: int, scale, dropout: float):
     return torch.cat(out, dim=2)  # [1,Hq,d,D]
 
 
+# Compiled layers (compile=true) run it eagerly between their compiled parts: the documents come from data-dependent
+# Python (each row's spans), which torch.compile would otherwise specialise on, a recompile per packing of the rows.
+@torch.compiler.disable
 def document_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

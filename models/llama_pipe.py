@@ -359,16 +359,23 @@ def model_parameters(config: PretrainedConfig) -> int:
 
 
 def flops_per_token(config: PretrainedConfig, seq: int) -> tuple[float, float]:
-    """Training FLOPs per token, forward + backward: (6 N, causal attention).
+    """Training FLOPs per token, forward + backward, as torchtitan counts them for MFU: (6 N, attention).
 
     N counts the matmul parameters (every spec but the input embedding, a lookup; a tied LM head counts), of a
     Mixture-of-Experts layer's routed experts those a token runs through (top_k / E; all E for llama4_text, see
-    spec_weights), and causal attention's QK^T and AV add 2 x 2 S D per layer forward, halved for causality, x3
-    for forward + backward (the PaLM appendix B count).
+    spec_weights). Attention adds 12 H Q T per layer (H query heads of Q dims, T attended tokens): QK^T and AV,
+    2 multiply-adds each forward, twice that backward, with no discount for the causal mask and no recomputation,
+    the peers' convention (torchtitan's torchtitan/models/utils.py, quadratic_attention_flops_per_token: 12 L H Q T
+    for Llama); a layer with a sliding window or chunk attends to at most that many tokens, as there.
     """
     n = sum(spec_weights(config, "compute"))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 6.0 * n, 6.0 * config.num_hidden_layers * seq * config.num_attention_heads * head_dim
+    attended = 0
+    for layer in range(config.num_hidden_layers):
+        kind = attention_type(config, layer)
+        span = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}.get(kind)
+        attended += min(seq, getattr(config, span, None) or seq) if span else seq
+    return 6.0 * n, 12.0 * config.num_attention_heads * head_dim * attended
 
 
 def spec_weights(config: PretrainedConfig, method: str) -> list[int]:

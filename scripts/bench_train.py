@@ -2,9 +2,11 @@
 
     python scripts/bench_train.py                      # CPU: 34 M-parameter Llama, seq 256, fp32, 8 micro-batches
     python scripts/bench_train.py --model llama3.2-1b --precision bf16 --seq 2048 --cases a,b   # one GPU
+    python scripts/bench_train.py --model llama3.2-3b --precision bf16 --seq 4096 --micro-batch-size 1 \
+        --micro-batches 2 --checkpointing --cases a,ac,b,bc,bk --time-limit 240   # the GPU cases of issue 45
 
-The same model (random init), the same global batch (``--micro-batches`` micro-batches of 1 x
-``--seq`` tokens) and the same number of steps after warm-up, for:
+The same model (random init), the same global batch (``--micro-batches`` micro-batches of
+``--micro-batch-size`` x ``--seq`` tokens) and the same number of steps after warm-up, for:
 
   a   plain loop: LlamaForCausalLM + torch.optim.AdamW (fused, as train.py) + clip_grad_norm_, one
       process, --threads threads
@@ -19,6 +21,11 @@ The same model (random init), the same global batch (``--micro-batches`` micro-b
   e   train.py, num_stages=1, one rank, one thread: the reference for c, c2 and d (e0, with ds=zero0:
       for c3 and d0; e1 for d1). With --threads 1 (the default) e, e0 and e1 are the commands of b,
       b0 and b1, whose runs serve for both.
+  ac  a with each decoder layer compiled (``torch.compile`` per layer, as torchtitan compiles its blocks)
+  bc  b with ``compile=true`` (train.py's compiled decoder layers)
+  bk  bc with ``kernels=liger`` (Liger's RMSNorm, SwiGLU and RoPE kernels; CUDA only) and train.py's optimizer,
+      torch's fused AdamW (DeepSpeed's FusedAdam needs its CUDA op JIT-built first: not measured here)
+  The compile time of ac, bc and bk is in their warm-up steps (``--warmup``), which is why they need two.
 
 --threads 1 for a and b: c and d give each rank one of the 2 cores, so one thread is the per-core
 reference all ratios share (and one matmul peak); a 2-thread process on a 2-core machine also loses a
@@ -36,16 +43,27 @@ waits (up to --max-wait s) for other processes to use less than --quiet cores. -
 DeepSpeed's pipeline instructions in every rank (forward, backward, send/recv, reduce, optimizer
 step, data loading; wall and CPU seconds per step).
 
-MFU = tokens/s x FLOPs per token / peak, with FLOPs per token = 6 N + 6 L S D: N the matmul
-parameters (everything but the input embedding; the LM head counts even when tied), and causal
-attention's QK^T and AV (2 x 2 S D per layer forward, halved for causality, x3 for forward + backward).
-The peak is the best square-matmul rate measured in this run at the case's threads per rank, times
-its ranks.
+MFU = tokens/s x FLOPs per token / peak, with FLOPs per token = 6 N + 12 L H Q T as torchtitan counts
+them (models/llama_pipe.flops_per_token, the count train.py's progress line uses): N the matmul parameters
+(everything but the input embedding; the LM head counts even when tied), and attention's QK^T and AV for
+L layers of H heads of Q dims over T tokens, without discount for the causal mask. Two peaks, two
+columns: "MFU" divides by the device's published dense peak (training/metrics.py's table: 989 TFLOP/s bf16
+for an H100 SXM or H200; n/a on CPU), the scale peers publish; "MFU (measured)" by the best square-matmul
+rate measured in this run at the case's threads per rank, times its ranks.
+
+--micro-batch-size > 1 stacks that many rows per micro-batch (train.py's micro_batch_size); --checkpointing
+recomputes activations (the plain loop: Hugging Face's gradient checkpointing, non-reentrant; train.py:
+activation_checkpoint_interval=1), the recomputation not counted as model FLOPs. --time-limit bounds the
+whole run: a case that would start after it is skipped, one running past it is stopped and marked, and the
+table is printed with what finished; a failing case (an out-of-memory, a missing key) is marked and the
+others run. --json is rewritten after every case.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -96,7 +114,18 @@ CASES = {
         1,
         [f"ds_config={{work}}/{GPU_DEFAULTS_JSON}"],
     ),
+    "ac": ("plain HF loop, each decoder layer torch.compile'd", 1, None, None, []),
+    "bc": ("train.py, num_stages=1, 1 rank, compile=true", 1, 1, None, ["compile=true"]),
+    "bk": (
+        "train.py, num_stages=1, 1 rank, compile=true, kernels=liger, torch fused AdamW",
+        1,
+        1,
+        None,
+        ["compile=true", "kernels=liger"],
+    ),
 }
+# The plain-loop cases: (copies started together, decoder layers compiled)
+PLAIN = {"a": (1, False), "x": (2, False), "ac": (1, True)}
 # Ratios: case -> (reference, ideal (None: the pipeline's 2M/(M+K-1)), target as a fraction of the ideal)
 RATIOS = {
     "x": ("a", 2.0, None),
@@ -109,6 +138,9 @@ RATIOS = {
     "d": ("e", 2.0, 0.9),
     "d0": ("e0", 2.0, 0.9),
     "d1": ("e1", 2.0, 0.9),
+    "ac": ("a", 1.0, None),
+    "bc": ("ac", 1.0, 1.0),  # the issue's goal: train.py compiled at least the best plain loop
+    "bk": ("ac", 1.0, 1.0),
 }
 # With --threads 1, e and e0 are the same commands as b and b0: their runs serve for both.
 ALIASES = {"e": "b", "e0": "b0", "e1": "b1"}
@@ -272,7 +304,7 @@ def matmul_worker(spec: dict) -> dict:
 
 
 def plain_worker(spec: dict) -> dict:
-    """Case a: LlamaForCausalLM + torch.optim.AdamW, the same global batch as train.py, timed per step."""
+    """Cases a and ac: LlamaForCausalLM + torch.optim.AdamW, the same global batch as train.py, timed per step."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -284,13 +316,19 @@ def plain_worker(spec: dict) -> dict:
     config._attn_implementation = "sdpa"
     config.use_cache = False
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device)
+    with torch.device(device):  # drawn where it trains: a 3 B model's initialisation on one CPU thread takes minutes
+        model = LlamaForCausalLM(config)
     model.train()
+    if spec.get("checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec.get("compile"):
+        for layer in model.model.layers:  # one compiled block per decoder layer, as torchtitan's apply_compile
+            layer.compile()
     # The optimizer train.py builds (training/optim.py): torch's AdamW with its fused kernel.
     opt = torch.optim.AdamW(param_groups(model, 0.0), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=spec["fused"])
     with open(spec["data"]) as f:
         rows = [json.loads(line)["input_ids"] for line in f]
-    micro, seq = spec["micro_batches"], spec["seq"]
+    micro, seq, rows_per = spec["micro_batches"], spec["seq"], spec.get("micro_batch_size", 1)
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=spec["precision"] == "bf16")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     steps = []
@@ -298,7 +336,8 @@ def plain_worker(spec: dict) -> dict:
         t0, c0, b0 = time.perf_counter(), time.process_time(), system_busy_s()
         fwd = bwd = 0.0  # CPU seconds (one thread: the work; immune to time-slicing by other processes)
         for i in range(micro):
-            ids = torch.tensor([rows[(step * micro + i) % len(rows)][:seq]], device=device)
+            first = (step * micro + i) * rows_per
+            ids = torch.tensor([rows[(first + r) % len(rows)][:seq] for r in range(rows_per)], device=device)
             c = time.process_time()
             with autocast:
                 loss = model(input_ids=ids, labels=ids).loss
@@ -322,11 +361,33 @@ def plain_worker(spec: dict) -> dict:
                 "optimizer_cpu_s": time.process_time() - c,
             }
         )
-    return {"steps": steps}
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
+    return {"steps": steps, "peak_gpu_mib": peak}
 
 
-def run_worker(kind: str, spec: dict, threads: int, copies: int = 1) -> list[dict] | dict:
-    """``copies`` worker processes started together; the result of each (one dict when copies is 1)."""
+class CaseFailed(Exception):
+    """A case that failed or ran past --time-limit: marked in the table, the other cases still run."""
+
+
+def remaining_s(args) -> float | None:
+    """Seconds left of --time-limit (None: no limit)."""
+    return None if not args.time_limit else args.time_limit - (time.time() - args.started_at)
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """End a case's process and everything it started (its own session: the launcher and its ranks)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_worker(kind: str, spec: dict, threads: int, copies: int = 1, timeout: float | None = None) -> list[dict] | dict:
+    """``copies`` worker processes started together; the result of each (one dict when copies is 1).
+    CaseFailed when one fails or ``timeout`` seconds pass."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     procs = [
         subprocess.Popen(
@@ -336,14 +397,22 @@ def run_worker(kind: str, spec: dict, threads: int, copies: int = 1) -> list[dic
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )
         for _ in range(copies)
     ]
+    deadline = None if timeout is None else time.time() + timeout
     results = []
     for proc in procs:
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=None if deadline is None else max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                stop_tree(p)
+            raise CaseFailed("stopped at --time-limit") from None
         if proc.returncode != 0:
-            sys.exit(f"{kind} worker failed:\n{err[-3000:]}")
+            last = err.strip().splitlines()[-1] if err.strip() else "no message"
+            raise CaseFailed(f"failed (rc {proc.returncode}): {last}\n{err[-3000:]}")
         results.append(json.loads(out.strip().splitlines()[-1]))
     return results[0] if copies == 1 else results
 
@@ -425,7 +494,7 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
         f"num_stages={stages}",
         f"ds={args.ds}",
         f"precision={args.precision}",
-        "micro_batch_size=1",
+        f"micro_batch_size={args.micro_batch_size}",
         f"gradient_accumulation_steps={args.micro_batches // dp}",
         f"max_steps={args.warmup + args.steps}",
         "data=tokens",
@@ -435,6 +504,7 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
         f"output_dir={out}",
         "resume=never",
         "min_free_disk_gb=0",
+        *(["activation_checkpoint_interval=1"] if args.checkpointing else []),
         *[a.format(work=args.work) for a in extra],
         *case_args(args.train_arg, case),
     ]
@@ -447,17 +517,27 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
     if args.profile:
         shutil.rmtree(os.path.join(run_dir, "profile"), ignore_errors=True)
         os.makedirs(os.path.join(run_dir, "profile"))
+    timeout = remaining_s(args)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         monitor = Monitor(proc.pid, os.path.join(out, "metrics.jsonl"))
         monitor.start()
-        rc = proc.wait()
+        try:
+            rc = proc.wait(timeout=None if timeout is None else max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            stop_tree(proc)
+            rc = None
         monitor.stop.set()
         monitor.join()
     remove_shm_leftovers(port)  # a crashed rank's
     if rc != 0:
         with open(log_path) as f:
-            sys.exit(f"case {case} failed (rc {rc}), log {log_path}:\n{f.read()[-4000:]}")
+            tail = f.read()[-4000:]
+        why = "stopped at --time-limit" if rc is None else f"failed (rc {rc})"
+        lines = [line.strip() for line in tail.splitlines() if "launch.py" not in line]
+        first = next((i for i, line in enumerate(lines) if "error" in line.lower()), None)
+        said = " / ".join(lines[first : first + 3]) if first is not None else "see the log"
+        raise CaseFailed(f"{why}: {said} (log {log_path})\n{tail}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [r for r in map(json.loads, f) if r["kind"] == "train"]
     peak_mib = peak_memory_mib(out)
@@ -506,9 +586,10 @@ def split_bound_line(config, micro: int, stages: int = 2) -> str:
     return f"{stages}-stage splits (share of the matmul work per stage): " + "; ".join(parts)
 
 
-def run_plain(args, group: str, overrides: dict, data: str, device: str, copies: int = 1) -> dict:
-    """Case a; with ``copies`` 2, case x: two independent plain loops at once (the machine's ceiling
+def run_plain(args, group: str, overrides: dict, data: str, device: str, case: str) -> dict:
+    """Case a; ac, its decoder layers compiled; x: two independent plain loops at once (the machine's ceiling
     for two ranks that never communicate; their step times are pooled, tokens counted for both)."""
+    copies, compiled = PLAIN[case]
     spec = dict(
         group=group,
         overrides=overrides,
@@ -520,12 +601,17 @@ def run_plain(args, group: str, overrides: dict, data: str, device: str, copies:
         device=device,
         precision=args.precision,
         fused=not args.plain_default_adamw,
+        compile=compiled,
+        micro_batch_size=args.micro_batch_size,
+        checkpointing=args.checkpointing,
     )
+    peak_mib = None
     if copies == 1:
-        steps = run_worker("plain", spec, args.threads)["steps"]
+        result = run_worker("plain", spec, args.threads, timeout=remaining_s(args))
+        steps, peak_mib = result["steps"], result["peak_gpu_mib"]
         measured = steps[args.warmup :]
     else:
-        runs = [r["steps"] for r in run_worker("plain", spec, args.threads, copies)]
+        runs = [r["steps"] for r in run_worker("plain", spec, args.threads, copies, timeout=remaining_s(args))]
         for i, run in enumerate(runs):  # the sibling loops are this case's own work, not other processes
             siblings = sum(median(s["cpu_s"] / s["step_s"] for s in other) for j, other in enumerate(runs) if j != i)
             for s in run:
@@ -537,15 +623,15 @@ def run_plain(args, group: str, overrides: dict, data: str, device: str, copies:
         cells = [f"{median(s['step_s'] for s in measured):.2f} / {median(s['cpu_s'] for s in measured):.2f}"]
         cells += [f"- / {median(s[k] for s in measured):.2f}" for k in ("forward_cpu_s", "backward_cpu_s")]
         cells += ["-"] * 6 + [f"- / {median(s['optimizer_cpu_s'] for s in measured):.2f} (clip + AdamW)", "-"]
-        profile = [f"| {'x' if copies > 1 else 'a'} | 0 | " + " | ".join(cells) + " | - |"]
+        profile = [f"| {case} | 0 | " + " | ".join(cells) + " | - |"]
     return {
         "profile": profile,
         "step_s": [s["step_s"] for s in measured],
-        "tokens": copies * args.micro_batches * args.seq,
+        "tokens": copies * args.micro_batches * args.micro_batch_size * args.seq,
         "warmup_s": [s["step_s"] for s in steps[: args.warmup]],
         "cpu_share": [s["cpu_s"] / s["step_s"] / args.threads for s in measured],
         "other_cores": [s["other_cores"] for s in measured],
-        "peak_mib": None,  # not measured for the plain loop
+        "peak_mib": peak_mib,  # GPU only
     }
 
 
@@ -561,7 +647,12 @@ def parse_args(argv=None):
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, default=None, help=f"default {value}")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--seq", type=int, default=256, help="tokens per sample")
-    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches of 1 sample per step (global batch)")
+    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (the global batch)")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch")
+    p.add_argument(
+        "--checkpointing", action="store_true", help="recompute activations in backward (every case; see above)"
+    )
+    p.add_argument("--time-limit", type=float, default=0.0, help="seconds for the whole run (0: none); see above")
     p.add_argument("--warmup", type=int, default=1, help="steps discarded per run")
     p.add_argument("--steps", type=int, default=3, help="steps measured per run")
     p.add_argument("--rounds", type=int, default=2, help="times every case runs, interleaved")
@@ -596,6 +687,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--work", default=os.path.join(ROOT, "work", "bench_train"))
     p.add_argument("--json", default="", help="write the raw results here")
+    p.add_argument("--table", default="", help="write the printed tables here as well (markdown)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--spec", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -607,9 +699,18 @@ def median(values) -> float:
 
 
 def summarize(
-    case: str, runs: list[dict], args, peak: dict[int, float], flops: float, device: str, quiet: float
+    case: str,
+    runs: list[dict],
+    args,
+    peak: dict[int, float],
+    flops: float,
+    device: str,
+    quiet: float,
+    device_peak: float | None = None,
 ) -> dict:
-    """Medians over every measured step of every round, and over the quiet steps only."""
+    """Medians over every measured step of every round, and over the quiet steps only. ``mfu``: against
+    ``device_peak`` (FLOP/s of one device, the datasheet's; None: n/a), ``mfu_measured`` against the matmul rate
+    measured in this run (``peak``, per thread count)."""
     _, ranks, _, threads, _ = CASES[case]
     threads = threads or args.threads
     steps = [
@@ -628,7 +729,8 @@ def summarize(
         tokens=tokens,
         step_s=step_s,
         tokens_per_s=tokens / step_s,
-        mfu=tokens / step_s * flops / peak_flops,
+        mfu=tokens / step_s * flops / (device_peak * ranks) if device_peak else None,
+        mfu_measured=tokens / step_s * flops / peak_flops,
         quiet_n=len(quiet_steps),
         n=len(steps),
         quiet_step_s=quiet_s,
@@ -699,71 +801,124 @@ def main(argv=None) -> None:
     flops = six_n + attn
     os.makedirs(args.work, exist_ok=True)
     tokenizer = os.path.join(args.work, "tokenizer")
-    if any(c not in ("a", "x") for c in run_cases) and not os.path.isfile(os.path.join(tokenizer, "tokenizer.model")):
+    if any(c not in PLAIN for c in run_cases) and not os.path.isfile(os.path.join(tokenizer, "tokenizer.model")):
         train_tokenizer(tokenizer, 512)  # train.py trains from scratch with a tokenizer; the plain loop needs none
     data = os.path.join(args.work, f"tokens_{args.seq}_{config.vocab_size}.jsonl")
     if not os.path.isfile(data):
         write_random_tokens(
-            data, max(64, args.micro_batches * (args.warmup + args.steps + 1)), args.seq, min(config.vocab_size, 32000)
+            data,
+            max(64, args.micro_batches * args.micro_batch_size * (args.warmup + args.steps + 1)),
+            args.seq,
+            min(config.vocab_size, 32000),
         )
 
     started = time.strftime("%Y-%m-%d %H:%M")
+    args.started_at = time.time()
     print(
         f"model: {group} {overrides or ''}: {total / 1e6:.1f} M params, {six_n / 6 / 1e6:.1f} M matmul params; "
-        f"{flops / 1e6:.1f} MFLOP/token (6N {six_n / 1e6:.1f} + causal attention {attn / 1e6:.1f}); "
-        f"{args.micro_batches} x 1 x {args.seq} tokens/step, {args.precision}, {device}",
+        f"{flops / 1e6:.1f} MFLOP/token (6N {six_n / 1e6:.1f} + attention {attn / 1e6:.1f}, torchtitan's count); "
+        f"{args.micro_batches} x {args.micro_batch_size} x {args.seq} tokens/step, {args.precision}, {device}"
+        + (", activation checkpointing" if args.checkpointing else ""),
         flush=True,
     )
+    from training.metrics import device_peak_tflops
+
+    listed = device_peak_tflops(args.precision) if device == "cuda" else None  # the datasheet's dense peak
+    device_peak = listed * 1e12 if listed else None
 
     mm_dtype = "float32" if args.precision == "fp32" or device == "cpu" else "bfloat16"
     mm_sizes = [1024, 2048] if device == "cpu" else [8192]
     results: dict[str, list[dict]] = {c: [] for c in run_cases}
+    failures: dict[str, str] = {}
     peaks: dict[int, list[float]] = {}
+    run = dict(args=vars(args), started=started, flops_per_token=flops, six_n=six_n, attn=attn, params=total)
+    run.update(device=device, device_peak_flops=device_peak, peaks=peaks, results=results, failures=failures)
     for r in range(args.rounds):
         for threads in sorted({1, args.threads}) if device == "cpu" else [1]:
-            wait_for_quiet(args.quiet, args.max_wait)
-            peak = run_worker(
-                "matmul",
-                dict(
-                    threads=threads,
-                    device=device,
-                    dtype=mm_dtype,
-                    sizes=mm_sizes,
-                    repeats=5,
-                    flop_per_rep=2e10 if device == "cpu" else 2e13,
-                ),
-                threads,
+            if device == "cpu":  # other processes' CPU use is what it waits out
+                wait_for_quiet(args.quiet, args.max_wait)
+            spec = dict(
+                threads=threads,
+                device=device,
+                dtype=mm_dtype,
+                sizes=mm_sizes,
+                repeats=5,
+                flop_per_rep=2e10 if device == "cpu" else 2e13,
             )
+            peak = run_worker("matmul", spec, threads)
             peaks.setdefault(threads, []).append(peak["flops"])
             print(
                 f"round {r + 1}: matmul {mm_dtype} at {threads} thread(s): {peak['flops'] / 1e9:.1f} GFLOP/s",
                 flush=True,
             )
         for case in run_cases:
+            left = remaining_s(args)
+            if case in failures or (left is not None and left <= 0):
+                failures.setdefault(case, "not run: --time-limit reached")
+                continue
             waited, busy = wait_for_quiet(args.quiet, args.max_wait) if device == "cpu" else (0.0, 0.0)
             start = time.time()
-            if case in ("a", "x"):
-                res = run_plain(args, group, overrides, data, device, copies=2 if case == "x" else 1)
-            else:
-                run_dir = os.path.join(args.work, f"run_{case}")
-                os.makedirs(run_dir, exist_ok=True)
-                res = run_train(case, args, group, overrides, tokenizer, data, run_dir)
+            try:
+                if case in PLAIN:
+                    res = run_plain(args, group, overrides, data, device, case)
+                else:
+                    run_dir = os.path.join(args.work, f"run_{case}")
+                    os.makedirs(run_dir, exist_ok=True)
+                    res = run_train(case, args, group, overrides, tokenizer, data, run_dir)
+            except CaseFailed as failed:
+                failures[case] = str(failed)
+                summary_line, _, tail = str(failed).partition("\n")
+                print(f"round {r + 1} case {case}: {summary_line}\n{tail[-1500:]}", flush=True)
+                write_json(args, run, cases, aliased, peaks, flops, device, device_peak)
+                continue
             res["round"] = r + 1
             results[case].append(res)
+            tokens_s = res["tokens"] / median(res["step_s"])
+            util = f"{100 * tokens_s * flops / device_peak:.1f}% MFU | " if device_peak else ""
             print(
-                f"round {r + 1} case {case}: s/step {' '.join(f'{s:.2f}' for s in res['step_s'])} "
-                f"(warm-up {' '.join(f'{s:.2f}' for s in res['warmup_s'])}) | core share per rank "
+                f"round {r + 1} case {case}: {tokens_s:.0f} tokens/s | {util}s/step "
+                f"{' '.join(f'{s:.2f}' for s in res['step_s'])} "
+                f"(warm-up {' '.join(f'{s:.2f}' for s in res['warmup_s'])})"
+                f" | peak memory {res['peak_mib'] or 'n/a'} MiB | core share per rank "
                 f"{' '.join(f'{x:.2f}' for x in res['cpu_share'])} | other processes (cores) "
                 f"{' '.join(f'{x:.2f}' for x in res['other_cores'])} | waited {waited:.0f} s for < {args.quiet} busy "
                 f"cores (then {busy:.2f}) | {time.time() - start:.0f} s",
                 flush=True,
             )
+            write_json(args, run, cases, aliased, peaks, flops, device, device_peak)
     for e, b in aliased.items():
         results[e] = results[b]
+    summary, rows = write_json(args, run, cases, aliased, peaks, flops, device, device_peak)
+    tables = io.StringIO()
+    with contextlib.redirect_stdout(tables):
+        print_tables(args, started, device, mm_dtype, peaks, cases, aliased, summary, failures, rows, results, config)
+    print(tables.getvalue(), end="", flush=True)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(tables.getvalue())
+    if any(not why.startswith("not run") for why in failures.values()):
+        sys.exit(f"cases failed: {', '.join(c for c, why in failures.items() if not why.startswith('not run'))}")
 
+
+def write_json(args, run: dict, cases, aliased, peaks, flops, device, device_peak) -> tuple[dict, list]:
+    """The summary of every case finished so far and the ratios; the whole run written to --json (after every
+    case, so a run stopped from outside leaves what it measured)."""
+    results = {**run["results"], **{e: run["results"][b] for e, b in aliased.items()}}
     peak = {t: max(v) for t, v in peaks.items()}
-    summary = {case: summarize(case, results[case], args, peak, flops, device, args.quiet) for case in cases}
+    summary = {
+        case: summarize(case, results[case], args, peak, flops, device, args.quiet, device_peak)
+        for case in cases
+        if results.get(case)
+    }
+    rows = ratio_rows({c: r for c, r in results.items() if r}, args.micro_batches)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**run, "summary": summary, "ratios": rows}, f, indent=1)
+    return summary, rows
 
+
+def print_tables(args, started, device, mm_dtype, peaks, cases, aliased, summary, failures, rows, results, config):
+    peak = {t: max(v) for t, v in peaks.items()}
     print()
     print(
         f"{started}, {os.cpu_count()} CPUs, {device}; matmul peak ({mm_dtype}, best of {args.rounds} rounds): "
@@ -771,25 +926,29 @@ def main(argv=None) -> None:
     )
     print()
     print(
-        "| case | what | ranks x threads | s/step (median) | per-round medians | tokens/s | MFU | "
+        "| case | what | ranks x threads | s/step (median) | per-round medians | tokens/s | MFU | MFU (measured) | "
         f"steps with other processes < {args.quiet} cores | core share per rank | other processes (cores) | "
         "peak memory (MiB, largest rank; GPU where there is one) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in cases:
-        s = summary[case]
         what = CASES[case][0] + (f" (the runs of {aliased[case]})" if case in aliased else "")
         extra = case_args(args.train_arg, case)
         if extra:
             what += " " + " ".join(extra)
+        if case not in summary:
+            why = failures.get(case, "no run").splitlines()[0]
+            print(f"| {case} | {what} | {why} |" + " |" * 9)
+            continue
+        s = summary[case]
+        mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
         print(
             f"| {case} | {what} | {s['ranks']} x {s['threads']} | {s['step_s']:.2f} | "
-            f"{', '.join(f'{x:.2f}' for x in s['per_round'])} | {s['tokens_per_s']:.0f} | {100 * s['mfu']:.1f}% | "
-            f"{s['quiet_n']}/{s['n']} | {s['cpu_share']:.2f} | {s['other_cores']:.2f} | "
-            f"{'n/a' if s['peak_mib'] is None else round(s['peak_mib'])} |"
+            f"{', '.join(f'{x:.2f}' for x in s['per_round'])} | {s['tokens_per_s']:.0f} | {mfu} | "
+            f"{100 * s['mfu_measured']:.1f}% | {s['quiet_n']}/{s['n']} | {s['cpu_share']:.2f} | "
+            f"{s['other_cores']:.2f} | {'n/a' if s['peak_mib'] is None else round(s['peak_mib'])} |"
         )
     print()
-    rows = ratio_rows(results, args.micro_batches)
     if rows:
         print("| ratio of tokens/s | median of rounds | per round | ideal | target | median / ideal | |")
         print("|---|---|---|---|---|---|---|")
@@ -808,29 +967,11 @@ def main(argv=None) -> None:
         print("Per rank, median seconds per step, wall / CPU (this thread) of each pipeline instruction:")
         print(PROFILE_HEADER)
         print("|---" * (PROFILE_HEADER.count("|") - 1) + "|")
-        for case in run_cases:
-            for res in results[case][-1:]:
+        for case in cases:
+            for res in results.get(case, [])[-1:]:
                 for row in res.get("profile", []):
                     print(row)
         print()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                dict(
-                    args=vars(args),
-                    started=started,
-                    peaks=peaks,
-                    results=results,
-                    summary=summary,
-                    ratios=rows,
-                    flops_per_token=flops,
-                    six_n=six_n,
-                    attn=attn,
-                    params=total,
-                ),
-                f,
-                indent=1,
-            )
 
 
 if __name__ == "__main__":

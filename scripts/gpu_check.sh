@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# The one command to run on a GPU machine:
-#   bash scripts/gpu_check.sh [parity] [bench] [layouts] [attention]    (no step named: all of them)
+# The one command to run on a GPU machine, about 9 minutes on one H100/H200 from a bare machine:
+#   bash scripts/gpu_check.sh [parity] [bench] [moe] [layouts] [attention]    (no step named: parity bench)
+# Every step is bounded (`timeout`, and bench_train.py's --time-limit), the most important numbers first;
+# BENCH_BUDGET_S (default 400) is the benchmark's share: the shapes it does not reach are said, not run;
+# GPU_CHECK_CASES picks bench_train.py's cases (default a,b,bk,bc,ac), GPU_CHECK_PLAN the shapes (below).
 # 1. set-up: .venv-gpu on top of a python3 whose torch sees CUDA (a CUDA torch is installed where it does
 #    not); on a machine without a package index, the wheels in .whl/ (scripts/gpu_wheels.sh, run where
 #    pip reaches PyPI, then carried there) are installed as they are;
-# 2. stage parity on the GPU, fp32 and bf16 (tests/test_gpu_parity.py), and the multi-rank tests when
-#    there are 4 GPUs or more (they launch 4 ranks);
-# 3. the GPU benchmark: llama3.2-1b, bf16, seq 2048 (scripts/bench_train.py: a plain Hugging Face loop and
-#    train.py with num_stages=1; num_stages=2 with 2 GPUs or more): one table with tokens/s, MFU and the
-#    largest rank's peak GPU memory per case;
+# 2. stage parity on the GPU, fp32 and bf16 (tests/test_gpu_parity.py: every family, document attention,
+#    each Liger kernel with kernels=liger), and the multi-rank tests when there are 4 GPUs or more;
+# 3. the GPU benchmark (scripts/bench_train.py, bf16, cases a: plain Hugging Face loop, ac: the same with its
+#    decoder layers compiled, b: train.py num_stages=1, bc: compile=true, bk: compile=true kernels=liger):
+#    the llama3.2-3b shape at seq 4096 micro-batch 1 first (activation checkpointing on a card under 100 GiB),
+#    then llama3.2-1b at seq 2048, micro-batch 4, 2, 1; per case tokens/s, MFU against the card's dense bf16
+#    peak (989 TFLOP/s for an H100 SXM or H200) and against the measured matmul rate, peak GPU memory;
 # 4. with 2 GPUs or more, scripts/bench_layouts.py: pipe x tensor x data layouts of the same GPUs (tensor
 #    parallelism's GPU rows: s/step, tokens/s, memory per rank);
 # 5. attention over packed rows, one decoder layer at 8k and 32k tokens in bf16: the dense per-document mask
 #    against attention=documents (torch's varlen flash attention), memory and time (scripts/bench_attention.py).
-# Without a CUDA GPU it stops at once with exit code 2.
+# Without a CUDA GPU it stops at once with exit code 2. What it writes: work/gpu_check.log (everything printed),
+# work/gpu_check/parity.log, work/gpu_check/bench.md (the tables, BENCHMARKS.md's source) and one bench_*.json per
+# shape; with $OUT set (the device tool's folder) the same files are copied there (7 at most).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -37,6 +44,10 @@ PIP=("$PY" -m pip install -q)
 if ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
   "${PIP[@]}" torch
 fi
+if [ -d "$ROOT/.whl" ] && ls "$ROOT"/.whl/liger_kernel-*.whl >/dev/null 2>&1 \
+  && ! "$PY" -c "import liger_kernel" 2>/dev/null && "$PY" -c "import deepspeed" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps "$ROOT"/.whl/liger_kernel-*.whl  # a venv made before liger was carried
+fi
 if ! "$PY" -c "import deepspeed, transformers, hydra, sentencepiece" 2>/dev/null && [ -d "$ROOT/.whl" ]; then
   "$PY" -m pip install -q --no-index --no-deps "$ROOT"/.whl/*.whl  # no package index: scripts/gpu_wheels.sh made them
 elif ! "$PY" -c "import deepspeed, transformers, hydra, sentencepiece" 2>/dev/null; then
@@ -46,36 +57,83 @@ fi
 "$PY" -c "import torch; print('[gpu_check]', torch.cuda.device_count(), 'x', torch.cuda.get_device_name(), '| torch', torch.__version__)"
 
 mkdir -p work/gpu_check
+LOG=work/gpu_check.log
+exec > >(tee "$LOG") 2>&1  # everything from here on is also in the log the lead gets back
 status=0
-STEPS="${*:-parity bench layouts attention}"
+STEPS="${*:-parity bench}"
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 if step parity; then
-echo "[gpu_check] stage parity on the GPU (fp32, bf16), attention=documents against the dense mask"
-"$PY" -m pytest tests/test_gpu_parity.py -q -m gpu || status=1
+  echo "[gpu_check] stage parity on the GPU (fp32, bf16): every family, attention=documents, kernels=liger"
+  timeout 60 "$PY" -m pytest tests/test_gpu_parity.py -q -m gpu -rs --durations=5 2>&1 | tee work/gpu_check/parity.log \
+    || status=1
 fi
 if step parity && [ "$GPUS" -ge 4 ]; then
   echo "[gpu_check] multi-rank tests on $GPUS GPUs"
-  "$PY" -m pytest tests -q -m multirank || status=1
+  timeout 300 "$PY" -m pytest tests -q -m multirank || status=1
 fi
-cases="a,b"
-[ "$GPUS" -ge 2 ] && cases="a,b,c"
 if step bench; then
-echo "[gpu_check] benchmark: llama3.2-1b, bf16, seq 2048, cases $cases"
-"$PY" scripts/bench_train.py --model llama3.2-1b --precision bf16 --seq 2048 --micro-batches 8 --cases "$cases" \
-  --rounds 1 --json work/gpu_check/bench.json --work work/gpu_check | tee work/gpu_check.log || status=1
+  MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  ckpt=""
+  [ "${MEM_MIB:-0}" -lt 102400 ] && ckpt="--checkpointing"  # 3B at seq 4096 without recomputation: ~90 GB
+  budget=${BENCH_BUDGET_S:-400}
+  start=$SECONDS
+  : > work/gpu_check/bench.md
+  # name | model | seq | micro-batch size | micro-batches per step | seconds at most | extra options, one line per
+  # table, in order; GPU_CHECK_PLAN replaces it (the same lines)
+  # one shape's five cases take about 6 minutes (train.py's start-up of a 1B model from random weights alone took over
+  # 50 s on an H200, each compiled case adds its compile time): the first shape gets the budget, the others are said
+  plan="1b_s2048_mb4|llama3.2-1b|2048|4|2|400|
+3b_s4096_mb1|llama3.2-3b|4096|1|2|400|$ckpt
+1b_s2048_mb2|llama3.2-1b|2048|2|2|300|
+1b_s2048_mb1|llama3.2-1b|2048|1|4|300|"
+  while IFS='|' read -r name model seq mbs micro share extra; do
+    left=$((budget - (SECONDS - start)))
+    if [ "$left" -lt 30 ]; then
+      echo "[gpu_check] bench $name: not run (BENCH_BUDGET_S=$budget spent: run 'bash scripts/gpu_check.sh bench' with more)"
+      echo "### $name: not run (BENCH_BUDGET_S spent)" >> work/gpu_check/bench.md
+      continue
+    fi
+    limit=$((share < left ? share : left))
+    echo "[gpu_check] bench $name: $model, bf16, seq $seq, micro-batch $mbs x $micro per step, $limit s at most ${extra}"
+    echo "### $name ($model, seq $seq, micro-batch $mbs x $micro per step ${extra})" >> work/gpu_check/bench.md
+    # shellcheck disable=SC2086  # $extra: zero or more options
+    timeout $((limit + 30)) "$PY" scripts/bench_train.py --model "$model" --precision bf16 --seq "$seq" \
+      --micro-batch-size "$mbs" --micro-batches "$micro" --cases "${GPU_CHECK_CASES:-a,b,bk,bc,ac}" --rounds 1 --warmup 2 --steps 3 \
+      --threads 8 --max-wait 0 --time-limit "$limit" --json "work/gpu_check/bench_$name.json" --table work/gpu_check/table.md \
+      --work work/gpu_check $extra || status=1
+    cat work/gpu_check/table.md >> work/gpu_check/bench.md 2>/dev/null || echo "(no table)" >> work/gpu_check/bench.md
+    rm -f work/gpu_check/table.md
+  done <<< "${GPU_CHECK_PLAN:-$plan}"
+  echo "[gpu_check] the benchmark tables (work/gpu_check/bench.md):"
+  cat work/gpu_check/bench.md
+fi
+if step moe; then  # a MoE model's GPU row (issue 44): expert parallelism needs 2 GPUs or more, so ep 1 on one
+  eps=1
+  [ "$GPUS" -ge 2 ] && eps=1,2
+  [ "$GPUS" -ge 4 ] && eps=1,2,4
+  echo "[gpu_check] MoE: Qwen3-MoE 0.6 B (16 experts of 1024, top 2), bf16 ZeRO-1, seq 2048, expert_parallel $eps"
+  timeout 120 "$PY" scripts/bench_moe.py --gpus "$(( GPUS < 4 ? GPUS : 4 ))" --eps "$eps" --precision bf16 --ds zero1 \
+    --hidden 1024 --layers 8 --experts 16 --moe-intermediate 1024 --vocab 32000 --seq 2048 --grad-accum 4 --steps 6 \
+    --warmup 2 --work-dir work/gpu_check/moe 2>&1 | grep -v "^\[convert\]" | tee work/gpu_check/moe.md || status=1
 fi
 if step layouts && [ "$GPUS" -ge 2 ]; then  # tensor parallelism's GPU rows: pipe x tensor x data layouts of the same GPUs
   n=2 layouts="2x1,1x2,1x1"
   [ "$GPUS" -ge 4 ] && n=4 layouts="4x1,2x2,1x4,1x1"
   echo "[gpu_check] layouts on $n GPUs: $layouts (bf16, 1.3 B parameters, seq 2048)"
-  "$PY" scripts/bench_layouts.py --gpus "$n" --layouts "$layouts" --precision bf16 --hidden-size 2048 \
+  timeout 300 "$PY" scripts/bench_layouts.py --gpus "$n" --layouts "$layouts" --precision bf16 --hidden-size 2048 \
     --intermediate-size 8192 --num-hidden-layers 16 --num-attention-heads 16 --num-key-value-heads 8 \
-    --vocab-size 32000 --seq 2048 --global-batch 16 | tee -a work/gpu_check.log || status=1
+    --vocab-size 32000 --seq 2048 --global-batch 16 || status=1
 fi
 if step attention; then
   echo "[gpu_check] attention over packed rows (one layer, bf16, documents of 1024 tokens)"
-  "$PY" scripts/bench_attention.py --seqs 8192,32768 --dtype bf16 --hidden 1024 --heads 16 | tee -a work/gpu_check.log || status=1
-  "$PY" scripts/bench_attention.py --seqs 32768 --dtype bf16 --hidden 1024 --heads 16 --doc 8192 --window 4096 \
-    | tee -a work/gpu_check.log || status=1
+  timeout 60 "$PY" scripts/bench_attention.py --seqs 8192,32768 --dtype bf16 --hidden 1024 --heads 16 || status=1
+  timeout 60 "$PY" scripts/bench_attention.py --seqs 32768 --dtype bf16 --hidden 1024 --heads 16 --doc 8192 \
+    --window 4096 || status=1
 fi
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then  # the device tool's folder: these come back to the lead (7 files at most)
+  cp -f "$LOG" work/gpu_check/parity.log work/gpu_check/bench.md work/gpu_check/moe.md work/gpu_check/bench_*.json \
+    "$OUT"/ 2>/dev/null || true
+  echo "[gpu_check] copied to $OUT: $(ls "$OUT" | tr '\n' ' ')"
+fi
+echo "[gpu_check] done in $SECONDS s, exit $status"
 exit $status

@@ -35,7 +35,7 @@ TINY = [
 ]
 
 
-def test_flops_per_token_counts_matmul_parameters_and_causal_attention():
+def test_flops_per_token_counts_matmul_parameters_and_attention_as_torchtitan():
     from models.llama_pipe import flops_per_token, model_parameters
     from models.tiny import tiny_config
 
@@ -46,7 +46,10 @@ def test_flops_per_token_counts_matmul_parameters_and_causal_attention():
         # Every parameter but the input embedding, plus the LM head's matmul (a tied head shares the
         # embedding's weights).
         assert six_n == 6 * (total - embed + (embed if tied else 0))
-        assert attn == 6 * config.num_hidden_layers * 128 * config.hidden_size
+        # torchtitan's 12 L H Q T: no discount for the causal mask
+        assert attn == 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * 128
+    windowed = tiny_config("mistral", sliding_window=32)  # every layer attends to 32 of the 128 tokens
+    assert flops_per_token(windowed, seq=128)[1] == 12 * windowed.num_hidden_layers * windowed.hidden_size * 32
 
 
 def test_ratios_pair_the_runs_of_each_round():

@@ -320,6 +320,7 @@ REFERENCE_PARAMS = {  # parameter counts of the published models (from their con
     "llama2-70b": 68_976_648_192,
     "llama3-8b": 8_030_261_248,
     "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
     "tiny": None,
 }
 

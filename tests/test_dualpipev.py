@@ -38,6 +38,7 @@ from tests.parity import (
     trained_weights,
 )
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
+from tests.test_profile import check_profiled_run
 from training.config import ConfigError
 from training.validate import resolve
 
@@ -120,6 +121,7 @@ def dpv_runs(tmp_path_factory, tiny_tied_hf, tiny_tied_ckpt, tokenizer_dir):
         gradient_accumulation_steps=8,
         ds_config="zero0",
         partition_method="memory",
+        profile_steps="[4,5]",  # tests/test_profile.py's checks of a DualPipeV profile (same losses, ranges only)
         **common,
     )
     rows, eval_rows = cached_rows(str(root / "cache"), data), cached_rows(str(root / "cache"), eval_data)
@@ -167,6 +169,12 @@ def test_only_the_first_pipeline_rank_reads_data_and_holds_both_ends(dpv_runs):
         assert f"rank {rank}: data placeholder" in log
     deep = dpv_runs["logs"]["pipe4"]
     assert "rank 0: data builds + reads" in deep and all(f"rank {r}: data placeholder" in deep for r in (1, 2, 3))
+
+
+@pytest.mark.multirank
+def test_a_profiled_dualpipev_step_shows_every_instruction(dpv_runs):
+    """The pipe 4 run's profile_steps=[4,5]: every rank's trace and the drawn step (tests/test_profile.py)."""
+    print(check_profiled_run(str(dpv_runs["root"] / "pipe4"), ranks=4, steps=(4, 5), micro_batches=8, dualpipev=True))
 
 
 @pytest.mark.multirank

@@ -1,15 +1,21 @@
 """Stage parity on a CUDA GPU (scripts/gpu_check.sh runs these; skipped where there is none): the stage
 modules chained in one process compute the family's ForCausalLM logits, loss and gradients on the GPU, in
 fp32 (TF32 off) and in bf16 (compared with the same model in bf16, so only the kernels' summation order
-differs): Llama untied and tied, and each other family with its difference (tests/test_families.py)."""
+differs): Llama untied and tied, and each other family with its difference (tests/test_families.py); the same
+stages with Liger's kernels (kernels=liger, models/kernels.py) against them and the reference, each kernel alone and
+all three, where liger-kernel is installed (scripts/gpu_check.sh installs it from .whl/)."""
 
 from __future__ import annotations
+
+import copy
+import importlib.util
 
 import pytest
 import torch
 
 from models.families import family_of
-from models.llama_pipe import build_sequential, spec_layout
+from models.kernels import LIGER_PARTS, apply_kernels
+from models.llama_pipe import DecoderLayerPipe, build_sequential, spec_layout
 from models.loss import IGNORE_INDEX, causal_lm_loss
 from models.tiny import tiny_config
 from tests.test_families import CASES
@@ -106,3 +112,96 @@ def test_document_attention_matches_the_dense_mask_on_the_gpu(dtype, window, mon
     for name, grad in dense[1].items():
         scale = grad.abs().max().item() or 1.0
         torch.testing.assert_close(documents[1][name], grad, rtol=0, atol=grad_tol * scale, msg=name)
+
+
+# kernels=liger (models/kernels.py): each of Liger's kernels alone on Llama, all three on every family it covers
+LIGER_MODELS = {name: MODELS[name] for name in ("llama", "llama_tied", "mistral_window", "qwen2_tied", "qwen3_gqa")}
+LIGER_RUNS = [("llama", part) for part in (*LIGER_PARTS, "all")]
+LIGER_RUNS += [(name, "all") for name in sorted(LIGER_MODELS) if name != "llama"]
+needs_liger = pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel")
+
+
+def chain_grads(funcs, config, input_ids, position_ids, labels):
+    """Logits (fp32), loss and every owned parameter's gradient (fp32, by Hugging Face name) of a stage chain."""
+    logits = run_chain(funcs, input_ids, position_ids)
+    loss = causal_lm_loss(logits, labels)
+    loss.backward()
+    grads = {
+        info.hf_prefix + key: param.grad.float()
+        for info in spec_layout(config)
+        if info.owns_file
+        for key, param in module_of(funcs[info.index]).named_parameters()
+    }
+    return logits.float(), loss.item(), grads
+
+
+def assert_liger_forwards(funcs, parts):
+    """The kernels asked for, and only those, are Liger's in every decoder layer."""
+    from liger_kernel.transformers.monkey_patch import LigerRMSNorm, LigerSwiGLUMLP, liger_rotary_pos_emb
+
+    layers = [module_of(f) for f in funcs if isinstance(module_of(f), DecoderLayerPipe)]
+    assert layers
+    for layer in layers:
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [getattr(layer.self_attn, n) for n in ("q_norm", "k_norm") if hasattr(layer.self_attn, n)]
+        assert all((n.forward.__func__ is LigerRMSNorm.forward) == ("rms_norm" in parts) for n in norms)
+        assert (getattr(layer.mlp.forward, "__func__", None) is LigerSwiGLUMLP.forward) == ("swiglu" in parts)
+        rope = getattr(layer.self_attn.forward, "__func__", type(layer.self_attn).forward).__globals__
+        assert (rope["apply_rotary_pos_emb"] is liger_rotary_pos_emb) == ("rope" in parts)
+
+
+@needs_liger
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name,part", LIGER_RUNS, ids=[f"{n}-{p}" for n, p in LIGER_RUNS])
+def test_liger_kernels_match_the_stages_without_them_and_hf(dtype, name, part):
+    """The stages with kernels=liger against the same stages without (same weights, same dtype) and against the
+    family's ForCausalLM: in fp32 within the file's fp32 tolerances; in bf16 within its bf16 tolerances of the bf16
+    model, and no further from the fp32 model than the stages without Liger are (at most 1.5 x their error, or 1% of
+    the tensor's scale): a kernel computing anything else breaks both."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model_type, overrides = LIGER_MODELS[name]
+    config = tiny_config(model_type, vocab_size=300, hidden_size=64, intermediate_size=96, **overrides)
+    hf = family_of(config).causal_lm._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    plain, fused = build_sequential(config), build_sequential(config)
+    for funcs in (plain, fused):
+        copy_hf_weights(funcs, config, hf.state_dict())
+    parts = LIGER_PARTS if part == "all" else (part,)
+    assert apply_kernels([module_of(f) for f in fused], "liger", parts) == config.num_hidden_layers
+    assert_liger_forwards(fused, parts)
+    for funcs in (plain, fused):
+        for f in funcs:
+            module_of(f).to("cuda", dtype)
+
+    batch, seq = 3, 40
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
+    labels = input_ids.clone()
+    labels[0, 30:] = IGNORE_INDEX
+    position_ids = torch.arange(seq, device="cuda").repeat(batch, 1)
+    position_ids[1, 25:] = torch.arange(seq - 25, device="cuda")  # a packed second document
+
+    def reference(model):
+        out = model(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False)
+        out.loss.backward()
+        return out.logits.float(), out.loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+    hf_same = copy.deepcopy(hf).to("cuda", dtype) if dtype == torch.bfloat16 else None
+    truth = reference(hf.to("cuda"))  # fp32
+    same = reference(hf_same) if hf_same is not None else truth
+    with_liger = chain_grads(fused, config, input_ids, position_ids, labels)
+    without = chain_grads(plain, config, input_ids, position_ids, labels)
+    logit_tol, loss_tol, grad_tol = TOLERANCES[dtype]
+    for other in (same, without):
+        torch.testing.assert_close(with_liger[0], other[0], rtol=0, atol=logit_tol)
+        assert abs(with_liger[1] - other[1]) < loss_tol
+        for key, grad in with_liger[2].items():  # Hugging Face names (a tied head's is the embedding's)
+            scale = other[2][key].abs().max().item() or 1.0
+            torch.testing.assert_close(grad, other[2][key], rtol=0, atol=grad_tol * scale, msg=key)
+    if dtype == torch.bfloat16:  # about as exact as Hugging Face's own modules in bf16, against the fp32 model
+        pairs = [("logits", with_liger[0], without[0], truth[0])]
+        pairs += [(k, g, without[2][k], truth[2][k]) for k, g in with_liger[2].items()]
+        for key, liger_value, plain_value, true_value in pairs:
+            # relative L2 over the tensor (a largest element alone swings 1.7x between two bf16 summation orders)
+            error = ((liger_value - true_value).norm() / true_value.norm()).item()
+            plain = ((plain_value - true_value).norm() / true_value.norm()).item()
+            assert error <= max(2 * plain, 1e-3), (key, error, plain)

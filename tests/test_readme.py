@@ -67,7 +67,7 @@ def readme_commands() -> list[tuple[str, list[str] | None, str]]:
 
 def split_command(command: str) -> tuple[dict, list[str]]:
     """(leading VAR=value environment, argv) with README notation removed: [optional parts], `...`."""
-    command = re.sub(r"\[[^\]]*\]", "", command)
+    command = re.sub(r"(?<!=)\[[^\]]*\]", "", command)  # a list value (profile_steps=[2,3]) is no optional part
     words = [w for w in shlex.split(command) if w != "..."]
     env = {}
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
@@ -126,7 +126,7 @@ def checkpoint_for(value: str, stage: dict) -> str:
     for key, path in stage["configs"].items():
         if key in value.lower():
             return path
-    return stage["ckpt"]
+    return stage["hf"] if value == "HF_DIR" else stage["ckpt"]  # train.py starts from either
 
 
 def substitute_overrides(words: list[str], stage: dict) -> list[str]:

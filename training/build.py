@@ -21,6 +21,7 @@ from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from models.host_memory import peak_rss_mb
 from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules, stage_pieces
+from models.kernels import apply_kernels
 from models.llama_pipe import ATTENTION_IMPLEMENTATIONS, LlamaStack, init_weights_
 from models.lora import apply_lora, base_numel
 from models.lora_files import base_record, load_adapter_, load_checkpoint_adapters_
@@ -30,6 +31,7 @@ from models.zero3 import build_partitioned_stack, builds_partitioned, init_parti
 from parallel.stage import axis_plans, build_pipeline_model, pipeline_topology
 from training import run_checkpoints
 from training.config import Resolved
+from training.compile import compile_engine
 from training.data_setup import RankData, prepare_rank_data
 from training.distributed import free_port, on_all_ranks, release_cpu_comm_buffer
 from training.logs import log0
@@ -108,18 +110,22 @@ def build_model(resolved: Resolved, topology: ProcessTopology, loss_fn: CausalLM
             attention=ATTENTION_IMPLEMENTATIONS[cfg.attention],
         )
         if builds_partitioned(ds_config):
-            return build_partitioned_stack(resolved.model_config, ds_config, **stack_args)
-        return LlamaStack(resolved.model_config, **stack_args)
-    return build_pipeline_model(
-        resolved.model_config,
-        topology,
-        resolved.layout,
-        loss_fn,
-        partition_method=cfg.partition_method,
-        activation_checkpoint_interval=cfg.activation_checkpoint_interval,
-        dynamic_shape=cfg.data.pad_to_multiple_of > 0,
-        attention=ATTENTION_IMPLEMENTATIONS[cfg.attention],
-    )
+            model = build_partitioned_stack(resolved.model_config, ds_config, **stack_args)
+        else:
+            model = LlamaStack(resolved.model_config, **stack_args)
+    else:
+        model = build_pipeline_model(
+            resolved.model_config,
+            topology,
+            resolved.layout,
+            loss_fn,
+            partition_method=cfg.partition_method,
+            activation_checkpoint_interval=cfg.activation_checkpoint_interval,
+            dynamic_shape=cfg.data.pad_to_multiple_of > 0,
+            attention=ATTENTION_IMPLEMENTATIONS[cfg.attention],
+        )
+    apply_kernels([model], cfg.kernels)  # kernels=liger: Liger's forwards on this rank's decoder layers
+    return model
 
 
 def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list[dict]:
@@ -230,6 +236,7 @@ def build_engine(resolved: Resolved, model, ds_config: dict, total_steps: int):
 def resume_or_start(resolved: Resolved, engine, data: RankData, total_steps: int) -> int:
     """The step to continue after: 0 for a new run, the checkpoint's step with resume=auto. Settings
     changed since the checkpoint (validation refused those not allowed) are stated, and the optimizer's
+    compile_engine(engine, resolved.cfg.compile)  # compile=true: each layer of the stage torch.compile'd
     are applied over the restored ones."""
     if not resolved.resume_tag:
         return 0

@@ -74,6 +74,11 @@ class Attention(StrEnum):
     dense_mask = "dense_mask"
 
 
+class Kernels(StrEnum):
+    none = "none"
+    liger = "liger"
+
+
 class HangAction(StrEnum):
     exit = "exit"
     wait = "wait"
@@ -249,6 +254,14 @@ class TrainConfig:
     # (models/attention.py) | dense_mask: transformers' sdpa with a per-document [B,1,S,S] mask per layer
     # (the earlier path, for comparison; not with sequence_parallel).
     attention: Attention = Attention.documents
+    # none: the Hugging Face modules as they are | liger: Liger-Kernel's fused Triton kernels for RMSNorm, the SwiGLU
+    # MLP and RoPE in every decoder layer (CUDA only, the liger-kernel package; dense families: llama, mistral,
+    # qwen2, qwen3), the weights unchanged (models/kernels.py).
+    kernels: Kernels = Kernels.none
+    # Every layer of each rank's stage compiled with torch.compile through DeepSpeed's engine.compile() (backend
+    # inductor), compiled in the first step; the same numbers as eager. Not with tensor or sequence parallelism,
+    # DualPipeV, LoRA, MoE models or the ZeRO 2/3 data-parallel engine (training/compile.py).
+    compile: bool = False
     ds_config: str = "zero1"  # DeepSpeed JSON: a name in ds_configs/ (without .json) or a path
     precision: Precision = Precision.bf16  # fp32 | bf16 | fp16 (fp16 needs a device that supports it)
     micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
@@ -314,6 +327,11 @@ class TrainConfig:
     # a GPU it comes from the allocator, always; on CPU there is no allocator count, so only with this
     # on, which counts every tensor the step creates (training/memory_census.py; that step runs slower).
     count_step_memory: bool = False
+    # [first, last]: torch.profiler traces of training steps first..last, one Chrome trace per rank in
+    # output_dir/profile (Perfetto and TensorBoard open them; scripts/plot_timeline.py draws a step's pipeline
+    # instructions per rank and the bubble); each pipeline instruction a named range. [] = off; those steps run
+    # slower (the profiler's own cost).
+    profile_steps: list[int] = field(default_factory=list)
     # Classes of settings that may differ from the checkpoint being resumed (see RESUME_KEY_CLASSES):
     # optim (optimizer, schedule, loss normalisation: applied exactly from the next step) | data (the new
     # sample stream continues at the saved epoch and position) | model (the checkpoint's weights are used).

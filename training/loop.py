@@ -17,6 +17,7 @@ from models.llama_pipe import flops_per_token
 from models.loss import CausalLMLoss
 from parallel.stage import axis_plans
 from training import run_checkpoints
+from training.compile import CompileLog
 from training.config import Resolved
 from training.data_setup import RankData
 from training.distributed import TrainingStopped, on_all_ranks
@@ -25,6 +26,7 @@ from training.logs import log0
 from training.memory_census import CensusAtStep, StepPeak
 from training.metrics import StepLogger, device_peak_tflops, write_final_record
 from training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Preempted, StopAndSave
+from training.profiling import StepProfiler
 from training.step import eval_label_count, evaluate, objective_metrics, train_step
 from training.straggler import ComputeClock
 
@@ -69,6 +71,8 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
     watch = HangWatch(cfg.output_dir, dist.get_rank(), dist.get_world_size(), cfg.hang_timeout_s, cfg.hang_action)
     census = CensusAtStep(engine)  # model-state bytes per rank, measured before the second optimizer step
     step_peak = StepPeak(start_step + 2, cfg.count_step_memory)  # what the second step allocates beyond the states
+    profiler = StepProfiler(cfg.profile_steps, cfg.output_dir, dist.get_rank(), start_step)
+    compiled = CompileLog(cfg.compile, start_step + 1, log0)  # compile=true: compile time once, recompiles counted
     skipped: list[int] = []  # steps whose update the optimizer skipped (non-finite), with nonfinite_loss=skip
     try:
         for step in range(start_step + 1, total_steps + 1):
@@ -76,7 +80,8 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             skipped_before = engine.skipped_steps
             step_peak.before(step)
             watch.step_started(step)
-            loss, counts = train_step(resolved, engine, data, loss_fn)
+            with profiler.step(step):  # profile_steps: this step under torch.profiler, its trace written at the last
+                loss, counts = train_step(resolved, engine, data, loss_fn)
             watch.step_ended()
             # every rank: signals, rank 0's save clock, each rank's compute seconds (one all-reduce)
             signalled, clock_due, compute = stopper.after_step(clock.take() if clock else 0.0)
@@ -91,7 +96,9 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
             norm = None if grad_norm is None else float(grad_norm)
             extra = objective_metrics(resolved, engine, loss_fn)
-            logger.log(step, loss, lr, norm, *counts[:3], counts[3:], compute=compute if clock else None, extra=extra)
+            compute = compute if clock else None
+            fields = compiled.after_step(step)  # compile=true: recompiles, compile seconds
+            logger.log(step, loss, lr, norm, *counts[:3], counts[3:], compute=compute, extra=extra, fields=fields)
             check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
             # the checkpoint first: an eval that fails (or a signal during it) never costs the steps trained
             with watch.saving():  # a hang exit (training/hang.py) waits for the save
@@ -104,6 +111,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             if stop:  # after a stop signal, the step's eval done: a resume starts at the next step
                 raise Preempted(stop)
     finally:  # a stop signal (Preempted) or a failure: the W&B run and metrics.jsonl are closed too
+        profiler.close()  # a run ended before profile_steps' last: the trace of the steps profiled
         logger.close()
     if last_saved is None:
         log0("no step to train (max_steps=0): nothing trained, no checkpoint written")

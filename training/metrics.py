@@ -122,7 +122,10 @@ class StepLogger:
         source_tokens: list[int] | None = None,
         compute: list[float] | None = None,
         extra: dict[str, float] | None = None,
+        fields: dict | None = None,
     ) -> None:
+        """``extra``: the objective's metrics, written and printed; ``fields``: written only (compile=true's
+        ``recompiles`` and ``compile_s``, whose changes have lines of their own)."""
         now = time.time()
         step_s, self.last = now - self.last, now
         if not self.active:
@@ -157,6 +160,7 @@ class StepLogger:
         if self.peak_flops:
             record["mfu"] = round(mfu(tokens / step_s, self.flops_per_token, self.peak_flops), 4)
         record.update(extra or {})
+        record.update(fields or {})
         self._write(record)
         if step % self.log_steps and step not in (self.start_step + 1, self.max_steps):
             return

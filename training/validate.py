@@ -13,6 +13,7 @@ from dataclasses import fields
 
 from data.checks import data_problems, default_packing
 from data.settings import prepared_problems
+from models.kernels import kernel_problems
 from models.layer_files import tags_newer_than_latest
 from models.lora_rules import peft_change_problems, peft_problems
 from parallel.dualpipev import dualpipev_defaults, dualpipev_problems
@@ -25,10 +26,12 @@ from parallel.sequence_parallel import (
     sequence_parallel_problems,
 )
 from parallel.tensor_parallel import tensor_parallel_problems, tensor_parallel_warnings
+from training.compile import compile_problems, compile_warnings
 from training.config import ConfigError, DPOConfig, PeftConfig, Resolved, TrainConfig, dotted, plain
 from training.ds_json import ds_json_conflicts, fp16_supported, load_ds_json
 from training.model_source import input_checkpoint_problems, resolve_model
 from training.output_checks import disk_problems, output_dir_problems
+from training.profiling import profile_problems
 from training.resume_rules import ACCEPTABLE_CHANGES, RESUME_KEY_CLASSES, find_resume, reshard_reason
 from training.run_lock import RunLock
 from training.tracking import wandb_problems
@@ -176,6 +179,10 @@ def resolve(
     problems += sequence_parallel_problems(cfg, model_config, layout)
     problems += expert_parallel_problems(cfg, model_config, layout, ds_json)
     problems += dualpipev_problems(cfg, model_config, layout)
+    problems += profile_problems(cfg.profile_steps, cfg.max_steps, cfg.num_epochs)
+    problems += kernel_problems(cfg.kernels, model_config)
+    problems += compile_problems(cfg, model_config, layout)
+    warnings += compile_warnings(cfg, layout)
     warnings += tensor_parallel_warnings(layout, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     inert, harmless = inert_settings(cfg, layout)
     problems += inert + noop_value_problems(cfg)

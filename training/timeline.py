@@ -1,0 +1,279 @@
+"""Reading back the traces ``profile_steps`` writes (training/profiling.py): one training step's pipeline
+instructions per rank, as boxes on a common time axis, and each rank's bubble (scripts/plot_timeline.py draws
+them). Plain JSON, no torch: the script runs anywhere the trace files are copied to.
+
+A trace is torch.profiler's Chrome trace (``output_dir/profile/rank<R>.pt.trace.json``). What is read from it:
+the ranges ``train step N`` (one per profiled step) and the ranges named by a pipeline instruction
+(``ForwardPass mb=3``, ``BackwardPass mb=2 phase=1``: :func:`range_name`), each an event of category
+``user_annotation`` (host time) or, on a GPU, ``gpu_user_annotation`` (the span of the device work launched
+inside it; used where the trace has them, since host ranges on a GPU only time the kernel launches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+PROFILE_DIR = "profile"  # under output_dir
+TRACE_NAME = "rank{}.pt.trace.json"  # torch-tb-profiler's worker.pt.trace.json: TensorBoard's profile plugin reads it
+TRACE_PATTERN = re.compile(r"^rank(\d+)\.pt\.trace\.json$")
+STEP_RANGE = "train step {}"
+STEP_PATTERN = re.compile(r"^train step (\d+)$")
+
+# Each pipeline instruction the engines run (DeepSpeed 0.19.8's PipelineEngine and DualPipeVEngine, our
+# WeightPass), by the kind the timeline colours it; a test checks every instruction of the engines is here.
+INSTRUCTION_KINDS = {
+    "ForwardPass": "forward",
+    "BackwardPass": "backward",
+    "WeightPass": "weight",
+    "SendActivation": "send/recv",
+    "RecvActivation": "send/recv",
+    "SendGrad": "send/recv",
+    "RecvGrad": "send/recv",
+    "CommitP2P": "send/recv",  # DualPipeV's queued sends and receives run (and are waited for) here
+    "OptimizerStep": "optimizer",
+    "LoadMicroBatch": "other",
+    "ReduceGrads": "other",  # the data-parallel all-reduce
+    "ReduceTiedGrads": "other",
+}
+KINDS = ("forward", "backward", "weight", "send/recv", "optimizer", "other")
+# The bubble: time in the step a rank spends waiting for a peer, which with blocking point-to-point
+# communication (gloo; DeepSpeed's 1F1B sends and receives block) is the time inside send/recv, plus the time
+# between instructions (the loss broadcast at the step's end, the engine's own bookkeeping).
+WAITING_KINDS = ("send/recv",)
+
+
+class TraceError(ValueError):
+    """A trace (or a run's profile directory) that cannot give a timeline; the message says why and what to do."""
+
+
+def range_name(instruction: str, micro_batch: int | None = None, phase: int | None = None, deferred=False) -> str:
+    """The profiler range of one executed instruction: ``ForwardPass mb=3``, ``BackwardPass mb=2 phase=1
+    inputs-only`` (DualPipeV's deferred weight gradients), ``WeightPass mb=0 phase=1``, ``OptimizerStep``."""
+    name = instruction
+    if micro_batch is not None:
+        name += f" mb={micro_batch}"
+    if phase is not None:
+        name += f" phase={phase}"
+    return name + (" inputs-only" if deferred else "")
+
+
+def instruction_of(name: str) -> str | None:
+    """The instruction a range name is of (its first word), or None for any other range."""
+    head = name.split(" ", 1)[0]
+    return head if head in INSTRUCTION_KINDS else None
+
+
+@dataclass
+class Box:
+    """One executed instruction (times in microseconds on the run's common clock)."""
+
+    name: str
+    start: float
+    end: float
+    at: float | None = None  # where it belongs among the steps: the start of the host range that ran it
+
+    @property
+    def kind(self) -> str:
+        return INSTRUCTION_KINDS[instruction_of(self.name)]
+
+    @property
+    def micro_batch(self) -> int | None:
+        return self._field("mb")
+
+    @property
+    def phase(self) -> int | None:
+        """DualPipeV's phase: 0 on the way out, 1 on the way back (None under 1F1B)."""
+        return self._field("phase")
+
+    def _field(self, key: str) -> int | None:
+        values = [word.split("=", 1)[1] for word in self.name.split() if word.startswith(f"{key}=")]
+        return int(values[0]) if values else None
+
+
+@dataclass
+class RankTrace:
+    """What one rank's trace holds: its training steps' ranges and its instruction ranges, on one clock."""
+
+    rank: int
+    path: str
+    steps: dict[int, tuple[float, float]]
+    boxes: list[Box]
+    clock: str  # "host" or "device"
+    schedules: list[str] = field(default_factory=list)  # the schedule ranges' names, as the engine ran them
+
+
+def load_trace(path: str) -> dict:
+    """A trace file as JSON, or :class:`TraceError` saying why it is not one."""
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TraceError(f"{path} is not readable JSON ({e}): not a trace profile_steps wrote, or a cut one") from e
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise TraceError(f"{path} has no traceEvents list: not a Chrome trace (torch.profiler's export)")
+    return trace
+
+
+def read_trace(trace: dict, path: str, rank: int, origin_ns: int | None = None) -> RankTrace:
+    """A loaded trace's steps and instruction ranges, in microseconds since ``origin_ns`` (wall-clock nanoseconds;
+    by default the trace's own base time)."""
+    # Kineto writes each event's ts as microseconds since the trace's baseTimeNanoseconds, both from the host's
+    # wall clock: the ranks' traces share one time axis as far as their hosts' clocks agree (on one machine,
+    # exactly). Offsetting by the difference of whole base times keeps the microseconds' fractions in a double.
+    base = int(trace.get("baseTimeNanoseconds", 0))
+    shift = (base - (base if origin_ns is None else origin_ns)) / 1000
+    ranges = {"host": [], "device": []}
+    for e in trace["traceEvents"]:
+        if not isinstance(e, dict) or e.get("ph") != "X" or not isinstance(e.get("name"), str):
+            continue
+        clock = {"user_annotation": "host", "gpu_user_annotation": "device"}.get(e.get("cat"))
+        if clock is None:
+            continue
+        try:
+            start, end = float(e["ts"]) + shift, float(e["ts"]) + float(e["dur"]) + shift
+        except (KeyError, TypeError, ValueError) as err:
+            raise TraceError(f"{path}: event {e.get('name')!r} has no numeric ts/dur ({err})") from err
+        args = e.get("args") if isinstance(e.get("args"), dict) else {}
+        ranges[clock].append((e["name"], start, end, args.get("External id")))
+    steps, boxes, schedules, launched = {}, [], set(), {}
+    for name, start, end, ext in ranges["host"]:
+        match = STEP_PATTERN.match(name)
+        if match:
+            steps[int(match.group(1))] = (start, end)
+        elif instruction_of(name):
+            boxes.append(Box(name, start, end, start))
+            if ext is not None:
+                launched[ext] = start
+        elif name.endswith("Schedule"):
+            schedules.add(name)
+    # On a GPU the host ranges time only the kernel launches: the device's ranges (Kineto's, from the first to the
+    # last kernel a range launched, for the innermost range that launched any) are the instructions' durations.
+    # Only the host has the step ranges: a device range belongs to the step of the host range of its External id.
+    device = [Box(n, s, e, launched[x]) for n, s, e, x in ranges["device"] if instruction_of(n) and x in launched]
+    clock = "device" if device else "host"
+    boxes = device or boxes
+    if not steps:
+        raise TraceError(
+            f"{path} has no '{STEP_RANGE.format('N')}' range: not a trace train.py's profile_steps wrote "
+            f"(or one cut before its first step ended)"
+        )
+    boxes.sort(key=lambda b: b.start)
+    return RankTrace(rank, path, steps, boxes, clock, sorted(schedules))
+
+
+def read_run(run_dir: str) -> list[RankTrace]:
+    """Every rank's trace in ``run_dir/profile``, by rank, on the clock of the earliest trace."""
+    where = os.path.join(run_dir, PROFILE_DIR)
+    if not os.path.isdir(where):
+        raise TraceError(
+            f"{where} does not exist: profile a run with profile_steps=[first,last] (e.g. profile_steps=[2,3]), "
+            f"then pass its output_dir"
+        )
+    found = {int(m.group(1)): os.path.join(where, f) for f in os.listdir(where) if (m := TRACE_PATTERN.match(f))}
+    if not found:
+        raise TraceError(f"{where} holds no {TRACE_NAME.format('<R>')}: the profiled steps never ended")
+    missing = sorted(set(range(max(found) + 1)) - set(found))
+    if missing:
+        raise TraceError(f"{where} lacks the traces of rank(s) {missing} (it has ranks {sorted(found)})")
+    traces = {r: load_trace(found[r]) for r in sorted(found)}
+    origin = min(int(t.get("baseTimeNanoseconds", 0)) for t in traces.values())
+    return [read_trace(t, found[r], r, origin) for r, t in traces.items()]
+
+
+@dataclass
+class RankShare:
+    """One rank's share of a step: its instructions in the step, the time busy and waiting within the window."""
+
+    rank: int
+    boxes: list[Box]
+    busy: float  # microseconds inside an instruction that is not a wait
+    waiting: float  # microseconds inside send/recv (and not inside a busy one)
+
+    def idle(self, window: float) -> float:
+        return window - self.busy
+
+    def bubble(self, window: float) -> float:
+        return self.idle(window) / window
+
+
+@dataclass
+class Timeline:
+    """One step on every rank: the window from the first instruction any rank starts to the last any rank ends."""
+
+    step: int
+    start: float
+    end: float
+    ranks: list[RankShare]
+    clock: str
+    schedule: str
+
+    @property
+    def window(self) -> float:
+        return self.end - self.start
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of the whole step: all ranks' idle time over ranks x window."""
+        return sum(r.idle(self.window) for r in self.ranks) / (len(self.ranks) * self.window)
+
+    def report(self) -> list[str]:
+        """The bubble per rank and overall, one line each."""
+        w = self.window
+        lines = [
+            f"rank {r.rank}: bubble {r.bubble(w):.1%} of the step (waiting in send/recv {r.waiting / w:.1%}, "
+            f"between instructions {(w - r.busy - r.waiting) / w:.1%}); {len(r.boxes)} instructions"
+            for r in self.ranks
+        ]
+        ranks = f"{len(self.ranks)} rank" + "s" * (len(self.ranks) > 1)
+        return lines + [
+            f"step {self.step} ({self.schedule}, {ranks}, {self.clock} clock): {w / 1000:.1f} ms "
+            f"from the first instruction to the last, bubble {self.bubble:.1%} overall"
+        ]
+
+
+def step_timeline(traces: list[RankTrace], step: int | None = None, align: str = "clock") -> Timeline:
+    """The timeline of ``step`` (default: the last step every rank profiled). ``align="step"`` starts every
+    rank's step at the same time instead (ranks on hosts whose clocks disagree)."""
+    common = sorted(set.intersection(*(set(t.steps) for t in traces)))
+    if step is None:
+        if not common:
+            raise TraceError("the ranks' traces have no profiled step in common: " + _steps_of(traces))
+        step = common[-1]
+    elif step not in common:
+        raise TraceError(f"step {step} is not profiled on every rank: " + _steps_of(traces))
+    shares = []
+    for t in traces:
+        s0, s1 = t.steps[step]
+        offset = -s0 if align == "step" else 0.0
+        boxes = [Box(b.name, b.start + offset, b.end + offset) for b in t.boxes if s0 <= b.at <= s1]
+        if not boxes:
+            raise TraceError(
+                f"{t.path}: step {step} has no pipeline instruction: the run did not use a pipeline engine "
+                "(num_stages=1 trains with DeepSpeed's data-parallel engine), or its trace predates them"
+            )
+        shares.append(RankShare(t.rank, boxes, 0.0, 0.0))
+    start = min(s.boxes[0].start for s in shares)
+    end = max(max(b.end for b in s.boxes) for s in shares)
+    for s in shares:
+        work = [b for b in s.boxes if b.kind not in WAITING_KINDS]
+        s.busy = _covered(work)
+        s.waiting = _covered(s.boxes) - s.busy
+    schedules = sorted({name for t in traces for name in t.schedules if "Inference" not in name})
+    return Timeline(step, start, end, shares, traces[0].clock, ", ".join(schedules) or "schedule unnamed")
+
+
+def _covered(boxes: list[Box]) -> float:
+    """Microseconds covered by the union of ``boxes``."""
+    total, reach = 0.0, float("-inf")
+    for b in sorted(boxes, key=lambda b: b.start):
+        if b.end > reach:
+            total += b.end - max(b.start, reach)
+            reach = b.end
+    return total
+
+
+def _steps_of(traces: list[RankTrace]) -> str:
+    return "; ".join(f"rank {t.rank} has steps {sorted(t.steps)}" for t in traces)
