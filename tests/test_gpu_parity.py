@@ -34,6 +34,16 @@ MODELS = {
 }
 
 
+def packed_batch(config, batch: int = 3, seq: int = 40):
+    """Random tokens [B,S] on the GPU, a label span ignored in row 0, row 1 two packed documents."""
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
+    labels = input_ids.clone()
+    labels[0, 30:] = IGNORE_INDEX
+    position_ids = torch.arange(seq, device="cuda").repeat(batch, 1)
+    position_ids[1, 25:] = torch.arange(seq - 25, device="cuda")  # a packed second document
+    return input_ids, labels, position_ids
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_chained_stages_match_hf_on_the_gpu(dtype, name):
@@ -48,12 +58,7 @@ def test_chained_stages_match_hf_on_the_gpu(dtype, name):
     for f in funcs:
         module_of(f).to("cuda", dtype)
 
-    batch, seq = 3, 40
-    input_ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
-    labels = input_ids.clone()
-    labels[0, 30:] = IGNORE_INDEX
-    position_ids = torch.arange(seq, device="cuda").repeat(batch, 1)
-    position_ids[1, 25:] = torch.arange(seq - 25, device="cuda")  # a packed second document
+    input_ids, labels, position_ids = packed_batch(config)
 
     ref = hf(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False)
     logits = run_chain(funcs, input_ids, position_ids)
@@ -173,12 +178,7 @@ def test_liger_kernels_match_the_stages_without_them_and_hf(dtype, name, part):
         for f in funcs:
             module_of(f).to("cuda", dtype)
 
-    batch, seq = 3, 40
-    input_ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
-    labels = input_ids.clone()
-    labels[0, 30:] = IGNORE_INDEX
-    position_ids = torch.arange(seq, device="cuda").repeat(batch, 1)
-    position_ids[1, 25:] = torch.arange(seq - 25, device="cuda")  # a packed second document
+    input_ids, labels, position_ids = packed_batch(config)
 
     def reference(model):
         out = model(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False)
