@@ -20,8 +20,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from models.host_memory import peak_rss_mb
-from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules, stage_pieces
 from models.kernels import apply_kernels
+from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules, stage_pieces
 from models.llama_pipe import ATTENTION_IMPLEMENTATIONS, LlamaStack, init_weights_
 from models.lora import apply_lora, base_numel
 from models.lora_files import base_record, load_adapter_, load_checkpoint_adapters_
@@ -30,8 +30,8 @@ from models.specs import spec_layout
 from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes
 from parallel.stage import axis_plans, build_pipeline_model, pipeline_topology
 from training import run_checkpoints
-from training.config import Resolved
 from training.compile import compile_engine
+from training.config import Resolved
 from training.data_setup import RankData, prepare_rank_data
 from training.distributed import free_port, on_all_ranks, release_cpu_comm_buffer
 from training.logs import log0
@@ -229,6 +229,7 @@ def build_engine(resolved: Resolved, model, ds_config: dict, total_steps: int):
     reduce_grad_norm_once_across_stages(engine.optimizer)
     for plan in plans:
         plan.adopt_engine(engine)  # DualPipeV: DeepSpeed's engine made LlamaDualPipeVEngine (parallel/dualpipev.py)
+    compile_engine(engine, resolved.cfg.compile)  # compile=true: each layer of the stage torch.compile'd
     run_checkpoints.load_without_pickles(engine)
     return engine
 
@@ -236,7 +237,6 @@ def build_engine(resolved: Resolved, model, ds_config: dict, total_steps: int):
 def resume_or_start(resolved: Resolved, engine, data: RankData, total_steps: int) -> int:
     """The step to continue after: 0 for a new run, the checkpoint's step with resume=auto. Settings
     changed since the checkpoint (validation refused those not allowed) are stated, and the optimizer's
-    compile_engine(engine, resolved.cfg.compile)  # compile=true: each layer of the stage torch.compile'd
     are applied over the restored ones."""
     if not resolved.resume_tag:
         return 0
