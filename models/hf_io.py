@@ -372,14 +372,17 @@ def atomic_output(input_dir: str, output: str, overwrite: bool, direction: str):
     return _Atomic()
 
 
-def hf_to_stages(input_dir: str, output: str, dtype: torch.dtype | None = None, overwrite: bool = False) -> None:
-    """Hugging Face directory -> DeepSpeed pipeline layout (layer files, engine stub, ``latest``)."""
-    check_output(input_dir, output, overwrite)  # before reading anything: a refusal costs no time
-    config = load_config(input_dir)
+def hf_input_problems(config: PretrainedConfig, source: HFTensorSource) -> list[str]:
+    """What the converter refuses in a Hugging Face directory's tensors (``source``, read from the headers only)
+    against its config.json, one line each: a missing tensor, a wrong shape, an unexpected tensor. Also what
+    train.py checks before it starts from such a directory (models/hf_start.py)."""
     expected = expected_hf_shapes(config)
-    source = HFTensorSource(input_dir)
-    pieces = {k: disk_pieces(config, k, s) for shapes in expected.values() for k, s in shapes.items()}
-    want = {key: shape for parts in pieces.values() for key, shape, _ in parts}  # the tensors on disk
+    want = {
+        key: shape
+        for shapes in expected.values()
+        for k, s in shapes.items()
+        for key, shape, _ in disk_pieces(config, k, s)
+    }  # the tensors on disk
     problems = [
         f"missing tensor {k!r} (expected shape {tuple(s)})" for k, s in want.items() if k not in source.key_to_file
     ]
@@ -394,12 +397,23 @@ def hf_to_stages(input_dir: str, output: str, dtype: torch.dtype | None = None, 
         for k in source.key_to_file
         if k not in want and k != tied_head_key and not k.endswith(IGNORED_SUFFIXES)
     ]
+    if problems and config.model_type in EXPERTS_ON_DISK and any(".experts." in p for p in problems):
+        problems.append(
+            f"a {config.model_type} checkpoint stores one tensor per expert, as released and as save_pretrained "
+            "writes it (models/expert_files.py): another layout of the experts is not one this converter reads"
+        )
+    return problems
+
+
+def hf_to_stages(input_dir: str, output: str, dtype: torch.dtype | None = None, overwrite: bool = False) -> None:
+    """Hugging Face directory -> DeepSpeed pipeline layout (layer files, engine stub, ``latest``)."""
+    check_output(input_dir, output, overwrite)  # before reading anything: a refusal costs no time
+    config = load_config(input_dir)
+    expected = expected_hf_shapes(config)
+    source = HFTensorSource(input_dir)
+    pieces = {k: disk_pieces(config, k, s) for shapes in expected.values() for k, s in shapes.items()}
+    problems = hf_input_problems(config, source)
     if problems:
-        if config.model_type in EXPERTS_ON_DISK and any(".experts." in p for p in problems):
-            problems.append(
-                f"a {config.model_type} checkpoint stores one tensor per expert, as released and as save_pretrained "
-                "writes it (models/expert_files.py): another layout of the experts is not one this converter reads"
-            )
         raise ConversionError(f"{input_dir} does not match its config.json:\n  " + "\n  ".join(problems))
 
     with atomic_output(input_dir, output, overwrite, "hf-to-stages") as tmp:

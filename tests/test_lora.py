@@ -114,11 +114,11 @@ def test_stage_forward_equals_get_peft_model(model_type):
 
 
 @pytest.fixture()
-def lora_cfg(tmp_path, tiny_hf) -> TrainConfig:
+def lora_cfg(tmp_path, tiny_ckpt) -> TrainConfig:
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
     return TrainConfig(
-        model_name_or_path=tiny_hf,
+        model_name_or_path=tiny_ckpt,  # LoRA's base is layer files (a Hugging Face directory is refused)
         output_dir=str(tmp_path / "out"),
         num_stages=2,
         ds_config="zero1",

@@ -95,6 +95,8 @@ def stage(tmp_path_factory, tiny_hf, tokenizer_dir):
     for name in ("llama2-70b", "llama3-8b", "llama3-70b", "qwen3-30b-a3b"):
         path = str(root / name)
         model_group_config(name).save_pretrained(path)
+        with open(os.path.join(path, "latest"), "w") as f:  # a converted checkpoint's (a Hugging Face directory's
+            f.write("global_step0")  # weights would be checked)
         for tok in os.listdir(tokenizer_dir):
             with open(os.path.join(tokenizer_dir, tok), "rb") as src, open(os.path.join(path, tok), "wb") as dst:
                 dst.write(src.read())

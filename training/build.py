@@ -19,6 +19,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
+from models.hf_start import is_hf_dir, load_stage_from_hf
 from models.host_memory import peak_rss_mb
 from models.kernels import apply_kernels
 from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules, stage_pieces
@@ -151,15 +152,21 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
                 else:
                     init_weights_(module, config, seed=seed)
             source = f"initialised from scratch (model={cfg.model.name}, seed {cfg.seed})"
-        else:  # model_name_or_path's layer files (a LoRA run's base), or, resuming on another layout, the checkpoint's
+        else:  # model_name_or_path's layer files (a LoRA run's base) or Hugging Face directory, or, resuming on
+            # another layout, the checkpoint's
             ckpt_dir, tag = (
                 (cfg.output_dir, resolved.resume_tag)
                 if resolved.resume_tag and not resolved.lora
                 else (cfg.model_name_or_path, None)
             )
-            report = load_stage_weights(model, config, ckpt_dir, tag)
+            if tag is None and is_hf_dir(ckpt_dir):  # read as it is, this stage's tensors only (models/hf_start.py)
+                report = load_stage_from_hf(model, config, ckpt_dir)
+                read = f"{len(report.files)} safetensors files of {ckpt_dir}"
+            else:
+                report = load_stage_weights(model, config, ckpt_dir, tag)
+                read = f"{len(report.files)} layer files" + (f" of {tag}" if tag else "")
             loaded_mib = report.bytes_read / 2**20
-            source = f"loaded {loaded_mib:.1f} MiB from {len(report.files)} layer files" + (f" of {tag}" if tag else "")
+            source = f"loaded {loaded_mib:.1f} MiB from {read}"
             if resolved.lora:
                 model.lora_base = base_record(ckpt_dir, report.files)  # saved with each checkpoint, checked on resume
         if partitioned:

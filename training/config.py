@@ -224,7 +224,7 @@ class DataConfig:
 class TrainConfig:
     """Everything ``train.py`` needs; ``python train.py --cfg job`` prints it resolved."""
 
-    model_name_or_path: str = ""  # pipeline checkpoint made by convert2ckpt.py (or saved by train.py)
+    model_name_or_path: str = ""  # Hugging Face directory (safetensors) or checkpoint of convert2ckpt.py or train.py
     output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl and the resolved config go here
     num_stages: int = 1  # pipeline stages; data-parallel degree = world size / num_stages
     # How specs are split into stages: compute (balance work; the embedding, a lookup, weighs nothing) |

@@ -9,6 +9,7 @@ import yaml
 
 from data.checks import LOADABLE_TOKENIZER_FILES
 from models.families import UnsupportedModelError, config_from_dict, load_config
+from models.hf_start import hf_start_problems, is_hf_dir
 from models.layer_files import latest_tag
 from models.lora_files import lora_run_base
 from training.config import MODEL_CONF_DIR, TrainConfig
@@ -75,7 +76,8 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
         ]
     if arch is None:
         return None, [
-            "no model: set model_name_or_path=CKPT_DIR (made by convert2ckpt.py) or, to train from "
+            "no model: set model_name_or_path=CKPT_DIR (made by convert2ckpt.py, or a Hugging Face directory with "
+            "safetensors) or, to train from "
             "scratch, model=<architecture in conf/model/> and model.tokenizer=DIR"
         ]
     problems = []
@@ -94,9 +96,10 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
         return None, problems + [f"model.architecture is not a valid model config: {e}"]
 
 
-def input_checkpoint_problems(cfg: TrainConfig) -> list[str]:
-    """model_name_or_path that is not a model to start from: the run's own output_dir, or a LoRA run
-    (whose layer files hold adapters, not a model)."""
+def input_checkpoint_problems(cfg: TrainConfig, model_config=None) -> list[str]:
+    """model_name_or_path that is not a model to start from: the run's own output_dir, a LoRA run (whose layer
+    files hold adapters, not a model), or a Hugging Face directory (of ``model_config``) that train.py cannot read
+    (models/hf_start.py) or that LoRA cannot use as its base."""
     path = cfg.model_name_or_path
     if not path or not os.path.isdir(path):
         return []
@@ -105,6 +108,16 @@ def input_checkpoint_problems(cfg: TrainConfig) -> list[str]:
             f"output_dir {cfg.output_dir} is model_name_or_path: the run would write its checkpoints into its input; "
             "set output_dir to a new directory"
         ]
+    if is_hf_dir(path):
+        problems = hf_start_problems(path, model_config) if model_config is not None else []
+        if cfg.peft.method != "none":  # the adapters' export and resume check the base's layer files (SHA-256s)
+            ckpt = path.rstrip(os.sep) + "-ckpt"
+            problems.append(
+                f"peft.method={cfg.peft.method} adapts a base in layer files (its checkpoints record their SHA-256s), "
+                f"and model_name_or_path {path} is a Hugging Face directory: convert it first (python convert2ckpt.py "
+                f"--input {path} --output {ckpt}), then model_name_or_path={ckpt}"
+            )
+        return problems
     tag = latest_tag(path)
     if tag and os.path.isdir(os.path.join(path, tag)) and lora_run_base(os.path.join(path, tag)):
         return [

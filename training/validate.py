@@ -70,7 +70,7 @@ def resolve(
     in_use = RunLock(cfg.output_dir).holder()  # acquired after the process group starts; said here first
     problems, warnings = ([in_use] if in_use else []) + list(problems or []), []
     model_config, model_problems = resolve_model(cfg)
-    problems += model_problems + input_checkpoint_problems(cfg)
+    problems += model_problems + input_checkpoint_problems(cfg, model_config)
     resume_tag, resume_changes_, resume_problems = find_resume(cfg, model_config)
     problems += resume_problems
     reshard = ""
