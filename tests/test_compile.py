@@ -5,9 +5,9 @@ engine), all in one error with what to use instead; the warning on many micro-ba
 another document layout reusing the compiled graphs (the per-document attention runs eagerly between them); DualPipeV's
 deferred weight gradients breaking the graph at every linear layer (why it is refused), its gradients still right.
 
-Multi-rank (two launches, pipe 2 x data 2, fp32, activation checkpointing, inductor): untied on fixed-length random
+Multi-rank (two launches, fp32, activation checkpointing, inductor): untied at pipe 2 x data 2 on fixed-length random
 tokens against the eager run (conftest's parity_pipe, the same data and settings) and the Hugging Face reference;
-tied on uneven SFT rows, cut to their longest row (a multiple of 8: new lengths, recompiles), against the
+tied at pipe 2 on uneven SFT rows, cut to their longest row (a multiple of 8: new lengths, recompiles), against the
 single-process reference; the compile-time line once, the recompile lines and metrics.jsonl's fields.
 """
 
@@ -129,8 +129,9 @@ def test_packed_rows_of_another_document_layout_reuse_the_compiled_graphs():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, parity_pipe, tiny_hf, tiny_ckpt, tiny_tied_hf, tiny_tied_ckpt):
-    """Two compiled launches, pipe 2 x data 2 with activation checkpointing: ``untied`` beside conftest's eager
-    parity_pipe run (its data and settings), ``tied`` on uneven SFT rows."""
+    """Two compiled launches with activation checkpointing: ``untied`` at pipe 2 x data 2 beside conftest's eager
+    parity_pipe run (its data and settings), ``tied`` on uneven SFT rows at pipe 2 (2 ranks: its data-parallel copies
+    would only compile the same graphs again, 40 s of a cold inductor cache on 2 cores)."""
     root, data, samples = parity_pipe["root"], parity_pipe["data"], parity_pipe["samples"]
     args = train_args(tiny_ckpt, data, str(root / "compiled"), **PIPE, **COMPILED)
     untied = train_run(root, "compiled", 4, args)
@@ -144,13 +145,13 @@ def runs(tmp_path_factory, parity_pipe, tiny_hf, tiny_ckpt, tiny_tied_hf, tiny_t
         eval_data,
         str(sft / "tied"),
         num_stages=2,
-        gradient_accumulation_steps=4,
+        gradient_accumulation_steps=8,
         ds_config="zero1",
         eval_steps=2,  # eval's first pass (no gradients) compiles after step 2: counted at step 3
         **COMPILED,
     )
-    tied = train_run(sft, "tied", 4, sft_args)
-    steps, _, _ = global_batches(cached_rows(str(sft / "cache"), sft_data), dp=2, gas=4, steps=STEPS)
+    tied = train_run(sft, "tied", 2, sft_args)
+    steps, _, _ = global_batches(cached_rows(str(sft / "cache"), sft_data), dp=1, gas=8, steps=STEPS)
     tied_losses, tied_model = sft_reference_run(tiny_tied_hf, steps, "tokens")
     ref_losses, _, _, _ = reference_run(tiny_hf, samples, global_batch=MICRO * 4)
     return dict(

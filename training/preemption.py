@@ -102,12 +102,12 @@ def _first_to_exit(code: int) -> bool:
 def exit_unsaved(rank: int, why: str, what: str = " without a checkpoint of this step") -> None:
     """Exit this rank at once with ``UNSAVED_EXIT_CODE``; the job's first rank to do so prints the one line."""
     if _first_to_exit(UNSAVED_EXIT_CODE):
-        print(
+        # one write with its newline: print's two (text, then end) let the launcher's own line land between them
+        sys.stderr.write(
             f"[train] rank {rank}: {why}: exiting now{what} (exit code {UNSAVED_EXIT_CODE}); resume=auto continues "
-            "from the last complete checkpoint",
-            file=sys.stderr,
-            flush=True,
+            "from the last complete checkpoint\n"
         )
+        sys.stderr.flush()
     exit_now(UNSAVED_EXIT_CODE)
 
 
