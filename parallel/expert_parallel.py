@@ -195,8 +195,9 @@ class ExpertParallelStage:
     """The stage's class with expert parallelism (before ``LlamaPipelineModule``, parallel/stage.py): built with only
     this rank's experts, saved with every expert (gathered over the expert group), loaded with its own."""
 
-    # (expert group, rank in it, size, expert-data-parallel group): set by ExpertParallelPlan.before_build, the one way
-    # into PipelineModule.__init__'s build (one model per process); the engine reads it from the stage.
+    # (expert group, rank in it, size): set by ExpertParallelPlan.before_build, the one way into
+    # PipelineModule.__init__'s build (one model per process); the engine reads it from the stage. The
+    # expert-data-parallel group is in DeepSpeed's registry (register_expert_groups), where its reduction finds it.
     _ep = None
 
     def _build(self) -> None:
@@ -204,11 +205,11 @@ class ExpertParallelStage:
 
         with init_empty_weights(include_buffers=False):
             super()._build()
-        split_experts_(self, *self._ep[:3])
+        split_experts_(self, *self._ep)
         materialize_(self)
 
     def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
-        group, _, size, _ = self._ep
+        group, _, size = self._ep
         if self._grid.data_parallel_id < size:  # expert group 0 (data-parallel ranks 0..size-1) writes the files
             save_whole(self, save_dir, checkpoint_engine, group, "ep_split")
         return None
@@ -233,7 +234,7 @@ class ExpertParallelEngine(PipelineEngine):
         ever holds more than its own; training/reshard.py joins them, and a run with expert_parallel always resumes
         through it. ZeRO-1 and bf16 write every rank's partitions in DeepSpeed's own files."""
         super()._save_checkpoint(save_dir, tag, client_state, exclude_frozen_parameters)
-        _, rank, size, _ = self.module._ep
+        _, rank, size = self.module._ep
         if self.optimizer is None or self.save_zero_checkpoint or self._grid.data_parallel_id >= size or rank == 0:
             return
         order = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -289,7 +290,7 @@ class ExpertParallelPlan(AxisPlan):
     def before_build(self, config, topology, attention: str) -> str:
         group, rank, edp, ep_ranks, edp_ranks = expert_groups(topology, self.layout.ep)
         register_expert_groups(self.layout.ep, group, edp, ep_ranks, edp_ranks)
-        ExpertParallelStage._ep = (group, rank, self.layout.ep, edp)
+        ExpertParallelStage._ep = (group, rank, self.layout.ep)
         return attention
 
     def ds_config_(self, ds: dict) -> None:
@@ -317,7 +318,7 @@ class ExpertParallelPlan(AxisPlan):
         if not engine.has_moe_layers:
             raise RuntimeError("DeepSpeed's engine was built without its MoE paths: the experts would be reduced wrong")
         engine.__class__ = ExpertParallelEngine
-        engine.expert_group, _, _, engine.expert_data_group = engine.module._ep
+        engine.expert_group = engine.module._ep[0]  # the clipping's sum over the experts
         engine._save_engine_file = engine.save_non_zero_checkpoint
 
     def announce(self, engine, gather) -> list[str]:
