@@ -140,6 +140,14 @@ def runs(tmp_path_factory, tokenizer_dir):
     write_uneven_sft(data, 200, seed=0)
     write_uneven_sft(eval_data, 12, seed=1)
     out = {"root": root}
+
+    def launch(name: str, model_type: str, ranks: int, *extra: str, **overrides) -> None:
+        """train.py on ``model_type``'s layer files, the shared SFT data packed, output in ``root / name``."""
+        args = parity_args(
+            str(root / f"{model_type}-ckpt"), data, str(root / name), SEQ, MICRO, STEPS, SFT_OPTIM, **overrides
+        )
+        train_run(root, name, ranks, args + ["data.format=sft", "data.packing=true", *extra])
+
     for name, (model_type, config_overrides, train_overrides) in MOE_RUNS.items():
         if model_type in out:
             hf_dir = out[model_type]
@@ -154,39 +162,13 @@ def runs(tmp_path_factory, tokenizer_dir):
                 **config_overrides,
             )
             hf_to_stages(hf_dir, str(root / f"{model_type}-ckpt"))
-        args = parity_args(
-            str(root / f"{model_type}-ckpt"),
-            data,
-            str(root / name),
-            SEQ,
-            MICRO,
-            STEPS,
-            SFT_OPTIM,
-            num_stages=2,
-            gradient_accumulation_steps=GAS,
-            partition_method="uniform",
-            **train_overrides,
-        )
         evals = [f"data.eval_file={eval_data}"] if name == "qwen3_moe" else []
-        train_run(root, name, 4, args + ["data.format=sft", "data.packing=true", *evals])
+        overrides = {"num_stages": 2, "gradient_accumulation_steps": GAS, "partition_method": "uniform"}
+        launch(name, model_type, 4, *evals, **overrides, **train_overrides)
         out[name] = out[model_type] = hf_dir
     for name, overrides in BF16_RUNS.items():
-        args = parity_args(
-            str(root / "mixtral-ckpt"),
-            data,
-            str(root / name),
-            SEQ,
-            MICRO,
-            STEPS,
-            SFT_OPTIM,
-            num_stages=1,
-            gradient_accumulation_steps=1,
-            precision="bf16",
-            expert_parallel=2,
-            **{"optim.max_grad_norm": CLIP},
-            **overrides,
-        )
-        train_run(root, name, 4, args + ["data.format=sft", "data.packing=true"])
+        bf16 = {"num_stages": 1, "gradient_accumulation_steps": 1, "precision": "bf16", "expert_parallel": 2}
+        launch(name, "mixtral", 4, **bf16, **{"optim.max_grad_norm": CLIP}, **overrides)
     # Resumed from a step-3 checkpoint (as a crash right after saving it would leave the run): Qwen3-MoE's (ZeRO-0) on
     # the same layout and on one stage of 2 ranks without expert parallelism (the same global batch), Mixtral's
     # (ZeRO-1: DeepSpeed's MoE parameter groups in its files) on one stage of 2 ranks without expert parallelism
@@ -216,17 +198,12 @@ def runs(tmp_path_factory, tokenizer_dir):
         shutil.copytree(root / source, root / name)
         shutil.rmtree(root / name / f"global_step{STEPS}")
         (root / name / "latest").write_text("global_step3")
-        args = parity_args(
-            str(root / f"{MOE_RUNS[source][0]}-ckpt"),
-            data,
-            str(root / name),
-            SEQ,
-            MICRO,
-            STEPS,
-            SFT_OPTIM,
+        launch(
+            name,
+            MOE_RUNS[source][0],
+            ranks,
             **{"gradient_accumulation_steps": GAS, "partition_method": "uniform", **overrides},
         )
-        train_run(root, name, ranks, args + ["data.format=sft", "data.packing=true"])
     out["steps"] = steps = computed_batches(cached_rows(str(root / "cache"), data))
     out["qwen3_moe_ref"] = reference_run(out["qwen3_moe"], steps)
     out["mixtral_ref"] = reference_run(out["mixtral"], steps, clip=CLIP)

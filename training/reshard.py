@@ -176,6 +176,7 @@ class SavedOptimizerState:
             if stage * self.tp + t not in files
         ]
         owner: dict[Key, int] = {}  # a tied weight is on two stages: its first stage's copy is read
+        slots = max(self.tp, self.expert_parallel)  # pieces per parameter: TP ranks, or expert slots
         for mp in sorted(files):
             ranks = files[mp]
             stage, t = self._stage_and_tp_rank(mp)
@@ -203,7 +204,6 @@ class SavedOptimizerState:
                         key = spec_key(name)
                         if owner.setdefault(key, stage) != stage or (t and key not in self._split_dims):
                             continue  # a tied copy; a replicated parameter's copy on another TP rank
-                        slots = max(self.tp, self.expert_parallel)
                         fragments = self._pieces.setdefault(key, [[] for _ in range(slots)])[piece]
                         offset = sum(f.numel for f in fragments)
                         fragments.append(Fragment(ranks[d], g, address.start, address.numel, offset))
