@@ -13,6 +13,9 @@ Weights, state-dict keys and checkpoints are untouched: only forwards change. Th
 forward (its stage forward also passes routing statistics on; it is one of 2L + 1 norms). Families: the dense ones
 whose modules Liger patches this way (llama, mistral, qwen2, qwen3, the last with its per-head q/k norms); the MoE
 families (Liger swaps their experts module, which expert parallelism splits) and Llama 4 (complex RoPE) are refused.
+
+``loss_impl=liger``, Liger's fused linear cross entropy, is the loss's (models/loss.py's ``liger_head_losses``); its
+rules are here, beside these (:func:`loss_impl_problems`).
 """
 
 from __future__ import annotations
@@ -37,19 +40,9 @@ def kernel_problems(kernels: str, model_config, cuda: bool | None = None, import
     machine's answers unless given."""
     if kernels == "none":
         return []
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    importable = importlib.util.find_spec("liger_kernel") is not None if importable is None else importable
-    problems = []
-    if not cuda:
-        problems.append(
-            "kernels=liger runs Liger's Triton kernels, which need a CUDA GPU, and this machine has none: set "
-            "kernels=none (the Hugging Face modules as they are)"
-        )
-    if not importable:
-        problems.append(
-            "kernels=liger needs the liger_kernel package, which is not installed: pip install liger-kernel==0.8.5 "
-            "(a GPU extra; scripts/gpu_wheels.sh makes its wheel), or set kernels=none"
-        )
+    problems = liger_unavailable(
+        "kernels=liger", "kernels=none (the Hugging Face modules as they are)", cuda, importable
+    )
     model_type = getattr(model_config, "model_type", None)
     if model_config is not None and model_type not in LIGER_FAMILIES:
         problems.append(
@@ -61,6 +54,66 @@ def kernel_problems(kernels: str, model_config, cuda: bool | None = None, import
         problems.append(
             f"kernels=liger's SwiGLU kernel computes silu(gate) x up, and this model's hidden_act is "
             f"{model_config.hidden_act!r}: set kernels=none"
+        )
+    return problems
+
+
+def liger_unavailable(
+    setting: str, instead: str, cuda: bool | None = None, importable: bool | None = None
+) -> list[str]:
+    """Why Liger's kernels cannot run on this machine (no CUDA device, no liger_kernel package), each naming
+    ``setting`` and the value to set ``instead``; ``cuda``/``importable``: the machine's answers unless given."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    importable = importlib.util.find_spec("liger_kernel") is not None if importable is None else importable
+    problems = []
+    if not cuda:
+        problems.append(
+            f"{setting} runs Liger's Triton kernels, which need a CUDA GPU, and this machine has none: set {instead}"
+        )
+    if not importable:
+        problems.append(
+            f"{setting} needs the liger_kernel package, which is not installed: pip install liger-kernel==0.8.5 "
+            f"(a GPU extra; scripts/gpu_wheels.sh makes its wheel), or set {instead}"
+        )
+    return problems
+
+
+def loss_impl_problems(
+    loss_impl: str,
+    loss_chunk_tokens: int,
+    tensor_parallel: int = 1,
+    pipeline_engine: bool = True,
+    cuda: bool | None = None,
+    importable: bool | None = None,
+) -> list[str]:
+    """Why ``loss_impl=liger`` (Liger's fused linear cross entropy on the last stage, models/loss.py's
+    ``liger_head_losses``) cannot run, before any process group (training/validate.py): no CUDA or no liger_kernel
+    (:func:`liger_unavailable`), the head handing over logits (``loss_chunk_tokens=0``), a vocabulary-split head
+    (``tensor_parallel`` > 1: Liger's loss takes the whole vocabulary's logits per row), or DeepSpeed's data-parallel
+    engine (``pipeline_engine`` False: num_stages=1 with ZeRO 2/3, whose loss is built without the layout). The
+    rest runs as the chunked loss does, from the same (hidden, weight) and labels: sequence parallelism (each rank's
+    slice of the targets), DPO (per-token losses), the MoE router loss (added after), DualPipeV, LoRA, compile."""
+    if loss_impl == "chunked":
+        return []
+    instead = "loss_impl=chunked (the chunked loss, the same numbers)"
+    problems = liger_unavailable("loss_impl=liger", instead, cuda, importable)
+    if loss_chunk_tokens < 1:
+        problems.append(
+            f"loss_impl=liger takes the hidden states and the LM head weight from the last stage, which hands over "
+            f"whole logits with loss_chunk_tokens={loss_chunk_tokens}: set loss_chunk_tokens > 0 (e.g. 1024; Liger "
+            f"sizes its own chunks), or set {instead}"
+        )
+    if tensor_parallel > 1:
+        problems.append(
+            f"loss_impl=liger with tensor_parallel {tensor_parallel}: the LM head is split by vocabulary, and Liger's "
+            "fused linear cross entropy needs each row's logits over the whole vocabulary on one rank (the chunked "
+            f"loss all-reduces them per chunk): set {instead}, or tensor_parallel=1"
+        )
+    if not pipeline_engine:
+        problems.append(
+            "loss_impl=liger with num_stages=1 and ZeRO 2/3 (DeepSpeed's data-parallel engine): it is wired into the "
+            f"pipeline engine's last stage only: use ds=zero1 (or zero0; num_stages=1 then runs the pipeline "
+            f"engine), or set {instead}"
         )
     return problems
 

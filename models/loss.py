@@ -10,7 +10,10 @@ divisions turn the step into ``sum over the global batch / N``.
 
 With ``loss_chunk_tokens`` > 0 the last stage hands the loss the hidden states and the LM head weight
 instead of logits, and :class:`ChunkedLMHeadLoss` computes the same loss a chunk of tokens at a time,
-never holding the [B,S,V] logits (docs/training.md#chunked-loss).
+never holding the [B,S,V] logits (docs/training.md#chunked-loss). ``loss_impl=liger`` computes it from the same
+pair with Liger-Kernel's fused linear cross entropy instead (:func:`liger_head_losses`, CUDA only): the same label
+rows, targets and sums, so every normalisation below holds as it is
+(docs/speed.md#fused-linear-cross-entropy-loss_implliger).
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from models.router_loss import RouterLoss
 
 # Label value that the loss ignores (prompt tokens, padding); the same value Hugging Face uses.
 IGNORE_INDEX = -100
+
+# loss_impl: what computes the LM head's cross entropy from (hidden states, head weight): ChunkedLMHeadLoss, or
+# Liger-Kernel's fused linear cross entropy (liger_head_losses)
+LOSS_IMPLS = ("chunked", "liger")
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -141,6 +148,51 @@ def _local_targets(targets: torch.Tensor, rows: int, group, vocab_start: int):
     return local.masked_fill(~inside, 0), inside
 
 
+def liger_head_losses(
+    hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, reduction: str
+):
+    """Liger-Kernel's fused linear cross entropy (``liger_fused_linear_cross_entropy``, Triton, CUDA only) of the
+    logits ``hidden[rows] @ weight^T`` against ``targets``: their sum (``reduction="sum"``), or each token's loss
+    [M] (``"none"``, DPO's per-sequence sums), fp32, as :class:`ChunkedLMHeadLoss` gives them.
+
+    ``hidden`` [N,H], ``weight`` [V,H] (never vocabulary-split: loss_impl=liger is refused with tensor parallelism),
+    ``rows`` [M] (the rows with a label, M > 0), ``targets`` [M]. Only the label rows are handed over, so prompt and
+    padding positions cost no logits here either, and no target is ``IGNORE_INDEX``; a mean is taken by the caller
+    (Liger's own would divide by the same count). With a sum Liger computes both gradients inside the forward, a
+    chunk of rows at a time, and its backward scales them by the incoming gradient (the normalisation ``scale``,
+    DeepSpeed's division by the micro-batches); with ``"none"`` it recomputes them in backward, as the chunked loss
+    does. Its logits and their gradient are in the inputs' dtype, its loss in fp32."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    picked = hidden[rows]  # [M,H]: a contiguous copy, its gradient scattered back to hidden's rows
+    if torch.is_grad_enabled() and weight.requires_grad and not picked.requires_grad:
+        picked.requires_grad_()  # Liger computes the weight's gradient only where its input asks for one
+    return liger_fused_linear_cross_entropy(picked, weight, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def head_losses(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    tensor_parallel: tuple | None = None,
+    impl: str = "chunked",
+    reduction: str = "sum",
+) -> torch.Tensor:
+    """The token losses of the label rows ``rows`` [M] of ``hidden`` [N,H] against ``targets`` [M] through the head
+    ``weight``: summed (fp32 scalar) or per token ([M] fp32, ``reduction="none"``), by ``impl`` (``loss_impl``):
+    :class:`ChunkedLMHeadLoss` ``chunk_tokens`` rows at a time, or :func:`liger_head_losses`. A micro-batch without
+    a label token (M = 0) takes the chunked path whatever ``impl``: an exact 0 with zero gradients."""
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"loss impl {impl!r}: choose from {LOSS_IMPLS}")
+    if impl == "liger" and rows.numel():
+        return liger_head_losses(hidden, weight, rows, targets, reduction)
+    group, vocab_start = tensor_parallel or (None, 0)
+    losses = ChunkedLMHeadLoss.apply(hidden, weight, rows, targets, chunk_tokens, group, vocab_start)  # [M] fp32
+    return losses.sum() if reduction == "sum" else losses
+
+
 def chunked_causal_lm_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -149,6 +201,7 @@ def chunked_causal_lm_loss(
     reduction: str = "mean",
     tensor_parallel: tuple | None = None,
     seq_slice: tuple[int, int] | None = None,
+    impl: str = "chunked",
 ) -> torch.Tensor:
     """``causal_lm_loss(F.linear(hidden, weight), labels, reduction)`` without the [B,S,V] logits.
 
@@ -157,15 +210,15 @@ def chunked_causal_lm_loss(
     positions cost no logits at all. ``tensor_parallel`` (group, first vocabulary id of ``weight``): the
     head is this rank's vocabulary slice (:class:`ChunkedLMHeadLoss`). ``seq_slice``: ``hidden`` is this
     rank's slice [B,S/ranks,H] of rows whose whole ``labels`` [B,S] are given (:func:`shifted_targets`).
+    ``impl`` ``liger``: the same label tokens' losses from Liger's fused linear cross entropy (:func:`head_losses`).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, not {chunk_tokens}")
     targets = shifted_targets(labels, seq_slice)  # [B*S] (or this rank's [B*S/ranks])
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M] int64
-    group, vocab_start = tensor_parallel or (None, 0)
-    total = ChunkedLMHeadLoss.apply(
-        hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens, group, vocab_start
-    ).sum()  # scalar fp32: the summed token losses
+    total = head_losses(
+        hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens, tensor_parallel, impl
+    )  # scalar fp32: the summed token losses
     if reduction == "sum":
         return total
     if reduction == "mean":
@@ -193,6 +246,9 @@ class CausalLMLoss:
     model built with the same ``loss_chunk_tokens``), the pair (hidden [B,S,H], LM head weight [V,H]),
     from which :func:`chunked_causal_lm_loss` computes the same loss without the logits.
 
+    ``impl`` (``loss_impl``, :meth:`compute_head_with`): what computes the loss from (hidden, weight), the chunked
+    loss or Liger's fused linear cross entropy (:func:`head_losses`); the same tokens and sums either way.
+
     ``scale`` None: the mean over this micro-batch's label tokens (``loss_normalization=micro_batch``,
     DeepSpeed's convention). Otherwise the micro-batch's summed token losses times ``scale``, which
     the trainer sets before each step (or eval pass) to ``micro-batches x dp / global label tokens``.
@@ -203,15 +259,21 @@ class CausalLMLoss:
     returns the cross entropy alone (the router loss is recorded apart).
     """
 
-    def __init__(self, chunk_tokens: int = 0) -> None:
+    def __init__(self, chunk_tokens: int = 0, impl: str = "chunked") -> None:
         self.scale: float | None = None
         self.chunk_tokens = chunk_tokens
         self.router: RouterLoss | None = None
         self.split_over(LossSplit())
+        self.compute_head_with(impl)
 
     def split_over(self, split: LossSplit) -> None:
         """Compute this rank's share of the loss (:class:`LossSplit`)."""
         self.tensor_parallel, self.seq_slice = split.tensor_parallel, split.seq_slice
+
+    def compute_head_with(self, impl: str) -> None:
+        """Compute the loss from the head's (hidden, weight) with ``impl`` (``loss_impl``; parallel/stage.py's build
+        sets the layout's)."""
+        self.impl = head_impl(impl, self.chunk_tokens)
 
     def __call__(self, outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         reduction = "mean" if self.scale is None else "sum"
@@ -232,7 +294,7 @@ class CausalLMLoss:
         else:
             hidden, weight = outputs
             loss = chunked_causal_lm_loss(
-                hidden, weight, labels, self.chunk_tokens, reduction, self.tensor_parallel, self.seq_slice
+                hidden, weight, labels, self.chunk_tokens, reduction, self.tensor_parallel, self.seq_slice, self.impl
             )
         loss = loss if self.scale is None else loss * self.scale
         if self.router is not None:
@@ -242,16 +304,27 @@ class CausalLMLoss:
         return loss
 
 
+def head_impl(impl: str, chunk_tokens: int) -> str:
+    """``impl`` checked against the loss's ``chunk_tokens``: Liger's loss takes (hidden, weight) from the head, which
+    hands them over only with loss_chunk_tokens > 0 (the stage contract above models.llama_pipe.build_specs)."""
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"loss impl {impl!r}: choose from {LOSS_IMPLS}")
+    if impl == "liger" and chunk_tokens < 1:
+        raise ValueError("loss_impl=liger takes (hidden, weight) from the LM head: build with loss_chunk_tokens > 0")
+    return impl
+
+
 def sequence_logps(
     outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     labels: torch.Tensor,
     chunk_tokens: int = 0,
     tensor_parallel: tuple | None = None,
+    impl: str = "chunked",
 ) -> torch.Tensor:
     """Each row's summed log-probability of its label tokens, fp64 [R]: TRL's per-sequence log-probability, a sum
     over the completion, not a mean (summed in fp64, as the DPO loss takes differences of such sums). ``outputs``:
     logits [R,S,V], or (hidden [R,S,H], LM head weight [V,H]) for the chunked head, whose per-token losses are
-    summed per row without the [R,S,V] logits."""
+    summed per row without the [R,S,V] logits (``impl``: by the chunked loss or Liger's, :func:`head_losses`)."""
     rows_, seq = labels.shape
     if isinstance(outputs, torch.Tensor):
         token_losses = F.cross_entropy(
@@ -266,9 +339,8 @@ def sequence_logps(
     hidden, weight = outputs
     targets = shifted_targets(labels)  # [R*S]
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M]
-    group, vocab_start = tensor_parallel or (None, 0)
-    token_losses = ChunkedLMHeadLoss.apply(
-        hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens, group, vocab_start
+    token_losses = head_losses(
+        hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens, tensor_parallel, impl, "none"
     )  # [M] fp32
     sums = torch.zeros(rows_, dtype=torch.float64, device=hidden.device)  # [R]
     return -sums.index_add(0, rows // seq, token_losses.double())
@@ -297,10 +369,13 @@ class PreferenceLoss:
     the reference pass (training/preference.py).
     """
 
-    def __init__(self, chunk_tokens: int, beta: float, loss_type: str, label_smoothing: float = 0.0) -> None:
+    def __init__(
+        self, chunk_tokens: int, beta: float, loss_type: str, label_smoothing: float = 0.0, impl: str = "chunked"
+    ) -> None:
         self.chunk_tokens, self.beta, self.loss_type = chunk_tokens, beta, loss_type
         self.label_smoothing = label_smoothing
         self.split_over(LossSplit())  # its seq_slice unused: sequence parallelism is refused with DPO
+        self.compute_head_with(impl)
         self.recording: list | None = None
         self.stats = torch.zeros(1 + len(PREFERENCE_METRICS), dtype=torch.float64)
 
@@ -308,13 +383,17 @@ class PreferenceLoss:
         """Compute this rank's share of the loss (:class:`LossSplit`), as :meth:`CausalLMLoss.split_over`."""
         self.tensor_parallel, self.seq_slice = split.tensor_parallel, split.seq_slice
 
+    def compute_head_with(self, impl: str) -> None:
+        """Per-token losses by the chunked loss or Liger's (``loss_impl``): :meth:`CausalLMLoss.compute_head_with`."""
+        self.impl = head_impl(impl, self.chunk_tokens)
+
     def take_stats(self) -> torch.Tensor:
         stats, self.stats = self.stats, torch.zeros_like(self.stats)
         return stats
 
     def __call__(self, outputs, labels: tuple) -> torch.Tensor:
         labels, pairs, reference = labels
-        logps = sequence_logps(outputs, labels, self.chunk_tokens, self.tensor_parallel)  # [2B]
+        logps = sequence_logps(outputs, labels, self.chunk_tokens, self.tensor_parallel, self.impl)  # [2B]
         if self.recording is not None:
             self.recording.append((pairs.cpu(), logps.detach().cpu()))
             return logps.detach().sum() * 0.0

@@ -74,6 +74,10 @@ class Layout:
     ep: int = 1  # expert parallelism (expert_parallel): data-parallel ranks of a stage the experts divide over
     schedule: str = "1f1b"  # pipeline_schedule: 1f1b | dualpipev (two pieces per pipeline rank)
     rows_per_sample: int = 1  # rows a sample is fed as: 2 for a preference pair (train_objective=dpo)
+    # What computes the last stage's head cross entropy (loss_impl): chunked | liger. Down here, after the fields
+    # parallel/memory_plan.py passes by position.
+    loss_impl: str = "chunked"
+    save_async: bool = False  # save_async: each rank holds a host copy of its checkpoint files while they are written
 
     @classmethod
     def of(cls, cfg, world_size: int, ds_json: dict) -> Layout:
@@ -96,6 +100,8 @@ class Layout:
             checkpointing=cfg.activation_checkpoint_interval > 0,
             dtype=cfg.precision,
             loss_chunk=cfg.loss_chunk_tokens,
+            loss_impl=cfg.loss_impl,
+            save_async=cfg.save_async,
             lora_rank=cfg.peft.r if cfg.peft.method == "lora" else 0,
             lora_targets=tuple(cfg.peft.target_modules) if cfg.peft.method == "lora" else (),
             nf4=cfg.peft.method == "lora" and cfg.peft.quantize == "nf4",

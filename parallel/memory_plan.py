@@ -202,6 +202,7 @@ class Estimate:
     grad_temp: float = 0.0
     parameters: float = 0.0  # the stage's parameter count
     experts: float = 0.0  # of those, routed-expert parameters held per GPU (the stage's / ep)
+    snapshot: float = 0.0  # save_async: the host copy of what the rank writes at a save (per rank; host memory)
 
     @property
     def model_states(self) -> float:
@@ -440,6 +441,11 @@ def stage_estimate(
             linear = layers * shape.linear_params_per_layer()
             frozen_bytes -= ((4 if layout.dtype == "fp32" else 2) - NF4_BYTES) * linear
     params, grads, optim, host = model_state_bytes(trained, layout, trained_experts)
+    snapshot = 0.0
+    if layout.save_async:  # the trained weights it writes and its optimizer states (offloaded or not), until written
+        on_gpu = dataclasses.replace(layout, offload_optimizer=False, offload_params=False)
+        weights, _, states, _ = model_state_bytes(trained, on_gpu, trained_experts)
+        snapshot = weights + states
     params += frozen_bytes
     acts, loss, grad_temp = None, 0.0, 0.0
     if shape is not None:
@@ -466,6 +472,7 @@ def stage_estimate(
         grad_temp,
         psi + trained * bool(frozen_bytes),
         experts / layout.ep,
+        snapshot,
     )
 
 
@@ -692,12 +699,13 @@ def shape_of(config) -> Shape | None:
 
 
 def stage_table(estimates: list[Estimate], stage_layers: list[int] | None, layout: Layout | None = None) -> list[str]:
-    """The planner's per-stage table (GB per GPU; host memory per rank where states are offloaded), the
+    """The planner's per-stage table (GB per GPU; host memory per rank where states are offloaded or save_async
+    copies a checkpoint), the
     most loaded stage marked: what scripts/estimate_memory.py and scripts/preflight.py print (g.tmp:
     gradient temporaries, :attr:`Estimate.grad_temp`; experts, for a MoE model: the routed-expert parameters each
     GPU of the stage holds, of its params). With a DualPipeV ``layout`` a row is a pipeline rank and its layers are
     those of its two pieces (``stage_layers``: per piece)."""
-    host, experts = any(e.host for e in estimates), any(e.experts for e in estimates)
+    host, experts = any(e.host + e.snapshot for e in estimates), any(e.experts for e in estimates)
     head = f"{'stage':>5} {'params':>8}" + (f" {'experts':>8}" if experts else "")
     head += f" {'layers':>6} {'weights':>8} {'grads':>7} {'optim':>7} {'acts':>7} {'loss':>6}"
     head += f" {'g.tmp':>6}"
@@ -712,7 +720,7 @@ def stage_table(estimates: list[Estimate], stage_layers: list[int] | None, layou
         row += f" {layers:>6} {e.params / GB:>8.2f} {e.grads / GB:>7.2f}"
         row += f" {e.optimizer / GB:>7.2f} {acts:>7} {e.loss / GB:>6.2f} {e.grad_temp / GB:>6.2f}"
         row += f" {e.buffers / GB:>6.2f} {e.total / GB:>7.2f}"
-        row += (f" {e.host / GB:>7.2f}" if host else "") + ("  <- most loaded" if e is worst else "")
+        row += (f" {(e.host + e.snapshot) / GB:>7.2f}" if host else "") + ("  <- most loaded" if e is worst else "")
         rows.append(row)
     return rows
 

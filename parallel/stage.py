@@ -87,7 +87,8 @@ def build_pipeline_model(
     are recomputed in chunks of N layers, but only chunks made of decoder layers: DeepSpeed's reentrant checkpoint
     around the embedding (integer inputs) would get no gradient at all. ``layout`` is also what
     ``partition_method=memory`` balances for; with its ``loss_chunk`` > 0 the last stage computes the loss chunk by
-    chunk (the stage contract above build_specs), and ``loss`` (None: the next-token loss) must chunk the same.
+    chunk (the stage contract above build_specs), and ``loss`` (None: the next-token loss) must chunk the same; its
+    ``loss_impl`` is what ``loss`` computes the head's cross entropy with (models.loss.head_losses).
     ``dynamic_shape``: micro-batches of varying length (data.pad_to_multiple_of), their shapes sent with each one.
     ``attention``: the decoder layers' attention function (models.llama_pipe.ATTENTION_IMPLEMENTATIONS).
     """
@@ -95,6 +96,7 @@ def build_pipeline_model(
     loss = loss or CausalLMLoss(layout.loss_chunk)
     if loss.chunk_tokens != layout.loss_chunk:
         raise ValueError(f"loss_fn chunks {loss.chunk_tokens} tokens, the model {layout.loss_chunk}")
+    loss.compute_head_with(layout.loss_impl)  # loss_impl: the chunked loss or Liger's fused linear cross entropy
     axes = {axis: topology.get_dim(axis) for axis in topology.get_axis_names()}
     if (axes["pipe"], axes.get("model", 1), axes["data"]) != (layout.stages, layout.tp, layout.data_axis):
         raise ValueError(f"the topology's axes {axes} are not those of the layout {layout.axes()}")

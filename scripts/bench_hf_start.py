@@ -1,8 +1,10 @@
-"""Starting a run from a Hugging Face directory (model_name_or_path=HF_DIR) against converting it first.
+"""Checkpoints at scale: starting a run from a Hugging Face directory (model_name_or_path=HF_DIR) against
+converting it first; with --save, saving at once against in the background (save_async).
 
     python scripts/bench_hf_start.py                 # 345 M parameters, bf16 safetensors, pipe 4 on 4 CPU ranks
     python scripts/bench_hf_start.py --stages 2      # pipe 2 x data 2
     python scripts/bench_hf_start.py --quick         # a tiny model on 2 ranks (the smoke test)
+    python scripts/bench_hf_start.py --save          # save_async=false vs true, a checkpoint every 2 steps
 
 A random Llama (defaults: hidden 1024, 24 layers, GQA 16/8 heads, intermediate 2816, vocabulary 32000: 345 M
 parameters) is saved with ``save_pretrained(max_shard_size=--shard)`` in ``--dtype``; then, ``--repeat`` rounds of:
@@ -18,6 +20,12 @@ directory alone, or it and the layer files); and per rank, from train.py's load 
 MiB read, the seconds, the peak RSS at load, what loading added to the RSS before the stage was built, and the stage's
 parameters. Both train.py runs find their files in the page cache (just written): the figures compare the reads'
 work, not a cold disk. Each run's output directory (its final checkpoint) is removed once measured.
+
+--save: train.py from the HF directory for --save-steps-total steps with a checkpoint every 2 (the last step's is
+written at once either way, and not counted), save_async false and true in turn, --repeat rounds. Per way of saving:
+the seconds training stopped per save (the slowest rank's gap from the end of a saving step to the start of the next,
+less the median gap after steps without a save), the step time of the step after a save against the other steps (the
+slowest rank's), the checkpoint's size on disk, and per rank the peak RSS of the run (train.py's final figures).
 """
 
 from __future__ import annotations
@@ -65,11 +73,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=2, help="rounds (conversion and both starts)")
     p.add_argument("--quick", action="store_true", help="a tiny model on 2 ranks (smoke test)")
     p.add_argument("--work-dir", default=None, help="where the model and runs go (default: a temporary directory)")
+    p.add_argument("--save", action="store_true", help="measure saves (save_async false vs true) instead of starts")
+    p.add_argument("--save-steps-total", type=int, default=9, help="--save: steps per run (a checkpoint every 2)")
     args = p.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    args.steps = 1  # time to the first step
+    args.steps = args.save_steps_total if args.save else 1  # --save: the run; else the time to the first step
     return args
 
 
@@ -178,6 +188,73 @@ def run(args, model: str, data: str, work: str, name: str) -> dict:
     }
 
 
+def save_run(args, hf: str, data: str, work: str, background: bool) -> dict:
+    """One train.py run from ``hf`` saving every 2 steps, ``background``: save_async. Per rank the (start, end) of
+    every step; the intermediate checkpoints' step numbers; the size of one; the run's peak RSS per rank."""
+    name = "save_async" if background else "save_sync"
+    out, timing = os.path.join(work, name), os.path.join(work, f"{name}_steps")
+    shutil.rmtree(timing, ignore_errors=True)
+    os.makedirs(timing)
+    overrides = [o for o in run_overrides(args, hf, data, work, out) if not o.startswith("save_steps=")] + [
+        f"num_stages={args.stages}",
+        "gradient_accumulation_steps=4",
+        "data.shuffle=false",
+        "save_steps=2",
+        f"save_async={str(background).lower()}",
+    ]
+    r = measure_train(args.gpus, overrides, out, 0, name, ["scripts/bench_hf_start.py", "--time-rank", timing])
+    steps = []
+    for file in sorted(os.listdir(timing)):
+        with open(os.path.join(timing, file)) as f:
+            steps.append(json.load(f))
+    saves = [k for k in range(2, args.steps, 2)]  # the last step's save is at once in both: not counted
+    size = disk_mib(os.path.join(out, "global_step2"))
+    shutil.rmtree(out, ignore_errors=True)
+    return {"steps": steps, "saves": saves, "size_mib": size, "peak": r["peak"], "log": r["log"]}
+
+
+def save_figures(run: dict) -> dict:
+    """Seconds training stopped per save, and step times after a save and elsewhere (slowest rank; steps 1-based)."""
+    n = len(run["steps"][0])
+    gap = [max(rank[k][0] - rank[k - 1][1] for rank in run["steps"]) for k in range(1, n)]  # [n-1]: after step k
+    took = [max(rank[k][1] - rank[k][0] for rank in run["steps"]) for k in range(n)]  # [n]: step k + 1
+    saved = set(run["saves"])
+    baseline = statistics.median(g for k, g in enumerate(gap, 1) if k not in saved and k > 1)
+    after = [took[k] for k in saved if k < n]  # the step after each save (index k = step k + 1)
+    others = [took[k] for k in range(2, n) if k not in saved]
+    return {
+        "stopped": [gap[k - 1] - baseline for k in sorted(saved)],
+        "after": statistics.median(after),
+        "others": statistics.median(others),
+    }
+
+
+def print_save_table(args, results: dict) -> None:
+    print(
+        f"saves every 2 steps of {args.steps} (the last step's not counted: written at once either way); "
+        f"{args.gpus} ranks, pipe {args.stages} x data {args.gpus // args.stages}, train.py {args.precision} "
+        f"ds={args.ds}; per save the slowest rank's gap from the saving step's end to the next step's start, less "
+        f"the median gap after a step without a save; {args.repeat} rounds, each figure in brackets"
+    )
+    print(
+        "| saving | checkpoint MiB | training stopped per save, s | step after a save, s | other steps, s | "
+        "peak RSS per rank (MiB) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, runs in results.items():
+        figures = [save_figures(r) for r in runs]
+        stopped = [s for f in figures for s in f["stopped"]]
+        after, others = [f["after"] for f in figures], [f["others"] for f in figures]
+        print(
+            f"| {name} | {runs[0]['size_mib']:.0f} | {median_of(stopped)} | {median_of(after)} | {median_of(others)} "
+            f"| {', '.join(f'{p:.0f}' for p in runs[-1]['peak'])} |"
+        )
+
+
+def median_of(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})"
+
+
 def per_rank(values, fmt: str = "{:.0f}") -> str:
     texts = [fmt.format(v) for v in values]
     return texts[0] if len(set(texts)) == 1 else ", ".join(texts)
@@ -236,6 +313,15 @@ def main(argv=None) -> None:
         ckpt = os.path.join(work, "ckpt")
         data = os.path.join(work, "train.jsonl")
         write_random_tokens(data, 4 * args.micro_batch * (args.gpus // args.stages), args.seq, vocab_size=args.vocab)
+        if args.save:
+            results = {"at once (save_async=false)": [], "in the background (save_async=true)": []}
+            for round_ in range(args.repeat):
+                for name in list(results) if round_ % 2 == 0 else list(results)[::-1]:
+                    r = save_run(args, hf, data, work, background="background" in name)
+                    results[name].append(r)
+                    print(f"[bench_hf_start] {name}: stopped {save_figures(r)['stopped']}", file=sys.stderr)
+            print_save_table(args, results)
+            return
         starts = [("HF directory", hf, "from_hf"), ("convert, then layer files", ckpt, "from_ckpt")]
         conversions, peak, results = [], 0.0, {name: [] for name, _, _ in starts}
         for round_ in range(args.repeat):

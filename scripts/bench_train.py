@@ -3,7 +3,7 @@
     python scripts/bench_train.py                      # CPU: 34 M-parameter Llama, seq 256, fp32, 8 micro-batches
     python scripts/bench_train.py --model llama3.2-1b --precision bf16 --seq 2048 --cases a,b   # one GPU
     python scripts/bench_train.py --model llama3.2-3b --precision bf16 --seq 4096 --micro-batch-size 1 \
-        --micro-batches 2 --checkpointing --cases a,ac,b,bc,bk --time-limit 240   # the GPU cases of issue 45
+        --micro-batches 2 --checkpointing --cases a,ac,b,bc,bkl --time-limit 240   # the GPU cases of issue 45
 
 The same model (random init), the same global batch (``--micro-batches`` micro-batches of
 ``--micro-batch-size`` x ``--seq`` tokens) and the same number of steps after warm-up, for:
@@ -24,8 +24,13 @@ The same model (random init), the same global batch (``--micro-batches`` micro-b
   ac  a with each decoder layer compiled (``torch.compile`` per layer, as torchtitan compiles its blocks)
   bc  b with ``compile=true`` (train.py's compiled decoder layers)
   bk  bc with ``kernels=liger`` (Liger's RMSNorm, SwiGLU and RoPE kernels; CUDA only) and train.py's optimizer,
-      torch's fused AdamW (DeepSpeed's FusedAdam needs its CUDA op JIT-built first: not measured here)
-  The compile time of ac, bc and bk is in their warm-up steps (``--warmup``), which is why they need two.
+      torch's fused AdamW
+  bkl bk with ``loss_impl=liger`` (Liger's fused linear cross entropy instead of the chunked loss): the issue's (d),
+      train.py compiled with every Liger kernel and a fused optimizer (torch's; bd measures DeepSpeed's)
+  bl  b with ``loss_impl=liger``: Liger's fused linear cross entropy against the chunked loss, nothing else changed
+  bd  b with ``adamw_impl=deepspeed``: DeepSpeed's FusedAdam against torch's fused AdamW (its op is JIT-built at
+      the run's start, on a GPU with the CUDA toolkit's nvcc: minutes, outside the timed steps; on CPU its C++ op)
+  The compile time of ac, bc, bk and bkl is in their warm-up steps (``--warmup``), which is why they need two.
 
 --threads 1 for a and b: c and d give each rank one of the 2 cores, so one thread is the per-core
 reference all ratios share (and one matmul peak); a 2-thread process on a 2-core machine also loses a
@@ -123,6 +128,21 @@ CASES = {
         None,
         ["compile=true", "kernels=liger"],
     ),
+    "bkl": (
+        "train.py, num_stages=1, 1 rank, compile=true, kernels=liger, loss_impl=liger, torch fused AdamW",
+        1,
+        1,
+        None,
+        ["compile=true", "kernels=liger", "loss_impl=liger"],
+    ),
+    "bl": ("train.py, num_stages=1, 1 rank, loss_impl=liger", 1, 1, None, ["loss_impl=liger"]),
+    "bd": (
+        "train.py, num_stages=1, 1 rank, adamw_impl=deepspeed (DeepSpeed's FusedAdam)",
+        1,
+        1,
+        None,
+        ["adamw_impl=deepspeed"],
+    ),
 }
 # The plain-loop cases: (copies started together, decoder layers compiled)
 PLAIN = {"a": (1, False), "x": (2, False), "ac": (1, True)}
@@ -141,6 +161,9 @@ RATIOS = {
     "ac": ("a", 1.0, None),
     "bc": ("ac", 1.0, 1.0),  # the issue's goal: train.py compiled at least the best plain loop
     "bk": ("ac", 1.0, 1.0),
+    "bkl": ("ac", 1.0, 1.0),  # the issue's (d) against the best plain loop
+    "bl": ("b", 1.0, None),  # one lever each: Liger's loss against the chunked one
+    "bd": ("b", 1.0, None),  # DeepSpeed's FusedAdam against torch's fused AdamW
 }
 # With --threads 1, e and e0 are the same commands as b and b0: their runs serve for both.
 ALIASES = {"e": "b", "e0": "b0", "e1": "b1"}

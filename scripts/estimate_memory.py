@@ -318,6 +318,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--nf4", action="store_true", help="with --lora-rank: QLoRA (peft.quantize=nf4), a 4-bit base")
     p.add_argument(
+        "--save-async",
+        action="store_true",
+        help="train.py's save_async: count each rank's host copy of a checkpoint in the host column",
+    )
+    p.add_argument(
         "--schedule",
         choices=("1f1b", "dualpipev", "both"),
         default="1f1b",
@@ -350,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         tp=1 if fit else args.tp,  # --gpus: every tensor_parallel the model allows within a node is tried
         sp=1 if fit else args.sp,  # --gpus: and every sequence_parallel (parallel.memory_plan.SEQUENCE_PARALLEL_SIZES)
         ep=1 if fit else args.ep or 1,  # --gpus: and every expert_parallel the model allows (or --ep's)
+        save_async=args.save_async,
     )
     refuse(layout_problems(layout, layout.world_size, args.partition_method, num_layers))
     if fit:

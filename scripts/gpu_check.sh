@@ -1,26 +1,34 @@
 #!/usr/bin/env bash
-# The one command to run on a GPU machine, about 9 minutes on one H100/H200 from a bare machine:
-#   bash scripts/gpu_check.sh [parity] [bench] [moe] [layouts] [attention]    (no step named: parity bench)
+# The one command to run on a GPU machine, about 9 minutes on one H100/H200 from a bare machine (parity and bench):
+#   bash scripts/gpu_check.sh [parity] [bench] [levers] [moe] [layouts] [attention]    (no step named: parity bench)
 # Every step is bounded (`timeout`, and bench_train.py's --time-limit), the most important numbers first;
 # BENCH_BUDGET_S (default 400) is the benchmark's share: the shapes it does not reach are said, not run;
-# GPU_CHECK_CASES picks bench_train.py's cases (default a,b,bk,bc,ac), GPU_CHECK_PLAN the shapes (below).
+# GPU_CHECK_CASES picks bench_train.py's cases (default a,b,bkl,bc,ac), GPU_CHECK_PLAN the shapes (below).
 # 1. set-up: .venv-gpu on top of a python3 whose torch sees CUDA (a CUDA torch is installed where it does
 #    not); on a machine without a package index, the wheels in .whl/ (scripts/gpu_wheels.sh, run where
 #    pip reaches PyPI, then carried there) are installed as they are;
 # 2. stage parity on the GPU, fp32 and bf16 (tests/test_gpu_parity.py: every family, document attention,
-#    each Liger kernel with kernels=liger), and the multi-rank tests when there are 4 GPUs or more;
+#    each Liger kernel with kernels=liger, Liger's loss with loss_impl=liger), and the multi-rank tests when
+#    there are 4 GPUs or more;
 # 3. the GPU benchmark (scripts/bench_train.py, bf16, cases a: plain Hugging Face loop, ac: the same with its
-#    decoder layers compiled, b: train.py num_stages=1, bc: compile=true, bk: compile=true kernels=liger):
+#    decoder layers compiled, b: train.py num_stages=1, bc: compile=true, bkl: compile=true kernels=liger
+#    loss_impl=liger, the issue's (d); bk, bc with kernels=liger alone, where GPU_CHECK_CASES names it):
 #    the llama3.2-3b shape at seq 4096 micro-batch 1 first (activation checkpointing on a card under 100 GiB),
 #    then llama3.2-1b at seq 2048, micro-batch 4, 2, 1; per case tokens/s, MFU against the card's dense bf16
 #    peak (989 TFLOP/s for an H100 SXM or H200) and against the measured matmul rate, peak GPU memory;
+# 3'. levers (not in the default run): one knob each against train.py eager (b), the 1B at seq 2048, micro-batch 4:
+#    bl: loss_impl=liger (Liger's fused linear cross entropy against the chunked loss), bd: adamw_impl=deepspeed
+#    (DeepSpeed's FusedAdam against torch's fused AdamW; its CUDA op is JIT-built at start and needs nvcc),
+#    LEVERS_BUDGET_S (default 360) for the three; GPU_CHECK_LEVERS picks the cases (default b,bl,bd). About 7
+#    minutes: run it as a call of its own, `bash scripts/gpu_check.sh levers` (the set-up is done by then);
 # 4. with 2 GPUs or more, scripts/bench_layouts.py: pipe x tensor x data layouts of the same GPUs (tensor
 #    parallelism's GPU rows: s/step, tokens/s, memory per rank);
 # 5. attention over packed rows, one decoder layer at 8k and 32k tokens in bf16: the dense per-document mask
 #    against attention=documents (torch's varlen flash attention), memory and time (scripts/bench_attention.py).
 # Without a CUDA GPU it stops at once with exit code 2. What it writes: work/gpu_check.log (everything printed),
 # work/gpu_check/parity.log, work/gpu_check/bench.md (the tables, BENCHMARKS.md's source) and one bench_*.json per
-# shape; with $OUT set (the device tool's folder) the same files are copied there (7 at most).
+# shape (bench_levers.json for the levers); with $OUT set (the device tool's folder) the same files are copied there
+# (7 at most, 8 with the levers).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -63,8 +71,8 @@ status=0
 STEPS="${*:-parity bench}"
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 if step parity; then
-  echo "[gpu_check] stage parity on the GPU (fp32, bf16): every family, attention=documents, kernels=liger"
-  timeout 60 "$PY" -m pytest tests/test_gpu_parity.py -q -m gpu -rs --durations=5 2>&1 | tee work/gpu_check/parity.log \
+  echo "[gpu_check] stage parity on the GPU (fp32, bf16): every family, attention=documents, kernels=liger, loss_impl=liger"
+  timeout 90 "$PY" -m pytest tests/test_gpu_parity.py -q -m gpu -rs --durations=5 2>&1 | tee work/gpu_check/parity.log \
     || status=1
 fi
 if step parity && [ "$GPUS" -ge 4 ]; then
@@ -98,7 +106,7 @@ if step bench; then
     echo "### $name ($model, seq $seq, micro-batch $mbs x $micro per step ${extra})" >> work/gpu_check/bench.md
     # shellcheck disable=SC2086  # $extra: zero or more options
     timeout $((limit + 30)) "$PY" scripts/bench_train.py --model "$model" --precision bf16 --seq "$seq" \
-      --micro-batch-size "$mbs" --micro-batches "$micro" --cases "${GPU_CHECK_CASES:-a,b,bk,bc,ac}" --rounds 1 --warmup 2 --steps 3 \
+      --micro-batch-size "$mbs" --micro-batches "$micro" --cases "${GPU_CHECK_CASES:-a,b,bkl,bc,ac}" --rounds 1 --warmup 2 --steps 3 \
       --threads 8 --max-wait 0 --time-limit "$limit" --json "work/gpu_check/bench_$name.json" --table work/gpu_check/table.md \
       --work work/gpu_check $extra || status=1
     cat work/gpu_check/table.md >> work/gpu_check/bench.md 2>/dev/null || echo "(no table)" >> work/gpu_check/bench.md
@@ -106,6 +114,18 @@ if step bench; then
   done <<< "${GPU_CHECK_PLAN:-$plan}"
   echo "[gpu_check] the benchmark tables (work/gpu_check/bench.md):"
   cat work/gpu_check/bench.md
+fi
+if step levers; then  # one knob at a time against b: Liger's loss (bl), DeepSpeed's FusedAdam (bd)
+  levers=${LEVERS_BUDGET_S:-360}
+  step bench || : > work/gpu_check/bench.md
+  echo "[gpu_check] levers: llama3.2-1b, bf16, seq 2048, micro-batch 4 x 2 per step, ${GPU_CHECK_LEVERS:-b,bl,bd}, $levers s at most"
+  echo "### levers (llama3.2-1b, seq 2048, micro-batch 4 x 2 per step)" >> work/gpu_check/bench.md
+  timeout $((levers + 30)) "$PY" scripts/bench_train.py --model llama3.2-1b --precision bf16 --seq 2048 \
+    --micro-batch-size 4 --micro-batches 2 --cases "${GPU_CHECK_LEVERS:-b,bl,bd}" --rounds 1 --warmup 2 --steps 3 \
+    --threads 8 --max-wait 0 --time-limit "$levers" --json work/gpu_check/bench_levers.json \
+    --table work/gpu_check/table.md --work work/gpu_check || status=1
+  cat work/gpu_check/table.md >> work/gpu_check/bench.md 2>/dev/null || echo "(no table)" >> work/gpu_check/bench.md
+  rm -f work/gpu_check/table.md
 fi
 if step moe; then  # a MoE model's GPU row (issue 44): expert parallelism needs 2 GPUs or more, so ep 1 on one
   eps=1

@@ -393,6 +393,7 @@ def full_run(tmp_path_factory, chat_hf, pairs_files):
         num_stages=2,
         gradient_accumulation_steps=2,
         save_steps=3,
+        save_async="true",  # step 3's checkpoint, resumed below, written in the background
         **{"data.eval_file": pairs_files["eval"]},
     )
     proc = run_deepspeed(4, "train.py", args, str(root / "run.log"))

@@ -3,7 +3,8 @@ modules chained in one process compute the family's ForCausalLM logits, loss and
 fp32 (TF32 off) and in bf16 (compared with the same model in bf16, so only the kernels' summation order
 differs): Llama untied and tied, and each other family with its difference (tests/test_families.py); the same
 stages with Liger's kernels (kernels=liger, models/kernels.py) against them and the reference, each kernel alone and
-all three, where liger-kernel is installed (scripts/gpu_check.sh installs it from .whl/)."""
+all three, and the loss with Liger's fused linear cross entropy (loss_impl=liger, models/loss.py) against the chunked
+loss and the reference, where liger-kernel is installed (scripts/gpu_check.sh installs it from .whl/)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from models.families import family_of
 from models.kernels import LIGER_PARTS, apply_kernels
 from models.llama_pipe import DecoderLayerPipe, build_sequential, spec_layout
-from models.loss import IGNORE_INDEX, causal_lm_loss
+from models.loss import IGNORE_INDEX, CausalLMLoss, LossSplit, causal_lm_loss, label_tokens, sequence_logps
 from models.tiny import tiny_config
 from tests.test_families import CASES
 from tests.test_stage_parity import copy_hf_weights, module_of, run_chain
@@ -205,3 +206,132 @@ def test_liger_kernels_match_the_stages_without_them_and_hf(dtype, name, part):
             error = ((liger_value - true_value).norm() / true_value.norm()).item()
             plain = ((plain_value - true_value).norm() / true_value.norm()).item()
             assert error <= max(2 * plain, 1e-3), (key, error, plain)
+
+
+# loss_impl=liger (models/loss.py): Liger's fused linear cross entropy on the last stage's (hidden, head weight)
+LIGER_LOSS_RUNS = [("llama", "micro_batch"), ("llama", "tokens"), ("llama_tied", "tokens"), ("qwen3_gqa", "tokens")]
+LOSS_CHUNK = 16  # the chunked loss's chunk: not a divisor of packed_batch's label tokens
+
+
+def owned_grads(funcs, config) -> dict[str, torch.Tensor]:
+    """Every owned parameter's gradient (fp32) of a stage chain, by Hugging Face name (a tied head's is the
+    embedding's)."""
+    return {
+        info.hf_prefix + key: param.grad.float()
+        for info in spec_layout(config)
+        if info.owns_file
+        for key, param in module_of(funcs[info.index]).named_parameters()
+    }
+
+
+@needs_liger
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name,normalization", LIGER_LOSS_RUNS, ids=[f"{n}-{m}" for n, m in LIGER_LOSS_RUNS])
+def test_liger_loss_matches_the_chunked_loss_and_hf(dtype, name, normalization):
+    """The stages chained with the chunked head (loss_chunk_tokens 16; rows with an ignored span and a packed row),
+    the loss computed by loss_impl=liger against the same stages with loss_impl=chunked (same weights and dtype) and
+    against the family's ForCausalLM: the loss and every gradient within the file's tolerances, for the micro-batch
+    mean and for loss_normalization=tokens' scaled sum (scale 1 / label tokens, Hugging Face's num_items_in_batch:
+    Liger's backward must multiply its gradients by it). In bf16 also no further from the fp32 model than the chunked
+    loss (relative L2 error at most 2 x the chunked loss's, or 1e-3)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model_type, overrides = MODELS[name]
+    config = tiny_config(model_type, vocab_size=300, hidden_size=64, intermediate_size=96, **overrides)
+    hf = family_of(config).causal_lm._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    input_ids, labels, position_ids = packed_batch(config)
+    n = label_tokens(labels)
+    assert n % LOSS_CHUNK
+    scale = None if normalization == "micro_batch" else 1 / n
+
+    def stages(impl: str):
+        funcs = build_sequential(config, LOSS_CHUNK)
+        copy_hf_weights(funcs, config, hf.state_dict())
+        for f in funcs:
+            module_of(f).to("cuda", dtype)
+        loss_fn = CausalLMLoss(LOSS_CHUNK, impl=impl)
+        loss_fn.scale = scale
+        loss = loss_fn(run_chain(funcs, input_ids, position_ids), labels)
+        loss.backward()
+        return loss.item(), owned_grads(funcs, config)
+
+    def reference(model):
+        items = None if scale is None else torch.tensor(n, device="cuda")
+        out = model(
+            input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False, num_items_in_batch=items
+        )
+        out.loss.backward()
+        return out.loss.item(), {k: p.grad.float() for k, p in model.named_parameters()}
+
+    hf_same = copy.deepcopy(hf).to("cuda", dtype) if dtype == torch.bfloat16 else None
+    truth = reference(hf.to("cuda"))  # fp32
+    same = reference(hf_same) if hf_same is not None else truth
+    liger, chunked = stages("liger"), stages("chunked")
+    _, loss_tol, grad_tol = TOLERANCES[dtype]
+    assert set(liger[1]) == set(same[1])
+    for other in (chunked, same):
+        assert abs(liger[0] - other[0]) < loss_tol
+        for key, grad in liger[1].items():
+            scale_of = other[1][key].abs().max().item() or 1.0
+            torch.testing.assert_close(grad, other[1][key], rtol=0, atol=grad_tol * scale_of, msg=key)
+    if dtype == torch.bfloat16:
+        for key, grad in liger[1].items():
+            true = truth[1][key]
+            error = ((grad - true).norm() / true.norm()).item()
+            plain = ((chunked[1][key] - true).norm() / true.norm()).item()
+            assert error <= max(2 * plain, 1e-3), (key, error, plain)
+
+
+@needs_liger
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_liger_loss_per_token_sequence_slices_and_a_frozen_input_match_the_chunked_loss(dtype):
+    """The loss side alone, on the GPU, Liger against the chunked loss (the file's tolerances): DPO's per-sequence
+    log-probabilities (Liger's per-token losses, gradients recomputed in its backward) and their gradients; each
+    sequence-parallel rank's slice (the targets shifted across the slice boundary), whose sums add up to the whole
+    row's; and a head weight trained behind hidden states that need no gradient (Liger computes the weight's gradient
+    only for an input that asks for one: models.loss.liger_head_losses makes it ask)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(4, 48, 64, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(300, 64, device="cuda", generator=g) * 0.3).to(dtype)
+    labels = torch.randint(0, 300, (4, 48), device="cuda", generator=g)
+    labels[0, 30:] = IGNORE_INDEX
+    labels[3, :10] = IGNORE_INDEX
+    _, loss_tol, grad_tol = TOLERANCES[dtype]
+
+    def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+        torch.testing.assert_close(
+            a.float(), b.float(), rtol=0, atol=grad_tol * (b.abs().max().item() or 1.0), msg=what
+        )
+
+    def run(impl: str, kind: str):
+        h = hidden.detach().requires_grad_(kind != "frozen")
+        w = weight.detach().requires_grad_()
+        if kind == "dpo":
+            out = sequence_logps((h, w), labels, LOSS_CHUNK, impl=impl)  # [4] fp64
+            (out * torch.tensor([1.0, -2.0, 0.5, 3.0], device="cuda", dtype=torch.float64)).sum().backward()
+        elif kind == "slices":
+            out = torch.zeros((), device="cuda")
+            for rank in range(2):
+                loss_fn = CausalLMLoss(LOSS_CHUNK, impl=impl)
+                loss_fn.split_over(LossSplit(seq_slice=(rank, 2)))
+                loss_fn.scale = 0.5
+                out = out + loss_fn((h[:, rank * 24 : (rank + 1) * 24], w), labels)
+            out.backward()
+        else:
+            loss_fn = CausalLMLoss(LOSS_CHUNK, impl=impl)
+            out = loss_fn((h, w), labels)
+            out.backward()
+        return out.detach(), h.grad, w.grad
+
+    for kind in ("dpo", "slices", "frozen"):
+        liger, chunked = run("liger", kind), run("chunked", kind)
+        close(liger[0], chunked[0], f"{kind} loss")
+        assert (liger[1] is None) == (kind == "frozen") == (chunked[1] is None)
+        for a, b, what in zip(liger[1:], chunked[1:], ("hidden", "weight")):
+            if b is not None:
+                close(a, b, f"{kind} {what} gradient")
+    whole = CausalLMLoss(LOSS_CHUNK, impl="liger")
+    whole.scale = 0.5  # a sum over 150 label tokens: compared relative to it
+    total, sliced = whole((hidden, weight), labels).item(), run("liger", "slices")[0].item()
+    assert abs(total - sliced) / abs(total) < loss_tol

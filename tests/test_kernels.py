@@ -1,6 +1,8 @@
 """kernels=liger (models/kernels.py) where no GPU is: refused before start with the reasons, and the wiring of
 apply_kernels checked with stand-ins for Liger's helpers that compute what Hugging Face's modules compute and count
-their calls (the real kernels' numbers are tests/test_gpu_parity.py's, on a GPU)."""
+their calls (the real kernels' numbers are tests/test_gpu_parity.py's, on a GPU). The same for loss_impl=liger (Liger's
+fused linear cross entropy on the last stage, models/loss.py), with a stand-in for Liger's function that checks what
+it is handed, and for adamw_impl (training/optim.py: which AdamW DeepSpeed builds)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.models.llama import modeling_llama
 
-from models.kernels import apply_kernels, kernel_problems
+from models.kernels import apply_kernels, kernel_problems, loss_impl_problems
 from models.llama_pipe import DecoderLayerPipe, build_sequential
+from models.loss import IGNORE_INDEX, CausalLMLoss, LossSplit, PreferenceLoss, sequence_logps, shifted_targets
 from models.tiny import tiny_config
+from parallel.layout import Layout
 from tests.test_config import problems_of
 from tests.test_stage_parity import module_of, run_chain
 from training.config import DataConfig, TrainConfig
@@ -118,3 +123,203 @@ def test_rebound_rope_survives_torch_compile_across_layers():
         layer.compile(backend="eager")  # dynamo's graph cache, without inductor's compile time
     compiled = [layer(x, position, None)[0] for layer in layers]
     assert calls and all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+# ---------------------------------------------------------------- loss_impl=liger: Liger's fused linear cross entropy
+
+
+def test_loss_impl_liger_is_refused_where_it_cannot_run_every_reason_at_once():
+    assert (
+        loss_impl_problems("chunked", 0, tensor_parallel=2, pipeline_engine=False, cuda=False, importable=False) == []
+    )
+    assert loss_impl_problems("liger", 1024, cuda=True, importable=True) == []
+    found = loss_impl_problems("liger", 0, tensor_parallel=2, pipeline_engine=False, cuda=False, importable=False)
+    assert len(found) == 5 and all(p.startswith("loss_impl=liger") for p in found)
+    assert "need a CUDA GPU" in found[0] and "pip install liger-kernel==" in found[1]
+    assert "set loss_impl=chunked" in found[0] and "set loss_impl=chunked" in found[1]
+    assert "loss_chunk_tokens=0: set loss_chunk_tokens > 0" in found[2]
+    assert "tensor_parallel 2" in found[3] and "ZeRO 2/3 (DeepSpeed's data-parallel engine)" in found[4]
+
+
+def test_train_config_with_loss_impl_liger_is_refused_on_this_machine(tmp_path, tiny_hf):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    cfg = TrainConfig(model_name_or_path=tiny_hf, loss_impl="liger", data=DataConfig(train_file=str(data)))
+    found = problems_of(cfg, world_size=1)
+    assert "loss_impl=liger runs Liger's Triton kernels, which need a CUDA GPU" in found
+    assert "loss_impl=liger needs the liger_kernel package" in found
+    assert Layout.of(cfg, 1, {}).loss_impl == "liger" and Layout.of(TrainConfig(), 1, {}).loss_impl == "chunked"
+
+
+@pytest.fixture()
+def stand_in_flce(monkeypatch):
+    """liger_kernel.transformers.functional.liger_fused_linear_cross_entropy computing what Liger's computes
+    (cross entropy of input @ weight^T, ignore_index, mean or sum or none) with torch, each call's arguments listed."""
+    calls = []
+
+    def flce(input, weight, target, bias=None, ignore_index=-100, reduction="mean", **rest):
+        calls.append(dict(input=input, weight=weight, target=target, bias=bias, ignore_index=ignore_index, **rest))
+        calls[-1]["reduction"] = reduction
+        logits = F.linear(input, weight).float()  # [M,V]
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+    fake = types.ModuleType("liger_kernel.transformers.functional")
+    fake.liger_fused_linear_cross_entropy = flce
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    return calls
+
+
+def head_batch(vocab: int = 300, hidden: int = 32):
+    """(hidden [3,40,H], weight [V,H], labels [3,40]): padding in row 0, a masked prompt in row 2: 96 label tokens."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 40, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * 0.3
+    labels = torch.randint(0, vocab, (3, 40), generator=g)
+    labels[0, 26:] = IGNORE_INDEX
+    labels[2, :8] = IGNORE_INDEX
+    return h, w, labels
+
+
+def assert_rel_close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-6) -> None:
+    """Relative L2 difference of ``a`` from ``b`` within ``tol`` (fp32 sums in another order differ per element)."""
+    assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= tol
+
+
+def loss_grads(loss_fn, h, w, labels, logits: bool = False):
+    h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    loss = loss_fn(F.linear(h, w) if logits else (h, w.view_as(w)), labels)  # the head hands out a view
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("scale", [None, 4 * 2 / 300], ids=["micro_batch_mean", "scaled_sum"])
+def test_loss_impl_liger_hands_liger_the_label_rows_and_sums_as_the_chunked_loss(stand_in_flce, scale):
+    """What the last stage's loss gives Liger (the stand-in): only the rows with a label, their targets (none ignored),
+    the head weight itself, reduction sum; the loss and both gradients are the chunked loss's and the logits path's
+    (micro-batch mean, and the scaled sum of loss_normalization=tokens). The real kernel's numbers:
+    tests/test_gpu_parity.py."""
+    h, w, labels = head_batch()
+    losses = {}
+    for name, loss_fn, logits in (
+        ("liger", CausalLMLoss(16, impl="liger"), False),
+        ("chunked", CausalLMLoss(16), False),
+        ("logits", CausalLMLoss(0), True),
+    ):
+        loss_fn.scale = scale
+        losses[name] = loss_grads(loss_fn, h, w, labels, logits)
+    (call,) = stand_in_flce
+    targets = shifted_targets(labels)
+    rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    assert call["reduction"] == "sum" and call["ignore_index"] == IGNORE_INDEX and call["bias"] is None
+    assert torch.equal(call["target"], targets[rows]) and call["input"].shape == (96, 32)
+    torch.testing.assert_close(call["input"], h.reshape(-1, 32)[rows], rtol=0, atol=0)
+    assert call["weight"].shape == w.shape
+    for other in ("chunked", "logits"):
+        for a, b in zip(losses["liger"], losses[other]):
+            assert_rel_close(a, b)
+
+
+def test_loss_impl_liger_without_label_tokens_and_with_a_sequence_slice(stand_in_flce):
+    """A micro-batch with no label token never reaches Liger (an exact 0 sum, nan mean, zero gradients, as the chunked
+    loss); with sequence parallelism each rank's slice gets its own targets, and the slices' sums add up to the
+    whole's."""
+    h, w, labels = head_batch()
+    none = torch.full_like(labels, IGNORE_INDEX)
+    for scale in (None, 0.5):
+        fused, chunked = CausalLMLoss(16, impl="liger"), CausalLMLoss(16)
+        fused.scale = chunked.scale = scale
+        for a, b in zip(loss_grads(fused, h, w, none), loss_grads(chunked, h, w, none)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert stand_in_flce == []
+    whole = CausalLMLoss(16, impl="liger")
+    whole.scale = 1.0
+    total = whole((h, w), labels)
+    parts = 0.0
+    for rank in range(2):
+        part = CausalLMLoss(16, impl="liger")
+        part.split_over(LossSplit(seq_slice=(rank, 2)))
+        part.scale = 1.0
+        parts = parts + part((h[:, rank * 20 : (rank + 1) * 20], w), labels)
+        targets = shifted_targets(labels, (rank, 2))  # [B*S/2]
+        assert torch.equal(stand_in_flce[-1]["target"], targets[targets != IGNORE_INDEX])
+    assert_rel_close(parts, total)
+
+
+def test_dpo_log_probabilities_through_liger_are_the_chunked_ones(stand_in_flce):
+    """DPO's per-sequence sums (sequence_logps) take Liger's per-token losses (reduction none): the same sums and
+    gradients as the chunked loss's."""
+    h, w, labels = head_batch()
+    out = {}
+    for impl in ("liger", "chunked"):
+        hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+        logps = sequence_logps((hh, ww), labels, chunk_tokens=16, impl=impl)  # [3] fp64
+        (logps * torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)).sum().backward()
+        out[impl] = (logps.detach(), hh.grad, ww.grad)
+    assert [c["reduction"] for c in stand_in_flce] == ["none"]
+    for a, b in zip(out["liger"], out["chunked"]):
+        assert_rel_close(a, b)
+    loss = PreferenceLoss(16, beta=0.1, loss_type="sigmoid", impl="liger")
+    assert loss.impl == "liger"
+
+
+def test_loss_impl_needs_the_chunked_head_and_a_known_name():
+    with pytest.raises(ValueError, match="loss_chunk_tokens > 0"):
+        CausalLMLoss(0, impl="liger")
+    with pytest.raises(ValueError, match="choose from"):
+        CausalLMLoss(16).compute_head_with("fused")
+
+
+def test_the_stage_build_gives_the_loss_the_layouts_loss_impl(tmp_path, stand_in_flce, monkeypatch):
+    """parallel/stage.py's build (train.py's, with the loss training/build.py made from loss_chunk_tokens alone) sets
+    the layout's loss_impl on the loss; the stage's loss then calls Liger (the stand-in) on the head's output."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from parallel.stage import build_pipeline_model, pipeline_topology
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        deepspeed.init_distributed(dist_backend="gloo")
+        layout = Layout(stages=1, dp=1, loss_chunk=16, loss_impl="liger")
+        loss = CausalLMLoss(16)  # as training/build.py builds it
+        model = build_pipeline_model(tiny_config(), pipeline_topology(layout), layout, loss)
+    finally:
+        dist.destroy_process_group()
+    assert model.loss_fn is loss and loss.impl == "liger"
+    ids = torch.randint(0, 100, (2, 12))
+    out = model((ids, torch.arange(12).repeat(2, 1)))  # (hidden, weight): the chunked head's hand-over
+    loss(out, ids).backward()
+    assert len(stand_in_flce) == 1 and stand_in_flce[0]["input"].shape[0] == 2 * 11
+
+
+# ------------------------------------------------------------ adamw_impl: torch's fused AdamW or DeepSpeed's FusedAdam
+
+
+def test_adamw_impl_picks_the_optimizer_deepspeed_builds(monkeypatch, tmp_path, tiny_hf):
+    from training import optim
+    from training.validate import resolve
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    params = {}
+    for impl in ("torch_fused", "deepspeed"):
+        cfg = TrainConfig(model_name_or_path=tiny_hf, adamw_impl=impl, data=DataConfig(train_file=str(data)))
+        params[impl] = optim.fill_ds_config(resolve(cfg, 1))["optimizer"]["params"]
+    assert params["torch_fused"]["torch_adam"] is True and params["torch_fused"]["fused"] is True
+    assert params["deepspeed"]["torch_adam"] is False and "fused" not in params["deepspeed"]  # FusedAdam's kwargs
+    assert {k: v for k, v in params["deepspeed"].items() if k not in ("torch_adam",)} == {
+        k: v for k, v in params["torch_fused"].items() if k not in ("torch_adam", "fused")
+    }
+
+    assert optim.adamw_problems("torch_fused", "cuda") == [] and optim.adamw_problems("deepspeed", "cpu") == []
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cpp, "CUDA_HOME", None)
+    monkeypatch.setitem(optim.installed_ops, "fused_adam", False)
+    (problem,) = optim.adamw_problems("deepspeed", "cuda")
+    assert "needs the CUDA toolkit (nvcc)" in problem and "set adamw_impl=torch_fused" in problem
+    monkeypatch.setattr(cpp, "CUDA_HOME", "/usr/local/cuda")
+    assert optim.adamw_problems("deepspeed", "cuda") == []

@@ -332,7 +332,7 @@ def lora_runs(tmp_path_factory, tiny_hf, tiny_tied_hf, tiny_ckpt, tiny_tied_ckpt
     samples = write_random_tokens(data, NUM_SAMPLES, SEQ, vocab_size=512)
     runs = {}
     for name, hf_dir, settings, extra in (
-        ("untied", tiny_hf, peft_settings(modules_to_save=["lm_head"]), {"save_steps": 3}),
+        ("untied", tiny_hf, peft_settings(modules_to_save=["lm_head"]), {"save_steps": 3, "save_async": "true"}),
         ("tied", tiny_tied_hf, peft_settings(), {"activation_checkpoint_interval": 1}),
         ("qlora", tiny_hf, peft_settings(quantize="nf4"), {"save_steps": 0}),
         # DualPipeV on 2 ranks (the same global batch of 8): the tied embedding and LM head one module on rank 0

@@ -63,6 +63,7 @@ MOE_RUNS = {
             "optim.max_grad_norm": CLIP,
             "loss_chunk_tokens": 48,
             "save_steps": 3,
+            "save_async": "true",  # step 3's checkpoint, resumed on two layouts, written in the background
         },
     ),
 }

@@ -76,19 +76,22 @@ def test_the_ranks_agree_on_signals_and_on_rank_0s_clock(one_rank_group):
     previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
         stopper = StopAndSave(save_every_minutes=0.002, grace_s=30, rank=0, device="cpu")  # 0.12 s
-        assert stopper.after_step(0.25) == ([], False, [0.25])
+        assert stopper.after_step(0.25) == ([], False, [0.25], 0)
         time.sleep(0.2)
-        assert stopper.after_step() == ([], True, [0.0])
-        stopper.saved()
-        assert stopper.after_step() == ([], False, [0.0])
+        assert stopper.after_step(writing=True) == ([], True, [0.0], 1)  # 1 rank's checkpoint writer still busy
+        stopper.snapshot_taken()  # save_async: the clock starts again at the host copy
+        assert stopper.after_step() == ([], False, [0.0], 0)
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert stopper.after_step() == ([0], False, [0.0])
+        assert stopper.after_step() == ([0], False, [0.0], 0)
+        stopper.snapshot_taken()
+        assert stopper.timer is not None  # a copy still being written meets no deadline
         stopper.saved()  # cancels the grace timer
+        assert stopper.timer is None
     finally:
         signal.signal(signal.SIGUSR1, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
         signal.signal(signal.SIGINT, previous[2])  # StopAndSave takes Ctrl-C too
-    assert StopAndSave(save_every_minutes=0, grace_s=30, rank=0, device="cpu").after_step() == ([], False, [0.0])
+    assert StopAndSave(save_every_minutes=0, grace_s=30, rank=0, device="cpu").after_step() == ([], False, [0.0], 0)
     signal.signal(signal.SIGUSR1, previous[0])
     signal.signal(signal.SIGTERM, previous[1])
     signal.signal(signal.SIGINT, previous[2])

@@ -4,8 +4,10 @@ output and input problems, untrusted files. Nothing hangs, nothing is lost.
 The multi-rank runs are few and serve several assertions each:
 
 - ``chain`` (4 ranks, pipe 2 x data 2, fp32, 10 steps, a checkpoint every 2): an uninterrupted run U;
-  run C whose rank 2 SIGKILLs itself in the middle of saving step 4; C resumed and killed from
-  outside (``kill -9`` of rank 1) after step 7; C resumed to the end. C must end bit-identical to U.
+  run C whose rank 2 SIGKILLs itself in the middle of saving step 4; C resumed, saving every step in the
+  background (``save_async``), and killed from outside (``kill -9`` of rank 1) after step 7 while rank 1
+  still writes step 6; C resumed again and sent SIGUSR1 during a background write (exit 75); C resumed to
+  the end. C must end bit-identical to U, its checkpoints the same files.
 - a NaN loss with ``nonfinite_loss=stop`` (2 ranks); a NaN loss with ``nonfinite_loss=skip``
   followed by a hung rank that ``dist_timeout_s`` unblocks (4 ranks).
 
@@ -69,15 +71,24 @@ class Launch:
         return next(line for line in self.output.splitlines() if fragment in line)
 
 
-def launch(num_ranks: int, script: str, args: list[str], log_path: str, kill_rank_after: tuple[str, int]) -> Launch:
-    """The real ``deepspeed --num_gpus N script args``, output streamed; rank ``kill_rank_after[1]`` gets SIGKILL
-    as soon as a line containing ``kill_rank_after[0]`` appears. Afterwards every process left of the job is
-    killed and its /dev/shm segments removed (a killed rank cannot remove its own)."""
+def launch(
+    num_ranks: int,
+    script: str,
+    args: list[str],
+    log_path: str,
+    kill_rank_after: tuple[str, int],
+    env: dict | None = None,
+    send: signal.Signals = signal.SIGKILL,
+) -> Launch:
+    """The real ``deepspeed --num_gpus N script args`` (``env`` added to its environment), output streamed; rank
+    ``kill_rank_after[1]`` gets ``send`` (SIGKILL) as soon as a line containing ``kill_rank_after[0]`` appears.
+    Afterwards every process left of the job is killed and its /dev/shm segments removed (a killed rank cannot
+    remove its own)."""
     port = free_port()
     proc = subprocess.Popen(
         deepspeed_command(num_ranks, script, args, port),
         cwd=REPO,
-        env=child_env(),
+        env={**child_env(), **(env or {})},
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -94,7 +105,7 @@ def launch(num_ranks: int, script: str, args: list[str], log_path: str, kill_ran
                     if f"--local_rank={kill_rank_after[1]}" in p.cmdline()
                 ]
                 assert len(victim) == 1, victim
-                victim[0].send_signal(signal.SIGKILL)
+                victim[0].send_signal(send)
                 killed_at = time.time()
             if time.time() > deadline:
                 break
@@ -191,25 +202,67 @@ def chain(setup):
     runs["crash"].killed_at = float(kill_time.read_text().split()[0])
     runs["after_crash"] = {
         "latest": (root / "C" / "latest").read_text(),
-        "step4": sorted(os.listdir(root / "C" / "global_step4")),
+        "step4": sorted(os.listdir(root / "C" / ".global_step4.partial")),
+        "dirs": sorted(os.listdir(root / "C")),
     }
-    # C resumed, then rank 1 killed from outside while step 8 trains (latest = global_step6 by then), under the
+    # From here C saves every step in the background (save_async). C resumed; rank 1's writer takes 30 s over its
+    # files of global_step6, and rank 1 is killed from outside once step 7 is logged (training went on), under the
     # real launcher: it is what ends the job.
+    every_step_async = dict(save_async="true", save_steps=1)
     runs["kill"] = launch(
         4,
-        "train.py",
-        train_args(ckpt, data, root / "C", cache),
+        FAULTS,
+        train_args(ckpt, data, root / "C", cache, **every_step_async),
         str(root / "C-kill.log"),
         kill_rank_after=("step 7/", 1),
+        env={"FAULT_SLOW_WRITE": "6:1:30"},
     )
-    runs["after_kill"] = {"latest": (root / "C" / "latest").read_text()}
+    runs["after_kill"] = {"latest": (root / "C" / "latest").read_text(), "dirs": sorted(os.listdir(root / "C"))}
+    # C resumed again; rank 3's writer takes 4 s over global_step7, and rank 3 gets SIGUSR1 as it starts on them.
+    runs["usr1"] = launch(
+        4,
+        FAULTS,
+        train_args(ckpt, data, root / "C", cache, **every_step_async),
+        str(root / "C-usr1.log"),
+        kill_rank_after=("[fault] rank 3: writing global_step7", 3),
+        env={"FAULT_SLOW_WRITE": "7:3:4"},
+        send=signal.SIGUSR1,
+    )
+    runs["after_usr1"] = {"latest": (root / "C" / "latest").read_text(), "dirs": sorted(os.listdir(root / "C"))}
     runs["final"] = without_kill("C", "C-final.log")
     assert runs["final"].returncode == 0, runs["final"].output[-4000:]
     return root, runs
 
 
+def checkpoint_files_equal(a_dir, b_dir) -> list[str]:
+    """The files of two checkpoints that differ: names, then every DeepSpeed file's content (tensors equal, and
+    every other value and container type the same)."""
+
+    def same(x, y) -> bool:
+        if torch.is_tensor(x):
+            return torch.is_tensor(y) and x.dtype == y.dtype and torch.equal(x, y)
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        if isinstance(x, (list, tuple)):
+            return len(x) == len(y) and all(same(u, v) for u, v in zip(x, y))
+        if hasattr(x, "__dict__"):  # DeepSpeed's LossScaler: no __eq__ of its own
+            return same(vars(x), vars(y))
+        return x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))
+
+    names = sorted(f for f in os.listdir(a_dir) if f.endswith(".pt"))
+    if names != sorted(f for f in os.listdir(b_dir) if f.endswith(".pt")):
+        return ["names"]
+    from training.async_save import CheckpointEngine
+
+    load = CheckpointEngine().load
+    return [n for n in names if not same(load(os.path.join(a_dir, n)), load(os.path.join(b_dir, n)))]
+
+
 @pytest.mark.multirank
 def test_a_rank_killed_mid_training_ends_the_job_and_resume_matches_an_uninterrupted_run(chain):
+    """Also save_async: C saves every step in the background from step 3 on, and ends bit-identical to U."""
     root, runs = chain
     kill = runs["kill"]
     assert kill.killed_at is not None and kill.returncode != 0
@@ -217,17 +270,18 @@ def test_a_rank_killed_mid_training_ends_the_job_and_resume_matches_an_uninterru
     print(f"kill -9 of rank 1 mid-training: job exited {exit_s:.1f} s later with code {kill.returncode}")
     assert exit_s < KILL_EXIT_BOUND_S
     assert "exits with return code = " in kill.output  # the launcher saw a rank fail and stopped the others
-    assert runs["after_kill"]["latest"] in ("global_step6", "global_step8")
     final = runs["final"]
-    assert f"(resumed from {runs['after_kill']['latest']})" in final.output
+    assert f"(resumed from {runs['after_usr1']['latest']})" in final.output
     u, c = read_metrics(str(root / "U")), read_metrics(str(root / "C"))
     assert [m["step"] for m in c] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in c] == [m["loss"] for m in u]  # bit-identical, fp32
-    for step in range(2, STEPS + 1, 2):  # every checkpoint: same files, same weights
+    for step in range(2, STEPS + 1, 2):  # every checkpoint, written at once (U) or in the background (C, 4 to 8)
         tag = f"global_step{step}"
         assert sorted(os.listdir(root / "C" / tag)) == sorted(os.listdir(root / "U" / tag)), tag
         assert layers_equal(root / "U" / tag, root / "C" / tag), tag
+        assert checkpoint_files_equal(root / "U" / tag, root / "C" / tag) == [], tag
     assert (root / "C" / "latest").read_text() == f"global_step{STEPS}"
+    assert not [d for d in os.listdir(root / "C") if d.endswith(".partial")]
 
 
 @pytest.mark.multirank
@@ -238,18 +292,52 @@ def test_a_crash_while_saving_keeps_latest_and_the_incomplete_checkpoint_is_neve
     print(f"rank 2 killed while saving global_step4: job exited {exit_s:.1f} s later with code {crash.returncode}")
     assert crash.returncode != 0 and exit_s < KILL_EXIT_BOUND_S
     assert runs["after_crash"]["latest"] == "global_step2"  # the previous complete checkpoint
+    assert "global_step4" not in runs["after_crash"]["dirs"]  # only complete checkpoints are named global_step<N>
     partial = runs["after_crash"]["step4"]
     assert len([f for f in partial if f.startswith("trainer_state_rank")]) < 4, partial  # incomplete
     resumed = runs["kill"]
     assert "(resumed from global_step2)" in resumed.output
-    assert "global_step4 is not a complete checkpoint" in resumed.line("warning:")
     assert (
-        f"removing {root / 'C' / 'global_step4'}: an incomplete checkpoint left by an interrupted save"
+        f"removing {root / 'C' / '.global_step4.partial'}: an incomplete checkpoint left by an interrupted save"
         in resumed.output
     )
-    # replaced cleanly: the same files as the uninterrupted run's global_step4 (checked in the test above too)
+    # saved again cleanly: the same files as the uninterrupted run's global_step4 (checked in the test above too)
     assert trainer_states(root / "C" / "global_step4") == [f"trainer_state_rank{r:05d}.json" for r in range(4)]
-    assert sorted(os.listdir(root / "C" / "global_step4")) == sorted(os.listdir(root / "U" / "global_step4"))
+
+
+@pytest.mark.multirank
+def test_a_rank_killed_during_a_background_write_leaves_latest_on_the_previous_checkpoint(chain):
+    """save_async: rank 1 SIGKILLed while its writer still writes global_step6 (training went on to step 7)."""
+    root, runs = chain
+    kill = runs["kill"].output
+    assert kill.index("[fault] rank 1: writing global_step6 in the background") < kill.index("step 7/")
+    assert "checkpoint global_step6: copied to host memory in" in kill
+    assert runs["after_kill"]["latest"] == "global_step5"  # every save up to 5 was complete before 6's copy
+    assert ".global_step6.partial" in runs["after_kill"]["dirs"] and "global_step6" not in runs["after_kill"]["dirs"]
+    usr1 = runs["usr1"].output
+    assert "(resumed from global_step5)" in usr1
+    assert f"removing {root / 'C' / '.global_step6.partial'}: an incomplete checkpoint" in usr1
+
+
+@pytest.mark.multirank
+def test_a_stop_signal_during_a_background_write_waits_for_it_and_exits_75(chain):
+    """save_async: SIGUSR1 to rank 3 as its writer starts on global_step7, 4 s slow: the step after it is saved at
+    once, after global_step7 is written and made latest, and the job exits 75; the resume is exact (test above)."""
+    root, runs = chain
+    usr1 = runs["usr1"]
+    assert usr1.returncode == 75, usr1.output[-3000:]
+    assert "checkpoint global_step7 is still being written in the background: waiting for it before saving" in (
+        usr1.output
+    )
+    assert "saved checkpoint global_step7 in" in usr1.output and "(written in the background in " in usr1.line(
+        "saved checkpoint global_step7"
+    )
+    stopped = usr1.line("stop signal (SIGTERM/SIGUSR1) on rank(s) [3]")
+    latest = runs["after_usr1"]["latest"]
+    assert latest in ("global_step8", "global_step9") and f"checkpoint {latest} saved" in stopped
+    assert usr1.ended_at - usr1.killed_at > 2.0  # the 4 s write, waited for
+    assert not [d for d in runs["after_usr1"]["dirs"] if d.endswith(".partial")]
+    assert trainer_states(root / "C" / "global_step7") == [f"trainer_state_rank{r:05d}.json" for r in range(4)]
 
 
 @pytest.mark.multirank
@@ -562,13 +650,14 @@ def test_deepspeed_checkpoint_files_are_loaded_without_running_pickles(tmp_path)
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    from training.run_checkpoints import WeightsOnlyCheckpointEngine, unsafe_checkpoint_files
+    from training.async_save import CheckpointEngine
+    from training.run_checkpoints import unsafe_checkpoint_files
 
     optim = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     state = {"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.optimizer_states}
     state["param_slice_mappings"] = [{"w": fragment_address(numel=4, start=0)}]
     torch.save({"optimizer_state_dict": {**state, "fp32": torch.ones(4)}}, optim)
-    loaded = WeightsOnlyCheckpointEngine().load(str(optim))["optimizer_state_dict"]
+    loaded = CheckpointEngine().load(str(optim))["optimizer_state_dict"]
     assert loaded["zero_stage"] is ZeroStageEnum.optimizer_states and loaded["loss_scaler"].cur_scale == 1.0
     assert loaded["param_slice_mappings"][0]["w"] == fragment_address(numel=4, start=0)
     assert unsafe_checkpoint_files(str(tmp_path), 0, 1) == []
@@ -583,7 +672,7 @@ def test_deepspeed_checkpoint_files_are_loaded_without_running_pickles(tmp_path)
     ]
     assert unsafe_checkpoint_files(str(tmp_path), 1, 2) == []  # rank 1 of 2 checks the other file
     with pytest.raises(CheckpointError, match=f"{engine_state} holds objects a DeepSpeed checkpoint does not"):
-        WeightsOnlyCheckpointEngine().load(str(engine_state))
+        CheckpointEngine().load(str(engine_state))
     assert not marker.exists()
 
 
@@ -611,8 +700,8 @@ def test_resharding_reads_optimizer_states_without_running_pickles(tmp_path, tin
 
 
 def test_every_torch_load_in_the_project_is_weights_only():
-    """The project's own loads; DeepSpeed's (resume) go through training.run_checkpoints'
-    WeightsOnlyCheckpointEngine, tested above and in tests/test_training_loop.py."""
+    """The project's own loads; DeepSpeed's (resume) go through training.async_save's
+    CheckpointEngine, tested above and in tests/test_training_loop.py."""
     offenders = []
     for folder in ("", "models", "training", "data", "scripts"):
         for path in glob.glob(os.path.join(REPO, folder, "*.py")):

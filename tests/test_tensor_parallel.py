@@ -196,6 +196,7 @@ def tp_runs(tmp_path_factory, tiny_hf, tiny_tied_hf, tiny_ckpt, tiny_tied_ckpt, 
             gradient_accumulation_steps=4,
             ds_config="zero1",
             save_steps=3,
+            save_async="true",  # step 3's checkpoint, resumed below, written in the background
         ),
         "tp2_dp2": launch(
             "tp2_dp2", 4, num_stages=1, tensor_parallel=2, gradient_accumulation_steps=2, ds_config="zero0"
@@ -222,7 +223,7 @@ def tp_runs(tmp_path_factory, tiny_hf, tiny_tied_hf, tiny_ckpt, tiny_tied_ckpt, 
         ),
     }
     runs["pipe2_dp2"] = launch(
-        "pipe2_dp2", 4, num_stages=2, gradient_accumulation_steps=2, ds_config="zero1", save_steps=3
+        "pipe2_dp2", 4, num_stages=2, gradient_accumulation_steps=2, ds_config="zero1", save_steps=3, save_async="true"
     )  # no TP: what resumes onto tensor_parallel=2 below
     for t in FAMILY_RUNS:
         runs[t] = launch(

@@ -157,6 +157,7 @@ def test_zero3_data_parallel_run_resumes_exactly_and_exports(tmp_path, tiny_hf, 
             max_steps=4,
             save_steps=2,
             save_total_limit=0,
+            save_async="true",  # step 2's checkpoint, resumed below, written in the background
         )
 
     full = run_deepspeed(2, "train.py", args(tmp_path / "A"), str(tmp_path / "A.log"))
@@ -202,7 +203,10 @@ def test_bf16_zero0_resumes_exactly_and_a_tampered_checkpoint_is_refused_unrun(t
     hf_to_stages(tiny_hf, ckpt)
 
     def args(out):
-        return run_args(ckpt, corpus, out, tmp_path / "cache", precision="bf16", ds="zero0", max_steps=4)
+        # step 2's checkpoint, resumed below, written in the background (save_steps=2)
+        return run_args(
+            ckpt, corpus, out, tmp_path / "cache", precision="bf16", ds="zero0", max_steps=4, save_async="true"
+        )
 
     full = run_deepspeed(2, "train.py", args(tmp_path / "A"), str(tmp_path / "A.log"))
     assert full.returncode == 0, (full.stdout + full.stderr)[-4000:]

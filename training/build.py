@@ -84,10 +84,12 @@ def lock_output_dir(resolved: Resolved) -> RunLock | None:
 
 
 def make_output_dir(output_dir: str) -> None:
-    """Every rank; rank 0 also removes an earlier job's ``.stopping`` before any rank can exit at once."""
+    """Every rank; rank 0 also removes an earlier job's ``.stopping`` before any rank can exit at once, and the
+    directories of saves an earlier job did not finish."""
     os.makedirs(output_dir, exist_ok=True)
     if dist.get_rank() == 0:
         clear_stale_marker(output_dir)
+        run_checkpoints.remove_interrupted_saves(output_dir)
 
 
 def build_loss(resolved: Resolved) -> CausalLMLoss | PreferenceLoss:

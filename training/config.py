@@ -79,6 +79,16 @@ class Kernels(StrEnum):
     liger = "liger"
 
 
+class AdamWImpl(StrEnum):
+    torch_fused = "torch_fused"
+    deepspeed = "deepspeed"
+
+
+class LossImpl(StrEnum):
+    chunked = "chunked"
+    liger = "liger"
+
+
 class HangAction(StrEnum):
     exit = "exit"
     wait = "wait"
@@ -258,6 +268,10 @@ class TrainConfig:
     # MLP and RoPE in every decoder layer (CUDA only, the liger-kernel package; dense families: llama, mistral,
     # qwen2, qwen3), the weights unchanged (models/kernels.py).
     kernels: Kernels = Kernels.none
+    # AdamW's implementation: torch_fused: torch.optim.AdamW(fused=True) | deepspeed: DeepSpeed's FusedAdam (its op
+    # JIT-built at the first run that uses it: the CUDA op needs the CUDA toolkit, nvcc; on CPU DeepSpeed's C++ op).
+    # With offload_optimizer DeepSpeed's CPU Adam runs whichever is set (training/optim.py).
+    adamw_impl: AdamWImpl = AdamWImpl.torch_fused
     # Every layer of each rank's stage compiled with torch.compile through DeepSpeed's engine.compile() (backend
     # inductor), compiled in the first step; the same numbers as eager. Not with tensor or sequence parallelism,
     # DualPipeV, LoRA, MoE models or the ZeRO 2/3 data-parallel engine (training/compile.py).
@@ -277,6 +291,11 @@ class TrainConfig:
     # The LM head and its cross entropy run this many tokens at a time on the last stage, so the
     # [B,S,V] logits are never held whole nor kept for backward (recomputed per chunk); 0 = off.
     loss_chunk_tokens: int = 1024
+    # What computes the LM head's cross entropy from the hidden states and the head weight: chunked: the chunked loss
+    # above (models/loss.py) | liger: Liger-Kernel's fused linear cross entropy (CUDA only, the liger-kernel package;
+    # the same tokens and normalisation; it sizes its own chunks, loss_chunk_tokens must stay > 0). Not with
+    # tensor parallelism or the ZeRO 2/3 data-parallel engine (models/kernels.py).
+    loss_impl: LossImpl = LossImpl.chunked
     max_steps: int = 100  # optimizer steps to train; 0 with num_epochs 0: load everything, train nothing
     num_epochs: float = (
         0.0  # stop after this many passes over the training data (fractions allowed); 0 = max_steps alone decides
@@ -290,6 +309,10 @@ class TrainConfig:
     # Also save when this many minutes have passed since the last checkpoint (rank 0's clock, agreed by all ranks
     # after each step), whichever of it and save_steps comes first; 0 = steps only.
     save_every_minutes: float = 0.0
+    # Copy each rank's checkpoint files to host memory at a save and write them in a background thread while
+    # training goes on; latest names the checkpoint once every rank's files are written. The last step's save and a
+    # stop signal's are written at once (training/async_save.py).
+    save_async: bool = False
     # After SIGTERM or SIGUSR1 (SLURM's warning before a time limit or preemption) every rank finishes the step,
     # a checkpoint is saved and the job exits with code 75 (training/preemption.py); a second signal, or no
     # checkpoint within this many seconds of the first, exits at once with code 76, the last complete

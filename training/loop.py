@@ -12,11 +12,12 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from omegaconf import OmegaConf
 
-from models.host_memory import current_rss_mb, peak_rss_mb
+from models.host_memory import peak_rss_mb
 from models.llama_pipe import flops_per_token
 from models.loss import CausalLMLoss
 from parallel.stage import axis_plans
 from training import run_checkpoints
+from training.async_save import BackgroundWriter
 from training.compile import CompileLog
 from training.config import Resolved
 from training.data_setup import RankData
@@ -73,6 +74,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
     step_peak = StepPeak(start_step + 2, cfg.count_step_memory)  # what the second step allocates beyond the states
     profiler = StepProfiler(cfg.profile_steps, cfg.output_dir, dist.get_rank(), start_step)
     compiled = CompileLog(cfg.compile, start_step + 1, log0)  # compile=true: compile time once, recompiles counted
+    writer = BackgroundWriter()  # save_async: the checkpoint being written while training goes on
     skipped: list[int] = []  # steps whose update the optimizer skipped (non-finite), with nonfinite_loss=skip
     try:
         for step in range(start_step + 1, total_steps + 1):
@@ -84,7 +86,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
                 loss, counts = train_step(resolved, engine, data, loss_fn)
             watch.step_ended()
             # every rank: signals, rank 0's save clock, each rank's compute seconds (one all-reduce)
-            signalled, clock_due, compute = stopper.after_step(clock.take() if clock else 0.0)
+            signalled, clock_due, compute, writing = stopper.after_step(clock.take() if clock else 0.0, writer.busy)
             step_peak.after(step)
             data.guard.after_step(step)
             if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
@@ -99,11 +101,15 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             compute = compute if clock else None
             fields = compiled.after_step(step)  # compile=true: recompiles, compile seconds
             logger.log(step, loss, lr, norm, *counts[:3], counts[3:], compute=compute, extra=extra, fields=fields)
+            nonfinite = not math.isfinite(loss) or engine.skipped_steps > skipped_before  # the same on every rank
+            with watch.saving():  # a hang exit (training/hang.py) waits for the save
+                if writer.tag is not None and (not writing or nonfinite):  # every rank's files of it written
+                    last_saved = run_checkpoints.step_of(run_checkpoints.publish(resolved, writer))
             check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
             # the checkpoint first: an eval that fails (or a signal during it) never costs the steps trained
-            with watch.saving():  # a hang exit (training/hang.py) waits for the save
-                stop = save_if_due(resolved, engine, data, step, total_steps, stopper, signalled, clock_due)
-            if stop is not None:
+            with watch.saving():
+                stop = save_if_due(resolved, engine, data, step, total_steps, stopper, signalled, clock_due, writer)
+            if stop is not None and writer.tag is None:
                 last_saved = step
             if data.evals and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
                 for evaluation, labels in zip(data.evals, eval_labels):
@@ -127,22 +133,28 @@ def save_if_due(
     stopper: StopAndSave,
     signalled: list[int],
     clock_due: bool,
+    writer: BackgroundWriter,
 ) -> str | None:
     """Save after ``step`` when save_steps, the end, save_every_minutes or a stop signal says so (the ranks agreed
-    on the last two after the step, training/preemption.py). Returns None when nothing was saved; else, after a
-    signal before the last step, the line the job stops with (the caller raises it), or ""."""
+    on the last two after the step, training/preemption.py); with save_async, in the background unless it is the
+    last step's or a signal's. Returns None when nothing was saved; else, after a signal before the last step, the
+    line the job stops with (the caller raises it), or ""."""
     cfg = resolved.cfg
     if not ((cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps or clock_due or signalled):
         return None
     start = time.time()
-    tag = run_checkpoints.save(resolved, engine, step, data.iterator)
-    stopper.saved()
-    rss = on_all_ranks("reporting memory", current_rss_mb)
+    background = cfg.save_async and step < total_steps and not signalled
+    tag = run_checkpoints.save(resolved, engine, step, data.iterator, writer, background)
     why = f", {cfg.save_every_minutes:g} minutes since the last" if clock_due else ""
-    log0(
-        f"saved checkpoint {tag} in {cfg.output_dir}{why} (RSS per rank now: {', '.join(f'{r:.0f}' for r in rss)} "
-        f"MiB; peak RSS {peak_rss_mb():.0f} MiB)"
-    )
+    if background:
+        stopper.snapshot_taken()
+        log0(
+            f"checkpoint {tag}: copied to host memory in {writer.captured_s:.2f} s{why}; written in the background "
+            "while training goes on (latest names it once every rank's files are written)"
+        )
+        return ""
+    stopper.saved()
+    run_checkpoints.log_saved(resolved, tag, why)
     if signalled and step < total_steps:  # in the last step: the run is complete, exit 0
         return (
             f"stop signal ({'/'.join(STOP_SIGNALS)}) on rank(s) {signalled}: checkpoint {tag} saved after step {step} "

@@ -248,21 +248,31 @@ class StopAndSave:
 
     def saved(self) -> None:
         """A checkpoint was written: the clock starts again, and a stop signal's deadline is met."""
-        self.last_save = time.monotonic()
+        self.snapshot_taken()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
 
-    def after_step(self, compute_s: float = 0.0) -> tuple[list[int], bool, list[float]]:
+    def snapshot_taken(self) -> None:
+        """A checkpoint was copied to host memory (save_async), not yet written: only the clock starts again."""
+        self.last_save = time.monotonic()
+
+    def after_step(self, compute_s: float = 0.0, writing: bool = False) -> tuple[list[int], bool, list[float], int]:
         """Collective, every rank after each step: (ranks that received a stop signal, whether rank 0's
-        save_every_minutes clock is due, every rank's ``compute_s``: training/straggler.py), the same on
-        every rank."""
+        save_every_minutes clock is due, every rank's ``compute_s``: training/straggler.py, how many ranks'
+        checkpoint writers are still ``writing``: training/async_save.py), the same on every rank."""
         world = dist.get_world_size()
-        values = torch.zeros(2 * world + 1, dtype=torch.float64, device=self.device)  # [2W+1]: each rank's slots
+        values = torch.zeros(2 * world + 2, dtype=torch.float64, device=self.device)  # [2W+2]: each rank's slots
         values[self.rank] = float(self.received is not None)
         values[world + 1 + self.rank] = compute_s
+        values[2 * world + 1] = float(writing)
         if self.rank == 0 and self.save_every_s > 0:
             values[world] = float(time.monotonic() - self.last_save >= self.save_every_s)
         dist.all_reduce(values)
         values = values.tolist()
-        return [r for r in range(world) if values[r]], bool(values[world]), values[world + 1 :]
+        return (
+            [r for r in range(world) if values[r]],
+            bool(values[world]),
+            values[world + 1 : 2 * world + 1],
+            round(values[2 * world + 1]),
+        )

@@ -81,7 +81,9 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
         f"planner (scripts/estimate_memory.py), most loaded GPU (stage {e.stage}, {e.parameters / 1e9:.2f} B "
         f"params): model states {e.model_states / GB:.1f} GB + activations {e.activations / GB:.1f} GB + loss "
         f"{e.loss / GB:.1f} GB + gradient and bucket temporaries {(e.grad_temp + e.buffers) / GB:.1f} GB = "
-        f"{e.total / GB:.1f} GB" + (f"; host {e.host / GB:.1f} GB per rank (offloaded)" if e.host else "")
+        f"{e.total / GB:.1f} GB"
+        + (f"; host {e.host / GB:.1f} GB per rank (offloaded)" if e.host else "")
+        + (f"; host {e.snapshot / GB:.1f} GB per rank for save_async's copy of a checkpoint" if e.snapshot else "")
     )
     lines += ["  " + line for line in stage_table(stages, layers, layout)]
     lines += schedule_report(split, layout, shape_of(config))

@@ -434,7 +434,7 @@ def load_into_engine(engine, saved: SavedOptimizerState) -> None:
     """Set every trainable parameter's fp32 master (where the optimizer keeps one) and Adam moments from
     ``saved``, and the step count of every optimizer state. Local: no collective (each rank sets the
     fragments it holds). The weights themselves come from the layer files, loaded before."""
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -444,7 +444,10 @@ def load_into_engine(engine, saved: SavedOptimizerState) -> None:
     step = saved.step or 0.0
 
     def new_state(flat: torch.Tensor) -> dict:
-        count = int(step) if isinstance(base, DeepSpeedCPUAdam) else torch.tensor(step, dtype=torch.float32)
+        # DeepSpeed's Adams count steps in a Python int, as they make it themselves; torch's in a tensor
+        count = (
+            int(step) if isinstance(base, (DeepSpeedCPUAdam, FusedAdam)) else torch.tensor(step, dtype=torch.float32)
+        )
         return {"step": count, **{s: torch.zeros_like(flat) for s in MOMENTS}}
 
     if isinstance(optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer)):

@@ -41,6 +41,7 @@ RESUME_KEY_CLASSES = {
         "precision",
         "micro_batch_size",
         "gradient_accumulation_steps",
+        "adamw_impl",
     ),
     "optim": (
         "optim.lr",
@@ -93,6 +94,7 @@ RESHARD_KEYS = (
     "partition_method",
     "ds_config",
     "precision",
+    "adamw_impl",  # torch's AdamW and DeepSpeed's FusedAdam: each one's states set per parameter, not loaded whole
 )
 
 

@@ -5,24 +5,29 @@ states, LR scheduler) plus one ``trainer_state_rank<R>.json`` per rank (step, sa
 states), plus the model config, tokenizer and resolved training config in ``output_dir``. The order
 of writing is what makes it safe:
 
-0. rank 0 removes ``<output_dir>/<tag>/`` if an interrupted save left one; all ranks meet;
-1. every rank writes its DeepSpeed files and its trainer state into ``<output_dir>/<tag>/``;
-2. all ranks meet at a barrier;
-3. rank 0 writes ``latest`` (to a temporary file, then renamed), then deletes checkpoints beyond
-   ``save_total_limit`` and any directory newer than the one just saved.
+0. rank 0 removes ``<output_dir>/.<tag>.partial/`` if an interrupted save left one; all ranks meet;
+1. every rank writes its DeepSpeed files and its trainer state into ``<output_dir>/.<tag>.partial/``
+   (``save_async``: copies them to host memory, and a thread writes them while training goes on);
+2. all ranks agree that every rank's files are written: a barrier, or with ``save_async`` the per-step
+   agreement (training/preemption.py) once no rank's writer is busy;
+3. rank 0 renames the directory to ``<output_dir>/<tag>/``, writes ``latest`` (to a temporary file,
+   then renamed), then deletes checkpoints beyond ``save_total_limit`` and any directory newer than
+   the one just saved.
 
-A crash before step 3 (a rank killed mid-save) leaves ``latest`` naming the previous complete
-checkpoint, and a directory newer than it that is never resumed from
-(``models.layer_files.tags_newer_than_latest``); the next save of that tag replaces it.
+A crash before step 3 (a rank killed mid-save, or mid background write) leaves ``latest`` naming the
+previous complete checkpoint, and only a ``.<tag>.partial`` directory, which nothing reads
+(``models.layer_files.TAG_PATTERN`` does not match it) and the next start removes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
+import time
 
 import numpy as np
 import torch
@@ -32,23 +37,26 @@ from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from omegaconf import OmegaConf
 
 from data.settings import tokenizer_dir
+from models.host_memory import current_rss_mb, peak_rss_mb
 from models.layer_files import (
     LATEST_FILE,
+    TAG_PATTERN,
     CheckpointError,
     checkpoint_tags,
     copy_side_files,
     copy_tokenizer_files,
     deepspeed_state_globals,
     first_line,
-    latest_tag,
-    load_deepspeed_file,
     local_modules,
     stage_file_problems,
     write_config,
 )
 from models.llama_pipe import layer_file_name
 from models.lora_files import adapter_file_problems, base_mismatch, saved_base_record
+from training.async_save import BackgroundWriter, CheckpointEngine
 from training.config import Resolved
+from training.distributed import TrainingStopped, on_all_ranks
+from training.logs import log0
 from training.optim import apply_optim_settings, param_groups
 from training.reshard import SavedOptimizerState, load_into_engine, load_problems
 
@@ -61,6 +69,10 @@ SAVED_LINE = re.compile(
 
 def tag_for(step: int) -> str:
     return f"global_step{step}"
+
+
+def step_of(tag: str) -> int:
+    return int(TAG_PATTERN.fullmatch(tag).group(1))
 
 
 def trainer_state_file(output_dir: str, tag: str, rank: int) -> str:
@@ -88,18 +100,51 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
-def save(resolved: Resolved, engine, step: int, iterator) -> str:
-    """Collective: write checkpoint ``global_step<step>``; returns its tag."""
+def staging_dir(output_dir: str, tag: str) -> str:
+    """Where checkpoint ``tag`` is written until every rank's files are: renamed to ``output_dir/tag`` then."""
+    return os.path.join(output_dir, f".{tag}.partial")
+
+
+def save(resolved: Resolved, engine, step: int, iterator, writer: BackgroundWriter, background: bool = False) -> str:
+    """Collective: write checkpoint ``global_step<step>``; returns its tag. ``background``: copy this rank's files to
+    host memory and leave them to ``writer``; :func:`publish` makes the checkpoint ``latest`` once every rank's are
+    written. A checkpoint still being written from an earlier save is waited for, and published, first."""
     cfg, rank = resolved.cfg, dist.get_rank()
     tag = tag_for(step)
+    if writer.tag is not None:
+        publish(resolved, writer, f"saving {tag}")
+    staging = staging_dir(cfg.output_dir, tag)
     if rank == 0:
-        remove_interrupted(cfg.output_dir, tag)
+        remove_partial(staging)
     dist.barrier()  # no rank writes into the directory before a stale one is gone
-    # A LoRA run's layer files hold only what it trains; the frozen base stays in model_name_or_path.
-    engine.save_checkpoint(cfg.output_dir, tag=tag, save_latest=False, exclude_frozen_parameters=resolved.lora)
-    if not resolved.uses_pipeline:
-        write_layer_files(engine.module, resolved.model_config, os.path.join(cfg.output_dir, tag))
-    state = {
+    start = time.time()
+    capture = engine.checkpoint_engine.capturing() if background else contextlib.nullcontext()
+    with capture as captured:
+        # A LoRA run's layer files hold only what it trains; the frozen base stays in model_name_or_path.
+        engine.save_checkpoint(
+            cfg.output_dir, tag=os.path.basename(staging), save_latest=False, exclude_frozen_parameters=resolved.lora
+        )
+        if not resolved.uses_pipeline:
+            write_layer_files(engine, resolved.model_config, staging)
+    with open(os.path.join(staging, os.path.basename(trainer_state_file(cfg.output_dir, tag, rank))), "w") as f:
+        json.dump(trainer_state(resolved, engine, step, iterator), f)
+    if rank == 0:
+        write_side_files(resolved)
+        OmegaConf.save(OmegaConf.structured(cfg), os.path.join(staging, "train_config.yaml"))
+    if background:
+        writer.start(tag, captured, engine.checkpoint_engine, time.time() - start)
+        return tag
+    dist.barrier()  # every rank's files are complete
+    if rank == 0:
+        make_latest(cfg, tag)
+    dist.barrier()
+    return tag
+
+
+def trainer_state(resolved: Resolved, engine, step: int, iterator) -> dict:
+    """This rank's ``trainer_state_rank<R>.json``: what DeepSpeed's files do not hold (see the module)."""
+    rank = dist.get_rank()
+    return {
         "step": step,
         "world_size": dist.get_world_size(),
         "stage": rank // (resolved.layout.data_axis * resolved.layout.tp),  # pipe is the outer axis of the topology
@@ -116,20 +161,58 @@ def save(resolved: Resolved, engine, step: int, iterator) -> str:
         "rng": rng_state(),
         "iterator": iterator.state_dict() if iterator is not None else None,
     }
-    with open(trainer_state_file(cfg.output_dir, tag, rank), "w") as f:
-        json.dump(state, f)
-    if rank == 0:
-        write_side_files(resolved)
-        OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.output_dir, tag, "train_config.yaml"))
-    dist.barrier()  # every rank's files are complete
-    if rank == 0:
-        tmp = os.path.join(cfg.output_dir, f".{LATEST_FILE}.tmp")
-        with open(tmp, "w") as f:
-            f.write(tag)
-        os.replace(tmp, os.path.join(cfg.output_dir, LATEST_FILE))
-        prune(cfg.output_dir, cfg.save_total_limit, keep=tag)
+
+
+def make_latest(cfg, tag: str) -> None:
+    """Rank 0, once every rank's files of ``tag`` are written: its directory renamed into place, ``latest``
+    replaced atomically, older checkpoints beyond ``save_total_limit`` deleted."""
+    final = os.path.join(cfg.output_dir, tag)
+    if os.path.isdir(final):  # an interrupted save's of an earlier version, or a run ``latest`` was moved back from
+        shutil.rmtree(final)
+    os.rename(staging_dir(cfg.output_dir, tag), final)
+    tmp = os.path.join(cfg.output_dir, f".{LATEST_FILE}.tmp")
+    with open(tmp, "w") as f:
+        f.write(tag)
+    os.replace(tmp, os.path.join(cfg.output_dir, LATEST_FILE))
+    prune(cfg.output_dir, cfg.save_total_limit, keep=tag)
+
+
+def publish(resolved: Resolved, writer: BackgroundWriter, before: str | None = None) -> str:
+    """Collective: the checkpoint ``writer`` holds becomes ``latest`` once every rank's files are written (waiting
+    for them, saying so when ``before`` something else, if one is still busy), and the saved line is logged.
+    A rank's failed write stops training on every rank, ``latest`` left on the previous checkpoint."""
+    tag = writer.tag
+    if before is not None and on_all_ranks("checking the checkpoint writer", lambda: writer.busy).count(True):
+        log0(f"checkpoint {tag} is still being written in the background: waiting for it before {before}")
+    waited = writer.wait()
+    errors = on_all_ranks("writing a checkpoint in the background", lambda: writer.error)
+    writer.done()
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed:
+        raise TrainingStopped(
+            f"checkpoint {tag} could not be written ({'; '.join(failed)}): training stopped; "
+            f"{staging_dir(resolved.cfg.output_dir, tag)} is left incomplete and latest names the previous checkpoint"
+        )
+    if dist.get_rank() == 0:
+        make_latest(resolved.cfg, tag)
     dist.barrier()
+    times = on_all_ranks("reporting the checkpoint writer", lambda: (writer.written_s or 0.0, writer.captured_s))
+    written, captured = max(t[0] for t in times), max(t[1] for t in times)
+    log_saved(
+        resolved,
+        tag,
+        f" (written in the background in {written:.2f} s; training stopped {captured + waited:.2f} s for it)",
+    )
     return tag
+
+
+def log_saved(resolved: Resolved, tag: str, how: str = "") -> None:
+    """The line each save ends with (``SAVED_LINE``), with every rank's RSS: collective."""
+    rss = on_all_ranks("reporting memory", current_rss_mb)
+    log0(
+        f"saved checkpoint {tag} in {resolved.cfg.output_dir}{how} (RSS per rank now: "
+        f"{', '.join(f'{r:.0f}' for r in rss)} MiB; peak RSS {peak_rss_mb():.0f} MiB)"
+    )
 
 
 def optimizer_param_names(module, weight_decay: float) -> list[list[str]]:
@@ -139,8 +222,9 @@ def optimizer_param_names(module, weight_decay: float) -> list[list[str]]:
     return [[names[id(p)] for p in group["params"]] for group in param_groups(module, weight_decay)]
 
 
-def write_layer_files(module, config, tag_dir: str) -> None:
-    """Collective, data-parallel engine: the pipeline's per-spec layer files, written by rank 0.
+def write_layer_files(engine, config, tag_dir: str) -> None:
+    """Collective, data-parallel engine: the pipeline's per-spec layer files, written by rank 0 through the
+    engine's checkpoint engine (``save_async``: its host copy).
 
     Under ZeRO-3 each module's parameters are gathered first (a no-op for ZeRO 0-2), so the
     checkpoint exports with ``convert2ckpt.py --to-hf`` and loads as ``model_name_or_path`` exactly
@@ -148,11 +232,14 @@ def write_layer_files(module, config, tag_dir: str) -> None:
     """
     import deepspeed
 
-    for index, m in local_modules(module):
+    ckpt = engine.checkpoint_engine
+    clone = ckpt.preserves_storage_sharing()  # save_async's host copy copies them anyway
+    for index, m in local_modules(engine.module):
         with deepspeed.zero.GatheredParameters(list(m.parameters()), modifier_rank=None):
             if dist.get_rank() == 0:
-                state = {k: v.detach().clone() for k, v in m.state_dict().items()}
-                torch.save(state, os.path.join(tag_dir, layer_file_name(index)))
+                # cloned: a parameter may be a view of a flat buffer, which torch.save would write whole
+                state = {k: v.detach().clone() if clone else v for k, v in m.state_dict().items()}
+                ckpt.save(state, os.path.join(tag_dir, layer_file_name(index)))
 
 
 def write_side_files(resolved: Resolved) -> None:
@@ -166,14 +253,19 @@ def write_side_files(resolved: Resolved) -> None:
     OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.output_dir, "train_config.yaml"))
 
 
-def remove_interrupted(output_dir: str, tag: str) -> None:
-    """Remove ``output_dir/tag`` before saving into it: left by an interrupted save, it may hold files
-    of the older attempt that this save would not overwrite. Never the checkpoint ``latest`` names."""
-    path = os.path.join(output_dir, tag)
-    if not os.path.isdir(path) or latest_tag(output_dir) == tag:
-        return
-    print(f"[train] removing {path}: an incomplete checkpoint left by an interrupted save", flush=True)
-    shutil.rmtree(path)
+def remove_partial(path: str) -> None:
+    """Remove a checkpoint directory an interrupted save left (``.<tag>.partial``): nothing resumes from it."""
+    if os.path.isdir(path):
+        print(f"[train] removing {path}: an incomplete checkpoint left by an interrupted save", flush=True)
+        shutil.rmtree(path)
+
+
+def remove_interrupted_saves(output_dir: str) -> None:
+    """Rank 0 at start-up: every ``.<tag>.partial`` directory in ``output_dir``."""
+    if os.path.isdir(output_dir):
+        for name in sorted(os.listdir(output_dir)):
+            if name.startswith(".global_step") and name.endswith(".partial"):
+                remove_partial(os.path.join(output_dir, name))
 
 
 def prune(output_dir: str, limit: int, keep: str) -> list[str]:
@@ -191,23 +283,15 @@ def prune(output_dir: str, limit: int, keep: str) -> list[str]:
     return doomed
 
 
-class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's own checkpoint engine, which loads with ``weights_only=False`` (any pickle runs),
-    loading with :func:`load_deepspeed_file` instead. Saving is unchanged."""
-
-    def load(self, path: str, map_location=None):
-        return load_deepspeed_file(path, map_location)
-
-
 def load_without_pickles(engine) -> None:
-    """Every file ``engine.load_checkpoint`` reads goes through :class:`WeightsOnlyCheckpointEngine`
-    (engine states, ZeRO optimizer states, and the pipeline's layer files)."""
+    """Every file ``engine.load_checkpoint`` reads goes through :class:`CheckpointEngine` (engine states, ZeRO
+    optimizer states, and the pipeline's layer files), which loads weights only and can save in the background."""
     if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
         raise CheckpointError(
             f"checkpoint engine {type(engine.checkpoint_engine).__name__}: only DeepSpeed's torch engine is "
             "supported (its loads are made pickle-free here); remove the JSON's checkpoint engine settings"
         )
-    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)  # its serialization settings
+    engine.checkpoint_engine = CheckpointEngine(engine._config)  # its serialization settings
 
 
 def unsafe_checkpoint_files(tag_dir: str, rank: int, world_size: int) -> list[str]:

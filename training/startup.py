@@ -47,8 +47,9 @@ POLL_S = 2.0
 
 # DeepSpeed op builders (by accelerator-neutral class name) that a job may JIT-load, with the build time
 # measured on 2 CPU cores. The shared-memory collectives load at every CPU ``init_distributed``;
-# ``cpu_adam`` with optimizer offload. ``fused_adam`` is not built: the project sets ``torch_adam``.
-OP_BUILDERS = {"ShareMemCommBuilder": 30, "CPUAdamBuilder": 40}
+# ``cpu_adam`` with optimizer offload; ``fused_adam`` with adamw_impl=deepspeed (on a GPU its CUDA op, built by the
+# first job that uses it, with nvcc).
+OP_BUILDERS = {"ShareMemCommBuilder": 30, "CPUAdamBuilder": 40, "FusedAdamBuilder": 60}
 OPS_STAMP = "deepspeed-ops.json"  # in the virtualenv: which ops setup built, and where
 
 

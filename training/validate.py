@@ -13,7 +13,7 @@ from dataclasses import fields
 
 from data.checks import data_problems, default_packing
 from data.settings import prepared_problems
-from models.kernels import kernel_problems
+from models.kernels import kernel_problems, loss_impl_problems
 from models.layer_files import tags_newer_than_latest
 from models.lora_rules import peft_change_problems, peft_problems
 from parallel.dualpipev import dualpipev_defaults, dualpipev_problems
@@ -30,6 +30,7 @@ from training.compile import compile_problems, compile_warnings
 from training.config import ConfigError, DPOConfig, PeftConfig, Resolved, TrainConfig, dotted, plain
 from training.ds_json import ds_json_conflicts, fp16_supported, load_ds_json
 from training.model_source import input_checkpoint_problems, resolve_model
+from training.optim import adamw_problems
 from training.output_checks import disk_problems, output_dir_problems
 from training.profiling import profile_problems
 from training.resume_rules import ACCEPTABLE_CHANGES, RESUME_KEY_CLASSES, find_resume, reshard_reason
@@ -181,6 +182,8 @@ def resolve(
     problems += dualpipev_problems(cfg, model_config, layout)
     problems += profile_problems(cfg.profile_steps, cfg.max_steps, cfg.num_epochs)
     problems += kernel_problems(cfg.kernels, model_config)
+    problems += loss_impl_problems(cfg.loss_impl, cfg.loss_chunk_tokens, layout.tp, layout.uses_pipeline)
+    problems += adamw_problems(cfg.adamw_impl)
     problems += compile_problems(cfg, model_config, layout)
     warnings += compile_warnings(cfg, layout)
     warnings += tensor_parallel_warnings(layout, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
@@ -311,6 +314,13 @@ HARMLESS_RULES = (
         ),
         "groups rows of similar length so micro-batches are cut short, but data.pad_to_multiple_of=0 feeds every "
         "row whole (it only reorders the samples): set data.pad_to_multiple_of=8",
+    ),
+    (
+        ("save_async",),
+        lambda cfg, layout: bool(cfg.save_steps or cfg.save_every_minutes),
+        "writes checkpoints in the background while training goes on, but with save_steps=0 and "
+        "save_every_minutes=0 only the last step's is saved, and that one is written at once: set save_steps or "
+        "save_every_minutes",
     ),
     (
         ("data.order_check_steps",),

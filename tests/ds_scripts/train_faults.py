@@ -6,6 +6,9 @@ environment variables choosing the faults:
 - ``FAULT_CRASH_IN_SAVE=<step>:<rank>``: that rank SIGKILLs itself right after writing its first file
   of checkpoint ``global_step<step>`` (a rank dying in the middle of a save); the time of the kill
   is written to ``FAULT_KILL_TIME_FILE`` first, so the test can time the job's exit from it.
+- ``FAULT_SLOW_WRITE=<step>:<rank>:<seconds>``: with ``save_async=true``, that rank's background writer
+  waits that long before writing its files of checkpoint ``global_step<step>`` (a slow file system),
+  after printing ``[fault] rank R: writing global_stepN in the background``.
 - ``FAULT_NAN_AT_STEPS=<step>[,<step>...]``: the loss of those optimizer steps is NaN (the last
   stage's loss function multiplies it by NaN, so the gradients are NaN too).
 - ``FAULT_HANG_AT_STEP=<step>:<rank>``: that rank stops responding at the start of that step (it
@@ -37,12 +40,13 @@ def parse_pair(name: str) -> tuple[int, int] | None:
 
 
 crash = parse_pair("FAULT_CRASH_IN_SAVE")
+slow = [int(v) for v in os.environ.get("FAULT_SLOW_WRITE", "").split(":") if v]
 hang = parse_pair("FAULT_HANG_AT_STEP")
 nan_steps = {int(s) for s in os.environ.get("FAULT_NAN_AT_STEPS", "").split(",") if s}
 
 if crash and crash[1] == RANK:
     _save = torch.save
-    tag_dir = f"{os.sep}global_step{crash[0]}{os.sep}"
+    tag_dir = f"{os.sep}.global_step{crash[0]}.partial{os.sep}"  # where a save writes (training/run_checkpoints.py)
 
     def save_then_die(obj, f, *args, **kwargs):
         _save(obj, f, *args, **kwargs)
@@ -52,6 +56,22 @@ if crash and crash[1] == RANK:
             os.kill(os.getpid(), signal.SIGKILL)
 
     torch.save = save_then_die
+
+if slow and slow[1] == RANK:
+    import training.async_save  # noqa: E402
+
+    _write_file = training.async_save.write_file
+    slow_dir = f"{os.sep}.global_step{slow[0]}.partial{os.sep}"
+    announced = []
+
+    def slow_write_file(engine, path, obj):
+        if slow_dir in path and not announced:
+            announced.append(path)
+            print(f"[fault] rank {RANK}: writing global_step{slow[0]} in the background", flush=True)
+            time.sleep(slow[2])
+        _write_file(engine, path, obj)
+
+    training.async_save.write_file = slow_write_file
 
 if nan_steps:
     _loss = CausalLMLoss.__call__
