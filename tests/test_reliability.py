@@ -205,29 +205,18 @@ def chain(setup):
         "step4": sorted(os.listdir(root / "C" / ".global_step4.partial")),
         "dirs": sorted(os.listdir(root / "C")),
     }
-    # From here C saves every step in the background (save_async). C resumed; rank 1's writer takes 30 s over its
-    # files of global_step6, and rank 1 is killed from outside once step 7 is logged (training went on), under the
-    # real launcher: it is what ends the job.
-    every_step_async = dict(save_async="true", save_steps=1)
-    runs["kill"] = launch(
-        4,
-        FAULTS,
-        train_args(ckpt, data, root / "C", cache, **every_step_async),
-        str(root / "C-kill.log"),
-        kill_rank_after=("step 7/", 1),
-        env={"FAULT_SLOW_WRITE": "6:1:30"},
-    )
+
+    # From here C saves every step in the background (save_async), one rank's writer slowed by FAULT_SLOW_WRITE.
+    def slow_writer(log: str, slow: str, trigger: tuple[str, int], send=signal.SIGKILL) -> Launch:
+        args = train_args(ckpt, data, root / "C", cache, save_async="true", save_steps=1)
+        return launch(4, FAULTS, args, str(root / log), trigger, env={"FAULT_SLOW_WRITE": slow}, send=send)
+
+    # C resumed; rank 1's writer takes 30 s over its files of global_step6, and rank 1 is killed from outside once
+    # step 7 is logged (training went on), under the real launcher: it is what ends the job.
+    runs["kill"] = slow_writer("C-kill.log", "6:1:30", ("step 7/", 1))
     runs["after_kill"] = {"latest": (root / "C" / "latest").read_text(), "dirs": sorted(os.listdir(root / "C"))}
     # C resumed again; rank 3's writer takes 4 s over global_step7, and rank 3 gets SIGUSR1 as it starts on them.
-    runs["usr1"] = launch(
-        4,
-        FAULTS,
-        train_args(ckpt, data, root / "C", cache, **every_step_async),
-        str(root / "C-usr1.log"),
-        kill_rank_after=("[fault] rank 3: writing global_step7", 3),
-        env={"FAULT_SLOW_WRITE": "7:3:4"},
-        send=signal.SIGUSR1,
-    )
+    runs["usr1"] = slow_writer("C-usr1.log", "7:3:4", ("[fault] rank 3: writing global_step7", 3), signal.SIGUSR1)
     runs["after_usr1"] = {"latest": (root / "C" / "latest").read_text(), "dirs": sorted(os.listdir(root / "C"))}
     runs["final"] = without_kill("C", "C-final.log")
     assert runs["final"].returncode == 0, runs["final"].output[-4000:]
