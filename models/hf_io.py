@@ -215,16 +215,25 @@ def load_config(model_dir: str) -> PretrainedConfig:
         raise ConversionError(str(e)) from None
 
 
+_HF_SHAPES: dict[str, dict[int, dict[str, torch.Size]]] = {}  # expected_hf_shapes by config.json (its path aside)
+
+
 def expected_hf_shapes(config: PretrainedConfig) -> dict[int, dict[str, torch.Size]]:
     """Per spec that owns a layer file: {hf_key: shape}, derived from the stage modules themselves
-    (tests/test_families.py checks them against each family's own ``<Family>ForCausalLM``)."""
-    specs = build_specs(config)
-    out = {}
-    for info in spec_layout(config):
-        if info.owns_file:
-            local = expected_state_shapes(specs[info.index])
-            out[info.index] = {info.hf_prefix + k: s for k, s in local.items()}
-    return out
+    (tests/test_families.py checks them against each family's own ``<Family>ForCausalLM``). Built once per
+    architecture (``_HF_SHAPES``): a conversion and train.py's check of a Hugging Face directory ask more than once,
+    and each build constructs every layer on the meta device (tens of ms for a tiny model)."""
+    key = json.dumps({**config.to_dict(), "_name_or_path": None}, sort_keys=True, default=str)
+    if key not in _HF_SHAPES:
+        if len(_HF_SHAPES) >= 64:
+            _HF_SHAPES.clear()
+        specs = build_specs(config)
+        _HF_SHAPES[key] = {
+            info.index: {info.hf_prefix + k: s for k, s in expected_state_shapes(specs[info.index]).items()}
+            for info in spec_layout(config)
+            if info.owns_file
+        }
+    return {index: dict(shapes) for index, shapes in _HF_SHAPES[key].items()}  # a copy: callers may change theirs
 
 
 def hf_differences(hf_dir: str, ckpt_dir: str, tag: str, config: PretrainedConfig, limit: int = 3) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -13,6 +14,12 @@ import time
 
 import pytest
 import torch
+
+# The cyclic garbage collector at Python's thresholds (700, 10, 10) walked this process's whole heap (torch,
+# transformers, DeepSpeed, peft: millions of objects) 17 times in the fast tier, 0.2-0.5 s each: 4-5 s of it.
+# Collected less often, it takes 1.5 s. This process only: the ranks and scripts the tests start are interpreters of
+# their own (training/launch.py's fork server too), at the defaults.
+gc.set_threshold(50_000, 20, 100)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -140,6 +147,16 @@ def read_metrics(output_dir: str, kind: str = "train") -> list[dict]:
     """metrics.jsonl records of one kind (train: one per step, eval: one per evaluation)."""
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+@pytest.fixture()
+def dynamo_without_guard_timing(monkeypatch):
+    """torch.compile's capture (dynamo) without the latency it measures of each graph's guards, for its metrics only:
+    a CPU cache flush per graph, 30-80 ms here, a second or two of the tests that compile a layer with
+    ``backend="eager"``. What dynamo captures, guards and recompiles is unchanged."""
+    from torch._dynamo import guards
+
+    monkeypatch.setattr(guards, "profile_guard_manager", lambda *args: 0.0)
 
 
 @pytest.fixture(scope="session")

@@ -103,7 +103,7 @@ def packed_positions(starts: list[int], seq: int) -> torch.Tensor:
     return pos[None]
 
 
-def test_packed_rows_of_another_document_layout_reuse_the_compiled_graphs():
+def test_packed_rows_of_another_document_layout_reuse_the_compiled_graphs(dynamo_without_guard_timing):
     """The per-document attention finds documents with data-dependent Python: compiled, it runs eagerly between
     the layer's graphs, so another packing of the rows neither recompiles nor changes a number."""
     from torch._dynamo.utils import counters  # seconds to import: not at collection
@@ -211,7 +211,7 @@ def test_compile_time_is_said_once_and_recompiles_are_counted(runs):
     )
 
 
-def test_dualpipev_deferred_weight_gradients_break_the_graph_at_every_linear_layer():
+def test_dualpipev_deferred_weight_gradients_break_the_graph_at_every_linear_layer(dynamo_without_guard_timing):
     """Why compile=true refuses DualPipeV: its linear layers queue their weight gradients from inside their backward,
     which dynamo does not trace, so every one of them breaks the graph and runs eagerly (the gradients stay right)."""
     from torch._dynamo.utils import counters  # seconds to import: not at collection

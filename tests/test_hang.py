@@ -13,6 +13,7 @@ import pytest
 from models.tiny import write_random_tokens
 from tests.conftest import read_metrics, run_deepspeed
 from tests.parity import SEQ, train_args
+from training import hang
 from training.hang import HANG_EXIT_CODE, HangWatch, where
 
 DUMP = """rank 2, step 3, 5 s into it
@@ -39,10 +40,11 @@ def test_the_bound_follows_the_median_step_with_a_floor(tmp_path):
     assert HangWatch(str(tmp_path), 0, 1, 7.0, "wait").timeout_s() == 7.0
 
 
-def test_a_hung_step_dumps_this_ranks_stacks(tmp_path):
-    watch = HangWatch(str(tmp_path), 1, 2, 0.5, "wait")  # rank 1: writes its file, no report
+def test_a_hung_step_dumps_this_ranks_stacks(tmp_path, monkeypatch):
+    monkeypatch.setattr(hang, "WATCH_EVERY_S", 0.02)
+    watch = HangWatch(str(tmp_path), 1, 2, 0.1, "wait")  # rank 1: writes its file, no report
     watch.step_started(4)
-    path, deadline = tmp_path / "hang" / "rank1.txt", time.time() + 10  # written 0.5 s into the step
+    path, deadline = tmp_path / "hang" / "rank1.txt", time.time() + 10  # written 0.1 s into the step
     while not (path.exists() and "test_a_hung_step" in path.read_text()) and time.time() < deadline:
         time.sleep(0.05)
     dump = path.read_text()

@@ -34,6 +34,15 @@ print("lost" if lost else "kept", flush=True)
 """
 
 
+def wait_for(condition, timeout_s: float = 10.0) -> bool:
+    """Whether ``condition()`` came true within ``timeout_s`` (polled every 10 ms): a heartbeat of 0.05 s shows
+    in a few of them, where a fixed sleep waited 0.3 s for it."""
+    deadline = time.time() + timeout_s
+    while not condition() and time.time() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
 def lock_path(output_dir) -> str:
     return os.path.join(output_dir, LOCK_NAME)
 
@@ -87,8 +96,7 @@ def test_acquire_writes_record_and_release_removes_it(tmp_path):
 def test_context_manager_heartbeat_advances(tmp_path):
     with RunLock(str(tmp_path), heartbeat_s=0.05, stale_after_s=1.0) as lock:
         first = read_lock(tmp_path)["heartbeat"]
-        time.sleep(0.3)
-        assert read_lock(tmp_path)["heartbeat"] > first
+        assert wait_for(lambda: read_lock(tmp_path)["heartbeat"] > first)
         assert read_lock(tmp_path)["run_id"] == lock.run_id
     assert not os.path.exists(lock_path(tmp_path))
 
@@ -114,8 +122,8 @@ def test_second_run_refused_first_unaffected(tmp_path):
         assert "s ago), last heartbeat " in message and f"({lock_path(out)})" in message
         assert message.endswith("Wait for it to finish, or choose another output_dir.")
         # The refused run wrote nothing, and the first one's lock and heartbeat go on.
-        time.sleep(0.3)
-        assert read_lock(out)["run_id"] == holder_run_id and read_lock(out)["heartbeat"] > beat
+        assert wait_for(lambda: read_lock(out)["heartbeat"] > beat)
+        assert read_lock(out)["run_id"] == holder_run_id
         assert [n for n in os.listdir(out) if ".tmp-" not in n] == [LOCK_NAME]
         stdout, _ = holder.communicate("\n", timeout=30)
     finally:
@@ -256,7 +264,7 @@ def test_take_over_claims(tmp_path, monkeypatch):
     run_id = write_lock(tmp_path, "other-node-7", 4242, age_s=10)
     claim = f"{lock_path(tmp_path)}.takeover-{run_id}"
     open(claim, "w").close()
-    monkeypatch.setattr(run_lock, "CLAIM_WAIT_S", 0.3)
+    monkeypatch.setattr(run_lock, "CLAIM_WAIT_S", 0.1)
     # A fresh claim: another run is taking the lock over; we neither race it nor wait forever.
     with pytest.raises(RunLockedError, match="could not take over the stale lock"):
         RunLock(str(tmp_path), heartbeat_s=0.05, stale_after_s=2.0).acquire()
@@ -275,9 +283,7 @@ def test_release_keeps_a_lock_another_run_took_over(tmp_path):
     lock.acquire()
     # Another run's take-over, as the lock's file shows it (our heartbeat seemed stale to it).
     other = write_lock(tmp_path, "other-node-7", 4242)
-    deadline = time.time() + 10
-    while lock.lost is None and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: lock.lost is not None)
     assert lock.lost and "host other-node-7, pid 4242" in lock.lost and messages == [lock.lost]
     time.sleep(0.2)
     assert read_lock(tmp_path)["run_id"] == other  # the heartbeat stopped rewriting it

@@ -49,6 +49,7 @@ class _Module:
             self.source = f.read()
         self.path = path
         self.lines = self.source.splitlines()
+        self.source_lines = io.StringIO(self.source, newline="").readlines()  # split as the parser splits, ends kept
         self.tree = ast.parse(self.source, filename=path)
         self.classes = {n.name: n for n in self.tree.body if isinstance(n, ast.ClassDef)}
         self.constants = {}
@@ -76,7 +77,16 @@ class _Module:
                 self.comments[line] = (tok.string.lstrip("#").strip(), whole)
 
     def segment(self, node: ast.AST) -> str:
-        return ast.get_source_segment(self.source, node) or ""
+        """``ast.get_source_segment(self.source, node) or ""`` from the lines split once (that function splits the
+        whole file, a character at a time, at every call: a second of the reference's rendering)."""
+        if getattr(node, "end_lineno", None) is None or getattr(node, "end_col_offset", None) is None:
+            return ""
+        first, last = node.lineno - 1, node.end_lineno - 1
+        head = self.source_lines[first].encode()  # the offsets count UTF-8 bytes
+        if first == last:
+            return head[node.col_offset : node.end_col_offset].decode()
+        tail = self.source_lines[last].encode()[: node.end_col_offset].decode()
+        return "".join([head[node.col_offset :].decode(), *self.source_lines[first + 1 : last], tail])
 
     def field_doc(self, node: ast.AST) -> str:
         """Comment lines directly above the field, then the comment(s) on its own line(s)."""

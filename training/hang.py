@@ -25,6 +25,7 @@ from training.preemption import exit_now, exit_quietly_on_signals
 
 HANG_EXIT_CODE = 78
 HANG_MULTIPLE, HANG_FLOOR_S = 20, 600.0
+WATCH_EVERY_S = 0.5  # how often the watchdog looks at the step in flight
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "all_to_all", "send", "recv")
 FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
@@ -89,7 +90,7 @@ class HangWatch:
 
     def _watch(self) -> None:
         while not self.fired:
-            time.sleep(0.5)
+            time.sleep(WATCH_EVERY_S)
             started = self.started
             if started is not None and time.monotonic() - started > self.timeout_s():
                 self.fired = True
