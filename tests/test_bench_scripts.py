@@ -1,6 +1,6 @@
 """Smoke tests of the benchmark scripts at tiny sizes (scripts/bench_train.py, bench_convert.py, bench_load.py,
 bench_lora.py, bench_dpo.py, bench_prepare.py, bench_padding.py, bench_attention.py, bench_long_context.py,
-bench_moe.py).
+bench_moe.py, bench_hf_start.py --save).
 
 They check that each script runs end to end and that its arithmetic is right; the numbers themselves
 are in BENCHMARKS.md. About 20 s on the 2-core CPU machine (start-up of the subprocesses, mostly).
@@ -316,3 +316,39 @@ def test_bench_moe_quick_halves_the_experts_per_rank(tmp_path):
     assert states[2] < states[1] and all(float(r[1]) > 0 for r in rows.values())  # s/step
     assert float(rows[1][3]) == 0 < float(rows[2][3])  # time in all-to-alls: none without expert parallelism
     assert rows[1][-1] == rows[2][-1]  # last loss
+
+
+def test_bench_hf_start_save_figures_take_the_slowest_rank_and_the_gap_without_a_save():
+    """scripts/bench_hf_start.py --save's arithmetic: per save the slowest rank's gap after the saving step less the
+    median gap after a step without a save; the step after a save against the others (from step 3: step 1 compiles
+    nothing here but starts everything)."""
+    bench = load_entry_point("scripts/bench_hf_start.py")
+    # two ranks, 6 steps of 1 s; gaps 0.1 s except after steps 2 (rank 1: 2.1 s) and 4 (rank 0: 1.1 s)
+    gaps = {0: [0.1, 0.5, 0.1, 1.1, 0.1], 1: [0.1, 2.1, 0.1, 0.3, 0.1]}
+    steps = []
+    for rank in (0, 1):
+        t, rows = 0.0, []
+        for k in range(6):
+            took = 1.5 if k == 2 and rank == 1 else 1.0  # step 3 (after the save at 2) slower on rank 1
+            rows.append((t, t + took))
+            t += took + (gaps[rank][k] if k < 5 else 0.0)
+        steps.append(rows)
+    figures = bench.save_figures({"steps": steps, "saves": [2, 4]})
+    assert figures["stopped"] == pytest.approx([2.0, 1.0])  # 2.1 - 0.1 and 1.1 - 0.1
+    assert figures["after"] == pytest.approx(1.25)  # steps 3 (1.5 s) and 5 (1.0 s)
+    assert figures["others"] == pytest.approx(1.0)
+
+
+@pytest.mark.multirank  # train.py twice on 2 CPU ranks: about 30 s here
+def test_bench_hf_start_save_quick_measures_both_ways_of_saving(tmp_path):
+    proc = run_script(
+        ["scripts/bench_hf_start.py", "--save", "--quick", "--save-steps-total", "5", "--work-dir", str(tmp_path)],
+        timeout=400,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    lines = [r for r in proc.stdout.splitlines() if r.startswith(("| at once", "| in the background"))]
+    rows = {r.split("|")[1].strip(): r.split("|")[2:-1] for r in lines}
+    assert sorted(rows) == ["at once (save_async=false)", "in the background (save_async=true)"], proc.stdout
+    for row in rows.values():
+        assert float(row[0]) > 0 and len(row[1].split("(")[1].split(",")) == 2  # MiB; saves at steps 2 and 4
+        assert len(row[4].split(",")) == 2  # peak RSS of each of the 2 ranks
