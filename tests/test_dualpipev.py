@@ -112,6 +112,7 @@ def dpv_runs(tmp_path_factory, tiny_tied_hf, tiny_tied_ckpt, tokenizer_dir):
         loss_chunk_tokens=48,
         activation_checkpoint_interval=1,
         save_steps=3,
+        save_async="true",  # step 3's checkpoint, resumed below, written in the background
         **common,
     )
     _, deep_log = launch(
