@@ -44,7 +44,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from training.bench_runs import measure_train, run_overrides, run_train_recording  # noqa: E402
+from training.bench_runs import (  # noqa: E402
+    measure_train,
+    per_rank_text,
+    run_as_rank,
+    run_overrides,
+    run_train_recording,
+)
 
 # train.py's load report, one per rank (training/announce.py rank_lines)
 LOAD = re.compile(
@@ -159,23 +165,34 @@ def time_rank(out_dir: str, train_argv: list[str]) -> None:
     run_train_recording(out_dir, train_argv, steps)
 
 
-def run(args, model: str, data: str, work: str, name: str) -> dict:
-    """One train.py run of one step from ``model``: seconds from the launch to the first step's start and end (the
-    slowest rank's), and each rank's load report."""
+def timed_run(args, model: str, data: str, work: str, name: str, overrides: list[str]) -> tuple[dict, list[list], str]:
+    """train.py from ``model`` with ``overrides`` (after the shared ones: later ones win), each rank timed by
+    ``--time-rank``: (measure_train's figures and the launch time, per rank the (start, end) of every step, the
+    output directory)."""
     out, timing = os.path.join(work, name), os.path.join(work, f"{name}_steps")
     shutil.rmtree(timing, ignore_errors=True)
     os.makedirs(timing)
-    overrides = run_overrides(args, model, data, work, out) + [
-        f"num_stages={args.stages}",
-        "gradient_accumulation_steps=4",
-        "data.shuffle=false",
-    ]
-    start = time.time()
-    r = measure_train(args.gpus, overrides, out, 0, name, ["scripts/bench_hf_start.py", "--time-rank", timing])
-    first = []
-    for file in os.listdir(timing):
+    given = {o.split("=")[0] for o in overrides}
+    shared = [o for o in run_overrides(args, model, data, work, out) if o.split("=")[0] not in given]
+    layout = [f"num_stages={args.stages}", "gradient_accumulation_steps=4", "data.shuffle=false"]
+    launched = time.time()
+    r = measure_train(
+        args.gpus, shared + layout + overrides, out, 0, name, ["scripts/bench_hf_start.py", "--time-rank", timing]
+    )
+    r["launched"] = launched
+    steps = []
+    for file in sorted(os.listdir(timing)):
         with open(os.path.join(timing, file)) as f:
-            first.append(json.load(f)[0])
+            steps.append(json.load(f))
+    return r, steps, out
+
+
+def run(args, model: str, data: str, work: str, name: str) -> dict:
+    """One train.py run of one step from ``model``: seconds from the launch to the first step's start and end (the
+    slowest rank's), and each rank's load report."""
+    r, steps, out = timed_run(args, model, data, work, name, [])
+    start = r["launched"]
+    first = [rank[0] for rank in steps]
     loads = {int(m[1]): m.groups()[1:] for m in LOAD.finditer(r["log"])}
     if len(loads) != args.gpus:
         raise SystemExit(f"{name}: {len(loads)} load reports in train.py's log, expected {args.gpus}")
@@ -192,22 +209,8 @@ def save_run(args, hf: str, data: str, work: str, background: bool) -> dict:
     """One train.py run from ``hf`` saving every 2 steps, ``background``: save_async. Per rank the (start, end) of
     every step; the intermediate checkpoints' step numbers; the size of one; the run's peak RSS per rank."""
     name = "save_async" if background else "save_sync"
-    out, timing = os.path.join(work, name), os.path.join(work, f"{name}_steps")
-    shutil.rmtree(timing, ignore_errors=True)
-    os.makedirs(timing)
-    overrides = [o for o in run_overrides(args, hf, data, work, out) if not o.startswith("save_steps=")] + [
-        f"num_stages={args.stages}",
-        "gradient_accumulation_steps=4",
-        "data.shuffle=false",
-        "save_steps=2",
-        f"save_async={str(background).lower()}",
-    ]
-    r = measure_train(args.gpus, overrides, out, 0, name, ["scripts/bench_hf_start.py", "--time-rank", timing])
-    steps = []
-    for file in sorted(os.listdir(timing)):
-        with open(os.path.join(timing, file)) as f:
-            steps.append(json.load(f))
-    saves = [k for k in range(2, args.steps, 2)]  # the last step's save is at once in both: not counted
+    r, steps, out = timed_run(args, hf, data, work, name, ["save_steps=2", f"save_async={str(background).lower()}"])
+    saves = list(range(2, args.steps, 2))  # the last step's save is at once in both: not counted
     size = disk_mib(os.path.join(out, "global_step2"))
     shutil.rmtree(out, ignore_errors=True)
     return {"steps": steps, "saves": saves, "size_mib": size, "peak": r["peak"], "log": r["log"]}
@@ -255,11 +258,6 @@ def median_of(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})"
 
 
-def per_rank(values, fmt: str = "{:.0f}") -> str:
-    texts = [fmt.format(v) for v in values]
-    return texts[0] if len(set(texts)) == 1 else ", ".join(texts)
-
-
 def median_and_each(runs: list[dict], key: str) -> str:
     return f"{statistics.median(r[key] for r in runs):.1f} ({', '.join(f'{r[key]:.1f}' for r in runs)})"
 
@@ -292,17 +290,15 @@ def print_table(args, hf_mib: float, ckpt_mib: float, conversions: list[float], 
             f"| {name} | {convert_s:.1f} | {median_and_each(runs, 'startup_s')} | "
             f"{median_and_each(runs, 'first_step_s')} | "
             f"{convert_s + statistics.median(r['first_step_s'] for r in runs):.1f} | {disk:.0f} | "
-            f"{per_rank([x[0] for x in load])} | {per_rank([x[1] for x in load], '{:.2f}')} | "
-            f"{per_rank([x[2] for x in load])} | {per_rank([x[2] - x[3] for x in load])} | "
-            f"{per_rank([x[4] for x in load])} | {runs[0]['loss']:.6f} |"
+            f"{per_rank_text([x[0] for x in load])} | {per_rank_text([x[1] for x in load], '{:.2f}')} | "
+            f"{per_rank_text([x[2] for x in load])} | {per_rank_text([x[2] - x[3] for x in load])} | "
+            f"{per_rank_text([x[4] for x in load])} | {runs[0]['loss']:.6f} |"
         )
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if "--time-rank" in argv:  # inside a rank (the launcher put --local_rank=N first)
-        argv = [a for a in argv if not a.startswith("--local_rank")]
-        time_rank(argv[1], argv[2:])
+    if run_as_rank(argv, "--time-rank", time_rank):  # inside a rank
         return
     args = parse_args(argv)
     from models.tiny import write_random_tokens

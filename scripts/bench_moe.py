@@ -37,7 +37,13 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from training.bench_runs import measure_train, run_overrides, run_train_recording  # noqa: E402
+from training.bench_runs import (  # noqa: E402
+    measure_train,
+    per_rank_text,
+    run_as_rank,
+    run_overrides,
+    run_train_recording,
+)
 
 # train.py's load report, one per rank (training/announce.py rank_lines)
 LOAD = re.compile(
@@ -198,12 +204,6 @@ def run_ep(args, ep: int, ckpt: str, data: str, work: str) -> dict:
     }
 
 
-def row_text(values, fmt: str = "{:.0f}") -> str:
-    """One figure per rank, or the figure once when every rank has it."""
-    texts = [fmt.format(v) for v in values]
-    return texts[0] if len(set(texts)) == 1 else ", ".join(texts)
-
-
 def print_table(args, config, results: dict[int, dict]) -> None:
     from models.moe_counts import parameter_split
 
@@ -233,19 +233,17 @@ def print_table(args, config, results: dict[int, dict]) -> None:
             measured = statistics.mean(b[1] for b in base["load"]) - statistics.mean(peaks)
             dropped = routed / args.stages * (1 - 1 / ep) * 4 / 2**20
             saved = f"{round(measured)} / {dropped:.0f}"
-        experts = row_text([f"{m:.2f} M ({m * 4e6 / 2**20:.0f} MiB)" for m in experts_m], "{}")
+        experts = per_rank_text([f"{m:.2f} M ({m * 4e6 / 2**20:.0f} MiB)" for m in experts_m], "{}")
         print(
             f"| {ep} | {r['step_s']:.3f} | {r['tokens_s']:.0f} | {r['all_to_all_s']:.3f} | {experts} | "
-            f"{row_text(r['states'], '{:.1f}')} | {row_text(peaks)} | {row_text(rises, '{}')} | {saved} | "
-            f"{row_text(r['train_peak'])} | {row_text(r['peak'])} | {r['loss']:.4f} |"
+            f"{per_rank_text(r['states'], '{:.1f}')} | {per_rank_text(peaks)} | {per_rank_text(rises, '{}')} | "
+            f"{saved} | {per_rank_text(r['train_peak'])} | {per_rank_text(r['peak'])} | {r['loss']:.4f} |"
         )
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if "--time-rank" in argv:  # inside a rank (the launcher put --local_rank=N first)
-        argv = [a for a in argv if not a.startswith("--local_rank")]
-        time_rank(argv[1], argv[2:])
+    if run_as_rank(argv, "--time-rank", time_rank):  # inside a rank
         return
     args = parse_args(argv)
     from models.tiny import write_random_tokens

@@ -33,7 +33,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from parallel.layout import PIPELINE_SCHEDULES  # noqa: E402
-from training.bench_runs import add_model_args, bench_model, measure_train, profile_rank, run_overrides  # noqa: E402
+from training.bench_runs import (  # noqa: E402
+    add_model_args,
+    bench_model,
+    measure_train,
+    profile_rank,
+    run_as_rank,
+    run_overrides,
+)
 
 COMPUTE = ("_exec_forward_pass", "_exec_backward_pass", "_exec_weight_pass", "_exec_load_micro_batch")
 OUTSIDE_PIPELINE = ("_exec_reduce_grads", "_exec_reduce_tied_grads", "_exec_optimizer_step")
@@ -126,9 +133,7 @@ def run(args, ckpt: str, data: str, work: str, schedule: str, micro_batches: int
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if "--profile-rank" in argv:  # inside a rank (the launcher put --local_rank=N first)
-        argv = [a for a in argv if not a.startswith("--local_rank")]
-        profile_rank(argv[1], argv[2:])
+    if run_as_rank(argv, "--profile-rank", profile_rank):  # inside a rank
         return
     args = parse_args(argv)
     from models.tiny import write_random_tokens

@@ -124,6 +124,22 @@ def bench_model(args, work: str) -> str:
     )
 
 
+def run_as_rank(argv: list[str], flag: str, fn) -> bool:
+    """A benchmark script started by the launcher as a rank (``script flag DIR train.py-args``, the launcher's
+    ``--local_rank=N`` put first): runs ``fn(DIR, train.py-args)`` and returns True; False when ``flag`` is absent."""
+    if flag not in argv:
+        return False
+    argv = [a for a in argv if not a.startswith("--local_rank")]
+    fn(argv[1], argv[2:])
+    return True
+
+
+def per_rank_text(values, fmt: str = "{:.0f}") -> str:
+    """One figure per rank for a table cell, or the figure once when every rank has it."""
+    texts = [fmt.format(v) for v in values]
+    return texts[0] if len(set(texts)) == 1 else ", ".join(texts)
+
+
 def run_overrides(args, ckpt: str, data: str, work: str, out: str) -> list[str]:
     """train.py's overrides every benchmark run shares: the model, data and its cache, a fresh ``out``, the
     precision, ZeRO config, micro-batch and step count of ``args``, no checkpoint before the end."""

@@ -185,19 +185,19 @@ def publish(resolved: Resolved, writer: BackgroundWriter, before: str | None = N
     if before is not None and on_all_ranks("checking the checkpoint writer", lambda: writer.busy).count(True):
         log0(f"checkpoint {tag} is still being written in the background: waiting for it before {before}")
     waited = writer.wait()
-    errors = on_all_ranks("writing a checkpoint in the background", lambda: writer.error)
+    # every rank's outcome: (error or None, seconds writing, seconds of the host copy)
+    reports = on_all_ranks(
+        "writing a checkpoint in the background", lambda: (writer.error, writer.written_s or 0.0, writer.captured_s)
+    )
     writer.done()
-    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    failed = [f"rank {r}: {error}" for r, (error, _, _) in enumerate(reports) if error]
     if failed:
         raise TrainingStopped(
             f"checkpoint {tag} could not be written ({'; '.join(failed)}): training stopped; "
             f"{staging_dir(resolved.cfg.output_dir, tag)} is left incomplete and latest names the previous checkpoint"
         )
-    if dist.get_rank() == 0:
-        make_latest(resolved.cfg, tag)
-    dist.barrier()
-    times = on_all_ranks("reporting the checkpoint writer", lambda: (writer.written_s or 0.0, writer.captured_s))
-    written, captured = max(t[0] for t in times), max(t[1] for t in times)
+    on_all_ranks("publishing a checkpoint", lambda: make_latest(resolved.cfg, tag) if dist.get_rank() == 0 else None)
+    written, captured = max(r[1] for r in reports), max(r[2] for r in reports)
     log_saved(
         resolved,
         tag,
