@@ -526,6 +526,7 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
         f"data.cache_dir={os.path.join(args.work, 'cache')}",
         f"output_dir={out}",
         "resume=never",
+        "save_final=false",  # the trained weights are not needed: no minutes writing a 3B model's states
         "min_free_disk_gb=0",
         *(["activation_checkpoint_interval=1"] if args.checkpointing else []),
         *[a.format(work=args.work) for a in extra],
@@ -565,7 +566,14 @@ def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data
         records = [r for r in map(json.loads, f) if r["kind"] == "train"]
     peak_mib = peak_memory_mib(out)
     cpu = [(float("nan"), float("nan"))] + per_step_cpu(monitor.stamps, ranks)  # step 1 has no line before it
-    shutil.rmtree(out, ignore_errors=True)  # the final checkpoint is not needed
+    for entry in os.listdir(out):  # only a profile_steps trace is kept (scripts/plot_timeline.py reads out/profile)
+        path = os.path.join(out, entry)
+        if entry == "profile":
+            continue
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
     measured = range(args.warmup, len(records))
     profile = profile_table(case, os.path.join(run_dir, "profile"), args.warmup) if args.profile else []
     return {

@@ -27,8 +27,8 @@
 #    against attention=documents (torch's varlen flash attention), memory and time (scripts/bench_attention.py).
 # Without a CUDA GPU it stops at once with exit code 2. What it writes: work/gpu_check.log (everything printed),
 # work/gpu_check/parity.log, work/gpu_check/bench.md (the tables, BENCHMARKS.md's source) and one bench_*.json per
-# shape (bench_levers.json for the levers); with $OUT set (the device tool's folder) the same files are copied there
-# (7 at most, 8 with the levers).
+# shape (bench_levers.json for the levers), and profile_<shape>_<case>.png for the profiled cases (the 3B shape's b
+# and bkl, their kernel summaries in bench.md); with $OUT set (the device tool's folder) 8 of them are copied there.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -89,9 +89,10 @@ if step bench; then
   # name | model | seq | micro-batch size | micro-batches per step | seconds at most | extra options, one line per
   # table, in order; GPU_CHECK_PLAN replaces it (the same lines)
   # one shape's five cases take about 6 minutes (train.py's start-up of a 1B model from random weights alone took over
-  # 50 s on an H200, each compiled case adds its compile time): the first shape gets the budget, the others are said
-  plan="1b_s2048_mb4|llama3.2-1b|2048|4|2|400|
-3b_s4096_mb1|llama3.2-3b|4096|1|2|400|$ckpt
+  # 50 s on an H200, each compiled case adds its compile time): the 3B shape first (the issue's 40% MFU goal), its
+  # b and bkl runs profiled at their last step (the kernel summary and picture follow its table); the others are said
+  plan="3b_s4096_mb1|llama3.2-3b|4096|1|2|300|$ckpt --train-arg b,bkl:profile_steps=[6,6]
+1b_s2048_mb4|llama3.2-1b|2048|4|2|300|
 1b_s2048_mb2|llama3.2-1b|2048|2|2|300|
 1b_s2048_mb1|llama3.2-1b|2048|1|4|300|"
   while IFS='|' read -r name model seq mbs micro share extra; do
@@ -106,11 +107,21 @@ if step bench; then
     echo "### $name ($model, seq $seq, micro-batch $mbs x $micro per step ${extra})" >> work/gpu_check/bench.md
     # shellcheck disable=SC2086  # $extra: zero or more options
     timeout $((limit + 30)) "$PY" scripts/bench_train.py --model "$model" --precision bf16 --seq "$seq" \
-      --micro-batch-size "$mbs" --micro-batches "$micro" --cases "${GPU_CHECK_CASES:-a,b,bkl,bc,ac}" --rounds 1 --warmup 2 --steps 3 \
+      --micro-batch-size "$mbs" --micro-batches "$micro" --cases "${GPU_CHECK_CASES:-a,b,bkl,bc,ac}" --rounds 1 --warmup 2 --steps 4 \
       --threads 8 --max-wait 0 --time-limit "$limit" --json "work/gpu_check/bench_$name.json" --table work/gpu_check/table.md \
       --work work/gpu_check $extra || status=1
     cat work/gpu_check/table.md >> work/gpu_check/bench.md 2>/dev/null || echo "(no table)" >> work/gpu_check/bench.md
     rm -f work/gpu_check/table.md
+    for run in work/gpu_check/run_*/out; do  # a case profiled (profile_steps in the plan's options): where time goes
+      [ -d "$run/profile" ] || continue
+      case_name=$(basename "$(dirname "$run")")
+      echo "[gpu_check] profile of $name ${case_name#run_}: scripts/plot_timeline.py"
+      { echo "#### $name ${case_name#run_}: the profiled step (scripts/plot_timeline.py)"; echo '```'
+        timeout 120 "$PY" scripts/plot_timeline.py "$run" --out "work/gpu_check/profile_${name}_${case_name#run_}.png" \
+          || status=1
+        echo '```'; } 2>&1 | tee -a work/gpu_check/bench.md
+      rm -rf "$run/profile"
+    done
   done <<< "${GPU_CHECK_PLAN:-$plan}"
   echo "[gpu_check] the benchmark tables (work/gpu_check/bench.md):"
   cat work/gpu_check/bench.md
@@ -151,8 +162,11 @@ if step attention; then
     --window 4096 || status=1
 fi
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then  # the device tool's folder: these come back to the lead (7 files at most)
-  cp -f "$LOG" work/gpu_check/parity.log work/gpu_check/bench.md work/gpu_check/moe.md work/gpu_check/bench_*.json \
-    "$OUT"/ 2>/dev/null || true
+  n=0  # the tool brings back 8 files at most: the most useful first
+  for f in work/gpu_check/bench.md "$LOG" work/gpu_check/parity.log work/gpu_check/profile_*.png \
+    work/gpu_check/moe.md work/gpu_check/bench_*.json; do
+    [ -f "$f" ] && [ "$n" -lt 8 ] && cp -f "$f" "$OUT"/ && n=$((n + 1))
+  done
   echo "[gpu_check] copied to $OUT: $(ls "$OUT" | tr '\n' ' ')"
 fi
 echo "[gpu_check] done in $SECONDS s, exit $status"

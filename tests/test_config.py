@@ -654,3 +654,13 @@ def test_a_harmless_inert_setting_is_named_in_one_warning(good):
         "data.group_by_length=True: groups rows of similar length so micro-batches are cut short, but "
         "data.pad_to_multiple_of=0 feeds every row whole (it only reorders the samples): set data.pad_to_multiple_of=8"
     ]
+
+
+def test_save_final_false_without_other_saves_warns_that_nothing_is_kept(good):
+    nothing = resolve(dataclasses.replace(good, save_final=False, save_steps=0, save_every_minutes=0.0), 4)
+    assert nothing.warnings == [
+        "save_final=False: saves no checkpoint after the last step, and with save_steps=0 and save_every_minutes=0 "
+        "none at all (a stop signal's aside): the trained weights are gone when the run ends; set save_steps, or drop "
+        "save_final"
+    ]
+    assert resolve(dataclasses.replace(good, save_final=False, save_steps=5), 4).warnings == []

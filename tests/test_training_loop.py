@@ -213,8 +213,14 @@ def test_bf16_zero0_resumes_exactly_and_a_tampered_checkpoint_is_refused_unrun(t
     # The chunked loss (the default) trains what the logits train under DeepSpeed's bf16 optimizer too:
     # with the head weight handed to the loss as the Parameter itself, the step-1 gradient norm was 10%
     # low (1.435 vs 1.600) and the head moved a third as far (models.llama_pipe.handed_out).
-    logits = run_deepspeed(2, "train.py", [*args(tmp_path / "A0"), "loss_chunk_tokens=0", "max_steps=2"], "/dev/null")
+    # save_final=false: step 2's background save (save_steps=2) is published at the end, step 3 is not saved
+    logits = run_deepspeed(
+        2, "train.py", [*args(tmp_path / "A0"), "loss_chunk_tokens=0", "max_steps=3", "save_final=false"], "/dev/null"
+    )
     assert logits.returncode == 0, (logits.stdout + logits.stderr)[-4000:]
+    assert "save_final=false: no checkpoint of step 3; the last is global_step2" in logits.stdout
+    assert sorted(p.name for p in (tmp_path / "A0").glob("*global_step*")) == ["global_step2"]
+    assert (tmp_path / "A0" / "latest").read_text() == "global_step2"
     for chunked, whole in zip(read_metrics(str(tmp_path / "A")), read_metrics(str(tmp_path / "A0"))):
         assert abs(chunked["grad_norm"] - whole["grad_norm"]) < 1e-2 * whole["grad_norm"], (chunked, whole)
         assert abs(chunked["loss"] - whole["loss"]) < 1e-2 * whole["loss"]

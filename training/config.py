@@ -304,7 +304,10 @@ class TrainConfig:
     activation_checkpoint_interval: int = 0  # recompute activations in chunks of this many decoder layers; 0 = off
     log_steps: int = 1  # print a progress line every this many steps (metrics.jsonl gets every step)
     eval_steps: int = 0  # evaluate every this many steps and at the end, when there is eval data; 0 = only at the end
-    save_steps: int = 0  # save a checkpoint every this many steps (and always at the end); 0 = only at the end
+    save_steps: int = 0  # save a checkpoint every this many steps (and at the end, save_final); 0 = only at the end
+    # false: no checkpoint after the last step (benchmarks and smoke runs, whose weights are not needed); save_steps,
+    # save_every_minutes and a stop signal still save.
+    save_final: bool = True
     save_total_limit: int = 0  # keep only the newest this many checkpoints; 0 = keep all
     # Also save when this many minutes have passed since the last checkpoint (rank 0's clock, agreed by all ranks
     # after each step), whichever of it and save_steps comes first; 0 = steps only.

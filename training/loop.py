@@ -116,11 +116,18 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
                     evaluate(resolved, engine, data, evaluation, step, logger, loss_fn, labels)
             if stop:  # after a stop signal, the step's eval done: a resume starts at the next step
                 raise Preempted(stop)
+        if writer.tag is not None:  # save_final=false: the last background save, published before the run ends
+            last_saved = run_checkpoints.step_of(run_checkpoints.publish(resolved, writer, "the run ends"))
     finally:  # a stop signal (Preempted) or a failure: the W&B run and metrics.jsonl are closed too
         profiler.close()  # a run ended before profile_steps' last: the trace of the steps profiled
         logger.close()
-    if last_saved is None:
+    if last_saved is None and total_steps <= start_step:
         log0("no step to train (max_steps=0): nothing trained, no checkpoint written")
+    elif not cfg.save_final and total_steps > start_step:
+        log0(
+            f"save_final=false: no checkpoint of step {total_steps}; "
+            + (f"the last is global_step{last_saved}" if last_saved else "this run saved none")
+        )
     report_final_figures(resolved, census, step_peak, max(start_step, total_steps))
 
 
@@ -135,12 +142,13 @@ def save_if_due(
     clock_due: bool,
     writer: BackgroundWriter,
 ) -> str | None:
-    """Save after ``step`` when save_steps, the end, save_every_minutes or a stop signal says so (the ranks agreed
-    on the last two after the step, training/preemption.py); with save_async, in the background unless it is the
-    last step's or a signal's. Returns None when nothing was saved; else, after a signal before the last step, the
-    line the job stops with (the caller raises it), or ""."""
+    """Save after ``step`` when save_steps, the end (save_final), save_every_minutes or a stop signal says so (the
+    ranks agreed on the last two after the step, training/preemption.py); with save_async, in the background unless
+    it is the last step's or a signal's. Returns None when nothing was saved; else, after a signal before the last
+    step, the line the job stops with (the caller raises it), or ""."""
     cfg = resolved.cfg
-    if not ((cfg.save_steps and step % cfg.save_steps == 0) or step == total_steps or clock_due or signalled):
+    at_end = step == total_steps and cfg.save_final
+    if not ((cfg.save_steps and step % cfg.save_steps == 0) or at_end or clock_due or signalled):
         return None
     start = time.time()
     background = cfg.save_async and step < total_steps and not signalled

@@ -45,6 +45,80 @@ KINDS = ("forward", "backward", "weight", "send/recv", "optimizer", "other")
 WAITING_KINDS = ("send/recv",)
 
 
+# A GPU kernel's kind, by its name (the first pattern that matches; none: "elementwise/reduction"): where a GPU
+# step's time goes. cuBLAS's Hopper kernels are named nvjet_* or sm90_xmma_*, flash attention's *flash*/*fmha*,
+# a Triton kernel (torch.compile's triton_*, Liger's _*_kernel) by its bare function name.
+KERNEL_KINDS = (
+    ("communication", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|cublas", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor", re.I)),
+    ("Triton (compiled, Liger)", re.compile(r"^[A-Za-z_]\w*$")),
+)
+OTHER_KERNELS = "elementwise/reduction"
+COPIES = "memory copies"
+KERNEL_CATEGORIES = {"kernel": None, "gpu_memcpy": COPIES, "gpu_memset": COPIES}
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), OTHER_KERNELS)
+
+
+@dataclass
+class KernelTime:
+    """One rank's GPU work in one step (microseconds): the kernels its host ranges in the step launched."""
+
+    span: float  # from the first kernel's start to the last one's end
+    busy: float  # covered by at least one kernel (streams overlap)
+    by_kind: dict[str, float]  # summed durations per kernel kind
+    top: list[tuple[str, str, float, int]]  # the longest kernels by summed time: (name, kind, microseconds, launches)
+
+    def report(self, rank: int, step: int) -> list[str]:
+        total = sum(self.by_kind.values()) or 1.0
+        kinds = ", ".join(f"{k} {v / total:.1%}" for k, v in sorted(self.by_kind.items(), key=lambda kv: -kv[1]))
+        lines = [
+            f"rank {rank} GPU, step {step}: {self.span / 1000:.1f} ms from its first kernel to its last, busy "
+            f"{self.busy / self.span:.1%} (idle {1 - self.busy / self.span:.1%}: waiting for the host); "
+            f"kernel time by kind: {kinds}"
+        ]
+        for name, kind, us, count in self.top:
+            lines.append(f"  {us / 1000:8.1f} ms {us / total:6.1%} x{count:<5} {kind:<24} {name[:110]}")
+        return lines
+
+
+def kernel_times(events: list[dict], steps: dict[int, tuple[float, float]], shift: float, top: int = 8) -> dict:
+    """Per step, the :class:`KernelTime` of the kernels (and copies) launched inside its host range: a kernel's
+    launch (the runtime call of the same ``correlation``) says which step it belongs to, since the device runs
+    behind the host."""
+    launches = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and isinstance(e.get("args"), dict):
+            launches[e["args"].get("correlation")] = float(e["ts"]) + shift
+    per_step: dict[int, list[tuple[str, str, float, float]]] = {}
+    for e in events:
+        cat = e.get("cat")
+        if cat not in KERNEL_CATEGORIES or not isinstance(e.get("args"), dict):
+            continue
+        at = launches.get(e["args"].get("correlation"))
+        step = next((n for n, (s0, s1) in steps.items() if at is not None and s0 <= at <= s1), None)
+        if step is not None:
+            start = float(e["ts"]) + shift
+            kind = KERNEL_CATEGORIES[cat] or kernel_kind(e["name"])
+            per_step.setdefault(step, []).append((e["name"], kind, start, start + float(e["dur"])))
+    out = {}
+    for step, kernels in per_step.items():
+        by_kind, by_name = {}, {}
+        for name, kind, start, end in kernels:
+            by_kind[kind] = by_kind.get(kind, 0.0) + end - start
+            us, count = by_name.get((name, kind), (0.0, 0))
+            by_name[name, kind] = (us + end - start, count + 1)
+        span = max(k[3] for k in kernels) - min(k[2] for k in kernels)
+        busy = _covered([Box("kernel", k[2], k[3]) for k in kernels])
+        longest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+        out[step] = KernelTime(span, busy, by_kind, [(n, kind, us, c) for (n, kind), (us, c) in longest])
+    return out
+
+
 class TraceError(ValueError):
     """A trace (or a run's profile directory) that cannot give a timeline; the message says why and what to do."""
 
@@ -103,6 +177,7 @@ class RankTrace:
     boxes: list[Box]
     clock: str  # "host" or "device"
     schedules: list[str] = field(default_factory=list)  # the schedule ranges' names, as the engine ran them
+    kernels: dict[int, KernelTime] = field(default_factory=dict)  # per step, on a GPU: where its time went
 
 
 def load_trace(path: str) -> dict:
@@ -161,7 +236,8 @@ def read_trace(trace: dict, path: str, rank: int, origin_ns: int | None = None) 
             f"(or one cut before its first step ended)"
         )
     boxes.sort(key=lambda b: b.start)
-    return RankTrace(rank, path, steps, boxes, clock, sorted(schedules))
+    events = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e]
+    return RankTrace(rank, path, steps, boxes, clock, sorted(schedules), kernel_times(events, steps, shift))
 
 
 def read_run(run_dir: str) -> list[RankTrace]:
@@ -209,6 +285,7 @@ class Timeline:
     ranks: list[RankShare]
     clock: str
     schedule: str
+    kernels: dict[int, KernelTime] = field(default_factory=dict)  # by rank, on a GPU
 
     @property
     def window(self) -> float:
@@ -228,10 +305,11 @@ class Timeline:
             for r in self.ranks
         ]
         ranks = f"{len(self.ranks)} rank" + "s" * (len(self.ranks) > 1)
-        return lines + [
+        lines.append(
             f"step {self.step} ({self.schedule}, {ranks}, {self.clock} clock): {w / 1000:.1f} ms "
             f"from the first instruction to the last, bubble {self.bubble:.1%} overall"
-        ]
+        )
+        return lines + [line for rank, k in sorted(self.kernels.items()) for line in k.report(rank, self.step)]
 
 
 def step_timeline(traces: list[RankTrace], step: int | None = None, align: str = "clock") -> Timeline:
@@ -262,7 +340,8 @@ def step_timeline(traces: list[RankTrace], step: int | None = None, align: str =
         s.busy = _covered(work)
         s.waiting = _covered(s.boxes) - s.busy
     schedules = sorted({name for t in traces for name in t.schedules if "Inference" not in name})
-    return Timeline(step, start, end, shares, traces[0].clock, ", ".join(schedules) or "schedule unnamed")
+    kernels = {t.rank: t.kernels[step] for t in traces if step in t.kernels}
+    return Timeline(step, start, end, shares, traces[0].clock, ", ".join(schedules) or "schedule unnamed", kernels)
 
 
 def _covered(boxes: list[Box]) -> float:

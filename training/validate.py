@@ -323,6 +323,12 @@ HARMLESS_RULES = (
         "save_every_minutes",
     ),
     (
+        ("save_final",),
+        lambda cfg, layout: bool(cfg.save_steps or cfg.save_every_minutes),
+        "saves no checkpoint after the last step, and with save_steps=0 and save_every_minutes=0 none at all (a stop "
+        "signal's aside): the trained weights are gone when the run ends; set save_steps, or drop save_final",
+    ),
+    (
         ("data.order_check_steps",),
         lambda cfg, layout: layout.stages > 1 or layout.tp > 1,
         "the order check compares the batches of the first and last stages (and their tensor-parallel peers); with "
