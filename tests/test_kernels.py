@@ -7,6 +7,7 @@ it is handed, and for adamw_impl (training/optim.py: which AdamW DeepSpeed build
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 
@@ -323,3 +324,39 @@ def test_adamw_impl_picks_the_optimizer_deepspeed_builds(monkeypatch, tmp_path, 
     assert "needs the CUDA toolkit (nvcc)" in problem and "set adamw_impl=torch_fused" in problem
     monkeypatch.setattr(cpp, "CUDA_HOME", "/usr/local/cuda")
     assert optim.adamw_problems("deepspeed", "cuda") == []
+
+
+@pytest.mark.parametrize(
+    "value, readable",
+    [
+        ("9.0a", "9.0"),  # the H200 image's: DeepSpeed 0.19.8's builder raised ValueError: invalid literal ... '0a'
+        ("8.0 9.0a 10.0f+PTX", "8.0;9.0;10.0+PTX"),
+        ("9.0;9.0a", "9.0"),
+        ("8.0;9.0+PTX", None),  # readable as it is
+        ("", None),
+        (None, None),
+    ],
+)
+def test_arch_list_suffixes_deepspeed_cannot_read_are_dropped(value, readable):
+    from training import optim
+
+    assert optim.deepspeed_arch_list(value) == readable
+    if readable:  # what DeepSpeed's builder does with it (op_builder/builder.py, compute_capability_args)
+        for cc in readable.split(";"):
+            tuple(int(part.split("+")[0]) for part in cc.split("."))
+
+
+def test_the_arch_list_is_made_readable_only_while_the_engine_is_built(monkeypatch, capsys):
+    from training import optim
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.setattr(optim, "accelerator_name", lambda: "cuda")
+    with optim.readable_arch_list("torch_fused"):
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a"  # torch's AdamW builds nothing
+    with optim.readable_arch_list("deepspeed"):
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a"
+    assert "TORCH_CUDA_ARCH_LIST='9.0a' read as '9.0'" in capsys.readouterr().out
+    monkeypatch.setattr(optim, "accelerator_name", lambda: "cpu")
+    with optim.readable_arch_list("deepspeed"):  # DeepSpeed's C++ FusedAdam: no CUDA architectures
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a"

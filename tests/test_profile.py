@@ -135,57 +135,69 @@ def test_a_gpu_trace_s_device_ranges_are_preferred(tmp_path):
     assert timeline.window == 65 and timeline.ranks[0].bubble(65) == pytest.approx(30 / 65)
 
 
-def test_a_gpu_step_s_kernel_time_by_kind(tmp_path):
-    """The kernels a step's host range launched (their runtime call's correlation id) are that step's, even where
-    they run after the next step's host range began; their time is summed by kind, and the GPU's idle share is the
-    span not covered by any kernel."""
-    host = [("train step 1", 0, 50, 1), ("ForwardPass mb=0", 1, 20, 2), ("train step 2", 60, 90, 3)]
-    host += [("ForwardPass mb=0", 61, 62, 4)]
+def test_a_gpu_step_s_instructions_and_kernel_time_come_from_the_kernels_they_launched(tmp_path):
+    """As a GPU trace reads (seen on an H200): a kernel belongs to the host range its launch (the runtime call of the
+    same correlation id) falls in, also when autograd's backward launches it from another thread, which Kineto's
+    gpu_user_annotation ranges miss (here the backward's is 1 µs long), and when it runs after the next step's host
+    range began. Each instruction's box spans its kernels; a step's kernel time is summed by kind, and the GPU's
+    idle share is the span no kernel covers."""
+    host = [("train step 1", 0, 50, 1), ("ForwardPass mb=0", 1, 10, 2), ("BackwardPass mb=0", 10, 40, 3)]
+    host += [("OptimizerStep", 40, 48, 4), ("train step 2", 60, 90, 5), ("ForwardPass mb=0", 61, 70, 6)]
     events = [
         dict(ph="X", cat="user_annotation", name=n, ts=s, dur=e - s, args={"External id": x}) for n, s, e, x in host
     ]
     events += [
-        dict(ph="X", cat="gpu_user_annotation", name="ForwardPass mb=0", ts=s, dur=d, args={"External id": x})
-        for s, d, x in ((10, 90, 2), (100, 30, 4))
+        dict(ph="X", cat="gpu_user_annotation", name=n, ts=s, dur=d, args={"External id": x})
+        for n, s, d, x in (("ForwardPass mb=0", 10, 40, 2), ("BackwardPass mb=0", 50, 1, 3))
     ]
-    launches = [(2, 1), (3, 2), (4, 3), (5, 4), (6, 5), (7, 6), (65, 7)]  # (host µs, correlation id)
-    events += [
-        dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=t, dur=1, args={"correlation": c})
-        for t, c in launches
+    launches = [(2, 1, 1), (3, 2, 1), (12, 3, 2), (14, 4, 2), (16, 5, 2), (18, 6, 2), (42, 8, 1), (65, 7, 1)]
+    events += [  # (host µs, correlation id, thread): 2 is autograd's
+        dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=t, dur=1, tid=tid, args={"correlation": c})
+        for t, c, tid in launches
     ]
-    kernels = [  # (category, name, start, end, correlation): step 1's last kernel ends at 100, after step 2 began
+    kernels = [  # (category, name, start, end, correlation)
         ("kernel", "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", 10, 40, 1),
-        ("kernel", "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", 40, 60, 2),
-        ("kernel", "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>(Flash_fwd_params)", 60, 70, 3),
+        ("kernel", "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>(Flash_fwd_params)", 40, 50, 2),
+        ("kernel", "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", 50, 70, 3),
         ("kernel", "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", 75, 80, 4),
         ("kernel", "void at::native::vectorized_elementwise_kernel<4, at::native::AUnaryFunctor>(int)", 80, 85, 5),
         ("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 90, 100, 6),
-        ("kernel", "void multi_tensor_apply_kernel<FusedAdamMathFunctor>(int)", 100, 130, 7),  # step 2's
+        ("kernel", "void multi_tensor_apply_kernel<FusedAdamMathFunctor>(int)", 100, 110, 8),
+        ("kernel", "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", 110, 130, 7),  # step 2's, launched at 65
     ]
     events += [dict(ph="X", cat=cat, name=n, ts=s, dur=e - s, args={"correlation": c}) for cat, n, s, e, c in kernels]
     os.makedirs(tmp_path / "profile")
     (tmp_path / "profile" / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
     timeline = step_timeline(read_run(str(tmp_path)), step=1)
+    assert timeline.clock == "device"
+    assert [(b.name, b.start, b.end) for b in timeline.ranks[0].boxes] == [
+        ("ForwardPass mb=0", 10, 50),
+        ("BackwardPass mb=0", 50, 100),
+        ("OptimizerStep", 100, 110),
+    ]
+    assert timeline.window == 100 and timeline.ranks[0].bubble(100) == 0
     k = timeline.kernels[0]
-    assert (k.span, k.busy) == (90, 80)  # 10..100, idle 70..75 and 85..90
+    assert (k.span, k.busy) == (100, 90)  # 10..110, idle 70..75 and 85..90
     assert k.by_kind == {
         "matmul": 50,
         "attention": 10,
         "Triton (compiled, Liger)": 5,
         "elementwise/reduction": 5,
         "memory copies": 10,
+        "optimizer": 10,
     }
     assert k.top[0] == ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "matmul", 50, 2)
     lines = timeline.report()
     assert lines[2] == (
-        "rank 0 GPU, step 1: 0.1 ms from its first kernel to its last, busy 88.9% (idle 11.1%: waiting for the host); "
-        "kernel time by kind: matmul 62.5%, attention 12.5%, memory copies 12.5%, Triton (compiled, Liger) 6.2%, "
-        "elementwise/reduction 6.2%"
+        "rank 0 GPU, step 1: 0.1 ms from its first kernel to its last, busy 90.0% (idle 10.0%: waiting for the host); "
+        "kernel time by kind: matmul 55.6%, attention 11.1%, memory copies 11.1%, optimizer 11.1%, Triton (compiled, "
+        "Liger) 5.6%, elementwise/reduction 5.6%"
     )
-    assert len(lines) == 3 + 5 and "x2" in lines[3] and "matmul" in lines[3]  # a line per kernel name
+    assert len(lines) == 3 + 6 and "x2" in lines[3] and "matmul" in lines[3]  # a line per kernel name
     assert [line for line in lines if "Memcpy" in line][0].split()[4] == "memory"
-    later = step_timeline(read_run(str(tmp_path)), step=2).kernels[0]
-    assert later.by_kind == {"optimizer": 30} and later.span == later.busy == 30
+    later = step_timeline(read_run(str(tmp_path)), step=2)
+    assert [(b.name, b.start, b.end) for b in later.ranks[0].boxes] == [("ForwardPass mb=0", 110, 130)]
+    assert later.kernels[0].by_kind == {"matmul": 20} and later.kernels[0].span == later.kernels[0].busy == 20
 
 
 def plot(argv, capsys) -> tuple[int, str, str]:

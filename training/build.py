@@ -40,6 +40,7 @@ from training.optim import (
     apply_optim_settings,
     build_lr_scheduler,
     param_groups,
+    readable_arch_list,
     reduce_grad_norm_once_across_stages,
 )
 from training.preemption import clear_stale_marker
@@ -229,6 +230,7 @@ def build_engine(resolved: Resolved, model, ds_config: dict, total_steps: int):
     with contextlib.ExitStack() as building:
         for plan in plans:
             building.enter_context(plan.building_engine())  # expert parallelism: DeepSpeed's MoE paths on
+        building.enter_context(readable_arch_list(resolved.cfg.adamw_impl))  # adamw_impl=deepspeed's JIT build
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=param_groups(model, resolved.cfg.optim.weight_decay),

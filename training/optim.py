@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
+import re
 
 import torch
 from deepspeed.git_version_info import installed_ops
@@ -17,6 +19,7 @@ from parallel.memory_plan import reduce_bucket_elements
 from parallel.stage import axis_plans
 from training.config import Resolved, TrainConfig
 from training.ds_json import accelerator_name
+from training.logs import log0
 
 # DeepSpeed prints its own step line every steps_per_print steps; train.py logs its own line instead.
 DS_STEPS_PER_PRINT = 2**31 - 1
@@ -86,6 +89,38 @@ def adamw_problems(adamw_impl: str, accelerator: str | None = None) -> list[str]
         "and torch finds none (CUDA_HOME unset, no nvcc on PATH): install it and set CUDA_HOME, install DeepSpeed "
         "with DS_BUILD_FUSED_ADAM=1, or set adamw_impl=torch_fused (torch's fused AdamW)"
     ]
+
+
+def deepspeed_arch_list(value: str | None) -> str | None:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed 0.19.8's JIT builder can read it, or None where it reads it as it is.
+    Its builder parses each architecture as integers (``int('0a')`` raises): an arch-specific suffix (``9.0a``,
+    ``10.0f``, which GPU images set for Hopper and Blackwell kernels) is dropped, as FusedAdam uses none of
+    those instructions; ``+PTX`` stays."""
+    if not value:
+        return None
+    parts = [p for p in value.replace(" ", ";").split(";") if p]
+    plain = [re.sub(r"^(\d+)\.(\d+)[a-z]+", r"\1.\2", p) for p in parts]
+    return ";".join(dict.fromkeys(plain)) if plain != parts else None
+
+
+@contextlib.contextmanager
+def readable_arch_list(adamw_impl: str):
+    """While the engine is built: with adamw_impl=deepspeed, TORCH_CUDA_ARCH_LIST without the suffixes DeepSpeed's
+    JIT build of fused_adam cannot read (:func:`deepspeed_arch_list`), said once; restored afterwards."""
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    readable = deepspeed_arch_list(value) if adamw_impl == "deepspeed" and accelerator_name() == "cuda" else None
+    if readable is None:
+        yield
+        return
+    log0(
+        f"adamw_impl=deepspeed: TORCH_CUDA_ARCH_LIST={value!r} read as {readable!r} while DeepSpeed builds its "
+        "fused_adam op (its JIT builder reads no architecture suffix)"
+    )
+    os.environ["TORCH_CUDA_ARCH_LIST"] = readable
+    try:
+        yield
+    finally:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = value
 
 
 def size_zero_buckets(ds: dict, model_config) -> None:

@@ -11,6 +11,7 @@ inside it; used where the trace has them, since host ranges on a GPU only time t
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
@@ -86,37 +87,56 @@ class KernelTime:
         return lines
 
 
-def kernel_times(events: list[dict], steps: dict[int, tuple[float, float]], shift: float, top: int = 8) -> dict:
-    """Per step, the :class:`KernelTime` of the kernels (and copies) launched inside its host range: a kernel's
-    launch (the runtime call of the same ``correlation``) says which step it belongs to, since the device runs
-    behind the host."""
+@dataclass
+class Kernel:
+    """One kernel (or copy) the device ran, with the host time of the runtime call that launched it."""
+
+    name: str
+    kind: str
+    launched: float
+    start: float
+    end: float
+
+
+def launched_kernels(events: list[dict], shift: float) -> list[Kernel]:
+    """The trace's kernels and copies, each matched to its launch (the runtime call of the same ``correlation``),
+    by launch time. The launch says which host range a kernel belongs to: the device runs behind the host, and
+    autograd's backward launches from a thread of its own, outside the main thread's ranges."""
     launches = {}
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and isinstance(e.get("args"), dict):
             launches[e["args"].get("correlation")] = float(e["ts"]) + shift
-    per_step: dict[int, list[tuple[str, str, float, float]]] = {}
+    kernels = []
     for e in events:
         cat = e.get("cat")
         if cat not in KERNEL_CATEGORIES or not isinstance(e.get("args"), dict):
             continue
         at = launches.get(e["args"].get("correlation"))
-        step = next((n for n, (s0, s1) in steps.items() if at is not None and s0 <= at <= s1), None)
-        if step is not None:
+        if at is not None:
             start = float(e["ts"]) + shift
             kind = KERNEL_CATEGORIES[cat] or kernel_kind(e["name"])
-            per_step.setdefault(step, []).append((e["name"], kind, start, start + float(e["dur"])))
-    out = {}
-    for step, kernels in per_step.items():
-        by_kind, by_name = {}, {}
-        for name, kind, start, end in kernels:
-            by_kind[kind] = by_kind.get(kind, 0.0) + end - start
-            us, count = by_name.get((name, kind), (0.0, 0))
-            by_name[name, kind] = (us + end - start, count + 1)
-        span = max(k[3] for k in kernels) - min(k[2] for k in kernels)
-        busy = _covered([Box("kernel", k[2], k[3]) for k in kernels])
-        longest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-        out[step] = KernelTime(span, busy, by_kind, [(n, kind, us, c) for (n, kind), (us, c) in longest])
-    return out
+            kernels.append(Kernel(e["name"], kind, at, start, start + float(e["dur"])))
+    kernels.sort(key=lambda k: k.launched)
+    return kernels
+
+
+def launched_in(kernels: list[Kernel], start: float, end: float) -> list[Kernel]:
+    """The kernels (sorted by launch) launched in the host time ``start..end``."""
+    at = [k.launched for k in kernels]
+    return kernels[bisect.bisect_left(at, start) : bisect.bisect_right(at, end)]
+
+
+def kernel_time(kernels: list[Kernel], top: int = 8) -> KernelTime:
+    """Where the time of ``kernels`` (one step's) went."""
+    by_kind, by_name = {}, {}
+    for k in kernels:
+        by_kind[k.kind] = by_kind.get(k.kind, 0.0) + k.end - k.start
+        us, count = by_name.get((k.name, k.kind), (0.0, 0))
+        by_name[k.name, k.kind] = (us + k.end - k.start, count + 1)
+    span = max(k.end for k in kernels) - min(k.start for k in kernels)
+    busy = _covered([Box("kernel", k.start, k.end) for k in kernels])
+    longest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return KernelTime(span, busy, by_kind, [(n, kind, us, c) for (n, kind), (us, c) in longest])
 
 
 class TraceError(ValueError):
@@ -224,10 +244,18 @@ def read_trace(trace: dict, path: str, rank: int, origin_ns: int | None = None) 
                 launched[ext] = start
         elif name.endswith("Schedule"):
             schedules.add(name)
-    # On a GPU the host ranges time only the kernel launches: the device's ranges (Kineto's, from the first to the
-    # last kernel a range launched, for the innermost range that launched any) are the instructions' durations.
-    # Only the host has the step ranges: a device range belongs to the step of the host range of its External id.
-    device = [Box(n, s, e, launched[x]) for n, s, e, x in ranges["device"] if instruction_of(n) and x in launched]
+    # On a GPU the host ranges time only the kernel launches: an instruction's device box runs from the first to the
+    # last kernel launched inside its host range, from any thread (autograd's backward launches from a thread of
+    # its own, which Kineto's gpu_user_annotation ranges miss: they stand in only where no kernel is in the trace).
+    events = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e]
+    kernels = launched_kernels(events, shift)
+    device = []
+    for box in boxes:
+        run = launched_in(kernels, box.start, box.end)
+        if run:
+            device.append(Box(box.name, min(k.start for k in run), max(k.end for k in run), box.start))
+    if not kernels:  # Only the host has the step ranges: a device range's step is that of its External id's range
+        device = [Box(n, s, e, launched[x]) for n, s, e, x in ranges["device"] if instruction_of(n) and x in launched]
     clock = "device" if device else "host"
     boxes = device or boxes
     if not steps:
@@ -236,8 +264,10 @@ def read_trace(trace: dict, path: str, rank: int, origin_ns: int | None = None) 
             f"(or one cut before its first step ended)"
         )
     boxes.sort(key=lambda b: b.start)
-    events = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e]
-    return RankTrace(rank, path, steps, boxes, clock, sorted(schedules), kernel_times(events, steps, shift))
+    per_step = {n: launched_in(kernels, s0, s1) for n, (s0, s1) in steps.items()}
+    return RankTrace(
+        rank, path, steps, boxes, clock, sorted(schedules), {n: kernel_time(k) for n, k in per_step.items() if k}
+    )
 
 
 def read_run(run_dir: str) -> list[RankTrace]:
