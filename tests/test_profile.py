@@ -155,6 +155,8 @@ def test_a_gpu_step_s_instructions_and_kernel_time_come_from_the_kernels_they_la
         dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=t, dur=1, tid=tid, args={"correlation": c})
         for t, c, tid in launches
     ]
+    # the optimizer's host range waits 20 µs for the device (a .item()), on the main thread
+    events.append(dict(ph="X", cat="cuda_runtime", name="cudaStreamSynchronize", ts=44, dur=20, tid=1, args={}))
     kernels = [  # (category, name, start, end, correlation)
         ("kernel", "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", 10, 40, 1),
         ("kernel", "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>(Flash_fwd_params)", 40, 50, 2),
@@ -193,7 +195,9 @@ def test_a_gpu_step_s_instructions_and_kernel_time_come_from_the_kernels_they_la
         "kernel time by kind: matmul 55.6%, attention 11.1%, memory copies 11.1%, optimizer 11.1%, Triton (compiled, "
         "Liger) 5.6%, elementwise/reduction 5.6%"
     )
-    assert len(lines) == 3 + 6 and "x2" in lines[3] and "matmul" in lines[3]  # a line per kernel name
+    assert len(lines) == 3 + 6 + 1 and "x2" in lines[3] and "matmul" in lines[3]  # a line per kernel name
+    assert k.host == 50 and k.calls == [("cudaStreamSynchronize", 20, 1), ("cudaLaunchKernel", 7, 1 * 7)]
+    assert lines[-1].startswith("  host: the step's range 0.1 ms; CUDA API time in it (all threads): cudaStream")
     assert [line for line in lines if "Memcpy" in line][0].split()[4] == "memory"
     later = step_timeline(read_run(str(tmp_path)), step=2)
     assert [(b.name, b.start, b.end) for b in later.ranks[0].boxes] == [("ForwardPass mb=0", 110, 130)]

@@ -12,6 +12,7 @@ inside it; used where the trace has them, since host ranges on a GPU only time t
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import os
 import re
@@ -73,6 +74,8 @@ class KernelTime:
     busy: float  # covered by at least one kernel (streams overlap)
     by_kind: dict[str, float]  # summed durations per kernel kind
     top: list[tuple[str, str, float, int]]  # the longest kernels by summed time: (name, kind, microseconds, launches)
+    host: float = 0.0  # the step's host range
+    calls: list[tuple[str, float, int]] = field(default_factory=list)  # CUDA API calls in it: (name, µs, count)
 
     def report(self, rank: int, step: int) -> list[str]:
         total = sum(self.by_kind.values()) or 1.0
@@ -84,6 +87,10 @@ class KernelTime:
         ]
         for name, kind, us, count in self.top:
             lines.append(f"  {us / 1000:8.1f} ms {us / total:6.1%} x{count:<5} {kind:<24} {name[:110]}")
+        if self.calls:  # where the host blocks: a synchronisation leaves the GPU idle until the next launch
+            calls = ", ".join(f"{name} {us / 1000:.1f} ms x{count}" for name, us, count in self.calls)
+            host = f"  host: the step's range {self.host / 1000:.1f} ms; CUDA API time in it (all threads): "
+            lines.append(host + calls)
         return lines
 
 
@@ -118,6 +125,26 @@ def launched_kernels(events: list[dict], shift: float) -> list[Kernel]:
             kernels.append(Kernel(e["name"], kind, at, start, start + float(e["dur"])))
     kernels.sort(key=lambda k: k.launched)
     return kernels
+
+
+def api_calls(events: list[dict], shift: float) -> list[tuple[float, str, float]]:
+    """The trace's CUDA runtime and driver calls, (host start, name, µs), by start."""
+    calls = [
+        (float(e["ts"]) + shift, e["name"], float(e["dur"]))
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and isinstance(e.get("name"), str)
+    ]
+    return sorted(calls)
+
+
+def calls_in(calls: list[tuple[float, str, float]], start: float, end: float, top: int = 5) -> list:
+    """The ``top`` API calls made in the host time ``start..end`` by summed time: (name, µs, count)."""
+    at = [c[0] for c in calls]
+    summed: dict[str, tuple[float, int]] = {}
+    for _, name, us in calls[bisect.bisect_left(at, start) : bisect.bisect_right(at, end)]:
+        total, count = summed.get(name, (0.0, 0))
+        summed[name] = (total + us, count + 1)
+    return [(n, us, c) for n, (us, c) in sorted(summed.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
 def launched_in(kernels: list[Kernel], start: float, end: float) -> list[Kernel]:
@@ -264,10 +291,11 @@ def read_trace(trace: dict, path: str, rank: int, origin_ns: int | None = None) 
             f"(or one cut before its first step ended)"
         )
     boxes.sort(key=lambda b: b.start)
-    per_step = {n: launched_in(kernels, s0, s1) for n, (s0, s1) in steps.items()}
-    return RankTrace(
-        rank, path, steps, boxes, clock, sorted(schedules), {n: kernel_time(k) for n, k in per_step.items() if k}
-    )
+    calls, per_step = api_calls(events, shift), {}
+    for n, (s0, s1) in steps.items():
+        if run := launched_in(kernels, s0, s1):
+            per_step[n] = dataclasses.replace(kernel_time(run), host=s1 - s0, calls=calls_in(calls, s0, s1))
+    return RankTrace(rank, path, steps, boxes, clock, sorted(schedules), per_step)
 
 
 def read_run(run_dir: str) -> list[RankTrace]:
