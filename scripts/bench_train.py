@@ -80,6 +80,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from training.timeline import PROFILE_DIR, STEP_RANGE, TRACE_NAME  # noqa: E402 (plain JSON, no torch)
 
 # ZeRO-1 as DeepSpeed configures it for GPUs; on CPU train.py turns both off (training/optim.py,
 # cpu_zero1_settings): cases b1, d1 and e1 measure what that saves.
@@ -356,6 +357,7 @@ def plain_worker(spec: dict) -> dict:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     steps = []
     for step in range(spec["steps"]):
+        traced = traced_step(spec, step + 1)
         t0, c0, b0 = time.perf_counter(), time.process_time(), system_busy_s()
         fwd = bwd = 0.0  # CPU seconds (one thread: the work; immune to time-slicing by other processes)
         for i in range(micro):
@@ -372,6 +374,7 @@ def plain_worker(spec: dict) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
+        traced.close()
         wall = time.perf_counter() - t0
         cpu = time.process_time() - c0
         steps.append(
@@ -386,6 +389,32 @@ def plain_worker(spec: dict) -> dict:
         )
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
     return {"steps": steps, "peak_gpu_mib": peak}
+
+
+class traced_step:
+    """``--plain-trace-step``: step ``step`` of a plain loop under torch.profiler, in a ``train step N`` range,
+    written where train.py's profile_steps writes its trace (training/timeline.py reads both); else nothing."""
+
+    def __init__(self, spec: dict, step: int):
+        self.profiler = None
+        if spec.get("trace_step") != step:
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+        self.path, self.profiler = spec["trace"], profile(activities=[ProfilerActivity.CPU, *cuda])
+        self.profiler.start()
+        self.range = record_function(STEP_RANGE.format(step))
+        self.range.__enter__()
+
+    def close(self) -> None:
+        if self.profiler is None:
+            return
+        self.range.__exit__(None, None, None)
+        self.profiler.stop()
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.profiler.export_chrome_trace(self.path)
 
 
 class CaseFailed(Exception):
@@ -635,6 +664,8 @@ def run_plain(args, group: str, overrides: dict, data: str, device: str, case: s
         compile=compiled,
         micro_batch_size=args.micro_batch_size,
         checkpointing=args.checkpointing,
+        trace_step=args.plain_trace_step,
+        trace=os.path.join(args.work, f"run_{case}", "out", PROFILE_DIR, TRACE_NAME.format(0)),
     )
     peak_mib = None
     if copies == 1:
@@ -710,6 +741,13 @@ def parse_args(argv=None):
         "--plain-default-adamw",
         action="store_true",
         help="case a with torch.optim.AdamW's default implementation instead of fused=True (train.py's)",
+    )
+    p.add_argument(
+        "--plain-trace-step",
+        type=int,
+        default=0,
+        help="cases a and ac: trace this step (from 1) with torch.profiler into WORK/run_<case>/out/profile, as "
+        "train.py's profile_steps writes it (scripts/plot_timeline.py prints where its GPU time went); 0 = off",
     )
     p.add_argument(
         "--profile",
@@ -811,6 +849,11 @@ def main(argv=None) -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if not 0 <= args.plain_trace_step <= args.warmup + args.steps:
+        sys.exit(
+            f"--plain-trace-step {args.plain_trace_step}: a run has steps 1..{args.warmup + args.steps} "
+            f"(--warmup {args.warmup} + --steps {args.steps}): pick one of them, or 0 for none"
+        )
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         sys.exit(f"unknown cases {unknown}: choose from {list(CASES)}")

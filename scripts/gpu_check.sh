@@ -27,8 +27,9 @@
 #    against attention=documents (torch's varlen flash attention), memory and time (scripts/bench_attention.py).
 # Without a CUDA GPU it stops at once with exit code 2. What it writes: work/gpu_check.log (everything printed),
 # work/gpu_check/parity.log, work/gpu_check/bench.md (the tables, BENCHMARKS.md's source) and one bench_*.json per
-# shape (bench_levers.json for the levers), and profile_<shape>_<case>.png for the profiled cases (the 3B shape's b
-# and bkl, their kernel summaries in bench.md); with $OUT set (the device tool's folder) 8 of them are copied there.
+# shape (bench_levers.json for the levers), and profile_<shape>_<case>.png for the profiled train.py cases (the 3B
+# shape's b, bc and bkl; their kernel summaries, and the plain loop's, in bench.md); with $OUT set (the device tool's
+# folder) 8 of them are copied there.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -90,8 +91,9 @@ if step bench; then
   # table, in order; GPU_CHECK_PLAN replaces it (the same lines)
   # one shape's five cases take about 6 minutes (train.py's start-up of a 1B model from random weights alone took over
   # 50 s on an H200, each compiled case adds its compile time): the 3B shape first (the issue's 40% MFU goal), its
-  # b and bkl runs profiled at their last step (the kernel summary and picture follow its table); the others are said
-  plan="3b_s4096_mb1|llama3.2-3b|4096|1|2|300|$ckpt --train-arg b,bkl:profile_steps=[6,6]
+  # runs profiled at their last step (train.py's b, bc and bkl, the plain loop's a and ac: the kernel summaries, and
+  # pictures of the train.py steps, follow its table); the others are said
+  plan="3b_s4096_mb1|llama3.2-3b|4096|1|2|300|$ckpt --train-arg b,bc,bkl:profile_steps=[6,6] --plain-trace-step 6
 1b_s2048_mb4|llama3.2-1b|2048|4|2|300|
 1b_s2048_mb2|llama3.2-1b|2048|2|2|300|
 1b_s2048_mb1|llama3.2-1b|2048|1|4|300|"

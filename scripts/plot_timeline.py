@@ -24,7 +24,15 @@ from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from training.timeline import KINDS, PROFILE_DIR, Timeline, TraceError, read_run, step_timeline  # noqa: E402
+from training.timeline import (  # noqa: E402
+    KINDS,
+    PROFILE_DIR,
+    Timeline,
+    TraceError,
+    kernel_report,
+    read_run,
+    step_timeline,
+)
 
 COLOURS = {
     "forward": "tab:blue",
@@ -102,9 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(args.run_dir):
         return error(f"{args.run_dir} is not a directory: pass a train.py output_dir")
     try:
-        timeline = step_timeline(read_run(args.run_dir), args.step, args.align)
+        traces = read_run(args.run_dir)
     except TraceError as e:
         return error(str(e))
+    try:
+        timeline = step_timeline(traces, args.step, args.align)
+    except TraceError as e:
+        lines = kernel_report(traces, args.step)  # a plain loop's GPU trace: its kernels, nothing to draw
+        if not lines:
+            return error(str(e))
+        print(f"no picture ({e}); the GPU's side of the step:")
+        print("\n".join(lines))
+        return 0
     out = args.out or os.path.join(args.run_dir, PROFILE_DIR, f"timeline_step{timeline.step}.png")
     name = os.path.basename(os.path.abspath(args.run_dir))
     title = (

@@ -86,7 +86,8 @@ def test_case_args_apply_to_their_case_only():
 @pytest.mark.e2e
 def test_bench_train_plain_case_end_to_end(tmp_path):
     """The matmul peak and the plain loop (a) through the script's own loop and table (the train.py cases
-    launch DeepSpeed, tens of seconds each: run the script itself for those)."""
+    launch DeepSpeed, tens of seconds each: run the script itself for those); its last step traced
+    (--plain-trace-step) where train.py's profile_steps writes a trace, and read back as one."""
     proc = run_script(
         [
             "scripts/bench_train.py",
@@ -101,6 +102,8 @@ def test_bench_train_plain_case_end_to_end(tmp_path):
             "2",
             "--max-wait",
             "0",
+            "--plain-trace-step",
+            "2",
             "--work",
             str(tmp_path),
         ],
@@ -110,6 +113,10 @@ def test_bench_train_plain_case_end_to_end(tmp_path):
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| a | plain HF loop"))
     assert float(row.split("|")[6]) > 0  # tokens/s
     assert "matmul peak (float32" in proc.stdout
+    from training.timeline import read_run
+
+    (trace,) = read_run(str(tmp_path / "run_a" / "out"))
+    assert list(trace.steps) == [2] and trace.clock == "host"  # on CPU no kernels: nothing more to read
 
 
 @pytest.mark.e2e

@@ -135,12 +135,8 @@ def test_a_gpu_trace_s_device_ranges_are_preferred(tmp_path):
     assert timeline.window == 65 and timeline.ranks[0].bubble(65) == pytest.approx(30 / 65)
 
 
-def test_a_gpu_step_s_instructions_and_kernel_time_come_from_the_kernels_they_launched(tmp_path):
-    """As a GPU trace reads (seen on an H200): a kernel belongs to the host range its launch (the runtime call of the
-    same correlation id) falls in, also when autograd's backward launches it from another thread, which Kineto's
-    gpu_user_annotation ranges miss (here the backward's is 1 µs long), and when it runs after the next step's host
-    range began. Each instruction's box spans its kernels; a step's kernel time is summed by kind, and the GPU's
-    idle share is the span no kernel covers."""
+def gpu_step_events() -> list[dict]:
+    """Two steps of a GPU trace: host ranges, Kineto's device ranges, the launches (runtime calls) and kernels."""
     host = [("train step 1", 0, 50, 1), ("ForwardPass mb=0", 1, 10, 2), ("BackwardPass mb=0", 10, 40, 3)]
     host += [("OptimizerStep", 40, 48, 4), ("train step 2", 60, 90, 5), ("ForwardPass mb=0", 61, 70, 6)]
     events = [
@@ -168,6 +164,16 @@ def test_a_gpu_step_s_instructions_and_kernel_time_come_from_the_kernels_they_la
         ("kernel", "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", 110, 130, 7),  # step 2's, launched at 65
     ]
     events += [dict(ph="X", cat=cat, name=n, ts=s, dur=e - s, args={"correlation": c}) for cat, n, s, e, c in kernels]
+    return events
+
+
+def test_a_gpu_step_s_instructions_and_kernel_time_come_from_the_kernels_they_launched(tmp_path):
+    """As a GPU trace reads (seen on an H200): a kernel belongs to the host range its launch (the runtime call of the
+    same correlation id) falls in, also when autograd's backward launches it from another thread, which Kineto's
+    gpu_user_annotation ranges miss (here the backward's is 1 µs long), and when it runs after the next step's host
+    range began. Each instruction's box spans its kernels; a step's kernel time is summed by kind, and the GPU's
+    idle share is the span no kernel covers."""
+    events = gpu_step_events()
     os.makedirs(tmp_path / "profile")
     (tmp_path / "profile" / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
     timeline = step_timeline(read_run(str(tmp_path)), step=1)
@@ -208,6 +214,20 @@ def plot(argv, capsys) -> tuple[int, str, str]:
     code = load_entry_point("scripts/plot_timeline.py").main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def test_a_plain_loop_s_gpu_trace_says_where_its_time_went_without_a_picture(tmp_path, capsys):
+    """A trace with steps and kernels but no pipeline instruction (scripts/bench_train.py --plain-trace-step, the
+    plain Hugging Face loop's): plot_timeline.py prints the kernel summary instead of failing."""
+    events = [e for e in gpu_step_events() if e["cat"] not in ("user_annotation", "gpu_user_annotation")]
+    events += [e for e in gpu_step_events() if e["name"].startswith("train step")]
+    os.makedirs(tmp_path / "profile")
+    (tmp_path / "profile" / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    code, out, err = plot([tmp_path, "--step", 1], capsys)
+    assert code == 0, err
+    assert out.startswith("no picture (") and "rank 0 GPU, step 1: 0.1 ms from its first kernel" in out
+    code, out, err = plot([tmp_path, "--step", 3], capsys)  # not profiled: the error stands
+    assert code == 1 and "step 3 is not profiled" in err
 
 
 def test_plot_timeline_draws_the_synthetic_step(tmp_path, capsys):

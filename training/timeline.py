@@ -4,9 +4,10 @@ them). Plain JSON, no torch: the script runs anywhere the trace files are copied
 
 A trace is torch.profiler's Chrome trace (``output_dir/profile/rank<R>.pt.trace.json``). What is read from it:
 the ranges ``train step N`` (one per profiled step) and the ranges named by a pipeline instruction
-(``ForwardPass mb=3``, ``BackwardPass mb=2 phase=1``: :func:`range_name`), each an event of category
-``user_annotation`` (host time) or, on a GPU, ``gpu_user_annotation`` (the span of the device work launched
-inside it; used where the trace has them, since host ranges on a GPU only time the kernel launches).
+(``ForwardPass mb=3``, ``BackwardPass mb=2 phase=1``: :func:`range_name`), events of category ``user_annotation``
+(host time). On a GPU, where host ranges only time the kernel launches, also the kernels: each is matched to its
+launch (the runtime call of the same correlation id), which places it in a host range; an instruction's box then
+spans the kernels launched in it, and each step's kernel time is summed by kind (:class:`KernelTime`).
 """
 
 from __future__ import annotations
@@ -388,7 +389,8 @@ def step_timeline(traces: list[RankTrace], step: int | None = None, align: str =
         if not boxes:
             raise TraceError(
                 f"{t.path}: step {step} has no pipeline instruction: the run did not use a pipeline engine "
-                "(num_stages=1 trains with DeepSpeed's data-parallel engine), or its trace predates them"
+                "(num_stages=1 with ZeRO 2/3 trains with DeepSpeed's data-parallel engine; a plain loop's trace, "
+                "scripts/bench_train.py --plain-trace-step, has none either), or its trace predates them"
             )
         shares.append(RankShare(t.rank, boxes, 0.0, 0.0))
     start = min(s.boxes[0].start for s in shares)
@@ -400,6 +402,16 @@ def step_timeline(traces: list[RankTrace], step: int | None = None, align: str =
     schedules = sorted({name for t in traces for name in t.schedules if "Inference" not in name})
     kernels = {t.rank: t.kernels[step] for t in traces if step in t.kernels}
     return Timeline(step, start, end, shares, traces[0].clock, ", ".join(schedules) or "schedule unnamed", kernels)
+
+
+def kernel_report(traces: list[RankTrace], step: int | None = None) -> list[str]:
+    """Where each rank's GPU time went in ``step`` (default: the last step every rank has kernels of), for a trace
+    with no pipeline instruction to draw (a plain training loop's); [] where the traces hold no kernels of it."""
+    common = sorted(set.intersection(*(set(t.kernels) for t in traces)))
+    step = (common[-1] if common else None) if step is None else step
+    if step not in common:
+        return []
+    return [line for t in traces for line in t.kernels[step].report(t.rank, step)]
 
 
 def _covered(boxes: list[Box]) -> float:
