@@ -691,7 +691,7 @@ def run_plain(args, group: str, overrides: dict, data: str, device: str, case: s
         "step_s": [s["step_s"] for s in measured],
         "tokens": copies * args.micro_batches * args.micro_batch_size * args.seq,
         "warmup_s": [s["step_s"] for s in steps[: args.warmup]],
-        "cpu_share": [s["cpu_s"] / s["step_s"] / args.threads for s in measured],
+        "cpu_share": [s["cpu_s"] / s["step_s"] for s in measured],  # cores busy, as train.py's per rank
         "other_cores": [s["other_cores"] for s in measured],
         "peak_mib": peak_mib,  # GPU only
     }
@@ -953,7 +953,7 @@ def main(argv=None) -> None:
                 f"round {r + 1} case {case}: {tokens_s:.0f} tokens/s | {util}s/step "
                 f"{' '.join(f'{s:.2f}' for s in res['step_s'])} "
                 f"(warm-up {' '.join(f'{s:.2f}' for s in res['warmup_s'])})"
-                f" | peak memory {res['peak_mib'] or 'n/a'} MiB | core share per rank "
+                f" | peak memory {res['peak_mib'] or 'n/a'} MiB | cores busy per rank "
                 f"{' '.join(f'{x:.2f}' for x in res['cpu_share'])} | other processes (cores) "
                 f"{' '.join(f'{x:.2f}' for x in res['other_cores'])} | waited {waited:.0f} s for < {args.quiet} busy "
                 f"cores (then {busy:.2f}) | {time.time() - start:.0f} s",
@@ -1001,7 +1001,7 @@ def print_tables(args, started, device, mm_dtype, peaks, cases, aliased, summary
     print()
     print(
         "| case | what | ranks x threads | s/step (median) | per-round medians | tokens/s | MFU | MFU (measured) | "
-        f"steps with other processes < {args.quiet} cores | core share per rank | other processes (cores) | "
+        f"steps with other processes < {args.quiet} cores | cores busy per rank | other processes (cores) | "
         "peak memory (MiB, largest rank; GPU where there is one) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
