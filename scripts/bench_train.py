@@ -80,7 +80,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from training.timeline import PROFILE_DIR, STEP_RANGE, TRACE_NAME  # noqa: E402 (plain JSON, no torch)
 
 # ZeRO-1 as DeepSpeed configures it for GPUs; on CPU train.py turns both off (training/optim.py,
 # cpu_zero1_settings): cases b1, d1 and e1 measure what that saves.
@@ -333,6 +332,7 @@ def plain_worker(spec: dict) -> dict:
     from transformers import LlamaForCausalLM
 
     from training.optim import param_groups
+    from training.profiling import StepProfiler
 
     torch.set_num_threads(spec["threads"])
     device = spec["device"]
@@ -355,66 +355,41 @@ def plain_worker(spec: dict) -> dict:
     micro, seq, rows_per = spec["micro_batches"], spec["seq"], spec.get("micro_batch_size", 1)
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=spec["precision"] == "bf16")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    # --plain-trace-step: that step traced as train.py's profile_steps traces one (the export is not timed)
+    profiler = StepProfiler([spec["trace_step"]] * 2 if spec.get("trace_step") else [], spec.get("trace_dir", ""), 0, 0)
     steps = []
     for step in range(spec["steps"]):
-        traced = traced_step(spec, step + 1)
-        t0, c0, b0 = time.perf_counter(), time.process_time(), system_busy_s()
-        fwd = bwd = 0.0  # CPU seconds (one thread: the work; immune to time-slicing by other processes)
-        for i in range(micro):
-            first = (step * micro + i) * rows_per
-            ids = torch.tensor([rows[(first + r) % len(rows)][:seq] for r in range(rows_per)], device=device)
+        with profiler.step(step + 1):
+            t0, c0, b0 = time.perf_counter(), time.process_time(), system_busy_s()
+            fwd = bwd = 0.0  # CPU seconds (one thread: the work; immune to time-slicing by other processes)
+            for i in range(micro):
+                first = (step * micro + i) * rows_per
+                ids = torch.tensor([rows[(first + r) % len(rows)][:seq] for r in range(rows_per)], device=device)
+                c = time.process_time()
+                with autocast:
+                    loss = model(input_ids=ids, labels=ids).loss
+                c1 = time.process_time()
+                (loss / micro).backward()
+                fwd, bwd = fwd + c1 - c, bwd + time.process_time() - c1
             c = time.process_time()
-            with autocast:
-                loss = model(input_ids=ids, labels=ids).loss
-            c1 = time.process_time()
-            (loss / micro).backward()
-            fwd, bwd = fwd + c1 - c, bwd + time.process_time() - c1
-        c = time.process_time()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
-        traced.close()
-        wall = time.perf_counter() - t0
-        cpu = time.process_time() - c0
-        steps.append(
-            {
-                "step_s": wall,
-                "cpu_s": cpu,
-                "other_cores": max(0.0, system_busy_s() - b0 - cpu) / wall,
-                "forward_cpu_s": fwd,
-                "backward_cpu_s": bwd,
-                "optimizer_cpu_s": time.process_time() - c,
-            }
-        )
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            wall = time.perf_counter() - t0
+            cpu = time.process_time() - c0
+            steps.append(
+                {
+                    "step_s": wall,
+                    "cpu_s": cpu,
+                    "other_cores": max(0.0, system_busy_s() - b0 - cpu) / wall,
+                    "forward_cpu_s": fwd,
+                    "backward_cpu_s": bwd,
+                    "optimizer_cpu_s": time.process_time() - c,
+                }
+            )
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
     return {"steps": steps, "peak_gpu_mib": peak}
-
-
-class traced_step:
-    """``--plain-trace-step``: step ``step`` of a plain loop under torch.profiler, in a ``train step N`` range,
-    written where train.py's profile_steps writes its trace (training/timeline.py reads both); else nothing."""
-
-    def __init__(self, spec: dict, step: int):
-        self.profiler = None
-        if spec.get("trace_step") != step:
-            return
-        import torch
-        from torch.profiler import ProfilerActivity, profile, record_function
-
-        cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-        self.path, self.profiler = spec["trace"], profile(activities=[ProfilerActivity.CPU, *cuda])
-        self.profiler.start()
-        self.range = record_function(STEP_RANGE.format(step))
-        self.range.__enter__()
-
-    def close(self) -> None:
-        if self.profiler is None:
-            return
-        self.range.__exit__(None, None, None)
-        self.profiler.stop()
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self.profiler.export_chrome_trace(self.path)
 
 
 class CaseFailed(Exception):
@@ -665,7 +640,7 @@ def run_plain(args, group: str, overrides: dict, data: str, device: str, case: s
         micro_batch_size=args.micro_batch_size,
         checkpointing=args.checkpointing,
         trace_step=args.plain_trace_step,
-        trace=os.path.join(args.work, f"run_{case}", "out", PROFILE_DIR, TRACE_NAME.format(0)),
+        trace_dir=os.path.join(args.work, f"run_{case}", "out"),  # its profile/rank0.pt.trace.json, as train.py's
     )
     peak_mib = None
     if copies == 1:

@@ -13,8 +13,8 @@ spans the kernels launched in it, and each step's kernel time is summed by kind 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import json
+import operator
 import os
 import re
 from dataclasses import dataclass, field
@@ -61,6 +61,7 @@ KERNEL_KINDS = (
 OTHER_KERNELS = "elementwise/reduction"
 COPIES = "memory copies"
 KERNEL_CATEGORIES = {"kernel": None, "gpu_memcpy": COPIES, "gpu_memset": COPIES}
+API_CATEGORIES = ("cuda_runtime", "cuda_driver")  # the host's CUDA calls: launches, synchronisations
 
 
 def kernel_kind(name: str) -> str:
@@ -75,8 +76,8 @@ class KernelTime:
     busy: float  # covered by at least one kernel (streams overlap)
     by_kind: dict[str, float]  # summed durations per kernel kind
     top: list[tuple[str, str, float, int]]  # the longest kernels by summed time: (name, kind, microseconds, launches)
-    host: float = 0.0  # the step's host range
-    calls: list[tuple[str, float, int]] = field(default_factory=list)  # CUDA API calls in it: (name, µs, count)
+    host: float  # the step's host range
+    calls: list[tuple[str, float, int]]  # the CUDA API calls made in it: (name, µs, count)
 
     def report(self, rank: int, step: int) -> list[str]:
         total = sum(self.by_kind.values()) or 1.0
@@ -112,7 +113,7 @@ def launched_kernels(events: list[dict], shift: float) -> list[Kernel]:
     autograd's backward launches from a thread of its own, outside the main thread's ranges."""
     launches = {}
     for e in events:
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and isinstance(e.get("args"), dict):
+        if e.get("cat") in API_CATEGORIES and isinstance(e.get("args"), dict):
             launches[e["args"].get("correlation")] = float(e["ts"]) + shift
     kernels = []
     for e in events:
@@ -133,16 +134,17 @@ def api_calls(events: list[dict], shift: float) -> list[tuple[float, str, float]
     calls = [
         (float(e["ts"]) + shift, e["name"], float(e["dur"]))
         for e in events
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and isinstance(e.get("name"), str)
+        if e.get("cat") in API_CATEGORIES and isinstance(e.get("name"), str)
     ]
     return sorted(calls)
 
 
 def calls_in(calls: list[tuple[float, str, float]], start: float, end: float, top: int = 5) -> list:
     """The ``top`` API calls made in the host time ``start..end`` by summed time: (name, µs, count)."""
-    at = [c[0] for c in calls]
     summed: dict[str, tuple[float, int]] = {}
-    for _, name, us in calls[bisect.bisect_left(at, start) : bisect.bisect_right(at, end)]:
+    at = operator.itemgetter(0)  # a call's host start
+    first, last = bisect.bisect_left(calls, start, key=at), bisect.bisect_right(calls, end, key=at)
+    for _, name, us in calls[first:last]:
         total, count = summed.get(name, (0.0, 0))
         summed[name] = (total + us, count + 1)
     return [(n, us, c) for n, (us, c) in sorted(summed.items(), key=lambda kv: -kv[1][0])[:top]]
@@ -150,12 +152,12 @@ def calls_in(calls: list[tuple[float, str, float]], start: float, end: float, to
 
 def launched_in(kernels: list[Kernel], start: float, end: float) -> list[Kernel]:
     """The kernels (sorted by launch) launched in the host time ``start..end``."""
-    at = [k.launched for k in kernels]
-    return kernels[bisect.bisect_left(at, start) : bisect.bisect_right(at, end)]
+    launched = operator.attrgetter("launched")
+    return kernels[bisect.bisect_left(kernels, start, key=launched) : bisect.bisect_right(kernels, end, key=launched)]
 
 
-def kernel_time(kernels: list[Kernel], top: int = 8) -> KernelTime:
-    """Where the time of ``kernels`` (one step's) went."""
+def kernel_time(kernels: list[Kernel], host: float, calls: list, top: int = 8) -> KernelTime:
+    """Where the time of ``kernels`` (one step's, its host range ``host`` µs long, ``calls`` its API calls) went."""
     by_kind, by_name = {}, {}
     for k in kernels:
         by_kind[k.kind] = by_kind.get(k.kind, 0.0) + k.end - k.start
@@ -164,7 +166,7 @@ def kernel_time(kernels: list[Kernel], top: int = 8) -> KernelTime:
     span = max(k.end for k in kernels) - min(k.start for k in kernels)
     busy = _covered([Box("kernel", k.start, k.end) for k in kernels])
     longest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-    return KernelTime(span, busy, by_kind, [(n, kind, us, c) for (n, kind), (us, c) in longest])
+    return KernelTime(span, busy, by_kind, [(n, kind, us, c) for (n, kind), (us, c) in longest], host, calls)
 
 
 class TraceError(ValueError):
@@ -295,7 +297,7 @@ def read_trace(trace: dict, path: str, rank: int, origin_ns: int | None = None) 
     calls, per_step = api_calls(events, shift), {}
     for n, (s0, s1) in steps.items():
         if run := launched_in(kernels, s0, s1):
-            per_step[n] = dataclasses.replace(kernel_time(run), host=s1 - s0, calls=calls_in(calls, s0, s1))
+            per_step[n] = kernel_time(run, s1 - s0, calls_in(calls, s0, s1))
     return RankTrace(rank, path, steps, boxes, clock, sorted(schedules), per_step)
 
 
