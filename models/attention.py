@@ -23,7 +23,9 @@ stays available for comparison: [B,1,S,S] booleans per layer, 16 G entries at 12
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +42,37 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-def document_spans(position_ids: torch.Tensor, chunk: int = 0) -> list[list[tuple[int, int]]]:
-    """Each row's documents as (start, end) token offsets; with ``chunk`` > 0, cut as well where a position is a
-    multiple of ``chunk`` (Llama 4's chunked attention: each piece attends only within itself)."""
+class Documents:
+    """The documents of one micro-batch's ``position_ids`` [B,S]: ``spans``, each row's (start, end) token
+    offsets, and :meth:`cu_seqlens` for the variable-length kernel."""
+
+    def __init__(self, spans: list[list[tuple[int, int]]]):
+        self.spans = spans
+        self.longest = max(end - start for row in spans for start, end in row)
+        self._cu: torch.Tensor | None = None
+
+    def cu_seqlens(self, device: torch.device) -> torch.Tensor:
+        """[N+1] int32 on ``device``: where each of the N documents starts, end to end over the rows, then the end
+        (a host-to-device copy, which waits for the device: made once)."""
+        if self._cu is None or self._cu.device != device:
+            lengths = [end - start for row in self.spans for start, end in row]
+            self._cu = torch.tensor([0] + lengths, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return self._cu
+
+
+def find_documents(position_ids: torch.Tensor, chunk: int = 0) -> Documents:
+    """The documents of each row; with ``chunk`` > 0, cut as well where a position is a multiple of ``chunk``
+    (Llama 4's chunked attention: each piece attends only within itself).
+
+    Finding them reads the positions on the host: on a GPU a sync, which drains the queue of kernels and leaves the
+    GPU idle until the host launches the next. Every layer of a stage gets the same ``position_ids`` of a
+    micro-batch (activation checkpointing's recomputation too), so the answer is kept (:data:`_FOUND`): one sync per
+    micro-batch and stage instead of one per layer and pass."""
+    key = _found_key(position_ids, chunk)
+    found = _FOUND.get(key) if key is not None else None
+    if found is not None and found[1] == position_ids._version:
+        _FOUND.move_to_end(key)
+        return found[2]
     spans = []
     seq = position_ids.shape[1]
     cuts = document_starts(position_ids)  # [B,S] bool
@@ -51,7 +81,34 @@ def document_spans(position_ids: torch.Tensor, chunk: int = 0) -> list[list[tupl
     for row in cuts.cpu():
         starts = row.nonzero().squeeze(1).tolist() + [seq]
         spans.append(list(zip(starts[:-1], starts[1:])))
-    return spans
+    documents = Documents(spans)
+    if key is not None:
+        _FOUND[key] = (position_ids, position_ids._version, documents)
+        if len(_FOUND) > _FOUND_KEPT:
+            _FOUND.popitem(last=False)
+    return documents
+
+
+def document_spans(position_ids: torch.Tensor, chunk: int = 0) -> list[list[tuple[int, int]]]:
+    """Each row's documents as (start, end) token offsets (:func:`find_documents`)."""
+    return find_documents(position_ids, chunk).spans
+
+
+# The documents of the position_ids tensors seen last, by memory address: (tensor, its version, Documents). Each
+# entry keeps its tensor alive, so no other tensor can be given that memory while the entry exists: a tensor at the
+# same address shares its storage (a view, a detached copy: activation checkpointing's recomputation), and an
+# in-place write to it since shows in the version counter they share. DeepSpeed's pipeline clones what it receives
+# from the previous stage and what it loads (a write into a reused receive buffer would not count a version). A
+# stage has a few micro-batches in flight; the bound keeps little memory held (B x S int64 each).
+_FOUND: OrderedDict = OrderedDict()
+_FOUND_KEPT = 16
+
+
+def _found_key(position_ids: torch.Tensor, chunk: int) -> tuple | None:
+    if position_ids.device.type == "meta" or position_ids.numel() == 0:
+        return None
+    stride = position_ids.stride()
+    return (position_ids.device, position_ids.dtype, position_ids.data_ptr(), position_ids.shape, stride, chunk)
 
 
 def attention_chunk(module: torch.nn.Module) -> int:
@@ -64,13 +121,21 @@ def attention_chunk(module: torch.nn.Module) -> int:
     return config.attention_chunk_size
 
 
-def _varlen(window: int):
-    """torch's variable-length flash attention, where this torch has it (and takes a window, if one is needed)."""
+@functools.cache
+def _varlen_and_parameters():
+    """torch's variable-length flash attention and the names of its parameters, where this torch has it (looked up
+    once: every layer's attention asks)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
-    if window and "window_size" not in inspect.signature(varlen_attn).parameters:
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen(window: int):
+    """torch's variable-length flash attention, where this torch has it (and takes a window, if one is needed)."""
+    varlen_attn, params = _varlen_and_parameters()
+    if window and "window_size" not in params:
         return None
     return varlen_attn
 
@@ -125,7 +190,8 @@ def document_attention(
     window = sliding_window if sliding_window and sliding_window < seq else 0
     if position_ids is None:
         position_ids = torch.arange(seq, device=query.device).expand(batch, seq)
-    spans = document_spans(position_ids, attention_chunk(module))
+    documents = find_documents(position_ids, attention_chunk(module))
+    spans = documents.spans
     if not window and all(len(row) == 1 for row in spans):
         out = F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=True
@@ -133,13 +199,11 @@ def document_attention(
         return out.transpose(1, 2).contiguous(), None  # [B,S,Hq,D]
     varlen = _varlen(window)
     if varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout:
-        lengths = [end - start for row in spans for start, end in row]
-        cu = torch.tensor([0] + lengths, device=query.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # [N+1]
+        cu = documents.cu_seqlens(query.device)  # [N+1] int32
         q = query.transpose(1, 2).reshape(batch * seq, heads, dim)  # [B*S,Hq,D]: rows end to end
         k = key.transpose(1, 2).reshape(batch * seq, key.shape[1], dim)  # [B*S,Hkv,D]
         v = value.transpose(1, 2).reshape(batch * seq, value.shape[1], dim)
-        longest = max(lengths)
-        params, extra = inspect.signature(varlen).parameters, {}
+        params, extra = _varlen_and_parameters()[1], {}
         if "window_size" in params:  # (left, right): (-1, 0) is causal, (W - 1, 0) a causal window of W
             extra["window_size"] = (window - 1 if window else -1, 0)
         else:  # torch 2.11: causal or not, no window (_varlen gave None for a window)
@@ -148,7 +212,7 @@ def document_attention(
             extra["enable_gqa"] = True
         elif k.shape[1] != heads:  # an older torch: each KV head repeated for its query heads
             k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-        out = varlen(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)  # [B*S,Hq,D]
+        out = varlen(q, k, v, cu, cu, documents.longest, documents.longest, scale=scaling, **extra)  # [B*S,Hq,D]
         return out.reshape(batch, seq, heads, dim), None
     rows = []
     for b, row in enumerate(spans):

@@ -185,3 +185,48 @@ def test_train_config_default_partition_is_the_planners():
     from training.config import TrainConfig
 
     assert TrainConfig().partition_method == DEFAULT_PARTITION_METHOD
+
+
+def test_a_stage_reads_each_micro_batch_documents_once(monkeypatch):
+    """The documents of packed rows are read on the host (a GPU sync) once per micro-batch and stage: every layer,
+    and activation checkpointing's recomputation in backward, reuse them. A new packing, an in-place change of the
+    positions and freed memory given to new positions are each read again."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    from models import attention
+
+    reads, read = [], attention.document_starts
+    monkeypatch.setattr(attention, "document_starts", lambda pos: reads.append(pos.shape) or read(pos))
+    torch.manual_seed(0)
+    config = tiny_config(num_hidden_layers=4)
+    funcs = build_sequential(config)  # embedding, 4 layers, norm, head
+    ids = torch.randint(3, config.vocab_size, (2, 24))
+    packings = ([0, 7], [0, 5, 16], [0], [0, 11])
+
+    def positions(starts):
+        pos = torch.cat([torch.arange(end - start) for start, end in zip(starts, starts[1:] + [24])])
+        return pos.expand(2, 24).clone()  # [2,24] int64
+
+    def micro_batch(pos):
+        x = funcs[0]((ids, pos))
+        for layer in funcs[1:-2]:  # as PipelineModule with activation_checkpoint_interval=1
+            x = checkpointing.checkpoint(lambda *t, f=layer: f(t), *x)
+        loss = funcs[-1](funcs[-2](x)).mean()
+        loss.backward()
+        return loss.item()
+
+    attention._FOUND.clear()
+    losses = [micro_batch(positions(p)) for p in packings]
+    assert len(reads) == len(packings), len(reads)  # 4 layers, forward and recomputation: 8 reads each without
+    pos = positions([0, 7])
+    before = attention.document_spans(pos)
+    pos[:, 12:] = torch.arange(12)  # a third document from token 12: the version counter moves
+    assert attention.document_spans(pos) == [[(0, 7), (7, 12), (12, 24)]] * 2 != before
+    expected = [[list(zip(p, p[1:] + [24]))] * 2 for p in packings]
+    for _ in range(3):  # the memory of freed positions handed to the next: never taken for them
+        assert [attention.document_spans(positions(p)) for p in packings] == expected
+    monkeypatch.setattr(attention, "_FOUND_KEPT", 0)  # nothing kept: every layer and pass reads them again
+    attention._FOUND.clear()
+    reads.clear()
+    assert [micro_batch(positions(p)) for p in packings] == losses
+    assert len(reads) == 8 * len(packings)
