@@ -22,7 +22,7 @@ import torch
 from models.llama_pipe import build_sequential
 from models.tiny import tiny_config, write_uneven_sft
 from parallel.layout import Layout
-from tests.conftest import read_metrics, train_run
+from tests.conftest import finish_deepspeed, read_metrics, start_deepspeed, train_run
 from tests.parity import (
     GLOBAL_BATCH,
     MICRO,
@@ -131,10 +131,8 @@ def test_packed_rows_of_another_document_layout_reuse_the_compiled_graphs(dynamo
 def runs(tmp_path_factory, parity_pipe, tiny_hf, tiny_ckpt, tiny_tied_hf, tiny_tied_ckpt):
     """Two compiled launches with activation checkpointing: ``untied`` at pipe 2 x data 2 beside conftest's eager
     parity_pipe run (its data and settings), ``tied`` on uneven SFT rows at pipe 2 (2 ranks: its data-parallel copies
-    would only compile the same graphs again, 40 s of a cold inductor cache on 2 cores)."""
+    would only compile the same graphs again, 40 s of a cold inductor cache on 2 cores), the two launched together."""
     root, data, samples = parity_pipe["root"], parity_pipe["data"], parity_pipe["samples"]
-    args = train_args(tiny_ckpt, data, str(root / "compiled"), **PIPE, **COMPILED)
-    untied = train_run(root, "compiled", 4, args)
     sft = tmp_path_factory.mktemp("compile_sft")
     sft_data, eval_data = str(sft / "train.jsonl"), str(sft / "eval.jsonl")
     write_uneven_sft(sft_data, STEPS * GLOBAL_BATCH, seed=0)
@@ -150,7 +148,13 @@ def runs(tmp_path_factory, parity_pipe, tiny_hf, tiny_ckpt, tiny_tied_hf, tiny_t
         eval_steps=2,  # eval's first pass (no gradients) compiles after step 2: counted at step 3
         **COMPILED,
     )
-    tied = train_run(sft, "tied", 2, sft_args)
+    # Both at once: a pipeline's stages compile one after the other, so each launch alone leaves a core idle for
+    # part of its compiling (about 20 s of the 2 cores here).
+    tied_job = start_deepspeed(2, "train.py", sft_args)
+    args = train_args(tiny_ckpt, data, str(root / "compiled"), **PIPE, **COMPILED)
+    untied = train_run(root, "compiled", 4, args)
+    tied = finish_deepspeed(tied_job, str(sft / "tied.log"))
+    assert tied.returncode == 0, (tied.stdout + tied.stderr)[-4000:]
     steps, _, _ = global_batches(cached_rows(str(sft / "cache"), sft_data), dp=1, gas=8, steps=STEPS)
     tied_losses, tied_model = sft_reference_run(tiny_tied_hf, steps, "tokens")
     ref_losses, _, _, _ = reference_run(tiny_hf, samples, global_batch=MICRO * 4)
