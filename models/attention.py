@@ -49,6 +49,7 @@ class Documents:
     def __init__(self, spans: list[list[tuple[int, int]]]):
         self.spans = spans
         self.longest = max(end - start for row in spans for start, end in row)
+        self.whole_rows = all(len(row) == 1 for row in spans)  # every row one document
         self._cu: torch.Tensor | None = None
 
     def cu_seqlens(self, device: torch.device) -> torch.Tensor:
@@ -165,9 +166,6 @@ def _window_blocks(q, k, v, window: int, scale, dropout: float):
     return torch.cat(out, dim=2)  # [1,Hq,d,D]
 
 
-# Compiled layers (compile=true) run it eagerly between their compiled parts: the documents come from data-dependent
-# Python (each row's spans), which torch.compile would otherwise specialise on, a recompile per packing of the rows.
-@torch.compiler.disable
 def document_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -178,21 +176,56 @@ def document_attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     position_ids: torch.Tensor | None = None,
+    whole_rows: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B,Hq,S,D], key/value [B,Hkv,S,D] -> ([B,S,Hq,D], None).
 
-    ``attention_mask`` must be None: documents come from ``position_ids`` (the stages build no mask)."""
+    ``attention_mask`` must be None: documents come from ``position_ids`` (the stages build no mask).
+    ``whole_rows`` (the decoder layer's :func:`rows_are_whole_documents`, when it knows): every row is one document,
+    so no window cutting in, one causal SDPA call, which a compiled layer (compile=true) traces into its graph; the
+    documents found otherwise, on the host, outside the graph (:func:`attention_per_document`)."""
     if attention_mask is not None:
         raise ValueError("sdpa_documents takes the documents from position_ids; it was given a mask as well")
+    seq = query.shape[2]
+    window = sliding_window if sliding_window and sliding_window < seq else 0
+    if whole_rows and not window:
+        dropout = dropout if module.training else 0.0
+        out = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None  # [B,S,Hq,D]
+    return attention_per_document(module, query, key, value, dropout, scaling, window, position_ids)
+
+
+@torch.compiler.disable
+def rows_are_whole_documents(position_ids: torch.Tensor, chunk: int = 0) -> bool:
+    """Whether every row of ``position_ids`` [B,S] is one document (no chunk cutting in): host Python, outside a
+    compiled layer's graph, which then holds the whole layer for such micro-batches (a guard on the answer)."""
+    return find_documents(position_ids, chunk).whole_rows
+
+
+# Compiled layers (compile=true) run it eagerly between their compiled parts: the documents come from data-dependent
+# Python (each row's spans), which torch.compile would otherwise specialise on, a recompile per packing of the rows.
+@torch.compiler.disable
+def attention_per_document(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    window: int,
+    position_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, None]:
+    """:func:`document_attention` over the documents the host finds in ``position_ids`` (``window`` 0: none)."""
     batch, heads, seq, dim = query.shape
     dropout = dropout if module.training else 0.0
-    window = sliding_window if sliding_window and sliding_window < seq else 0
     if position_ids is None:
         position_ids = torch.arange(seq, device=query.device).expand(batch, seq)
     documents = find_documents(position_ids, attention_chunk(module))
     spans = documents.spans
-    if not window and all(len(row) == 1 for row in spans):
+    if not window and documents.whole_rows:
         out = F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=True
         )

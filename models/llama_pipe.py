@@ -26,7 +26,7 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
 )
 
-from models.attention import DOCUMENT_ATTENTION
+from models.attention import DOCUMENT_ATTENTION, attention_chunk, rows_are_whole_documents
 from models.families import FAMILIES, MOE_NORMAL_CLASSES, RMS_NORM_CLASSES, attention_type, family_of, moe_spec
 from models.layer_files import tp_piece, whole_shape
 from models.router_loss import RouterStats
@@ -150,6 +150,10 @@ class DecoderLayerPipe(nn.Module):
         self.rotary_emb = family_of(config).rotary_embedding(config)
         dense = config._attn_implementation == "sdpa"
         self.make_mask = MASK_FUNCTIONS[attention_type(config, layer_idx)] if dense else None
+        # The per-document attention over whole rows (not a sequence-parallel slice): this layer asks the host
+        # whether the micro-batch's rows are one document each, so a compiled layer is one graph for them.
+        self.ask_whole_rows = config._attn_implementation == DOCUMENT_ATTENTION
+        self.attention_chunk = attention_chunk(self.self_attn)
         self._positions: torch.Tensor | None = None  # this forward's position_ids, for an attention not given them
         if not family_of(config).layer_passes_positions:
             self.self_attn.register_forward_pre_hook(self._hand_positions, with_kwargs=True)
@@ -170,6 +174,9 @@ class DecoderLayerPipe(nn.Module):
         # [B,S,H], [B,S] int64 (with sequence parallelism: this rank's slice), and with the router loss the routing
         # statistics so far: counts int64 [E+1], probabilities fp32 [E] (models/router_loss.py)
         hidden, position_ids, *stats = inputs
+        whole = {}  # asked first: compiled, the rest of the layer is then one graph
+        if self.ask_whole_rows:
+            whole["whole_rows"] = rows_are_whole_documents(position_ids, self.attention_chunk)
         cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B,S,head_dim] (Llama 4: complex [B,S,head_dim/2])
         mask = None
         if self.make_mask is not None:
@@ -181,7 +188,9 @@ class DecoderLayerPipe(nn.Module):
                 position_ids=position_ids,
             )
         self._positions = position_ids
-        hidden = super().forward(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
+        hidden = super().forward(
+            hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin, **whole
+        )
         self._positions = None
         logits, self._router_logits = self._router_logits, None  # [B*S,E] or None: never kept past this forward
         if self.router_top_k and stats:

@@ -127,6 +127,33 @@ def test_packed_rows_of_another_document_layout_reuse_the_compiled_graphs(dynamo
     assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs, (graphs, counters["stats"])
 
 
+def test_a_layer_over_whole_rows_compiles_into_one_graph(dynamo_without_guard_timing):
+    """Rows of one document each (unpacked data): the layer asks the host first and the causal SDPA call is traced
+    into the layer's graph, one graph as the plain loop's compiled layer has, the same numbers as eager. Packed rows
+    run the per-document attention between the layer's graphs."""
+    from torch._dynamo.utils import counters  # seconds to import: not at collection
+
+    torch.manual_seed(0)
+    config = tiny_config(num_hidden_layers=1)
+    eager, compiled = build_sequential(config)[1], build_sequential(config)[1]
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile(backend="eager")
+    hidden = torch.randn(2, 24, config.hidden_size)
+    for starts, graphs in (([0], 1), ([0, 7], 5)):
+        torch._dynamo.reset()
+        counters.clear()
+        pos = packed_positions(starts, 24).expand(2, 24)
+        grads = []
+        for layer in (compiled, eager):
+            x = hidden.clone().requires_grad_()
+            out = layer((x, pos))[0]
+            out.sum().backward()
+            grads.append((out, x.grad))
+        torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+        per_document = sum(n for reason, n in counters["graph_break"].items() if "attention_per_document" in reason)
+        assert counters["stats"]["unique_graphs"] == graphs and (per_document > 0) == (graphs > 1), dict(counters)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, parity_pipe, tiny_hf, tiny_ckpt, tiny_tied_hf, tiny_tied_ckpt):
     """Two compiled launches with activation checkpointing: ``untied`` at pipe 2 x data 2 beside conftest's eager

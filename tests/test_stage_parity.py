@@ -229,4 +229,5 @@ def test_a_stage_reads_each_micro_batch_documents_once(monkeypatch):
     attention._FOUND.clear()
     reads.clear()
     assert [micro_batch(positions(p)) for p in packings] == losses
-    assert len(reads) == 8 * len(packings)
+    assert len(reads) == 8 * (len(packings) + 3)  # each layer asks whether the rows are whole, a packed row's attention
+    # for the documents (3 packed micro-batches)
