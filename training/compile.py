@@ -6,8 +6,10 @@ DeepSpeed 0.19.8's ``engine.compile()`` (deepspeed/runtime/engine.py) calls ``Pi
 (``nn.Module.compile``: the same object, class, parameters and state-dict keys, so layer files, checkpoints, tied
 weights and activation checkpointing by class name are untouched), the tied LM head's function with
 ``torch.compile``. Backend: the accelerator's (``inductor`` on CPU and CUDA). The decoder layers of a stage share
-their compiled graphs (the same code, parameters as inputs). The per-document attention (models/attention.py) runs
-eagerly between the compiled parts of a layer: it finds the documents of each row with data-dependent Python.
+their compiled graphs (the same code, parameters as inputs). A micro-batch whose rows are one document each runs a layer
+as one graph (the layer asks the host first, models/attention.py's ``rows_are_whole_documents``); over packed rows the
+per-document attention runs eagerly between the compiled parts of a layer: it finds the documents of each row with
+data-dependent Python.
 
 Shapes: the micro-batch length changes with the rows when ``data.pad_to_multiple_of`` > 0 (each micro-batch is cut
 to its longest row, rounded up); torch recompiles at the first new length and then treats the length as dynamic,
@@ -38,6 +40,7 @@ MANY_LENGTHS = 8
 # decoder-layer call), and one decoder layer alone has 8 variants: called by the pipeline (a tuple) and by its own
 # stage class (a tensor) x with and without gradients (activation checkpointing's first forward, eval) x a fixed and
 # a dynamic length; the eval's first pass then hit the limit and ran the layers eagerly (measured on 4 CPU ranks).
+# Rows of one document each or packed (models/attention.py's rows_are_whole_documents) double that, to 16 at most.
 RECOMPILE_LIMIT = 64
 
 
