@@ -90,11 +90,6 @@ def find_documents(position_ids: torch.Tensor, chunk: int = 0) -> Documents:
     return documents
 
 
-def document_spans(position_ids: torch.Tensor, chunk: int = 0) -> list[list[tuple[int, int]]]:
-    """Each row's documents as (start, end) token offsets (:func:`find_documents`)."""
-    return find_documents(position_ids, chunk).spans
-
-
 # The documents of the position_ids tensors seen last, by memory address: (tensor, its version, Documents). Each
 # entry keeps its tensor alive, so no other tensor can be given that memory while the entry exists: a tensor at the
 # same address shares its storage (a view, a detached copy: activation checkpointing's recomputation), and an
@@ -166,6 +161,14 @@ def _window_blocks(q, k, v, window: int, scale, dropout: float):
     return torch.cat(out, dim=2)  # [1,Hq,d,D]
 
 
+def _causal(query, key, value, dropout: float, scaling: float | None) -> tuple[torch.Tensor, None]:
+    """Causal SDPA over whole rows, as transformers' ``sdpa`` runs it: ([B,S,Hq,D], None)."""
+    out = F.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=True
+    )  # [B,Hq,S,D]
+    return out.transpose(1, 2).contiguous(), None
+
+
 def document_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -190,11 +193,7 @@ def document_attention(
     seq = query.shape[2]
     window = sliding_window if sliding_window and sliding_window < seq else 0
     if whole_rows and not window:
-        dropout = dropout if module.training else 0.0
-        out = F.scaled_dot_product_attention(
-            query, key, value, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=True
-        )
-        return out.transpose(1, 2).contiguous(), None  # [B,S,Hq,D]
+        return _causal(query, key, value, dropout if module.training else 0.0, scaling)
     return attention_per_document(module, query, key, value, dropout, scaling, window, position_ids)
 
 
@@ -226,10 +225,7 @@ def attention_per_document(
     documents = find_documents(position_ids, attention_chunk(module))
     spans = documents.spans
     if not window and documents.whole_rows:
-        out = F.scaled_dot_product_attention(
-            query, key, value, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=True
-        )
-        return out.transpose(1, 2).contiguous(), None  # [B,S,Hq,D]
+        return _causal(query, key, value, dropout, scaling)
     varlen = _varlen(window)
     if varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout:
         cu = documents.cu_seqlens(query.device)  # [N+1] int32

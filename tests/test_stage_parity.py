@@ -219,12 +219,12 @@ def test_a_stage_reads_each_micro_batch_documents_once(monkeypatch):
     losses = [micro_batch(positions(p)) for p in packings]
     assert len(reads) == len(packings), len(reads)  # 4 layers, forward and recomputation: 8 reads each without
     pos = positions([0, 7])
-    before = attention.document_spans(pos)
+    before = attention.find_documents(pos).spans
     pos[:, 12:] = torch.arange(12)  # a third document from token 12: the version counter moves
-    assert attention.document_spans(pos) == [[(0, 7), (7, 12), (12, 24)]] * 2 != before
+    assert attention.find_documents(pos).spans == [[(0, 7), (7, 12), (12, 24)]] * 2 != before
     expected = [[list(zip(p, p[1:] + [24]))] * 2 for p in packings]
     for _ in range(3):  # the memory of freed positions handed to the next: never taken for them
-        assert [attention.document_spans(positions(p)) for p in packings] == expected
+        assert [attention.find_documents(positions(p)).spans for p in packings] == expected
     monkeypatch.setattr(attention, "_FOUND_KEPT", 0)  # nothing kept: every layer and pass reads them again
     attention._FOUND.clear()
     reads.clear()
