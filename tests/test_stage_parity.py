@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
 from models.attention import DOCUMENT_ATTENTION
@@ -231,3 +233,99 @@ def test_a_stage_reads_each_micro_batch_documents_once(monkeypatch):
     assert [micro_batch(positions(p)) for p in packings] == losses
     assert len(reads) == 8 * (len(packings) + 3)  # each layer asks whether the rows are whole, a packed row's attention
     # for the documents (3 packed micro-batches)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's values on the host, each a GPU sync where the tensor is on the device (the queue
+    of kernels drains and the GPU idles until the host launches the next): the ops whose result depends on the values
+    (``item``, ``bool``, ``nonzero``, a boolean mask's indexing, ...) and the Python copies to the host (``.cpu()``,
+    ``.tolist()``, ``.numpy()``). On the CPU ``.cpu()`` returns the tensor itself; here it returns a copy marked as on
+    the host, and what is computed from host tensors alone is on the host too: reading those is no sync."""
+
+    VALUE_OPS = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default,
+        torch.ops.aten.equal.default,
+        torch.ops.aten.is_nonzero.default,
+        torch.ops.aten._unique2.default,
+        torch.ops.aten.unique_consecutive.default,
+        torch.ops.aten.repeat_interleave.Tensor,
+        torch.ops.aten.bincount.default,
+    }
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.reads, self._host, self._kept = [], set(), []  # kept: no freed host storage is reused by a device tensor
+        for name in ("cpu", "tolist", "numpy"):
+            monkeypatch.setattr(torch.Tensor, name, self._copying(getattr(torch.Tensor, name), name))
+
+    def _on_host(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self._host
+
+    def _mark_host(self, t: torch.Tensor) -> torch.Tensor:
+        self._host.add(t.untyped_storage().data_ptr())
+        self._kept.append(t)
+        return t
+
+    def _copying(self, method, name):
+        def copy_to_host(t, *args, **kwargs):
+            if not self._on_host(t):
+                self.reads.append(f"Tensor.{name}")
+            if name == "cpu":
+                return t if self._on_host(t) else self._mark_host(t.clone())
+            return method(t, *args, **kwargs)
+
+        return copy_to_host
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        out = func(*args, **kwargs)
+        if tensors and all(self._on_host(t) for t in tensors):
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._mark_host(t)
+            return out
+        boolean_index = func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        )
+        if func in self.VALUE_OPS or boolean_index:
+            self.reads.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("packing", [[0], [0, 9, 20]], ids=["whole-rows", "packed"])
+def test_a_micro_batch_reads_the_device_once_in_the_layers_and_once_in_the_loss(monkeypatch, packing):
+    """Through a stage of 4 decoder layers with activation checkpointing, the chunked loss and the backward, a
+    micro-batch's values reach the host twice (on a GPU, two syncs): its documents, once for all layers and passes, and
+    the label tokens the chunked loss keeps. ``LlamaForCausalLM`` on the same micro-batch reads once (transformers'
+    check for packed rows); a read in every layer would be 8 more per micro-batch here, 56 on a 28-layer stage."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    from models import attention
+    from models.loss import CausalLMLoss
+
+    torch.manual_seed(0)
+    config = tiny_config(num_hidden_layers=4)
+    funcs = build_sequential(config, loss_chunk_tokens=16)  # embedding, 4 layers, norm, head (hidden, weight)
+    loss_fn = CausalLMLoss(chunk_tokens=16)
+    ids = torch.randint(3, config.vocab_size, (2, 24))
+    labels = ids.clone()
+    labels[0, :5] = IGNORE_INDEX  # a masked prompt
+    pos = torch.cat([torch.arange(end - start) for start, end in zip(packing, packing[1:] + [24])]).expand(2, 24)
+
+    attention._FOUND.clear()
+    with HostReads(monkeypatch) as counter:
+        for micro_batch in range(2):
+            x = funcs[0]((ids, pos.clone()))
+            for layer in funcs[1:-2]:  # as PipelineModule with activation_checkpoint_interval=1
+                x = checkpointing.checkpoint(lambda *t, f=layer: f(t), *x)
+            loss_fn(funcs[-1](funcs[-2](x)), labels).backward()
+            assert len(counter.reads) == 2 * (micro_batch + 1), counter.reads
+    assert counter.reads == ["Tensor.cpu", "aten.nonzero.default"] * 2
+
+    hf = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with HostReads(monkeypatch) as counter:
+        hf(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss.backward()
+    assert counter.reads == ["aten._local_scalar_dense.default"]  # find_packed_sequence_indices's .all()
