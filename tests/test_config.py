@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -66,6 +67,86 @@ def test_zero1_on_cpu_skips_reduce_scatter_and_contiguous_gradients_unless_set()
         before = {k: dict(v) for k, v in ds.items()}
         cpu_zero1_settings(ds, accelerator)
         assert ds == before, accelerator
+
+
+def test_zero_grad_norm_in_one_kernel_equals_deepspeeds_loop(tmp_path, monkeypatch):
+    """training/optim.py's ``grad_norm_in_one_kernel``: ZeRO-1/2's 2-norm of a group's gradients from one foreach norm
+    is DeepSpeed's per-parameter loop's, bit for bit on the CPU (tests/test_gpu_parity.py: on a GPU)."""
+    assert_grad_norm_in_one_kernel_is_the_loop("cpu", tmp_path, monkeypatch, rtol=0.0)
+
+
+def assert_grad_norm_in_one_kernel_is_the_loop(device: str, tmp_path, monkeypatch, rtol: float) -> None:
+    """fp32 and bf16 gradients on ``device``, ZeRO's padding and a parameter the pipeline replicates left out, a NaN
+    gives DeepSpeed's -1; the inf-norm goes to the loop."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from training.optim import grad_norm_in_one_kernel
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        deepspeed.init_distributed(dist_backend="gloo")
+        optimizer = DeepSpeedZeroOptimizer.__new__(DeepSpeedZeroOptimizer)  # what the norm reads of it, no more
+        optimizer.model_parallel_rank, optimizer.model_parallel_group = 0, None
+        optimizer.dp_process_group, optimizer.device = None, device
+        loop = functools.partial(DeepSpeedZeroOptimizer.get_grad_norm_direct, optimizer)
+        grad_norm_in_one_kernel(optimizer)
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.zeros(n, device=device)) for n in (1000, 37, 64, 5)]
+        params[2].ds_pipe_replicated = True  # counted by another stage
+        grads = [torch.randn(1000), torch.randn(37).bfloat16(), 100 * torch.randn(64), torch.randn(5)]
+        grads = [g.to(device) for g in grads]
+        padding = torch.randn(3, device=device)
+        padding._zero_padding = True
+        gradients = [grads[0], padding, *grads[1:]]
+
+        norm = optimizer.get_grad_norm_direct(gradients, params)
+        assert norm.dtype == torch.float32
+        torch.testing.assert_close(norm, loop(gradients, params), rtol=rtol, atol=0)
+        counted = torch.cat([grads[0].double(), grads[1].double(), grads[3].double()])
+        torch.testing.assert_close(norm, counted.norm().float(), rtol=1e-6, atol=0)  # 100 x grads[2] left out
+        inf = float("inf")
+        torch.testing.assert_close(
+            optimizer.get_grad_norm_direct(gradients, params, inf), loop(gradients, params, inf), rtol=0, atol=0
+        )
+        many = [torch.randn(64, device=device).bfloat16() for _ in range(40)]
+        many_params = [torch.nn.Parameter(torch.zeros(64, device=device)) for _ in many]
+        ours_few = ops_of(optimizer.get_grad_norm_direct, grads, params)
+        ours_many = ops_of(optimizer.get_grad_norm_direct, many, many_params)
+        loop_many = ops_of(loop, many, many_params)
+        assert len(ours_many) == len(ours_few) < 16, ours_many  # kernels per step: not one or more per gradient
+        assert len(loop_many) >= 3 * len(many), len(loop_many)  # detach, copy, norm: per gradient
+        assert not [op for op in ours_many if op[0] == "aten._to_copy.default" and op[1] > 1]  # no gradient copied
+        copied = sum(n for op, n, _ in loop_many if op == "aten._to_copy.default" and n > 1)
+        assert copied == 40 * 64  # the loop copies each gradient (to fp64 on a GPU)
+        grads[3][0] = float("nan")
+        assert optimizer.get_grad_norm_direct(gradients, params).item() == loop(gradients, params).item() == -1
+    finally:
+        dist.destroy_process_group()
+
+
+def ops_of(norm, gradients, params) -> list[tuple[str, int, torch.dtype]]:
+    """The ops ``norm(gradients, params)`` dispatches (on a GPU each a kernel launch or a no-op): name, elements out,
+    dtype."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            first = out[0] if isinstance(out, (list, tuple)) and out else out
+            numel = first.numel() if isinstance(first, torch.Tensor) else 0
+            self.seen.append((str(func), numel, getattr(first, "dtype", None)))
+            return out
+
+    with Ops() as ops:
+        norm(gradients, params)
+    return ops.seen
 
 
 def test_no_clipping_is_written_explicitly(good):

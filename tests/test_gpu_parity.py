@@ -4,7 +4,8 @@ fp32 (TF32 off) and in bf16 (compared with the same model in bf16, so only the k
 differs): Llama untied and tied, and each other family with its difference (tests/test_families.py); the same
 stages with Liger's kernels (kernels=liger, models/kernels.py) against them and the reference, each kernel alone and
 all three, and the loss with Liger's fused linear cross entropy (loss_impl=liger, models/loss.py) against the chunked
-loss and the reference, where liger-kernel is installed (scripts/gpu_check.sh installs it from .whl/)."""
+loss and the reference, where liger-kernel is installed (scripts/gpu_check.sh installs it from .whl/); ZeRO-1/2's
+gradient norm from one foreach norm against DeepSpeed's per-parameter loop (training/optim.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from models.kernels import LIGER_PARTS, apply_kernels
 from models.llama_pipe import DecoderLayerPipe, build_sequential, spec_layout
 from models.loss import IGNORE_INDEX, CausalLMLoss, LossSplit, causal_lm_loss, label_tokens, sequence_logps
 from models.tiny import tiny_config
+from tests.test_config import assert_grad_norm_in_one_kernel_is_the_loop
 from tests.test_families import CASES
 from tests.test_stage_parity import copy_hf_weights, module_of, run_chain
 
@@ -335,3 +337,8 @@ def test_liger_loss_per_token_sequence_slices_and_a_frozen_input_match_the_chunk
     whole.scale = 0.5  # a sum over 150 label tokens: compared relative to it
     total, sliced = whole((hidden, weight), labels).item(), run("liger", "slices")[0].item()
     assert abs(total - sliced) / abs(total) < loss_tol
+
+
+def test_zero_grad_norm_in_one_kernel_equals_deepspeeds_loop_on_the_gpu(tmp_path, monkeypatch):
+    """The fused foreach norm sums in another order than one norm per gradient: equal to fp32's last bits."""
+    assert_grad_norm_in_one_kernel_is_the_loop("cuda", tmp_path, monkeypatch, rtol=1e-6)

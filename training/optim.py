@@ -175,6 +175,49 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def grad_norm_in_one_kernel(optimizer) -> None:
+    """ZeRO-1/2's gradient norm of a parameter group from one ``torch._foreach_norm`` over its gradients.
+
+    DeepSpeed 0.19.8's ``get_grad_norm_direct`` loops over the group's gradients in Python, copying each to the norm
+    dtype (fp64 on a GPU) and reducing it on its own: two or three kernel launches per parameter and a copy of every
+    gradient each step, while the GPU waits for the loop (the plain loop's ``clip_grad_norm_`` makes one foreach
+    norm). This is that function's 2-norm with the same filters (ZeRO's padding, parameters a pipeline replicates, the
+    model-parallel rank that counts a shared one), the same accumulation dtype and the same reductions; the other
+    norms, and an optimizer that is not ZeRO-1/2's, are left as they are.
+    """
+    from deepspeed import comm as dist
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return
+    loop = optimizer.get_grad_norm_direct
+
+    def get_grad_norm_direct(gradients, params, norm_type=2):
+        if float(norm_type) != 2.0:
+            return loop(gradients, params, norm_type)
+        counted = [
+            g
+            for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
+            if not getattr(p, PIPE_REPLICATED, False)
+            and (is_model_parallel_parameter(p) or optimizer.model_parallel_rank == 0)
+        ]
+        if counted:
+            norms = torch._foreach_norm(counted, 2.0, dtype=get_norm_dtype())  # each [], fp64 on a GPU
+            total = torch.stack(norms).pow(2).sum().float()
+        else:
+            total = torch.tensor(0.0, dtype=torch.float32).to(optimizer.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
+        optimizer._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+        total = total.pow(0.5)
+        mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)  # -1: DeepSpeed's invalid norm
+        return total
+
+    optimizer.get_grad_norm_direct = get_grad_norm_direct
+
+
 def reduce_grad_norm_once_across_stages(optimizer) -> None:
     """Make ZeRO-1/2's gradient norm cross the pipeline stages in one all-reduce instead of one per
     parameter group.
