@@ -40,7 +40,7 @@ from tests.parity import (
     trained_weights,
 )
 from tests.test_config import problems_of
-from tests.test_stage_parity import run_chain
+from tests.test_stage_parity import packed_positions, run_chain
 from training.compile import compile_problems, compile_warnings
 from training.config import DataConfig, PeftConfig, TrainConfig
 
@@ -92,15 +92,6 @@ def test_many_micro_batch_lengths_warn_with_their_number():
     assert compile_warnings(TrainConfig(data=DataConfig(pad_to_multiple_of=8)), layout) == []
     (warning,) = compile_warnings(TrainConfig(compile=True, data=DataConfig(max_seq_length=512)), layout)
     assert "up to 64 lengths" in warning and "raise data.pad_to_multiple_of" in warning
-
-
-def packed_positions(starts: list[int], seq: int) -> torch.Tensor:
-    """[1,S] int64 position ids of documents starting at ``starts``."""
-    pos, doc = torch.empty(seq, dtype=torch.long), 0
-    for t in range(seq):
-        doc = t if t in starts else doc
-        pos[t] = t - doc
-    return pos[None]
 
 
 def test_packed_rows_of_another_document_layout_reuse_the_compiled_graphs(dynamo_without_guard_timing):

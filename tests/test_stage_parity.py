@@ -189,12 +189,26 @@ def test_train_config_default_partition_is_the_planners():
     assert TrainConfig().partition_method == DEFAULT_PARTITION_METHOD
 
 
+def packed_positions(starts: list[int], seq: int) -> torch.Tensor:
+    """[1,S] int64 position ids of documents starting at ``starts`` (the first at 0)."""
+    return torch.cat([torch.arange(end - start) for start, end in zip(starts, starts[1:] + [seq])])[None]
+
+
+def through_checkpointed_layers(funcs, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple:
+    """The embedding, then every decoder layer under DeepSpeed's activation checkpointing, as PipelineModule runs them
+    with activation_checkpoint_interval=1: what the final norm takes."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    x = funcs[0]((input_ids, position_ids))
+    for layer in funcs[1:-2]:
+        x = checkpointing.checkpoint(lambda *t, f=layer: f(t), *x)
+    return x
+
+
 def test_a_stage_reads_each_micro_batch_documents_once(monkeypatch):
     """The documents of packed rows are read on the host (a GPU sync) once per micro-batch and stage: every layer,
     and activation checkpointing's recomputation in backward, reuse them. A new packing, an in-place change of the
     positions and freed memory given to new positions are each read again."""
-    from deepspeed.runtime.activation_checkpointing import checkpointing
-
     from models import attention
 
     reads, read = [], attention.document_starts
@@ -206,14 +220,10 @@ def test_a_stage_reads_each_micro_batch_documents_once(monkeypatch):
     packings = ([0, 7], [0, 5, 16], [0], [0, 11])
 
     def positions(starts):
-        pos = torch.cat([torch.arange(end - start) for start, end in zip(starts, starts[1:] + [24])])
-        return pos.expand(2, 24).clone()  # [2,24] int64
+        return packed_positions(starts, 24).expand(2, 24).clone()  # [2,24] int64
 
     def micro_batch(pos):
-        x = funcs[0]((ids, pos))
-        for layer in funcs[1:-2]:  # as PipelineModule with activation_checkpoint_interval=1
-            x = checkpointing.checkpoint(lambda *t, f=layer: f(t), *x)
-        loss = funcs[-1](funcs[-2](x)).mean()
+        loss = funcs[-1](funcs[-2](through_checkpointed_layers(funcs, ids, pos))).mean()
         loss.backward()
         return loss.item()
 
@@ -313,8 +323,6 @@ def test_a_micro_batch_reads_the_device_once_in_the_layers_and_once_in_the_loss(
     micro-batch's values reach the host twice (on a GPU, two syncs): its documents, once for all layers and passes, and
     the label tokens the chunked loss keeps. ``LlamaForCausalLM`` on the same micro-batch reads once (transformers'
     check for packed rows); a read in every layer would be 8 more per micro-batch here, 56 on a 28-layer stage."""
-    from deepspeed.runtime.activation_checkpointing import checkpointing
-
     from models import attention
     from models.loss import CausalLMLoss
 
@@ -325,15 +333,13 @@ def test_a_micro_batch_reads_the_device_once_in_the_layers_and_once_in_the_loss(
     ids = torch.randint(3, config.vocab_size, (2, 24))
     labels = ids.clone()
     labels[0, :5] = IGNORE_INDEX  # a masked prompt
-    pos = torch.cat([torch.arange(end - start) for start, end in zip(packing, packing[1:] + [24])]).expand(2, 24)
+    pos = packed_positions(packing, 24).expand(2, 24)
 
     attention._FOUND.clear()
     reads = ["Tensor.cpu"] * documents + ["aten.nonzero.default"]  # the label tokens' rows
     with HostReads(monkeypatch) as counter:
         for micro_batch in range(2):
-            x = funcs[0]((ids, pos.clone()))
-            for layer in funcs[1:-2]:  # as PipelineModule with activation_checkpoint_interval=1
-                x = checkpointing.checkpoint(lambda *t, f=layer: f(t), *x)
+            x = through_checkpointed_layers(funcs, ids, pos.clone())
             loss_fn(funcs[-1](funcs[-2](x)), labels).backward()
             assert counter.reads == reads * (micro_batch + 1), counter.reads
     if model_type != "llama":
