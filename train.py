@@ -53,7 +53,9 @@ from training.config import ConfigError, Resolved, TrainConfig, register_configs
 from training.distributed import (  # noqa: E402
     StartupError,
     TrainingStopped,
+    WriteFailed,
     exit_finished_run,
+    failure_text,
     on_all_ranks,
     release_cpu_comm_buffer,
 )
@@ -61,7 +63,15 @@ from training.logs import log0  # noqa: E402
 from training.loop import check_axes_at_end, plan_steps, train  # noqa: E402
 from training.optim import fill_ds_config  # noqa: E402
 from training.overrides import given_keys, override_key_problems, unknown_key_problems  # noqa: E402
-from training.preemption import PREEMPTED_EXIT_CODE, Preempted, exit_if_exiting, stop_at_once_on_signals  # noqa: E402
+from training.preemption import (  # noqa: E402
+    PREEMPTED_EXIT_CODE,
+    Preempted,
+    exit_alone,
+    exit_if_exiting,
+    exit_if_peer_lost,
+    mark_exiting,
+    stop_at_once_on_signals,
+)
 from training.preference import prepare_reference  # noqa: E402
 from training.validate import resolve  # noqa: E402
 
@@ -90,7 +100,8 @@ def join_ranks(resolved: Resolved) -> PipeDataParallelTopology:
             raise
         fail(
             f"the master port {os.environ['MASTER_PORT']} is in use (another job on this machine?): launch with "
-            "another port, `deepspeed --master_port PORT ...` (or MASTER_PORT=PORT for torchrun/SLURM)"
+            "another port, `deepspeed --master_port PORT ...` (MASTER_PORT=PORT for scripts/demo.sh, "
+            "scripts/multinode/ and torchrun)"
         )
 
 
@@ -136,8 +147,14 @@ def main(dict_cfg: DictConfig) -> None:
     except Preempted as e:  # on every rank alike, the checkpoint complete
         log0(str(e))
         code = PREEMPTED_EXIT_CODE
-    except Exception:  # a collective failing because a hung job's peers exited first (training/hang.py): quiet
-        exit_if_exiting()
+    except WriteFailed as e:  # this rank alone: its peers wait in a collective
+        exit_alone(str(e))
+    except Exception as e:
+        exit_if_exiting()  # a collective failing because the job's peers exited first (training/hang.py): quiet
+        exit_if_peer_lost(dist.get_rank(), e)  # a peer gone without a word (kill -9): one line for the job
+        if isinstance(e, OSError) and e.filename is not None:  # a write not wrapped in training.distributed.writing
+            exit_alone(f"rank {dist.get_rank()}: {failure_text(e)}")
+        mark_exiting()  # this rank's traceback follows; its peers, failing in a collective with it, stay quiet
         raise
     finally:
         if lock is not None:

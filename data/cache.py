@@ -106,12 +106,40 @@ def load_tokenizer(settings: DataSettings, tokenizer_dir: str | None):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if len(tokenizer) > settings.vocab_size:
-        raise DataError(
-            f"the tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens but the model's embedding has "
-            f"{settings.vocab_size} rows: use the model's own tokenizer, or resize the model"
-        )
+    problem = vocab_problem(len(tokenizer), settings.vocab_size, tokenizer_dir)
+    if problem:
+        raise DataError(problem)
     return tokenizer
+
+
+def vocab_limit(tokens: int) -> int:
+    """The most embedding rows a vocabulary chosen for a tokenizer of ``tokens`` tokens may have: its length rounded
+    up to a multiple of 256, or a quarter more (Qwen's 151936 rows for 151665 tokens), whichever is larger."""
+    return max(-(-tokens // 256) * 256, tokens + tokens // 4)
+
+
+def vocab_problem(tokens: int, vocab_size: int, tokenizer_dir: str | None, where: str = "") -> str:
+    """The model's embedding rows against its tokenizer's ``tokens``, "" when they fit: fewer rows than tokens (ids
+    past the embedding); and where the vocabulary is chosen for the tokenizer (``where``: model.architecture, from
+    scratch), many more (rows no token reads, each in every softmax of the loss and in the memory)."""
+    if vocab_size < tokens:
+        if where:
+            return (
+                f"{where}: vocab_size {vocab_size} is less than the {tokens} tokens of the tokenizer in "
+                f"{tokenizer_dir}: set model.architecture.vocab_size={tokens} (or up to {vocab_limit(tokens)})"
+            )
+        return (
+            f"the tokenizer in {tokenizer_dir} has {tokens} tokens but the model's embedding has {vocab_size} rows: "
+            "use the model's own tokenizer, or resize the model"
+        )
+    if where and vocab_size > vocab_limit(tokens):
+        return (
+            f"{where}: vocab_size {vocab_size} is {vocab_size / tokens:.3g} x the {tokens} tokens of the tokenizer in "
+            f"{tokenizer_dir}: the rows no token reads are trained towards zero probability in every softmax and "
+            f"held in memory; set model.architecture.vocab_size={tokens}, or padded up to {vocab_limit(tokens)} (a "
+            "multiple of 64 to 256 above it), or give the model's own tokenizer in model.tokenizer"
+        )
+    return ""
 
 
 def tokenized_rows(records: Iterator, settings: DataSettings, tokenizer, stats: SourceStats) -> Iterator[Row]:
@@ -175,7 +203,7 @@ def build_or_reuse(
             "tokens_per_s": round(stats.tokens / max(elapsed, 1e-9)),
         }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=2)
+            named_write_errors(f, lambda: (f.write(json.dumps(meta, indent=2)), f.flush()))
         try:
             os.rename(tmp, entry)
         except OSError:  # another node's builder published the same entry first: identical content
@@ -288,8 +316,17 @@ def write_rows(directory: str, rows: Iterator[Row], stats: SourceStats, progress
         count += _flush(files, buffer)
     finally:
         for f in files.values():
-            f.close()
+            named_write_errors(f, f.close)
     return count
+
+
+def named_write_errors(f, write) -> None:
+    """``write()`` to file ``f``, whose failure (a full disk) names the file: a file object's error names none, and
+    train.py's message names it (training/distributed.py's failure_text)."""
+    try:
+        write()
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, f.name) from e
 
 
 def _flush(files, buffer: list[Row]) -> int:
@@ -297,8 +334,9 @@ def _flush(files, buffer: list[Row]) -> int:
         return 0
     block = np.asarray([row[:3] for row in buffer], dtype=np.int32)  # [rows, 3, seq_len]
     for i, name in enumerate(ARRAYS):
-        files[name].write(block[:, i, :].tobytes())
-    files[NUM_TOKENS].write(np.asarray([row[3] for row in buffer], dtype=np.int32).tobytes())
+        named_write_errors(files[name], lambda: files[name].write(block[:, i, :].tobytes()))
+    counts = np.asarray([row[3] for row in buffer], dtype=np.int32).tobytes()
+    named_write_errors(files[NUM_TOKENS], lambda: files[NUM_TOKENS].write(counts))
     n = len(buffer)
     buffer.clear()
     return n

@@ -3,8 +3,8 @@
 The first stage reads the inputs and the last stage the labels, each from its own iterator; if they
 ever disagree, the model silently trains on wrong labels. With tensor parallelism every rank of those
 stages reads them, and its TP peers must agree too. Every reading rank fingerprints each micro-batch
-it loads; after each of the first ``check_steps`` steps, all ranks exchange the fingerprints and
-compare them per pipeline. A mismatch stops training on every rank, naming the step, the ranks and
+it loads; after each of the first ``check_steps`` steps of a run (a resumed one too), all ranks exchange the
+fingerprints and compare them per pipeline. A mismatch stops training on every rank, naming the step, the ranks and
 both fingerprints.
 """
 
@@ -82,19 +82,25 @@ class OrderGuard:
         # One stage on one rank reads inputs and labels together: nothing to compare.
         self.enabled = check_steps > 0 and (num_stages > 1 or tensor_parallel > 1)
         self.compared = 0  # micro-batches compared so far, over all pipelines
+        self.last_step = check_steps  # the last step compared (``resumed_after``)
         if iterator is not None:
             iterator.active = self.enabled
 
+    def resumed_after(self, step: int) -> None:
+        """A resumed run compares its own first ``check_steps`` steps: where its two ends restored their positions in
+        the data separately, and where a mismatch would show."""
+        self.last_step = step + self.check_steps
+
     def after_step(self, step: int) -> None:
         """Collective on all ranks (every rank calls it with the same step)."""
-        if not self.enabled or step > self.check_steps:
+        if not self.enabled or step > self.last_step:
             return
         mine = (self.pipeline, self.stage, dist.get_rank(), list(self.iterator.pending) if self.iterator else [])
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if self.iterator is not None:
             self.iterator.pending.clear()
-            self.iterator.active = step < self.check_steps
+            self.iterator.active = step < self.last_step
         problems = []
         ends = (0, self.num_stages - 1)
         for pipeline in sorted({g[0] for g in gathered}):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 
-from data.cache import DataSettings, prepared_mismatch
-from data.checks import field_names, packs
+from transformers import AutoTokenizer
+
+from data.cache import DataSettings, prepared_mismatch, vocab_problem
+from data.checks import LOADABLE_TOKENIZER_FILES, field_names, packs, source_formats
 from data.sources import is_prepared
 
 
@@ -48,3 +50,26 @@ def prepared_problems(cfg, model_config) -> list[str]:
             if mismatch and meta["settings"].get("format") == settings.format:  # another format: data_problems says it
                 problems.append(f"{key} {mismatch}")
     return problems
+
+
+def vocab_problems(cfg, model_config) -> list[str]:
+    """From scratch, model.architecture's vocab_size against model.tokenizer both ways (too few rows, or many more
+    than tokens: data.cache.vocab_problem), before start, where a source tokenizes (with data=tokens the ids are the
+    data's, checked as they are read). A checkpoint's vocabulary is checked where its data is tokenized (too few
+    rows; a tokenized cache already built for the same files needs no tokenizer)."""
+    path = tokenizer_dir(cfg)
+    if (
+        cfg.model_name_or_path
+        or model_config is None
+        or not path
+        or not any(os.path.isfile(os.path.join(path, f)) for f in LOADABLE_TOKENIZER_FILES)
+    ):
+        return []  # resolve_model or data_problems says why
+    if all(fmt == "tokens" for _, fmt in source_formats(cfg.data)):
+        return []
+    try:
+        tokens = len(AutoTokenizer.from_pretrained(path))
+    except (OSError, ValueError, TypeError):
+        return []  # the data's opening says what is wrong with it, in transformers' words
+    problem = vocab_problem(tokens, model_config.vocab_size, path, f"model.architecture (model={cfg.model.name})")
+    return [problem] if problem else []

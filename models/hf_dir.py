@@ -54,10 +54,17 @@ def load_failure(path: str, error: BaseException) -> str:
         first_line,
         hf_weight_files,
         is_pipeline_checkpoint,
+        missing_shards,
         open_safetensors,
         torch_file_damage,
     )
 
+    try:
+        shards = missing_shards(path)  # transformers names one missing shard, and no fix
+    except CheckpointError as e:
+        return str(e)
+    if shards:
+        return shards
     files = hf_weight_files(path)
     if not files and is_pipeline_checkpoint(path):
         export = path.rstrip(os.sep) + "-hf"

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import struct
 import time
@@ -35,8 +36,10 @@ from models.layer_files import (
     check_state_dict,
     copy_side_files,
     hf_weight_files,
+    hf_weight_index,
     is_pipeline_checkpoint,
     load_layer_file,
+    missing_shards,
     open_safetensors,
     read_tag,
     torch_file_damage,
@@ -60,6 +63,7 @@ READ_CHUNK = 2**20  # bytes per pread() when copying a tensor's bytes out of its
 OUTPUT_MARKER = ".llama-pipe-output"
 TOOL = "convert2ckpt.py"  # the command line that runs this module: named in the marker and in messages
 SHOWN_NAMES = 5  # names of added files listed when --overwrite is refused
+PER_EXPERT_KEY = re.compile(r"\.experts\.\d+\.")  # one expert's tensor on disk (models/expert_files.py)
 
 
 class ConversionError(RuntimeError):
@@ -101,7 +105,7 @@ def load_bin(path: str) -> dict[str, torch.Tensor]:
             f"({unpickling_refusal(e)}). Convert from safetensors, or re-save the weights as safetensors "
             f"where the file's origin is trusted"
         ) from None
-    except (RuntimeError, EOFError, KeyError, ValueError) as e:  # what torch.load raises on a damaged file
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:  # what torch.load raises on a damaged file
         raise ConversionError(unreadable_torch_file(path, e)) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConversionError(f"{path} is not a state dict of tensors")
@@ -126,6 +130,10 @@ class HFTensorSource:
         self._handles: dict[str, object] = {}  # open files: safe_open handle, or a mmap'd state dict for .bin
         self._shapes: dict[str, tuple[int, ...]] = {}
         self.key_to_file: dict[str, str] = {}
+        shards = missing_shards(model_dir)  # else a deleted shard would show as its tensors missing
+        if shards:
+            raise ConversionError(shards)
+        self.index = hf_weight_index(model_dir)  # (index file, {tensor: shard}) of a sharded directory, or None
         files = hf_weight_files(model_dir)
         if not files:
             hint = (
@@ -150,6 +158,18 @@ class HFTensorSource:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self._shapes[key]
+
+    def missing(self, key: str, shape: tuple) -> str:
+        """The line for tensor ``key`` (expected of ``shape``) that no file holds, naming where it should be: the shard
+        the index puts it in, or the one weight file."""
+        line = f"missing tensor {key!r} (expected shape {tuple(shape)})"
+        if self.index is not None and key in self.index[1]:
+            index, weight_map = self.index
+            return f"{line}: {os.path.basename(index)} puts it in {weight_map[key]}, which does not hold it"
+        files = sorted(set(self.key_to_file.values()))
+        if len(files) == 1:
+            return f"{line} in {files[0]}"
+        return line + (f" (not in {os.path.basename(self.index[0])} either)" if self.index is not None else "")
 
     def get(self, key: str) -> torch.Tensor:
         path = self.key_to_file[key]
@@ -392,9 +412,7 @@ def hf_input_problems(config: PretrainedConfig, source: HFTensorSource) -> list[
         for k, s in shapes.items()
         for key, shape, _ in disk_pieces(config, k, s)
     }  # the tensors on disk
-    problems = [
-        f"missing tensor {k!r} (expected shape {tuple(s)})" for k, s in want.items() if k not in source.key_to_file
-    ]
+    problems = [source.missing(k, s) for k, s in want.items() if k not in source.key_to_file]
     problems += [
         f"tensor {k!r} has shape {source.shape(k)}, config.json implies {tuple(s)}"
         for k, s in want.items()
@@ -406,10 +424,14 @@ def hf_input_problems(config: PretrainedConfig, source: HFTensorSource) -> list[
         for k in source.key_to_file
         if k not in want and k != tied_head_key and not k.endswith(IGNORED_SUFFIXES)
     ]
-    if problems and config.model_type in EXPERTS_ON_DISK and any(".experts." in p for p in problems):
+    # The hint only where the file holds experts in another layout (fused, stacked): a deleted expert is just missing.
+    other = [k for k in source.key_to_file if k not in want and ".experts." in k and not PER_EXPERT_KEY.search(k)]
+    if other and config.model_type in EXPERTS_ON_DISK:
+        more = f" and {len(other) - 1} more" if len(other) > 1 else ""
         problems.append(
             f"a {config.model_type} checkpoint stores one tensor per expert, as released and as save_pretrained "
-            "writes it (models/expert_files.py): another layout of the experts is not one this converter reads"
+            f"writes it (models/expert_files.py); {other[0]!r}{more} in {source.key_to_file[other[0]]} hold the "
+            "experts in another layout, which this converter does not read"
         )
     return problems
 

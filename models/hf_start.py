@@ -135,7 +135,7 @@ def read_problems(reads: dict[str, list[Piece]], source: HFTensorSource) -> list
     for pieces in reads.values():
         for key, shape, _ in pieces:
             if key not in source.key_to_file:
-                problems.append(f"{source.model_dir}: missing tensor {key!r} (expected shape {tuple(shape)})")
+                problems.append(f"{source.model_dir}: {source.missing(key, shape)}")
             elif source.shape(key) != tuple(shape):
                 problems.append(
                     f"{source.key_to_file[key]}: tensor {key!r} has shape {source.shape(key)}, config.json implies "

@@ -106,7 +106,7 @@ def load_layer_file(path: str) -> dict[str, torch.Tensor]:
             f"{path} holds objects other than tensors (a pickle that could run code when "
             f"loaded): refused ({unpickling_refusal(e)})"
         ) from None
-    except (RuntimeError, EOFError) as e:  # truncated, or not written by torch.save
+    except (RuntimeError, EOFError, OSError) as e:  # truncated (a cut zip can fail a seek: EINVAL), or not torch.save's
         raise CheckpointError(unreadable_torch_file(path, e)) from None
 
 
@@ -189,6 +189,48 @@ def hf_weight_files(model_dir: str) -> list[str]:
     has any, else its ``pytorch_model*.bin`` files; [] when it has neither."""
     return sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))) or sorted(
         glob.glob(os.path.join(model_dir, "pytorch_model*.bin"))
+    )
+
+
+def hf_weight_index(model_dir: str) -> tuple[str, dict[str, str]] | None:
+    """(the index file, its weight_map {tensor: shard file name}) of a sharded Hugging Face directory, for the kind of
+    weights ``hf_weight_files`` reads (safetensors if the directory has any or indexes any, else ``.bin``); None
+    without an index. An index that is not JSON with a weight_map raises CheckpointError naming it."""
+    names = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+    if glob.glob(os.path.join(model_dir, "*.safetensors")):
+        names = names[:1]
+    path = next((os.path.join(model_dir, n) for n in names if os.path.isfile(os.path.join(model_dir, n))), None)
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map is not a mapping of tensor names to file names")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} is damaged: not an index of the shards ({type(e).__name__}: {e})") from None
+    return path, weight_map
+
+
+def missing_shards(model_dir: str) -> str | None:
+    """The shard files the directory's index (``hf_weight_index``) names that are not there, as one line naming them
+    and the tensors they hold; None when every shard is present. Without this, a deleted shard shows as its tensors
+    missing."""
+    index = hf_weight_index(model_dir)
+    if index is None:
+        return None
+    path, weight_map = index
+    gone: dict[str, list[str]] = {}
+    for key, name in weight_map.items():
+        if not os.path.isfile(os.path.join(model_dir, name)):
+            gone.setdefault(name, []).append(key)
+    if not gone:
+        return None
+    shards = ", ".join(f"{name} ({len(keys)} tensors, e.g. {keys[0]!r})" for name, keys in sorted(gone.items()))
+    total = len(set(weight_map.values()))
+    return (
+        f"{model_dir} lacks {len(gone)} of the {total} shard files its index {os.path.basename(path)} names: "
+        f"{shards}. The download or copy is incomplete: copy the missing shard files from where the model came from"
     )
 
 
@@ -322,6 +364,10 @@ def load_deepspeed_file(path: str, map_location=None, mmap: bool = False):
                 f"{path} holds objects a DeepSpeed checkpoint does not (a pickle that could run code when "
                 f"loaded): refused, nothing loaded ({unpickling_refusal(e)})"
             ) from None
+        except FileNotFoundError:
+            raise
+        except (RuntimeError, EOFError, OSError) as e:  # truncated or damaged: torch's message names no file
+            raise CheckpointError(unreadable_torch_file(path, e)) from None
 
 
 def checkpoint_tags(ckpt_dir: str) -> list[tuple[int, str]]:

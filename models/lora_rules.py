@@ -34,6 +34,11 @@ def peft_problems(cfg, model_config, layout) -> list[str]:
             "peft.alpha 0 scales every adapter's update to 0, so nothing trains (gradient norm 0 every step): set "
             "peft.alpha > 0 (commonly 2 x peft.r)"
         )
+    elif p.alpha < 0:
+        problems.append(
+            f"peft.alpha {p.alpha:g} < 0 scales every adapter's update by a negative alpha / r: set peft.alpha > 0 "
+            "(commonly 2 x peft.r)"
+        )
     if p.r < 1:
         problems.append(f"peft.r {p.r} < 1: set the LoRA rank to 1 or more (8, 16, 64 are common)")
     if not 0 <= p.dropout < 1:

@@ -344,6 +344,12 @@ def expert_parallel_problems(cfg, model_config, layout: Layout, ds_json: dict | 
             f"expert_parallel {layout.ep} with zero_optimization.reduce_scatter=false in {cfg.ds_config}: DeepSpeed "
             "reduces the experts' gradients over their group in its reduce-scatter path only; remove the key"
         )
+    if layout.ep > 1 and cfg.precision == "fp16":
+        problems.append(
+            f"expert_parallel {layout.ep} with precision=fp16: not supported yet (the experts' gradient reduction, "
+            "their share of the gradient norm and their optimizer groups are built and tested in fp32 and bf16 only, "
+            "not with fp16's loss scaling); set precision=bf16 (or fp32), or expert_parallel=1"
+        )
     return problems + expert_layout_problems(
         layout,
         model_config.model_type if model_config is not None else None,

@@ -274,9 +274,16 @@ def layout_problems(layout: Layout, world_size: int, partition_method: str, num_
             f"('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'); set num_stages=1 or ds_config=zero1"
         )
     if layout.offload_optimizer and layout.zero == 0:
+        # expert_parallel refuses the optimizer offloaded at any stage (expert_layout_problems): zero1_offload is no fix
+        fix = (
+            f"remove offload_optimizer from the JSON (expert_parallel {layout.ep} does not run with the optimizer "
+            "offloaded; ds_config=zero1 shards the optimizer states over the data axis)"
+            if layout.ep > 1
+            else "use ds_config=zero1_offload, or remove offload_optimizer from the JSON"
+        )
         problems.append(
             "ds_config offloads the optimizer (zero_optimization.offload_optimizer) with ZeRO stage 0, where "
-            "DeepSpeed ignores it: use ds_config=zero1_offload, or remove offload_optimizer from the JSON"
+            f"DeepSpeed ignores it: {fix}"
         )
     if layout.offload_params and layout.zero != 3:
         problems.append(
@@ -458,7 +465,7 @@ def expert_layout_problems(
         problems.append(
             f"expert_parallel {ep} with the optimizer offloaded (ds={ds_config}): not supported yet (DeepSpeed's "
             "CPU Adam is not run with its MoE parameter groups here); keep the optimizer states on the GPU (ds=zero1 "
-            "shards them over the data axis) or use expert_parallel=1"
+            "shards them over the data axis, without offloading) or use expert_parallel=1"
         )
     return problems
 

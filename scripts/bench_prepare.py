@@ -32,8 +32,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from training.distributed import free_port  # noqa: E402
 from training.launch import deepspeed_command  # noqa: E402
+from training.ports import free_port  # noqa: E402
 
 RSS = re.compile(r"rank (\d+): data (.+?) \| peak RSS after data (\d+) MiB")
 SEQ = 512

@@ -37,8 +37,8 @@ from parallel.layout import Layout  # noqa: E402
 from parallel.memory_plan import shape_of, stage_estimates  # noqa: E402
 from parallel.partition import splitter  # noqa: E402
 from training.bench_runs import final_figures  # noqa: E402
-from training.distributed import free_port  # noqa: E402
 from training.launch import deepspeed_command  # noqa: E402
+from training.ports import free_port  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2**20

@@ -356,7 +356,7 @@ def plain_worker(spec: dict) -> dict:
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=spec["precision"] == "bf16")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     # --plain-trace-step: that step traced as train.py's profile_steps traces one (the export is not timed)
-    profiler = StepProfiler([spec["trace_step"]] * 2 if spec.get("trace_step") else [], spec.get("trace_dir", ""), 0, 0)
+    profiler = StepProfiler([spec["trace_step"]] * 2 if spec.get("trace_step") else [], spec.get("trace_dir", ""), 0)
     steps = []
     for step in range(spec["steps"]):
         with profiler.step(step + 1):
@@ -502,8 +502,8 @@ def case_args(train_args: list[str], case: str) -> list[str]:
 
 
 def run_train(case: str, args, group: str, overrides: dict, tokenizer: str, data: str, run_dir: str) -> dict:
-    from training.distributed import free_port
     from training.launch import deepspeed_command, remove_shm_leftovers
+    from training.ports import free_port
 
     _, ranks, stages, threads, extra = CASES[case]
     threads = threads or args.threads

@@ -38,9 +38,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from training.distributed import free_port  # noqa: E402
 from training.launch import deepspeed_command  # noqa: E402
 from training.metrics import read_final_record  # noqa: E402
+from training.ports import free_port  # noqa: E402
 
 REPORT = re.compile(
     r"rank (\d+): stage \d+ .*\| (loaded .*?) in [\d.]+ s \| peak RSS at load (\d+) MiB "

@@ -222,6 +222,13 @@ SETTINGS = (
     (r"ds_config offloads the parameters \(zero_optimization.offload_param\)", "--offload params"),
     (r"ds_config=zero1_offload, or remove offload_optimizer from the JSON", "--zero 1, or --offload none"),
     (r"ds_config=zero3_offload, or remove offload_param from the JSON", "--zero 3, or --offload optimizer"),
+    (r"remove offload_optimizer from the JSON", "use --offload none"),
+    # the experts' refusal of an offloaded optimizer: the flag that offloads it, and the one that keeps it on the GPU
+    (r"the optimizer offloaded \((?:ds_config|ds)=[\w./-]+\)", "--offload optimizer"),
+    (
+        r"\(ds=zero1 shards them over the data axis, without offloading\)",
+        "(--offload none; --zero 1 shards them over the data axis)",
+    ),
     (r"(?:ds_config|ds)=zero(\d)", r"--zero \1"),
     (r"peft\.method=lora", "--lora-rank"),
     (r"full training \(peft\.method=none\)", "full training (no --lora-rank)"),

@@ -6,7 +6,8 @@ pipeline schedule's bubble (pipeline_schedule=dualpipev: its activations against
         micro_batch_size=1 gradient_accumulation_steps=16 data.train_file=train.jsonl data.max_seq_length=4096
 
 Arguments after the options are train.py's Hydra overrides, unchanged. Exits 1 with train.py's error
-message when the config is invalid. Nothing is started: no process group, no model, no data reading.
+message when the config is invalid. Nothing is started: no process group, no model, no tokenizing (with
+num_epochs, already tokenized data is counted for the steps the run will take).
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from training.logs import quiet_dependencies  # noqa: E402
 
 quiet_dependencies("warning")  # the known-harmless lines of its dependencies filtered, as train.py does
 
-from training.distributed import free_port  # noqa: E402
 from training.launch import deepspeed_command, remove_shm_leftovers  # noqa: E402
+from training.ports import free_port  # noqa: E402
 from training.run_checkpoints import SAVED_LINE  # noqa: E402
 
 

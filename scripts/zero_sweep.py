@@ -23,10 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from parallel.layout import count_arg, offloads  # noqa: E402
-from training.distributed import free_port  # noqa: E402
 from training.launch import deepspeed_command  # noqa: E402
 from training.metrics import read_final_record  # noqa: E402
 from training.model_source import model_group_config  # noqa: E402
+from training.ports import free_port  # noqa: E402
 
 PIPELINE_CONFIGS = ("zero0", "zero1", "zero1_offload")  # DeepSpeed's pipeline engine runs ZeRO 0/1 only
 

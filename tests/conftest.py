@@ -28,8 +28,8 @@ from models.hf_io import hf_to_stages  # noqa: E402
 from models.tiny import save_random_model, tiny_config, train_tokenizer, write_random_tokens  # noqa: E402,F401
 from tests import parity  # noqa: E402
 from tests.parity import parity_args  # noqa: E402,F401 (tests import it from here)
-from training.distributed import free_port  # noqa: E402,F401 (tests import it from here)
 from training.launch import Launcher, RankJob, deepspeed_command, remove_shm_leftovers  # noqa: E402
+from training.ports import free_port  # noqa: E402,F401 (tests import it from here)
 
 # Multi-rank CPU runs: one thread per rank (2 threads x 4 ranks on 2 cores ran 15-20x slower).
 RANK_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

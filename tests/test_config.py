@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, child_env, run_script
-from training import optim
+from training import ds_json, optim
 from training.config import ConfigError, DataConfig, ModelConfig, MonitorConfig, OptimConfig, PeftConfig, TrainConfig
 from training.optim import cpu_zero1_settings, fill_ds_config
 from training.validate import resolve
@@ -516,7 +516,7 @@ def test_resume_on_another_layout_reads_the_optimizer_states_per_parameter(good,
     (out / "global_step4" / "trainer_state_rank00000.json").write_text(json.dumps({"world_size": 4}))
     good.output_dir = str(out)
     message = problems_of(good, 4)
-    assert f"cannot resume {out}/global_step4 on this layout: {out}/global_step4 holds no optimizer states" in message
+    assert f"cannot resume {out}/global_step4: {out}/global_step4 holds no optimizer states" in message
     good.partition_method = "parameters"
     assert resolve(good, 4).reshard == ""
     good.gradient_accumulation_steps = 4
@@ -634,9 +634,15 @@ def test_a_sequence_longer_than_the_model_was_trained_for_warns(good, tokenizer_
     assert warnings and "131072 of the model (rope scaling llama3: " in warnings[0] and "factor=32.0" in warnings[0]
 
 
-def test_fp16_is_refused_on_a_device_without_it(good):
+def test_fp16_is_refused_on_a_cpu_that_supports_it(good, monkeypatch):
+    """A Xeon with AVX512-FP16, where DeepSpeed's CPU accelerator says fp16 is supported: refused all the same
+    (tests/test_device_rules.py: the rule with the device's answers set both ways)."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(ds_json, "accelerator_name", lambda: "cpu")
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
     good.precision = "fp16"
-    assert "precision fp16 is not supported on this device" in problems_of(good, 4)
+    assert "precision fp16 needs a CUDA GPU" in problems_of(good, 4)
 
 
 @pytest.mark.e2e
@@ -657,12 +663,13 @@ def test_training_stops_at_max_steps_or_after_num_epochs(max_steps, num_epochs, 
 
     cfg = TrainConfig(max_steps=max_steps, micro_batch_size=5, gradient_accumulation_steps=2)
     cfg.num_epochs = num_epochs
-    resolved = SimpleNamespace(cfg=cfg, dp=2)
+    resolved = SimpleNamespace(cfg=cfg, dp=2, resume_tag=None)
     total, per_epoch = train.plan_steps(resolved, SimpleNamespace(train=range(100)))
     assert per_epoch == 5 and total == expected
 
 
-def test_zero_plus_plus_quantized_weights_are_refused_on_cpu(good):
+def test_zero_plus_plus_quantized_weights_are_refused_on_cpu(good, monkeypatch):
+    monkeypatch.setattr(ds_json, "accelerator_name", lambda: "cpu")  # the rule as a CPU run meets it, on any machine
     good.num_stages, good.ds_config = 1, "zeropp"
     assert (
         "ZeRO++ quantized weights (zero_quantized_weights), whose quantizer kernel the CPU accelerator lacks"
@@ -670,11 +677,13 @@ def test_zero_plus_plus_quantized_weights_are_refused_on_cpu(good):
     )
 
 
-def test_every_ds_config_trains_or_is_refused_before_training(good):
-    """Each JSON in ds_configs/ is trained by tests/test_train_parity.py, or refused by validation."""
+def test_every_ds_config_trains_or_is_refused_before_training(good, monkeypatch):
+    """Each JSON in ds_configs/ is trained by tests/test_train_parity.py, or refused by validation (on the CPU, where
+    the parity tests run, on any machine)."""
     from tests.parity import TRAINED_CONFIGS
     from training.ds_json import available_ds_configs
 
+    monkeypatch.setattr(ds_json, "accelerator_name", lambda: "cpu")
     for name in available_ds_configs():
         if name in TRAINED_CONFIGS:
             continue

@@ -192,6 +192,7 @@ def test_reference_architectures_of_the_families(name, tmp_path, tokenizer_dir):
     overrides = [
         f"model={name}",
         f"model.tokenizer={tokenizer_dir}",
+        "model.architecture.vocab_size=512",  # the test tokenizer's 512 tokens (data/cache.py's vocab_problem)
         "data=text",
         f"data.train_file={data}",
         "num_stages=4",

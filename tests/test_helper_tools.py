@@ -229,7 +229,7 @@ dist.destroy_process_group()
 
 @pytest.mark.e2e  # a script in a subprocess
 def test_the_tied_weight_broadcast_warning_is_filtered_unless_log_level_info():
-    from training.distributed import free_port
+    from training.ports import free_port
 
     script = BROADCAST.format(repo=REPO)
     runs = {

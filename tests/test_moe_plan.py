@@ -310,8 +310,8 @@ def test_estimate_memory_reports_experts_and_their_all_to_all(capsys):
         )
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 1 and err == [
-        "estimate_memory.py: error: --ep 4 with the optimizer offloaded (--zero 1): not supported yet (DeepSpeed's "
-        "CPU Adam is not run with its MoE parameter groups here); keep the optimizer states on the GPU (--zero 1 "
+        "estimate_memory.py: error: --ep 4 with --offload optimizer: not supported yet (DeepSpeed's CPU Adam is not "
+        "run with its MoE parameter groups here); keep the optimizer states on the GPU (--offload none; --zero 1 "
         "shards them over the data axis) or use --ep 1"
     ]
     with pytest.raises(SystemExit) as exit_:
@@ -370,6 +370,7 @@ def test_preflight_prints_the_experts_of_a_moe_model(tmp_path, tokenizer_dir):
     data = tmp_path / "train.jsonl"
     data.write_text('{"text": "a"}\n')
     overrides = ["model=mixtral-8x7b", f"model.tokenizer={tokenizer_dir}", "data=text", f"data.train_file={data}"]
+    overrides += ["model.architecture.vocab_size=512"]  # the test tokenizer's 512 tokens (data/cache.py)
     overrides += ["num_stages=2", "expert_parallel=4", "precision=fp32", "ds_config=zero0"]
     lines = check(8, [*overrides, f"output_dir={tmp_path / 'out'}", "min_free_disk_gb=0"])
     assert any(line.startswith("experts: 8 per MoE layer on 32 layers, top 2, width 14336") for line in lines), lines

@@ -267,8 +267,9 @@ def test_slurm_script_runs_one_launcher_per_node(tmp_path):
         "SLURM_JOB_NODELIST": "gpu-a[01-02]",
         "SLURM_NNODES": "2",
         "SLURM_CPUS_PER_TASK": "16",
+        "MASTER_PORT": "29555",  # unset, a port free on node 0 (tests/test_master_port.py)
     }
-    for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "OMP_NUM_THREADS"):
+    for key in ("MASTER_ADDR", "NODE_RANK", "OMP_NUM_THREADS"):
         env.pop(key, None)
     overrides = ["num_stages=4", "data.train_file=my data.jsonl"]  # one with a space: passed through intact
     proc = subprocess.run(
@@ -279,7 +280,7 @@ def test_slurm_script_runs_one_launcher_per_node(tmp_path):
         assert f.read() == "gpu-a01 slots=2\ngpu-a02 slots=2\n"
     srun_options = (out / "srun_options").read_text().split()
     assert {"--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=16", "--kill-on-bad-exit=1"} <= set(srun_options)
-    port = str(20000 + 4242 % 20000)
+    port = "29555"
     for node in range(2):
         record = json.loads((out / f"node{node}.json").read_text())
         assert record["argv"] == [

@@ -132,7 +132,8 @@ def checkpoint_for(value: str, stage: dict) -> str:
 
 
 def substitute_overrides(words: list[str], stage: dict) -> list[str]:
-    """Paths in Hydra overrides -> stand-ins; free disk check off (no 1 TB here for a 70B checkpoint)."""
+    """Paths in Hydra overrides -> stand-ins (a from-scratch vocabulary fitted to the stand-in tokenizer); free disk
+    check off (no 1 TB here for a 70B checkpoint)."""
     out = []
     for word in words:
         key, _, value = word.partition("=")
@@ -140,6 +141,7 @@ def substitute_overrides(words: list[str], stage: dict) -> list[str]:
             value = checkpoint_for(value, stage)
         elif key == "model.tokenizer":
             value = stage["tokenizer"]
+            out.append("model.architecture.vocab_size=512")  # the stand-in tokenizer's tokens: an architecture's own
         elif key in ("data.train_file", "data.eval_file"):
             value = stage["data"]
         elif key == "peft.init_from":

@@ -249,6 +249,15 @@ def checkpoint_files_equal(a_dir, b_dir) -> list[str]:
     return [n for n in names if not same(load(os.path.join(a_dir, n)), load(os.path.join(b_dir, n)))]
 
 
+def assert_one_line_naming(output: str, *fragments: str) -> None:
+    """A job ended by a lost rank said so once (training/preemption.py's exit_if_peer_lost), and nothing else failed
+    aloud."""
+    errors = [line for line in output.splitlines() if line.startswith("train.py: error:")]
+    assert len(errors) == 1 and all(f in errors[0] for f in fragments), errors or output[-3000:]
+    assert "ended without a word" in errors[0]
+    assert "Traceback" not in output and "Error executing job" not in output, output[-3000:]
+
+
 @pytest.mark.multirank
 def test_a_rank_killed_mid_training_ends_the_job_and_resume_matches_an_uninterrupted_run(chain):
     """Also save_async: C saves every step in the background from step 3 on, and ends bit-identical to U."""
@@ -259,6 +268,8 @@ def test_a_rank_killed_mid_training_ends_the_job_and_resume_matches_an_uninterru
     print(f"kill -9 of rank 1 mid-training: job exited {exit_s:.1f} s later with code {kill.returncode}")
     assert exit_s < KILL_EXIT_BOUND_S
     assert "exits with return code = " in kill.output  # the launcher saw a rank fail and stopped the others
+    # one line for the job, naming the rank killed, and no survivor's traceback (gloo's "Connection reset by peer")
+    assert_one_line_naming(kill.output, "rank 1 (pid ", f"latest names {root / 'C' / 'global_step5'}")
     final = runs["final"]
     assert f"(resumed from {runs['after_usr1']['latest']})" in final.output
     u, c = read_metrics(str(root / "U")), read_metrics(str(root / "C"))
@@ -280,6 +291,7 @@ def test_a_crash_while_saving_keeps_latest_and_the_incomplete_checkpoint_is_neve
     exit_s = crash.ended_at - crash.killed_at
     print(f"rank 2 killed while saving global_step4: job exited {exit_s:.1f} s later with code {crash.returncode}")
     assert crash.returncode != 0 and exit_s < KILL_EXIT_BOUND_S
+    assert_one_line_naming(crash.output, "rank 2 (pid ", f"latest names {root / 'C' / 'global_step2'}")
     assert runs["after_crash"]["latest"] == "global_step2"  # the previous complete checkpoint
     assert "global_step4" not in runs["after_crash"]["dirs"]  # only complete checkpoints are named global_step<N>
     partial = runs["after_crash"]["step4"]

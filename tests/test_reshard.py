@@ -151,7 +151,7 @@ def test_an_incomplete_or_tampered_checkpoint_is_refused_before_training(root):
     with pytest.raises(ValueError) as refused:
         check(4, loop_args(root, out, num_stages=4))
     message = str(refused.value)
-    assert f"cannot resume {out}/global_step4 on this layout" in message
+    assert f"cannot resume {out}/global_step4: " in message
     assert "the optimizer states of data-parallel rank 1 of stage 0 are missing (of 2)" in message
     assert f"{tampered} holds objects a DeepSpeed checkpoint does not" in message
     assert sorted(os.listdir(tag_dir)) == before and not marker.exists()

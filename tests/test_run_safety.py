@@ -22,8 +22,8 @@ from tests.conftest import (
     start_deepspeed,
     write_random_tokens,
 )
-from training.distributed import free_port
 from training.launch import deepspeed_command
+from training.ports import free_port
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 

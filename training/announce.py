@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from data.checks import default_packing
-from models.families import family_of
+from models.families import family_of, moe_spec
 from parallel.stage import axis_plans
 from training.config import Resolved
 from training.data_setup import RankData
@@ -65,6 +65,9 @@ def model_lines(resolved: Resolved) -> None:
         f"{model.num_hidden_layers} decoder layers | partition_method={cfg.partition_method}"
         + (f" | activation checkpointing every {every} decoder layer(s)" if every else "")
     )
+    line = moe_line(model, f"{cfg.model_name_or_path}/config.json" if cfg.model_name_or_path else "model.architecture")
+    if line:
+        log0(line)
     if resolved.lora:
         p = cfg.peft
         log0(
@@ -75,6 +78,29 @@ def model_lines(resolved: Resolved) -> None:
             + " | base frozen: no gradients, no optimizer state, not saved in checkpoints"
             + ("; its decoder linear layers quantised to NF4 (bitsandbytes)" if p.quantize == "nf4" else "")
         )
+
+
+def moe_line(config, source: str) -> str:
+    """A Mixture-of-Experts model's routing and whether its loss adds the router's load-balancing loss, with the
+    coefficient in use (both from ``source``, the model's config); "" for a dense model."""
+    moe = moe_spec(config)
+    if moe is None:
+        return ""
+    routing = (
+        f"moe: {moe.num_experts} experts per MoE layer, top {moe.top_k}, {len(moe.moe_layers)} of "
+        f"{config.num_hidden_layers} layers routed"
+    )
+    if config.model_type == "llama4_text":
+        return f"{routing} | no router loss (Llama4ForCausalLM adds none, whatever output_router_logits says)"
+    if moe.router_loss:
+        return (
+            f"{routing} | router loss on (output_router_logits true in {source}): loss = cross entropy + "
+            f"router_aux_loss_coef {moe.router_aux_loss_coef:g} x the load-balancing loss"
+        )
+    return (
+        f"{routing} | router loss off (output_router_logits false in {source}): loss = cross entropy; "
+        f"router_aux_loss_coef {moe.router_aux_loss_coef:g} unused"
+    )
 
 
 def batch_line(resolved: Resolved) -> None:

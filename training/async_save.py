@@ -25,6 +25,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from models.layer_files import load_deepspeed_file
+from training.distributed import WriteFailed, writing
 
 
 def host_copy(item):
@@ -60,7 +61,8 @@ class CheckpointEngine(TorchCheckpointEngine):
 
     def save(self, state_dict, path: str):
         if self.captured is None:
-            super().save(state_dict, path)
+            with writing(path):
+                super().save(state_dict, path)
         else:
             self.captured.append((path, host_copy(state_dict)))
 
@@ -70,7 +72,8 @@ class CheckpointEngine(TorchCheckpointEngine):
 
     def write(self, obj, path: str) -> None:
         """One captured file, written as ``save`` outside a capture writes it."""
-        super().save(obj, path)
+        with writing(path):
+            super().save(obj, path)
 
     @contextlib.contextmanager
     def capturing(self):
@@ -117,7 +120,7 @@ class BackgroundWriter:
                 path, obj = files.pop(0)  # each host copy freed once written
                 write_file(engine, path, obj)
         except Exception as e:  # noqa: BLE001 (reported on every rank at the next agreement: run_checkpoints.publish)
-            self.error = f"{type(e).__name__}: {e}"
+            self.error = e.what if isinstance(e, WriteFailed) else f"{type(e).__name__}: {e}"
         self.written_s = time.time() - self.started
 
     @property

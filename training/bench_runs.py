@@ -11,9 +11,9 @@ import statistics
 import subprocess
 import sys
 
-from training.distributed import free_port
 from training.launch import deepspeed_command, remove_shm_leftovers
 from training.metrics import read_final_record
+from training.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -34,7 +34,7 @@ from training import run_checkpoints
 from training.compile import compile_engine
 from training.config import Resolved
 from training.data_setup import RankData, prepare_rank_data
-from training.distributed import free_port, on_all_ranks, release_cpu_comm_buffer
+from training.distributed import on_all_ranks, release_cpu_comm_buffer
 from training.logs import log0
 from training.optim import (
     apply_optim_settings,
@@ -44,6 +44,7 @@ from training.optim import (
     readable_arch_list,
     reduce_grad_norm_once_across_stages,
 )
+from training.ports import free_port
 from training.preemption import clear_stale_marker
 from training.run_lock import RunLock
 from training.startup import StartupWatchdog

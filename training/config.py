@@ -115,16 +115,17 @@ class LogLevel(StrEnum):
 class OptimConfig:
     """AdamW and its learning-rate schedule."""
 
-    lr: float = 3e-4  # peak learning rate
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
-    eps: float = 1e-8  # AdamW epsilon
-    weight_decay: float = 0.0  # decoupled weight decay; never applied to norm weights (1-D tensors)
-    max_grad_norm: float = 1.0  # clip the global gradient L2 norm to this; 0 = no clipping
+    lr: float = 3e-4  # peak learning rate, in (0, 1]
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2), each in [0, 1)
+    eps: float = 1e-8  # AdamW epsilon, in [0, 1)
+    # decoupled weight decay, >= 0 (and optim.lr x it < 1); never applied to norm weights (1-D tensors)
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # clip the global gradient L2 norm to this, >= 0; 0 = no clipping
     scheduler: Scheduler = (
         Scheduler.constant
     )  # after warm-up: constant | linear | cosine (decay to min_lr at the last step)
     warmup_steps: int = 0  # optimizer steps of linear warm-up to lr
-    min_lr: float = 0.0  # learning rate reached at the last step by linear and cosine
+    min_lr: float = 0.0  # learning rate reached at the last step by linear and cosine, in [0, optim.lr]
 
 
 @dataclass
@@ -163,8 +164,9 @@ class PeftConfig:
 
     method: PeftMethod = PeftMethod.none  # none: train every weight | lora: frozen base, LoRA adapters trained
     r: int = 8  # LoRA rank
-    alpha: float = 16.0  # LoRA scaling numerator: the update is (alpha / r) B A (alpha / sqrt(r) with use_rslora)
-    dropout: float = 0.0  # dropout on the LoRA branch's input
+    # LoRA scaling numerator, > 0: the update is (alpha / r) B A (alpha / sqrt(r) with use_rslora)
+    alpha: float = 16.0
+    dropout: float = 0.0  # dropout on the LoRA branch's input, in [0, 1)
     target_modules: list[str] = field(default_factory=lambda: list(DECODER_LINEARS))  # decoder linears with adapters
     modules_to_save: list[str] = field(default_factory=list)  # trained fully beside the adapters: embed_tokens, lm_head
     use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(r)
@@ -177,10 +179,10 @@ class PeftConfig:
 class DPOConfig:
     """Direct preference optimisation (train_objective=dpo): TRL DPOTrainer's loss, metrics and defaults."""
 
-    beta: float = 0.1  # how far the policy may move from the reference (the KL penalty's inverse temperature)
+    beta: float = 0.1  # how far the policy may move from the reference (the KL penalty's inverse temperature), > 0
     # sigmoid: -log sigmoid(beta x margin), DPO's loss | ipo: (margin per completion token - 1 / (2 beta))^2
     loss_type: DPOLossType = DPOLossType.sigmoid
-    label_smoothing: float = 0.0  # sigmoid only: the share of pairs assumed mislabelled (conservative DPO), [0, 0.5)
+    label_smoothing: float = 0.0  # sigmoid only: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)
 
 
 @dataclass
@@ -216,11 +218,12 @@ class DataConfig:
     chosen_field: str = "chosen"  # format=dpo: the preferred completion (a string, or a list of assistant messages)
     rejected_field: str = "rejected"  # format=dpo: the dispreferred completion
     # A weighted mixture instead of train_file: [{path: a.jsonl, weight: 3}, {path: 'b/*.parquet', weight: 1}];
-    # each step draws samples by weight (exact proportions over each epoch of the mixture), deterministic.
+    # each step draws samples by weight (exact proportions over each epoch of the mixture), deterministic; weights > 0.
     sources: list[SourceConfig] = field(default_factory=list)
     eval_file: str = ""  # separate eval data (same format and sources as train_file); exclusive with eval_fraction
-    eval_sources: list[SourceConfig] = field(default_factory=list)  # an eval loss for each (their weights unused)
-    eval_fraction: float = 0.0  # fraction of the training samples split off for eval (fixed seed), 0 = none
+    # an eval loss for each; set their weights to any finite number (eval sources' weights are unused)
+    eval_sources: list[SourceConfig] = field(default_factory=list)
+    eval_fraction: float = 0.0  # fraction of the training samples split off for eval (fixed seed), in [0, 1); 0 = none
     cache_dir: str = ""  # tokenized cache location; empty: $XDG_CACHE_HOME or ~/.cache, then llama-pipe/tokenized
     skip_bad_lines: bool = False  # skip and count malformed lines instead of stopping with their file:line
     order_check_steps: int = 10  # steps during which first and last stage compare batch fingerprints; 0 = off
@@ -277,7 +280,7 @@ class TrainConfig:
     # DualPipeV, LoRA, MoE models or the ZeRO 2/3 data-parallel engine (training/compile.py).
     compile: bool = False
     ds_config: str = "zero1"  # DeepSpeed JSON: a name in ds_configs/ (without .json) or a path
-    precision: Precision = Precision.bf16  # fp32 | bf16 | fp16 (fp16 needs a device that supports it)
+    precision: Precision = Precision.bf16  # fp32 | bf16 | fp16 (fp16 needs a CUDA GPU: refused on every CPU)
     micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step per data-parallel rank
     # tokens: an optimizer step's loss is its summed token losses / label tokens of the whole global
@@ -297,9 +300,8 @@ class TrainConfig:
     # tensor parallelism or the ZeRO 2/3 data-parallel engine (models/kernels.py).
     loss_impl: LossImpl = LossImpl.chunked
     max_steps: int = 100  # optimizer steps to train; 0 with num_epochs 0: load everything, train nothing
-    num_epochs: float = (
-        0.0  # stop after this many passes over the training data (fractions allowed); 0 = max_steps alone decides
-    )
+    # stop after this many passes over the training data (fractions allowed), >= 0; 0 = max_steps alone decides
+    num_epochs: float = 0.0
     seed: int = 42  # seeds the data order and a from-scratch initialisation
     activation_checkpoint_interval: int = 0  # recompute activations in chunks of this many decoder layers; 0 = off
     log_steps: int = 1  # print a progress line every this many steps (metrics.jsonl gets every step)
@@ -310,7 +312,7 @@ class TrainConfig:
     save_final: bool = True
     save_total_limit: int = 0  # keep only the newest this many checkpoints; 0 = keep all
     # Also save when this many minutes have passed since the last checkpoint (rank 0's clock, agreed by all ranks
-    # after each step), whichever of it and save_steps comes first; 0 = steps only.
+    # after each step), whichever of it and save_steps comes first; >= 0; 0 = steps only.
     save_every_minutes: float = 0.0
     # Copy each rank's checkpoint files to host memory at a save and write them in a background thread while
     # training goes on; latest names the checkpoint once every rank's files are written. The last step's save and a
@@ -318,12 +320,13 @@ class TrainConfig:
     save_async: bool = False
     # After SIGTERM or SIGUSR1 (SLURM's warning before a time limit or preemption) every rank finishes the step,
     # a checkpoint is saved and the job exits with code 75 (training/preemption.py); a second signal, or no
-    # checkpoint within this many seconds of the first, exits at once with code 76, the last complete
+    # checkpoint within this many seconds of the first (>= 1), exits at once with code 76, the last complete
     # checkpoint untouched.
     preempt_grace_s: float = 600.0
     # A training step running longer than this dumps every rank's Python stacks to output_dir/hang/rank<R>.txt
     # and rank 0 prints where each rank is (training/hang.py); 0 = 20 x the median step so far, at least 600 s;
-    # otherwise at least 5 s. Checkpoint saves and evaluations are not timed, and its exit never cuts a save short.
+    # set it to 0 or >= 5 (seconds). Checkpoint saves and evaluations are not timed, and its exit never cuts a save
+    # short.
     hang_timeout_s: float = 0.0
     hang_action: HangAction = HangAction.exit  # exit: every rank exits with code 78 | wait: keep waiting
     resume: ResumeMode = (
@@ -337,16 +340,17 @@ class TrainConfig:
     dist_timeout_s: int = 1800
     # A non-finite loss or gradient: stop (name the last good checkpoint) | skip (the optimizer skips the step; logged).
     nonfinite_loss: NonfinitePolicy = NonfinitePolicy.stop
-    min_free_disk_gb: float = (
-        -1.0
-    )  # refuse to start with less free space under output_dir; -1 = the estimated size of one checkpoint, 0 = no check
+    # refuse to start with less free space under output_dir; set it to -1, 0 or > 0: -1 = the estimated size of one
+    # checkpoint, 0 = no check
+    min_free_disk_gb: float = -1.0
     # Seconds a rank may take from start to joining the process group (loading or building DeepSpeed's
     # ops, the rendezvous) before it says where it waits and exits; 0 = no limit. A stale op-build lock
     # would otherwise hang every job silently, before dist_timeout_s applies.
     startup_timeout_s: int = 900
     log_level: LogLevel = LogLevel.warning  # DeepSpeed's own log lines shown: debug | info | warning | error
     # Peak TFLOP/s of one device for MFU in the progress line and metrics.jsonl; 0 = from the table of known
-    # GPUs (training/metrics.py: H200, H100, A100, L40S, ...), none on CPU (MFU omitted there unless set).
+    # GPUs (training/metrics.py: H200, H100, A100, L40S, ...), none on CPU (MFU omitted there unless set); set it
+    # to 0 or in [0.01, 100000].
     mfu_peak_tflops: float = 0.0
     # The second step's peak of allocated tensor bytes above its start is logged per rank (gradients,
     # activations, the loss buffer, temporaries: what the planner predicts beside the model states). On

@@ -382,11 +382,13 @@ def render(root: str = REPO_ROOT) -> str:
         f"`python {GENERATOR}`; `tests/test_docs.py` fails while this file is stale.",
         "",
         "Set any key on the command line as a Hydra override (`train.py num_stages=2 optim.lr=1e-4`), or pick a",
-        "group entry (`model=llama3-8b`, `ds=zero0`, `data=text`). Unknown keys, wrong types and unknown group",
-        "entries are refused by Hydra; the rules that involve several keys, the world size, the DeepSpeed JSON",
+        "group entry (`model=llama3-8b`, `ds=zero0`, `data=text`). Unknown keys and values of another type are",
+        "refused before Hydra, each with the form the key takes (a list key given one value: `profile_steps=[5,6]`),",
+        "unknown group entries by Hydra; the rules that involve several keys, the world size, the DeepSpeed JSON",
         "or files on disk are checked before any process group starts (see",
         "[training.md](training.md#configuration-checks)). `python train.py --cfg job` prints the resolved config;",
-        "`python scripts/preflight.py --world-size N <overrides>` checks a command for N ranks.",
+        "`python scripts/preflight.py --world-size N <overrides>` checks a command for N ranks. A float key takes a",
+        "finite number (nan and inf are refused) in the range its line states.",
         "",
     ]
     defaults = _group_defaults(root)

@@ -20,22 +20,15 @@ What bounds a wait when a rank is gone (measured on 4 CPU ranks, pipe 2 x data 2
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import os
-import socket
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now, chosen by the OS: for a job's master port, since a fixed one
-    collides with other jobs on a shared machine."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StartupError(RuntimeError):
@@ -46,13 +39,71 @@ class TrainingStopped(RuntimeError):
     """Training must stop (a non-finite loss); raised on every rank alike, from values all ranks share."""
 
 
+# Errors that say the write itself failed (the disk, a quota, the file system), not the path given.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
+class WriteFailed(RuntimeError):
+    """A file this rank writes during a run could not be written (a full disk, a quota, a read-only file system);
+    ``str``: ``rank R: writing PATH failed: [Errno 28] No space left on device``, ``what`` the same without the
+    rank (for a message that names the ranks itself)."""
+
+    def __init__(self, path: str, cause: str):
+        self.path, self.cause, self.rank = path, cause, int(os.environ.get("RANK", "0"))
+        self.what = f"writing {path} failed: {cause}"
+        super().__init__(f"rank {self.rank}: {self.what}")
+
+
+def os_error_text(e: OSError) -> str:
+    """``[Errno 28] No space left on device``: an OSError without the file name Python appends."""
+    return f"[Errno {e.errno}] {e.strerror}" if e.errno is not None and e.strerror else str(e)
+
+
+def is_write_error(e: BaseException) -> bool:
+    """An OSError, or torch's error when ``torch.save`` cannot write its zip file (a RuntimeError naming no errno)."""
+    if isinstance(e, OSError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("PytorchStreamWriter failed" in text or "file write failed" in text)
+
+
+@contextlib.contextmanager
+def writing(path: str):
+    """Around this rank's write of ``path`` (a file, or a directory of files): a failure of the write is raised as
+    :class:`WriteFailed` naming the rank, the file and the cause (train.py then ends the job with that one line)."""
+    try:
+        yield
+    except WriteFailed:
+        raise
+    except Exception as e:
+        if not is_write_error(e):
+            raise
+        if isinstance(e, OSError):  # the file it names, where ``path`` is a directory of several
+            raise WriteFailed(str(e.filename or path), os_error_text(e)) from e
+        raise WriteFailed(path, str(e).strip().splitlines()[-1]) from e
+
+
+def failure_text(e: BaseException) -> str:
+    """What a rank's failure says in a message naming the ranks (``on_all_ranks``): a known error's own text, a
+    file's OSError as ``writing PATH failed: [Errno ...] ...`` (or ``PATH: [Errno ...] ...`` for a read), anything
+    else its traceback."""
+    if isinstance(e, WriteFailed):
+        return e.what
+    if isinstance(e, OSError) and e.filename is not None:
+        if e.errno in WRITE_ERRNOS:
+            return f"writing {e.filename} failed: {os_error_text(e)}"
+        return f"{e.filename}: {os_error_text(e)}"
+    if type(e).__module__.split(".")[0] in ("models", "parallel", "data", "training"):
+        return f"{e}"
+    return traceback.format_exc().rstrip()
+
+
 def on_all_ranks(step: str, fn: Callable[[], Any]) -> list[Any]:
     """Run ``fn`` on every rank; return every rank's result (index = global rank) or raise on all."""
     try:
         outcome = (fn(), None)
     except Exception as e:  # any failure must reach the other ranks, not leave them waiting
-        known = type(e).__module__.split(".")[0] in ("models", "parallel", "data", "training")
-        outcome = (None, f"{e}" if known else traceback.format_exc().rstrip())
+        outcome = (None, failure_text(e))
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, outcome)
     errors = [(rank, err) for rank, (_, err) in enumerate(gathered) if err is not None]

@@ -39,6 +39,22 @@ def fp16_supported() -> bool:
     return get_accelerator().is_fp16_supported()
 
 
+def precision_problems(precision: str) -> list[str]:
+    """fp16 is for CUDA GPUs. DeepSpeed's CPU accelerator says it supports fp16 on a CPU with AVX512-FP16 and not
+    otherwise, and nothing here tests fp16 training on a CPU: refused on every CPU alike, not by the CPU model."""
+    if precision != "fp16":
+        return []
+    accelerator = accelerator_name()
+    if accelerator == "cpu":
+        return [
+            "precision fp16 needs a CUDA GPU (on the CPU, DeepSpeed's fp16 exists only where the CPU has AVX512-FP16 "
+            "and is not tested here, so it is refused on every CPU): set precision=bf16 or precision=fp32"
+        ]
+    if not fp16_supported():
+        return [f"precision fp16 is not supported on this device ({accelerator}): set precision=bf16 or precision=fp32"]
+    return []
+
+
 # The DeepSpeed JSON may leave these to train.py or say "auto" (Hugging Face's spelling of the same).
 AUTO = "auto"
 # Monitor sections that training.optim.fill_ds_config writes from monitor.* (enabled, output_path, job_name).

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+from training.distributed import WriteFailed, writing
 from training.preemption import exit_now, exit_quietly_on_signals
 
 HANG_EXIT_CODE = 78
@@ -65,6 +66,7 @@ class HangWatch:
         self.started: float | None = None
         self.step = 0
         self.fired = False
+        self.dump_error: str | None = None  # this rank's stacks could not be written (a full disk)
         self.no_exit = threading.Lock()  # held around checkpoint saves: an exit waits for the save in progress
         threading.Thread(target=self._watch, daemon=True, name="hang-watch").start()
 
@@ -97,13 +99,20 @@ class HangWatch:
                 self._dump(time.monotonic() - started)
 
     def _dump(self, waited: float) -> None:
-        os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, f"rank{self.rank}.txt")
-        with open(path + ".tmp", "w") as f:
-            f.write(f"rank {self.rank}, step {self.step}, {waited:.0f} s into it\n")
-            f.flush()
-            faulthandler.dump_traceback(f, all_threads=True)
-        os.replace(path + ".tmp", path)
+        self.dump_error = None
+        try:
+            with writing(path):
+                os.makedirs(self.dir, exist_ok=True)
+                with open(path + ".tmp", "w") as f:
+                    f.write(f"rank {self.rank}, step {self.step}, {waited:.0f} s into it\n")
+                    f.flush()
+                    faulthandler.dump_traceback(f, all_threads=True)
+                os.replace(path + ".tmp", path)
+        except WriteFailed as e:  # rank 0's report names it (its own), or this rank says it in one line
+            self.dump_error = e.what
+            if self.rank != 0:
+                print(f"[train] rank {self.rank}: {e.what}: its stacks are not in the hang report", file=sys.stderr)
         if self.action == "exit":
             exit_quietly_on_signals(HANG_EXIT_CODE)  # the launcher ending the other ranks is no preemption
         if self.rank == 0:
@@ -123,6 +132,9 @@ class HangWatch:
             time.sleep(0.2)
         lines = []
         for r, p in files.items():
+            if r == self.rank and self.dump_error:
+                lines.append(f"  rank {r}: {self.dump_error}")
+                continue
             lines.append(f"  rank {r}: {where(open(p).read()) if os.path.exists(p) else 'wrote no stack (gone?)'}")
         then = f"exiting with code {HANG_EXIT_CODE}" if self.action == "exit" else "waiting on (hang_action=wait)"
         report = (
@@ -132,5 +144,9 @@ class HangWatch:
             + f"\n{then}"
         )
         print(report, file=sys.stderr, flush=True)
-        with open(os.path.join(self.dir, "report.txt"), "w") as f:
-            f.write(report + "\n")
+        path = os.path.join(self.dir, "report.txt")
+        try:
+            with writing(path), open(path, "w") as f:
+                f.write(report + "\n")
+        except WriteFailed as e:  # printed all the same; the other ranks wait for the file 15 s, then exit
+            print(f"[train] rank {self.rank}: {e.what}: the report above is its only copy", file=sys.stderr, flush=True)

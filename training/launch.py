@@ -29,6 +29,8 @@ import threading
 import time
 import traceback
 
+from training.ports import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Variables read when torch, DeepSpeed or transformers are imported: each set of their values has a server of
 # its own (Launcher.server_for).
@@ -45,9 +47,10 @@ PRELOAD = ("deepspeed.runtime.zero.muon.muon_optimizer", "peft")
 
 
 def deepspeed_command(num_ranks: int, script: str, args: list[str], port: int | None = None) -> list[str]:
-    """``deepspeed --num_gpus N [--master_port P] script args``: DeepSpeed's launcher of this environment."""
+    """``deepspeed --num_gpus N --master_port P script args``: DeepSpeed's launcher of this environment. Without
+    ``port``, one free now: the launcher's own default, 29500, may be another job's (training/ports.py)."""
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(num_ranks)]
-    return cmd + (["--master_port", str(port)] if port is not None else []) + [script, *args]
+    return cmd + ["--master_port", str(free_port() if port is None else port), script, *args]
 
 
 def remove_shm_leftovers(port: int) -> list[str]:

@@ -8,10 +8,12 @@ shows them all again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
+import tempfile
 import warnings
 
 # (category, message pattern) for warnings.filterwarnings.
@@ -36,6 +38,14 @@ HARMLESS_PRINTS = [
     r"^SEED_LAYERS=",  # PipelineModule's seeding settings: this project seeds per spec itself
     r"^DeepSpeed deepspeed\.ops\..* built successfully$",  # an op loaded from the extensions cache
 ]
+# Lines C++ code writes to stderr (file descriptor 2) on every rank, past sys.stdout: dropped around the calls that
+# print them (native_lines_dropped).
+HARMLESS_NATIVE_LINES = [
+    # torch.profiler's start and stop (profile_steps), said by its kineto library at a severity above its errors:
+    # KINETO_LOG_LEVEL cannot hide them and keep the errors
+    r"^USDT:.* profiler_(start|stop)$",
+]
+_filtering = {"on": False}  # quiet_dependencies ran (log_level below info)
 
 
 class _DropKnown(logging.Filter):
@@ -71,12 +81,38 @@ def quiet_dependencies(level: str) -> None:
     """Filter the known-harmless lines unless ``level`` is info or debug. Call before importing deepspeed."""
     if level in ("info", "debug"):
         return
+    _filtering["on"] = True
     for category, pattern in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=category)
     for name in FILTERED_LOGGERS:  # a logger's filter sees its own records only, not its children's
         logging.getLogger(name).addFilter(_DropKnown())
     if not isinstance(sys.stdout, _LineFilter):
         sys.stdout = _LineFilter(sys.stdout)
+
+
+@contextlib.contextmanager
+def native_lines_dropped():
+    """Within (a short call: the profiler's start or stop), stderr's file descriptor goes to a temporary file,
+    written out afterwards less HARMLESS_NATIVE_LINES: nothing else is lost, only delayed. A no-op where
+    quiet_dependencies did not filter (log_level info or debug)."""
+    if not _filtering["on"]:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            kept = [line for line in lines if not any(re.search(p, line.rstrip("\n")) for p in HARMLESS_NATIVE_LINES)]
+            if kept:
+                os.write(2, "".join(kept).encode())
 
 
 def argv_log_level(argv: list[str], default: str = "warning") -> str:

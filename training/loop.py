@@ -21,7 +21,7 @@ from training.async_save import BackgroundWriter
 from training.compile import CompileLog
 from training.config import Resolved
 from training.data_setup import RankData
-from training.distributed import TrainingStopped, on_all_ranks
+from training.distributed import StartupError, TrainingStopped, on_all_ranks
 from training.hang import HangWatch
 from training.logs import log0
 from training.memory_census import CensusAtStep, StepPeak
@@ -29,19 +29,23 @@ from training.metrics import StepLogger, device_peak_tflops, write_final_record
 from training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Preempted, StopAndSave
 from training.profiling import StepProfiler
 from training.step import eval_label_count, evaluate, objective_metrics, train_step
+from training.step_range import planned_steps, resumed_step, step_setting_problems
 from training.straggler import ComputeClock
 
 
 def plan_steps(resolved: Resolved, data: RankData) -> tuple[int, float]:
-    """(optimizer steps to train, steps per epoch): max_steps, or num_epochs passes, whichever is first."""
+    """(optimizer steps to train, steps per epoch): max_steps, or num_epochs passes, whichever is first. Where
+    num_epochs decides, the settings that name steps are checked here, against the steps the data gives (with
+    max_steps alone, training.validate.resolve checked them): every rank alike, a problem raised on all of them."""
     cfg = resolved.cfg
-    micro_per_epoch = len(data.train) // resolved.dp // cfg.micro_batch_size  # per data-parallel rank
-    steps_per_epoch = micro_per_epoch / cfg.gradient_accumulation_steps
-    total = cfg.max_steps
+    steps, steps_per_epoch = planned_steps(cfg, resolved.dp, len(data.train), resumed_step(resolved.resume_tag))
     if cfg.num_epochs:
-        epoch_steps = math.ceil(cfg.num_epochs * steps_per_epoch)
-        total = min(total, epoch_steps) if total else epoch_steps
-    return total, steps_per_epoch
+        problems, warnings = step_setting_problems(cfg, steps)
+        if problems:
+            raise StartupError("invalid configuration:\n  " + "\n  ".join(problems))
+        for warning in warnings:
+            log0(f"warning: {warning}")
+    return steps.last, steps_per_epoch
 
 
 def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, start_step: int, total_steps: int) -> None:
@@ -66,16 +70,21 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
     eval_labels = [eval_label_count(resolved, engine, data, e) for e in data.evals]
     last_saved = start_step if resolved.resume_tag else None
     stopper = StopAndSave(
-        cfg.save_every_minutes, cfg.preempt_grace_s, dist.get_rank(), get_accelerator().current_device_name()
+        cfg.save_every_minutes,
+        cfg.preempt_grace_s,
+        dist.get_rank(),
+        get_accelerator().current_device_name(),
+        cfg.output_dir,
     )
     clock = ComputeClock() if resolved.uses_pipeline else None  # the straggler view (training/straggler.py)
     watch = HangWatch(cfg.output_dir, dist.get_rank(), dist.get_world_size(), cfg.hang_timeout_s, cfg.hang_action)
     census = CensusAtStep(engine)  # model-state bytes per rank, measured before the second optimizer step
     step_peak = StepPeak(start_step + 2, cfg.count_step_memory)  # what the second step allocates beyond the states
-    profiler = StepProfiler(cfg.profile_steps, cfg.output_dir, dist.get_rank(), start_step)
+    profiler = StepProfiler(cfg.profile_steps, cfg.output_dir, dist.get_rank())
     compiled = CompileLog(cfg.compile, start_step + 1, log0)  # compile=true: compile time once, recompiles counted
     writer = BackgroundWriter()  # save_async: the checkpoint being written while training goes on
     skipped: list[int] = []  # steps whose update the optimizer skipped (non-finite), with nonfinite_loss=skip
+    data.guard.resumed_after(start_step)
     try:
         for step in range(start_step + 1, total_steps + 1):
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances inside the step
@@ -89,7 +98,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             signalled, clock_due, compute, writing = stopper.after_step(clock.take() if clock else 0.0, writer.busy)
             step_peak.after(step)
             data.guard.after_step(step)
-            if data.guard.enabled and step == min(total_steps, data.guard.check_steps):
+            if data.guard.enabled and step == min(total_steps, data.guard.last_step):
                 log0(
                     f"data order check passed: first and last stage of every pipeline"
                     f"{' (and their tensor-parallel peers)' if resolved.layout.tp > 1 else ''} loaded the same "
@@ -152,6 +161,7 @@ def save_if_due(
         return None
     start = time.time()
     background = cfg.save_async and step < total_steps and not signalled
+    stopper.saving(run_checkpoints.tag_for(step))  # a second signal from here on asks whether it is complete
     tag = run_checkpoints.save(resolved, engine, step, data.iterator, writer, background)
     why = f", {cfg.save_every_minutes:g} minutes since the last" if clock_due else ""
     if background:

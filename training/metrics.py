@@ -10,6 +10,7 @@ import statistics
 import time
 
 from models.host_memory import peak_rss_mb
+from training.distributed import writing
 
 # Dense peak TFLOP/s per GPU by device name (vendor datasheets, no sparsity): (bf16/fp16 tensor cores, fp32).
 # The first entry whose every word is in torch.cuda.get_device_name() is used; mfu_peak_tflops overrides.
@@ -95,18 +96,20 @@ class StepLogger:
         self.sinks = sinks or []  # called with every record as it is written (training/tracking.py's W&B run)
         self.start = self.last = time.time()
         self.file = None
+        self.path = os.path.join(output_dir, "metrics.jsonl")
         if active:
-            path = os.path.join(output_dir, "metrics.jsonl")
             kept = []
-            if start_step and os.path.isfile(path):
-                with open(path) as f:
+            if start_step and os.path.isfile(self.path):
+                with open(self.path) as f:
                     kept = [line for line in f if _kept(json.loads(line), start_step)]
-            self.file = open(path, "w")
-            self.file.writelines(kept)
+            with writing(self.path):
+                self.file = open(self.path, "w")
+                self.file.writelines(kept)
 
     def _write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        with writing(self.path):
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
         for sink in self.sinks:
             sink(record)
 
@@ -202,8 +205,9 @@ class StepLogger:
 
     def close(self) -> None:
         if self.file:
-            self.file.close()
-            self.file = None
+            file, self.file = self.file, None
+            with writing(self.path):
+                file.close()
         for sink in self.sinks:
             sink.close()
         self.sinks = []
@@ -221,7 +225,8 @@ def write_final_record(output_dir: str, step: int, figures: dict) -> None:
     (training/loop.py): ``peak_memory_mib`` (``{"host": peak RSS, "gpu": peak allocated}``, gpu on CUDA only),
     ``model_states_mib`` (``{"weights", "grads", "optimizer", "total"}``, where the census ran), and
     ``step_peak_at`` with ``step_peak_mib`` (where measured). Not sent to the W&B sinks."""
-    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+    path = os.path.join(output_dir, "metrics.jsonl")
+    with writing(path), open(path, "a") as f:
         f.write(json.dumps({"kind": FINAL, "step": step, **figures}) + "\n")
 
 

@@ -8,6 +8,7 @@ import os
 import yaml
 
 from data.checks import LOADABLE_TOKENIZER_FILES
+from models.config_rules import model_config_problems
 from models.families import UnsupportedModelError, config_from_dict, load_config
 from models.hf_start import hf_start_problems, is_hf_dir
 from models.layer_files import latest_tag
@@ -62,6 +63,10 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
             config = load_config(cfg.model_name_or_path)
         except UnsupportedModelError as e:
             return None, [str(e)]
+        # a meaningless value (its own problem) would mislead the rules that read the model: they skip it
+        values = model_config_problems(config, os.path.join(cfg.model_name_or_path, "config.json"), override=False)
+        if values:
+            return None, values
         if arch is None:
             return config, []
         try:
@@ -89,11 +94,13 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
             f"training from scratch needs one (it is saved with every checkpoint)"
         )
     try:
-        return config_from_dict(arch), problems
+        config = config_from_dict(arch)
     except UnsupportedModelError as e:
         return None, problems + [str(e)]
     except (TypeError, ValueError) as e:
         return None, problems + [f"model.architecture is not a valid model config: {e}"]
+    values = model_config_problems(config, f"model.architecture (model={cfg.model.name})", override=True)
+    return (None, problems + values) if values else (config, problems)
 
 
 def input_checkpoint_problems(cfg: TrainConfig, model_config=None) -> list[str]:

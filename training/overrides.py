@@ -1,14 +1,20 @@
 """The keys a user set: Hydra overrides and composed config keys that TrainConfig does not have (each with the
-nearest valid key), and entries of a ``data.sources`` override that are not sources."""
+nearest valid key), values of a type the key does not take (each with the form it takes), and entries of a
+``data.sources`` override that are not sources."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import os
+import types
+import typing
 from dataclasses import fields
+from enum import Enum
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 
 from training.config import MODEL_CONF_DIR, DataFormat, SourceConfig, TrainConfig, leaf_keys
 
@@ -38,10 +44,11 @@ def unknown_key_problems(given: dict, schema: type | None = None, prefix: str = 
 def override_key_problems(overrides: list[str]) -> list[str]:
     """Command-line ``key=value`` overrides whose key TrainConfig does not have, found before Hydra
     composes the config (Hydra's own error would suggest adding the typo with ``+``), in
-    ``unknown_key_problems``' words. Groups (``model=``, ``ds=``, ``data=``), Hydra's own keys and
-    ``+``/``~`` overrides are left to Hydra and to ``unknown_key_problems``."""
+    ``unknown_key_problems``' words, then values the key does not take (``value_type_problem``). Groups
+    (``model=``, ``ds=``, ``data=``), Hydra's own keys and ``+``/``~`` overrides are left to Hydra and to
+    ``unknown_key_problems``."""
     groups = {d for d in os.listdir(os.path.dirname(MODEL_CONF_DIR)) if not d.endswith(".yaml")}
-    given, sources = {}, []
+    given, sources, values = {}, [], []
     for arg in overrides:
         key = arg.split("=", 1)[0]
         if "=" not in arg or arg.startswith(("-", "+", "~")) or key in groups or key.split(".")[0] == "hydra":
@@ -54,6 +61,8 @@ def override_key_problems(overrides: list[str]) -> list[str]:
         else:
             if key in ("data.sources", "data.eval_sources"):
                 sources += source_override_problems(key, arg.split("=", 1)[1])
+            elif not dataclasses.is_dataclass(node):
+                values.append(arg)
             continue
         if not dataclasses.is_dataclass(node) and depth > 0 and parts[depth - 1] == "architecture":
             continue  # below model.architecture: a Hugging Face config field, checked when the config is built
@@ -61,7 +70,88 @@ def override_key_problems(overrides: list[str]) -> list[str]:
         for part in parts[:-1]:
             tree = tree.setdefault(part, {})
         tree[parts[-1]] = None
-    return unknown_key_problems(given) + sources
+    return unknown_key_problems(given) + sources + value_type_problems(values)
+
+
+# The form of list keys whose entries are not interchangeable ({v}: the value given alone); any other list key
+# given one value is shown that value as a one-entry list.
+LIST_FORMS = {
+    "profile_steps": "two steps [first,last]: profile_steps=[{v},{v}] for step {v} alone, e.g. profile_steps=[5,6]",
+    "optim.betas": "AdamW's two betas [beta1,beta2], e.g. optim.betas=[0.9,0.95]",
+}
+
+
+def value_type_problems(overrides: list[str]) -> list[str]:
+    """``key=value`` overrides of TrainConfig's leaf keys whose value Hydra would refuse for the key's type, each
+    with the form the key takes (Hydra says only "int is not a ListConfig" or "could not be converted to
+    Integer"; for a choice it lists the valid values, and is left to say so). The value is parsed as Hydra parses
+    it and set as Hydra sets it (``OmegaConf.update`` on the schema), so nothing Hydra accepts is refused here."""
+    problems, schema = [], None
+    for arg in overrides:
+        try:
+            override = OverridesParser.create().parse_override(arg)
+        except Exception:  # not parsable: Hydra's message names where
+            continue
+        if override.is_sweep_override():
+            continue
+        key, value = override.key_or_group, override.value()
+        schema = schema if schema is not None else OmegaConf.structured(TrainConfig)
+        try:
+            OmegaConf.update(schema, key, value, merge=True)
+        except ValidationError:
+            kind, _ = key_type(key)
+            if not (isinstance(kind, type) and issubclass(kind, Enum)):  # Hydra's line lists the choices already
+                problems.append(value_type_problem(key, arg.split("=", 1)[1], value))
+    return problems
+
+
+def value_type_problem(key: str, raw: str, value) -> str:
+    """The line for ``key=raw`` (parsed: ``value``) that ``key``'s type does not take: the form it takes."""
+    kind, default = key_type(key)
+    origin = typing.get_origin(kind) or kind
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)) and key in LIST_FORMS:
+            return f"{key}={raw} is one value; {key} is a list of {LIST_FORMS[key].format(v=raw)}"
+        if not isinstance(value, (list, tuple)):
+            return f"{key}={raw} is one value; {key} is a list: write {key}=[{raw}] (several: [a,b])"
+        entry = typing.get_args(kind)[0] if typing.get_args(kind) else str
+        example = (
+            f"; {key} is a list of {LIST_FORMS[key].format(v='N')}" if key in LIST_FORMS else example_of(key, default)
+        )
+        return f"{key}={raw}: each entry of {key} must be {type_words(entry)}{example}"
+    return f"{key}={raw}: {key} takes {type_words(kind)}{example_of(key, default) if kind is not bool else ''}"
+
+
+def example_of(key: str, default) -> str:
+    """The hint ", e.g. key=<its default>" where the default is an example worth showing."""
+    return f", e.g. {key}={form(default)}" if default not in (None, "", []) else ""
+
+
+def key_type(key: str) -> tuple[type, object]:
+    """(the declared type, without Optional, and the default) of TrainConfig's dotted leaf ``key``."""
+    node: object = TrainConfig()
+    for part in key.split("."):
+        kind = typing.get_type_hints(type(node))[part]
+        node = getattr(node, part)
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 1:
+        kind = args[0]
+    return kind, node
+
+
+def type_words(kind) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, str(kind))
+
+
+def form(value) -> str:
+    """``value`` written as a Hydra override writes it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, Enum):
+        return str(value.value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(form(v) for v in value) + "]"
+    return str(value)
 
 
 def source_override_problems(key: str, value: str) -> list[str]:

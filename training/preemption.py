@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -37,7 +38,7 @@ UNSAVED_EXIT_CODE = 76  # stopped without saving this step: resume continues fro
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 STOPPING_FILE = ".stopping"  # in output_dir: the exit code of the job's first rank to exit at once (see exit_now)
 _exiting: list[int] = []  # set when this rank is already on its way out (training/hang.py): signals end it quietly
-_job: dict = {"marker": None, "cleanup": [], "handler": None, "watching": False}
+_job: dict = {"marker": None, "cleanup": [], "handler": None, "watching": False, "peers": None}
 
 
 def exit_quietly_on_signals(code: int) -> None:
@@ -94,9 +95,103 @@ def _first_to_exit(code: int) -> bool:
         return False
     except OSError:
         return True
-    os.write(fd, str(code).encode())
+    try:
+        os.write(fd, str(code).encode())
+    except OSError:  # a full disk: the empty marker still says the job is exiting (peers_exiting reads it so)
+        pass
     os.close(fd)
     return True
+
+
+def mark_exiting(code: int = 1) -> None:
+    """This rank is failing with an error of its own (its traceback follows): its peers, failing in a collective
+    with it or ended by the launcher, exit quietly."""
+    _first_to_exit(code)
+
+
+def last_checkpoint() -> str:
+    """What a run ended at once resumes from: ``latest names global_step4 (resume=auto continues from it)``."""
+    marker = _job["marker"]
+    if marker is None:
+        return "resume=auto continues from the last complete checkpoint"
+    output_dir = os.path.dirname(marker)
+    try:
+        with open(os.path.join(output_dir, "latest")) as f:
+            tag = f.read().strip()
+    except OSError:
+        return f"no checkpoint of this run in {output_dir} yet"
+    return f"latest names {os.path.join(output_dir, tag)} (resume=auto continues from it)"
+
+
+def exit_alone(message: str, code: int = 1) -> None:
+    """End the job from a rank that failed where its peers cannot learn of it (they wait in a collective, or will):
+    the job's first rank to exit at once prints ``train.py: error: <message>``, and the last complete checkpoint;
+    its peers, failing in a collective with it or ended by the launcher, exit quietly (``exit_if_exiting``)."""
+    if _first_to_exit(code):
+        sys.stderr.write(f"train.py: error: {message}; the job stops: {last_checkpoint()}\n")
+        sys.stderr.flush()
+    exit_now(code)
+
+
+def record_peers() -> None:
+    """Collective, once the process group exists: every rank's (host, pid), so a rank that finds a peer gone can
+    name it (``lost_peers``)."""
+    if not dist.is_initialized():
+        return
+    peers: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+    _job["peers"] = peers
+
+
+def lost_peers() -> list[tuple[int, int]]:
+    """(rank, pid) of every rank of this job on this node that is no longer running; ranks on other nodes cannot
+    be seen from here."""
+    import psutil
+
+    host, me = socket.gethostname(), os.getpid()
+    lost = []
+    for rank, (peer_host, pid) in enumerate(_job.get("peers") or []):
+        if peer_host != host or pid == me:
+            continue
+        try:
+            alive = _alive(psutil.Process(pid))
+        except psutil.Error:
+            alive = False
+        if not alive:
+            lost.append((rank, pid))
+    return lost
+
+
+PEER_EXIT_S = 2.0  # how long a rank that lost its connection to a peer looks for a process of the job gone
+# How a collective fails when a peer is gone: gloo's socket errors, c10d's store and backend errors.
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+def exit_if_peer_lost(rank: int, error: BaseException | None = None, why: str = "") -> None:
+    """This rank's collective failed (``error``) or the launcher stopped it (``why``) with a peer of the job gone
+    without a word (``kill -9``, the out-of-memory killer, a crash): the job ends in one line naming the lost rank
+    where it ran on this node, else the rank that noticed, and the cause. Returns when no peer is known lost and
+    ``error`` is not a lost connection."""
+    lost = lost_peers()
+    text = str(error).strip().splitlines()[0] if error is not None and str(error).strip() else ""
+    gone = isinstance(error, dist.DistError) or any(p in text for p in PEER_GONE)
+    if not lost and not gone:
+        return
+    deadline = time.monotonic() + PEER_EXIT_S  # a killed peer's sockets close before its process is gone
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+        lost = lost_peers()
+    # gloo's own line: "[.../pair.cc:537] Read error [127.0.0.1]:58021: Connection reset by peer. This is typically..."
+    cause = next((p for p in PEER_GONE if p in text), text[:200]) or why
+    if lost:
+        names = ", ".join(f"rank {r} (pid {pid})" for r, pid in lost)
+        message = (
+            f"{names} of this job ended without a word (killed: kill -9, the out-of-memory killer, or a crash); "
+            f"rank {rank} noticed: {cause}"
+        )
+    else:
+        message = f"rank {rank} lost a peer of this job (a rank on another node, or its node, is gone): {cause}"
+    exit_alone(message)
 
 
 def exit_unsaved(rank: int, why: str, what: str = " without a checkpoint of this step") -> None:
@@ -111,6 +206,27 @@ def exit_unsaved(rank: int, why: str, what: str = " without a checkpoint of this
     exit_now(UNSAVED_EXIT_CODE)
 
 
+def _latest(output_dir: str) -> str | None:
+    """The tag ``output_dir/latest`` names (models.layer_files.latest_tag, read here without importing DeepSpeed)."""
+    try:
+        with open(os.path.join(output_dir, "latest")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def exit_saved(rank: int, why: str, tag: str) -> None:
+    """Exit this rank at once with ``PREEMPTED_EXIT_CODE``: checkpoint ``tag`` of the step is complete, though the
+    loop had not yet said so. The job's first rank to do so prints the one line."""
+    if _first_to_exit(PREEMPTED_EXIT_CODE):
+        sys.stderr.write(
+            f"[train] rank {rank}: {why}: checkpoint {tag} is complete (latest names it); exiting now (exit code "
+            f"{PREEMPTED_EXIT_CODE}); resume=auto continues from it exactly\n"
+        )
+        sys.stderr.flush()
+    exit_now(PREEMPTED_EXIT_CODE)
+
+
 def clear_stale_marker(output_dir: str) -> None:
     """Rank 0, inside a start-up step every rank waits for: an earlier job's ``.stopping`` is not this job's."""
     try:
@@ -123,6 +239,8 @@ def _deliver(name: str) -> None:
     code = peers_exiting()
     if code is not None:  # the job is ending already (a hang, a peer gone at once): the launcher ending this rank
         exit_now(code)
+    if name == "SIGTERM":  # DeepSpeed's launcher ending the ranks of a node after one of them died
+        exit_if_peer_lost(int(os.environ.get("RANK", "0")), why="stopped by the launcher (SIGTERM)")
     _job["handler"](name)
 
 
@@ -195,6 +313,7 @@ def stop_at_once_on_signals(output_dir: str, rank: int, cleanup=None) -> None:
     _job["marker"] = os.path.join(output_dir, STOPPING_FILE)
     if cleanup is not None:
         _job["cleanup"].append(cleanup)
+    record_peers()
 
     def handler(name: str) -> None:
         exit_unsaved(rank, f"{_said(name)} during start-up, before the first step", ", nothing trained yet to save")
@@ -218,8 +337,10 @@ class Preempted(Exception):
 class StopAndSave:
     """The stop-signal handlers of this rank and the per-step agreement of all ranks (see the module)."""
 
-    def __init__(self, save_every_minutes: float, grace_s: float, rank: int, device: str):
+    def __init__(self, save_every_minutes: float, grace_s: float, rank: int, device: str, output_dir: str = ""):
         self.save_every_s, self.grace_s, self.rank, self.device = save_every_minutes * 60, grace_s, rank, device
+        self.output_dir = output_dir  # where ``latest`` says whether the checkpoint being saved is complete
+        self.saving_tag: str | None = None  # the checkpoint being saved (``saving``)
         self.received: str | None = None
         self.timer: threading.Timer | None = None
         self.last_save = time.monotonic()
@@ -227,24 +348,34 @@ class StopAndSave:
 
     def _handle(self, name: str) -> None:
         if name == "SIGINT":  # Ctrl-C: at once (DeepSpeed's launch.py sends SIGTERM to the ranks right after)
-            self._exit_unsaved("SIGINT (Ctrl-C)")
+            self._exit_unsaved("SIGINT (Ctrl-C)", "SIGINT (Ctrl-C)")
         if self.received is not None and self.timer is None:  # the checkpoint after the first is complete
             exit_now(PREEMPTED_EXIT_CODE)
         if self.received is not None and name == "launcher-exit":  # e.g. SLURM's signal reached it too: stopping
             return
         if self.received is not None:
-            self._exit_unsaved(f"a second {name} arrived before the checkpoint was complete")
+            self._exit_unsaved(
+                f"a second {name} arrived", f"a second {name} arrived before the checkpoint was complete"
+            )
         self.received = name
+        grace = f"preempt_grace_s={self.grace_s:g} of {_said(name)}"
         self.timer = threading.Timer(
-            self.grace_s,
-            self._exit_unsaved,
-            [f"no checkpoint within preempt_grace_s={self.grace_s:g} of {_said(name)}"],
+            self.grace_s, self._exit_unsaved, [f"{grace} ran out", f"no checkpoint within {grace}"]
         )
         self.timer.daemon = True
         self.timer.start()
 
-    def _exit_unsaved(self, why: str) -> None:
+    def _exit_unsaved(self, event: str, why: str) -> None:
+        """Exit at once on ``event``: as saved when the checkpoint being saved is complete (``latest`` names it; only
+        ``saved`` was still to come), otherwise as unsaved, saying ``why``."""
+        tag = self.saving_tag
+        if tag is not None and self.output_dir and _latest(self.output_dir) == tag:
+            exit_saved(self.rank, event, tag)
         exit_unsaved(self.rank, why)
+
+    def saving(self, tag: str) -> None:
+        """Checkpoint ``tag`` is being saved: an exit at once before ``saved`` checks whether it is complete."""
+        self.saving_tag = tag
 
     def saved(self) -> None:
         """A checkpoint was written: the clock starts again, and a stop signal's deadline is met."""
@@ -256,6 +387,7 @@ class StopAndSave:
     def snapshot_taken(self) -> None:
         """A checkpoint was copied to host memory (save_async), not yet written: only the clock starts again."""
         self.last_save = time.monotonic()
+        self.saving_tag = None  # not this step's any more, if a stop signal comes
 
     def after_step(self, compute_s: float = 0.0, writing: bool = False) -> tuple[list[int], bool, list[float], int]:
         """Collective, every rank after each step: (ranks that received a stop signal, whether rank 0's

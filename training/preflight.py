@@ -1,8 +1,10 @@
 """A training command checked before booking the cluster (scripts/preflight.py): the same config
 validation train.py runs, for a given world size, then the layout and the planner's per-GPU memory
 estimate for it, with the pipeline schedule's bubble (and DualPipeV's activations against 1F1B's) and, for a
-Mixture-of-Experts model, its experts per rank and their all-to-all bytes.
-Nothing is started: no process group, no model, no data reading."""
+Mixture-of-Experts model, its experts per rank and their all-to-all bytes. With num_epochs, the steps the run will
+take where its data is already tokenized (a scripts/prepare_data.py directory or the tokenized cache: the sample
+count of its meta.json, the settings naming steps checked against them; training/step_range.py).
+Nothing is started: no process group, no model, no tokenizing."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from parallel.memory_plan import GB, expert_report, schedule_report, shape_of, s
 from parallel.partition import splitter
 from training.config import REPO_ROOT, ConfigError, register_configs
 from training.overrides import given_keys, override_key_problems, unknown_key_problems
+from training.step_range import known_steps, known_train_samples
 from training.validate import resolve
 
 INTERNAL_LINES = ("reference_type=", "object_type=")  # OmegaConf's class names in a validation error: no help to a user
@@ -58,7 +61,7 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
     """The report's lines for a valid config; raises ValueError with train.py's message otherwise."""
     cfg, unknown = composed_with_unknown(overrides)
     try:
-        resolved = resolve(cfg, world_size=world_size, problems=unknown, given=given_keys(overrides))
+        resolved = resolve(cfg, world_size=world_size, problems=unknown, given=given_keys(overrides), count_data=True)
     except ConfigError as e:
         raise ValueError(str(e)) from e
     cfg, config = resolved.cfg, resolved.model_config
@@ -72,6 +75,8 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
         f"global batch {layout.global_batch} = micro {layout.micro_batch} x grad_acc {layout.grad_accum} "
         f"x dp {layout.dp}; {layout.tokens_per_step} tokens/step"
     )
+    if cfg.num_epochs:  # where max_steps alone decides, the steps are the config's
+        lines.append(steps_line(resolved))
     layout = dataclasses.replace(layout, dtype="fp32" if cfg.precision == "fp32" else "bf16")  # the planner's two cases
     split = splitter(config, None, cfg.partition_method)
     params, layers = split(layout)
@@ -99,3 +104,14 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
             f"(stage {full.stage}; model states {full.model_states / GB:.1f} GB against {e.model_states / GB:.1f} GB)"
         )
     return lines
+
+
+def steps_line(resolved) -> str:
+    """The steps the run will train and where the count comes from (what resolve checked the settings naming steps
+    against), or why num_epochs' count is not known yet."""
+    cfg = resolved.cfg
+    steps = known_steps(cfg, resolved.dp, resolved.resume_tag, resolved.model_config, count_data=True)
+    if steps is not None:
+        return steps.line()
+    unknown = known_train_samples(cfg, resolved.model_config)[1]
+    return f"steps: num_epochs {cfg.num_epochs:g} of the training data; {unknown}"

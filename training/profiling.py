@@ -23,13 +23,14 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from parallel.dualpipev import LlamaDualPipeVEngine, wrap_instructions
-from training.logs import log0
+from training.distributed import writing
+from training.logs import log0, native_lines_dropped
 from training.timeline import PROFILE_DIR, STEP_RANGE, TRACE_NAME, range_name
 
 
-def profile_problems(steps: list[int], max_steps: int, num_epochs: float) -> list[str]:
-    """What is wrong with ``profile_steps`` for a run of ``max_steps`` (0: ``num_epochs`` decides), each with
-    the fix."""
+def profile_problems(steps: list[int]) -> list[str]:
+    """What is wrong with the form of ``profile_steps``, each with the fix (against the run's steps:
+    training/step_range.py)."""
     if not steps:
         return []
     if len(steps) != 2:
@@ -42,13 +43,6 @@ def profile_problems(steps: list[int], max_steps: int, num_epochs: float) -> lis
         problems.append(f"profile_steps {list(steps)} starts at step {first}: steps count from 1, set first >= 1")
     if first > last:
         problems.append(f"profile_steps {list(steps)} descends: set [first, last] with first <= last")
-    if max_steps and last > max_steps:
-        problems.append(
-            f"profile_steps {list(steps)} ends after the run's last step (max_steps {max_steps}): set last <= "
-            f"{max_steps}, or raise max_steps"
-        )
-    if not max_steps and not num_epochs:
-        problems.append(f"profile_steps {list(steps)} with max_steps=0: no step is trained; drop profile_steps")
     return problems
 
 
@@ -124,12 +118,10 @@ def instrument() -> Callable[[], None]:
 class StepProfiler:
     """The profiler of training steps ``first..last`` (training/loop.py wraps each step in :meth:`step`)."""
 
-    def __init__(self, steps: list[int], output_dir: str, rank: int, start_step: int):
+    def __init__(self, steps: list[int], output_dir: str, rank: int):
         self.first, self.last = steps if steps else (0, -1)
         self.path = os.path.join(output_dir, PROFILE_DIR, TRACE_NAME.format(rank))
-        self.profiler, self.undo = None, None
-        if steps and start_step >= self.last:
-            log0(f"warning: profile_steps {list(steps)}: the run resumes after step {start_step}, nothing to profile")
+        self.profiler, self.undo = None, None  # a window behind a resumed run's start: training/step_range.py says so
 
     @contextmanager
     def step(self, step: int):
@@ -149,17 +141,20 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self.undo = instrument()
         self.profiler = profile(activities=activities)
-        self.profiler.start()
+        with native_lines_dropped():  # the profiler's start line, on every rank (training/logs.py)
+            self.profiler.start()
 
     def close(self) -> None:
         """Stop and write the trace (also a run that ends or fails before ``last``: the steps it profiled)."""
         if self.profiler is None:
             return
         profiler, self.profiler = self.profiler, None
-        profiler.stop()
+        with native_lines_dropped():
+            profiler.stop()
         self.undo()
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        profiler.export_chrome_trace(self.path)
+        with writing(self.path):
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            profiler.export_chrome_trace(self.path)
         log0(
             f"profile of steps {self.first}..{self.last} written per rank to {os.path.dirname(self.path)} "
             f"({TRACE_NAME.format('<R>')}: open in https://ui.perfetto.dev or TensorBoard); "

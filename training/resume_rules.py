@@ -197,7 +197,8 @@ def reshard_reason(
         return "", []
     saved_states = SavedOptimizerState(os.path.join(cfg.output_dir, tag))
     found = saved_states.problems + (saved_states.missing_layer_files(model_config) if model_config else [])
-    problems = [f"cannot resume {cfg.output_dir}/{tag} on this layout: {p}" for p in found]
+    # not "on this layout": a missing or damaged file is the checkpoint's, whatever the layout (each line says which)
+    problems = [f"cannot resume {cfg.output_dir}/{tag}: {p}" for p in found]
     return ", ".join(reasons), problems
 
 

@@ -46,16 +46,16 @@ from models.layer_files import (
     copy_side_files,
     copy_tokenizer_files,
     deepspeed_state_globals,
-    first_line,
     local_modules,
     stage_file_problems,
+    unreadable_torch_file,
     write_config,
 )
 from models.llama_pipe import layer_file_name
 from models.lora_files import adapter_file_problems, base_mismatch, saved_base_record
 from training.async_save import BackgroundWriter, CheckpointEngine
 from training.config import Resolved
-from training.distributed import TrainingStopped, on_all_ranks
+from training.distributed import TrainingStopped, on_all_ranks, writing
 from training.logs import log0
 from training.optim import apply_optim_settings, param_groups
 from training.reshard import SavedOptimizerState, load_into_engine, load_problems
@@ -126,11 +126,13 @@ def save(resolved: Resolved, engine, step: int, iterator, writer: BackgroundWrit
         )
         if not resolved.uses_pipeline:
             write_layer_files(engine, resolved.model_config, staging)
-    with open(os.path.join(staging, os.path.basename(trainer_state_file(cfg.output_dir, tag, rank))), "w") as f:
-        json.dump(trainer_state(resolved, engine, step, iterator), f)
+    state_path = os.path.join(staging, os.path.basename(trainer_state_file(cfg.output_dir, tag, rank)))
+    state = trainer_state(resolved, engine, step, iterator)
+    with writing(state_path), open(state_path, "w") as f:
+        json.dump(state, f)
     if rank == 0:
         write_side_files(resolved)
-        OmegaConf.save(OmegaConf.structured(cfg), os.path.join(staging, "train_config.yaml"))
+        write_train_config(cfg, staging)
     if background:
         writer.start(tag, captured, engine.checkpoint_engine, time.time() - start)
         return tag
@@ -171,9 +173,10 @@ def make_latest(cfg, tag: str) -> None:
         shutil.rmtree(final)
     os.rename(staging_dir(cfg.output_dir, tag), final)
     tmp = os.path.join(cfg.output_dir, f".{LATEST_FILE}.tmp")
-    with open(tmp, "w") as f:
-        f.write(tag)
-    os.replace(tmp, os.path.join(cfg.output_dir, LATEST_FILE))
+    with writing(os.path.join(cfg.output_dir, LATEST_FILE)):
+        with open(tmp, "w") as f:
+            f.write(tag)
+        os.replace(tmp, os.path.join(cfg.output_dir, LATEST_FILE))
     prune(cfg.output_dir, cfg.save_total_limit, keep=tag)
 
 
@@ -192,9 +195,15 @@ def publish(resolved: Resolved, writer: BackgroundWriter, before: str | None = N
     writer.done()
     failed = [f"rank {r}: {error}" for r, (error, _, _) in enumerate(reports) if error]
     if failed:
+        latest = os.path.join(resolved.cfg.output_dir, LATEST_FILE)
+        previous = "no checkpoint is complete"
+        if os.path.isfile(latest):
+            with open(latest) as f:
+                previous = f"latest names {os.path.join(resolved.cfg.output_dir, f.read().strip())}"
+            previous += " (resume=auto continues from it)"
         raise TrainingStopped(
             f"checkpoint {tag} could not be written ({'; '.join(failed)}): training stopped; "
-            f"{staging_dir(resolved.cfg.output_dir, tag)} is left incomplete and latest names the previous checkpoint"
+            f"{staging_dir(resolved.cfg.output_dir, tag)} is left incomplete and {previous}"
         )
     on_all_ranks("publishing a checkpoint", lambda: make_latest(resolved.cfg, tag) if dist.get_rank() == 0 else None)
     written, captured = max(r[1] for r in reports), max(r[2] for r in reports)
@@ -245,12 +254,20 @@ def write_layer_files(engine, config, tag_dir: str) -> None:
 def write_side_files(resolved: Resolved) -> None:
     """config.json, tokenizer files and the resolved config, so output_dir is self-contained."""
     cfg = resolved.cfg
-    if resolved.from_scratch:
-        write_config(resolved.model_config.to_dict(), cfg.output_dir)
-        copy_tokenizer_files(tokenizer_dir(cfg), cfg.output_dir)
-    elif os.path.abspath(cfg.model_name_or_path) != os.path.abspath(cfg.output_dir):
-        copy_side_files(cfg.model_name_or_path, cfg.output_dir, dtype=None)
-    OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.output_dir, "train_config.yaml"))
+    with writing(cfg.output_dir):  # an error names its file
+        if resolved.from_scratch:
+            write_config(resolved.model_config.to_dict(), cfg.output_dir)
+            copy_tokenizer_files(tokenizer_dir(cfg), cfg.output_dir)
+        elif os.path.abspath(cfg.model_name_or_path) != os.path.abspath(cfg.output_dir):
+            copy_side_files(cfg.model_name_or_path, cfg.output_dir, dtype=None)
+    write_train_config(cfg, cfg.output_dir)
+
+
+def write_train_config(cfg, directory: str) -> None:
+    """The resolved training config, ``directory/train_config.yaml``."""
+    path = os.path.join(directory, "train_config.yaml")
+    with writing(path):
+        OmegaConf.save(OmegaConf.structured(cfg), path)
 
 
 def remove_partial(path: str) -> None:
@@ -307,7 +324,7 @@ def unsafe_checkpoint_files(tag_dir: str, rank: int, world_size: int) -> list[st
         try:
             unsafe = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - allowed)
         except Exception as e:  # noqa: BLE001 (a damaged file: reported here, whatever torch raises)
-            problems.append(f"{path}: unreadable ({first_line(e)})")
+            problems.append(unreadable_torch_file(path, e))
             continue
         if unsafe:
             problems.append(
@@ -405,7 +422,7 @@ def restore_resharded(resolved: Resolved, engine, iterator, total_steps: int) ->
             "own layout"
         )
     if problems:
-        raise CheckpointError(f"cannot resume {output_dir}/{tag} on this layout:\n  " + "\n  ".join(problems))
+        raise CheckpointError(f"cannot resume {output_dir}/{tag}:\n  " + "\n  ".join(problems))
     load_into_engine(engine, saved)
     step = state["step"]
     engine.global_steps, engine.skipped_steps = step, state["skipped_steps"]

@@ -33,6 +33,8 @@ import uuid
 from collections.abc import Callable
 from datetime import datetime
 
+from training.distributed import WriteFailed, os_error_text, writing
+
 LOCK_NAME = ".run.lock"
 # A lock file is written right after it is created; one still damaged or empty after this long
 # was left by a crash (or a take-over claim by a crashed taker).
@@ -112,6 +114,7 @@ class RunLock:
         self.path = os.path.join(output_dir, LOCK_NAME)
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.warn = warn
+        self._beat_failed = False  # the heartbeat's write failed once: said then, not at every beat
         self.host = socket.gethostname()
         self.run_id = uuid.uuid4().hex
         self.lost: str | None = None
@@ -188,8 +191,12 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(self._record, f)
+        try:
+            with writing(self.path), os.fdopen(fd, "w") as f:
+                json.dump(self._record, f)
+        except WriteFailed:
+            self._remove_quietly(self.path)  # a half-written lock would hold the next start for DAMAGED_AFTER_S
+            raise
         # If our write was delayed past DAMAGED_AFTER_S, a taker may have removed our file as damaged.
         seen = _read(self.path)
         return bool(seen and seen[0] and seen[0]["run_id"] == self.run_id)
@@ -304,9 +311,18 @@ class RunLock:
                 with open(tmp, "w") as f:
                     json.dump(self._record, f)
                 os.replace(tmp, self.path)
-            except OSError:
+            except OSError as e:
                 # A transient filesystem error (NFS hiccup): the next beat tries again, and a lock
-                # left quiet too long is only taken over after stale_after_s.
+                # left quiet too long is only taken over after stale_after_s. Said once (a full disk stays full).
+                if not self._beat_failed:
+                    self._beat_failed = True
+                    print(
+                        f"[train] warning: rank 0: writing {self.path} failed: {os_error_text(e)}: the run lock's "
+                        f"heartbeat tries again every {self.heartbeat_s:g} s (a lock quiet for "
+                        f"{self.stale_after_s:g} s may be taken over by another run)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 continue
 
     def release(self) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import uuid
 
+from training.distributed import writing
+
 RUN_ID_FILE = "wandb_run_id"
 
 
@@ -76,9 +78,10 @@ class WandbRun:
             config=config,
         )
         tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(run_id)
-        os.replace(tmp, path)
+        with writing(path):
+            with open(tmp, "w") as f:
+                f.write(run_id)
+            os.replace(tmp, path)
 
     def __call__(self, record: dict) -> None:
         self.run.log(flat_values(record), step=record["step"])

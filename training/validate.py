@@ -12,7 +12,7 @@ import os
 from dataclasses import fields
 
 from data.checks import data_problems, default_packing
-from data.settings import prepared_problems
+from data.settings import prepared_problems, vocab_problems
 from models.kernels import kernel_problems, loss_impl_problems
 from models.layer_files import tags_newer_than_latest
 from models.lora_rules import peft_change_problems, peft_problems
@@ -28,16 +28,20 @@ from parallel.sequence_parallel import (
 from parallel.tensor_parallel import tensor_parallel_problems, tensor_parallel_warnings
 from training.compile import compile_problems, compile_warnings
 from training.config import ConfigError, DPOConfig, PeftConfig, Resolved, TrainConfig, dotted, plain
-from training.ds_json import ds_json_conflicts, fp16_supported, load_ds_json
+from training.ds_json import ds_json_conflicts, load_ds_json, precision_problems
+from training.float_keys import nonfinite_problems
 from training.model_source import input_checkpoint_problems, resolve_model
 from training.optim import adamw_problems
 from training.output_checks import disk_problems, output_dir_problems
 from training.profiling import profile_problems
 from training.resume_rules import ACCEPTABLE_CHANGES, RESUME_KEY_CLASSES, find_resume, reshard_reason
 from training.run_lock import RunLock
+from training.step_range import known_steps, step_setting_problems
 from training.tracking import wandb_problems
 
 HANG_TIMEOUT_MIN_S = 5.0  # hang_timeout_s below this (other than 0) is refused: see resolve's range checks
+# mfu_peak_tflops other than 0 (the known-GPU table): one device's peak TFLOP/s, from a CPU core's to past any GPU's
+MFU_PEAK_TFLOPS = (0.01, 100_000.0)
 
 
 def adapt_defaults(cfg: TrainConfig, given: set[str] | None) -> list[str]:
@@ -62,14 +66,22 @@ def adapt_defaults(cfg: TrainConfig, given: set[str] | None) -> list[str]:
 
 
 def resolve(
-    cfg: TrainConfig, world_size: int, problems: list[str] | None = None, given: set[str] | None = None
+    cfg: TrainConfig,
+    world_size: int,
+    problems: list[str] | None = None,
+    given: set[str] | None = None,
+    count_data: bool = False,
 ) -> Resolved:
     """Check every cross-field rule; raise :class:`ConfigError` listing all problems together (with
     ``problems`` found before, such as unknown keys). ``given``: the keys the user set (their overrides), so that
-    a default they left adapts to the features they set (:func:`adapt_defaults`, which changes ``cfg``)."""
+    a default they left adapts to the features they set (:func:`adapt_defaults`, which changes ``cfg``).
+    ``count_data`` (the preflight): count already tokenized training data, so that the settings naming steps are
+    checked against num_epochs' steps too (training/step_range.py; train.py checks them once its data is built)."""
     adapted = adapt_defaults(cfg, given)
     in_use = RunLock(cfg.output_dir).holder()  # acquired after the process group starts; said here first
     problems, warnings = ([in_use] if in_use else []) + list(problems or []), []
+    nonfinite, cfg = nonfinite_problems(cfg)  # the rules below see finite numbers (the defaults in place of the rest)
+    problems += nonfinite
     model_config, model_problems = resolve_model(cfg)
     problems += model_problems + input_checkpoint_problems(cfg, model_config)
     resume_tag, resume_changes_, resume_problems = find_resume(cfg, model_config)
@@ -110,9 +122,11 @@ def resolve(
             f"{HANG_TIMEOUT_MIN_S:g} (seconds one training step may run), or 0 = automatic (20 x the median step "
             "so far, at least 600 s)"
         )
-    if cfg.mfu_peak_tflops < 0:
+    low, high = MFU_PEAK_TFLOPS
+    if cfg.mfu_peak_tflops and not low <= cfg.mfu_peak_tflops <= high:
         problems.append(
-            f"mfu_peak_tflops {cfg.mfu_peak_tflops} < 0: set the device's peak TFLOP/s, or 0 for the known-GPU table"
+            f"mfu_peak_tflops {cfg.mfu_peak_tflops:g} is not one device's peak TFLOP/s: set it in [{low:g}, {high:g}] "
+            "(989 for an H100's or H200's bf16), or 0 for the known-GPU table"
         )
     if cfg.startup_timeout_s < 0:
         problems.append(f"startup_timeout_s {cfg.startup_timeout_s} < 0: set it >= 0 (0 = no limit)")
@@ -136,8 +150,7 @@ def resolve(
             f"{model_config.max_position_embeddings} were never trained; lower data.max_seq_length unless "
             f"this run is meant to extend the context"
         )
-    if cfg.precision == "fp16" and not fp16_supported():
-        problems.append("precision fp16 is not supported on this device: set precision=bf16 or precision=fp32")
+    problems += precision_problems(cfg.precision)
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         problems.append(
             f"optim.betas {list(cfg.optim.betas)} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]"
@@ -145,6 +158,16 @@ def resolve(
     for name in ("eps", "weight_decay"):
         if getattr(cfg.optim, name) < 0:
             problems.append(f"optim.{name} {getattr(cfg.optim, name)} < 0: set it >= 0")
+    if cfg.optim.eps >= 1:  # 1e8 for 1e-8: the update shrinks by that much
+        problems.append(f"optim.eps {cfg.optim.eps:g} >= 1 swamps every update: set it in [0, 1) (AdamW's 1e-8)")
+    if cfg.optim.lr > 1:
+        problems.append(f"optim.lr {cfg.optim.lr:g} > 1 is no AdamW learning rate: set it in (0, 1] (1e-5 to 1e-3)")
+    elif cfg.optim.lr * cfg.optim.weight_decay >= 1:
+        problems.append(
+            f"optim.weight_decay {cfg.optim.weight_decay:g} x optim.lr {cfg.optim.lr:g} >= 1: decoupled weight decay "
+            "multiplies each weight by 1 - lr x weight_decay every step, which zeroes or flips it; set "
+            f"optim.weight_decay < {1 / cfg.optim.lr:g} (0.01 to 0.1 are common)"
+        )
     if cfg.optim.max_grad_norm < 0:
         problems.append(f"optim.max_grad_norm {cfg.optim.max_grad_norm} < 0: set it >= 0 (0 = no clipping)")
     if not 0 <= cfg.optim.min_lr <= cfg.optim.lr:
@@ -155,7 +178,8 @@ def resolve(
         problems.append("monitor.wandb=true needs the wandb package: pip install wandb==0.31.0")
     elif cfg.monitor.wandb and int(os.environ.get("RANK", "0")) == 0:  # the rank that logs (train.py's tracking_run)
         problems += wandb_problems(cfg.output_dir)
-    problems += data_problems(cfg) + prepared_problems(cfg, model_config) + objective_problems(cfg, layout)
+    problems += data_problems(cfg) + prepared_problems(cfg, model_config) + vocab_problems(cfg, model_config)
+    problems += objective_problems(cfg, layout)
     if cfg.min_free_disk_gb < 0 and cfg.min_free_disk_gb != -1:
         problems.append(
             f"min_free_disk_gb {cfg.min_free_disk_gb} < 0: set it to -1 (one checkpoint's estimated size), 0 (no "
@@ -180,7 +204,12 @@ def resolve(
     problems += sequence_parallel_problems(cfg, model_config, layout)
     problems += expert_parallel_problems(cfg, model_config, layout, ds_json)
     problems += dualpipev_problems(cfg, model_config, layout)
-    problems += profile_problems(cfg.profile_steps, cfg.max_steps, cfg.num_epochs)
+    problems += profile_problems(cfg.profile_steps)
+    steps = known_steps(cfg, layout.dp, None if resume_problems else resume_tag, model_config, count_data)
+    if steps is not None:  # else train.py checks them once num_epochs' steps are known (training/loop.py)
+        step_problems, step_warnings = step_setting_problems(cfg, steps)
+        problems += step_problems
+        warnings += step_warnings
     problems += kernel_problems(cfg.kernels, model_config)
     problems += loss_impl_problems(cfg.loss_impl, cfg.loss_chunk_tokens, layout.tp, layout.uses_pipeline)
     problems += adamw_problems(cfg.adamw_impl)

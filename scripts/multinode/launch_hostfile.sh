@@ -24,10 +24,16 @@ HOSTFILE="${HOSTFILE:-scripts/multinode/hostfile}"
 # Node 0's address, reachable from every node: rank 0 serves the rendezvous (TCPStore) there. Default:
 # the hostfile's first host name. (Left empty, DeepSpeed would ssh to that host for `hostname -I`.)
 MASTER_ADDR="${MASTER_ADDR:-$(awk '$1 !~ /^#/ && NF { print $1; exit }' "$HOSTFILE")}"
-# Rendezvous TCP port on MASTER_ADDR: free there and open between the nodes. 29500 is torch's default.
-MASTER_PORT="${MASTER_PORT:-29500}"
 # Empty: launch every node from here over pdsh/ssh. A number: launch only that node's ranks, without ssh.
 NODE_RANK="${NODE_RANK:-}"
+# Rendezvous TCP port on MASTER_ADDR: free there and open between the nodes. Unset, a port free now is chosen
+# when MASTER_ADDR is this machine and one command launches every node (not 29500, torch's default, which another
+# job may hold); every node launched on its own must be given the same one.
+if [ -z "${MASTER_PORT:-}" ] && [ -n "$NODE_RANK" ]; then
+  echo "launch_hostfile.sh: error: NODE_RANK=$NODE_RANK without MASTER_PORT: set MASTER_PORT, the same on every node, to a port free on MASTER_ADDR $MASTER_ADDR (\`.venv/bin/python -m training.ports\` run there prints one)" >&2
+  exit 2
+fi
+MASTER_PORT="$(.venv/bin/python -m training.ports --who launch_hostfile --host "$MASTER_ADDR")"
 # The DeepSpeed launcher (the project's venv; the same path must exist on every node).
 DEEPSPEED="${DEEPSPEED:-.venv/bin/deepspeed}"
 

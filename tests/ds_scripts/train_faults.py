@@ -14,8 +14,15 @@ environment variables choosing the faults:
 - ``FAULT_HANG_AT_STEP=<step>:<rank>``: that rank stops responding at the start of that step (it
   sleeps forever, like a rank stuck in I/O), while the others wait for it in a collective; the line saying
   so ends with the time it began.
+- ``FAULT_DISK_FULL=<ranks>:<text>[:<nth>]``: those ranks (``0`` or ``0+1``) get ``[Errno 28] No space left on
+  device`` from their ``nth`` (1 by default) write of a file whose path contains ``text``, and every one after it:
+  a full disk, where the rank opens the file for writing (``open``, ``os.open``), ``torch.save``s it or exports a
+  profiler trace to it.
 """
 
+import builtins
+import errno
+import io
 import os
 import signal
 import sys
@@ -72,6 +79,36 @@ if slow and slow[1] == RANK:
         _write_file(engine, path, obj)
 
     training.async_save.write_file = slow_write_file
+
+disk_full = os.environ.get("FAULT_DISK_FULL", "").split(":")
+if disk_full[0] and str(RANK) in disk_full[0].split("+"):
+    full_text, full_from, full_seen = disk_full[1], int(disk_full[2]) if len(disk_full) > 2 else 1, [0]
+
+    def no_space(path) -> None:
+        if isinstance(path, (str, os.PathLike)) and full_text in os.fspath(path):
+            full_seen[0] += 1
+            if full_seen[0] >= full_from:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+
+    def full_disk(write, is_write):
+        def wrapped(path, *args, **kwargs):
+            if is_write(args, kwargs):
+                no_space(path)
+            return write(path, *args, **kwargs)
+
+        return wrapped
+
+    def writes_mode(args, kwargs) -> bool:
+        return any(c in (args[0] if args else kwargs.get("mode", "r")) for c in "wax+")
+
+    builtins.open = io.open = full_disk(builtins.open, writes_mode)
+    os.open = full_disk(os.open, lambda args, kwargs: bool(args[0] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)))
+    _torch_save = torch.save
+    torch.save = lambda obj, f, *args, **kwargs: (no_space(f), _torch_save(obj, f, *args, **kwargs))[1]
+    import torch.profiler  # noqa: E402
+
+    _export = torch.profiler.profile.export_chrome_trace
+    torch.profiler.profile.export_chrome_trace = lambda self, path: (no_space(path), _export(self, path))[1]
 
 if nan_steps:
     _loss = CausalLMLoss.__call__
