@@ -115,10 +115,8 @@ def last_checkpoint() -> str:
     if marker is None:
         return "resume=auto continues from the last complete checkpoint"
     output_dir = os.path.dirname(marker)
-    try:
-        with open(os.path.join(output_dir, "latest")) as f:
-            tag = f.read().strip()
-    except OSError:
+    tag = _latest(output_dir)
+    if tag is None:
         return f"no checkpoint of this run in {output_dir} yet"
     return f"latest names {os.path.join(output_dir, tag)} (resume=auto continues from it)"
 
