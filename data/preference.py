@@ -20,6 +20,7 @@ pass has filled them, so a missing reference can never pass for a zero one).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 
@@ -236,5 +237,10 @@ def load_reference(path: str) -> np.ndarray | None:
 def save_reference(path: str, reference: np.ndarray) -> None:
     """Written to a temporary file and renamed: a crash never leaves a half-written table that looks complete."""
     tmp = f"{path}.tmp-{os.getpid()}.npy"
-    np.save(tmp, reference.astype(REFERENCE_DTYPE))
+    try:
+        np.save(tmp, reference.astype(REFERENCE_DTYPE))
+    except OSError as e:  # a full disk: a file object's error names no file (train.py's message names this one)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise OSError(e.errno, e.strerror, e.filename or path) from e
     os.replace(tmp, path)

@@ -7,6 +7,9 @@ every token to no expert, a ``mlp_only_layers`` entry past the last layer is ign
 from __future__ import annotations
 
 import math
+import types
+import typing
+from enum import Enum
 
 from transformers import PretrainedConfig
 
@@ -26,14 +29,21 @@ def _finite(value) -> bool:
     return _number(value) and math.isfinite(value)
 
 
-def model_config_problems(config: PretrainedConfig, where: str, override: bool) -> list[str]:
-    """Meaningless values of ``config`` (read from ``where``: a config.json path, or model.architecture), one line
-    each naming the file and the key. ``override``: the key is set as ``model.architecture.<key>=`` (from scratch);
-    otherwise in the file."""
+def fixer(override: bool):
+    """``fix(key, wanted)``: the advice to set ``key`` ``wanted``; ``override``: the key is set as
+    ``model.architecture.<key>=`` (from scratch); otherwise in the file."""
 
     def fix(key: str, wanted: str) -> str:
         return f"set model.architecture.{key} {wanted}" if override else f"set {key} {wanted} there"
 
+    return fix
+
+
+def model_config_problems(config: PretrainedConfig, where: str, override: bool) -> list[str]:
+    """Meaningless values of ``config`` (read from ``where``: a config.json path, or model.architecture), one line
+    each naming the file and the key. ``override``: the key is set as ``model.architecture.<key>=`` (from scratch);
+    otherwise in the file."""
+    fix = fixer(override)
     problems: list[str] = []
 
     def need(key: str, ok: bool, wanted: str, why: str = "") -> None:
@@ -48,6 +58,13 @@ def model_config_problems(config: PretrainedConfig, where: str, override: bool) 
         _finite(eps) and eps > 0,
         "> 0 (1e-5 or 1e-6)",
         "is not a positive number (RMSNorm divides by the root of the mean square + it)",
+    )
+    std = getattr(config, "initializer_range", 0.02)
+    need(
+        "initializer_range",
+        _finite(std) and 0 <= std <= 1,
+        "in [0, 1] (0.02 in most families)",
+        "is not a standard deviation (a model from scratch draws its weights from N(0, it))",
     )
     dropout = getattr(config, "attention_dropout", 0.0)
     need("attention_dropout", _finite(dropout) and 0 <= dropout < 1, "in [0, 1) (0: no dropout, the usual)")
@@ -140,3 +157,172 @@ def _rope_problems(config: PretrainedConfig, where: str, fix) -> list[str]:
             + fix("rope_scaling.factor", ">= 1 (the context's extension)")
         )
     return problems
+
+
+# Sizes of the model's tensors and counts of its heads and layers: whole numbers of 1 or more where set (None keeps
+# the family's own: num_key_value_heads = num_attention_heads, head_dim = hidden_size / num_attention_heads).
+SIZE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "intermediate_size_mlp",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+# Top-level keys that transformers 5 takes from rope_parameters instead when that sets them too
+ROPE_DUPLICATES = ("rope_theta", "partial_rotary_factor")
+
+
+def config_field_problems(
+    config_class: type, fields: dict, where: str, override: bool
+) -> tuple[dict, list[str], set[str]]:
+    """(``fields`` as ``config_class`` takes them, problems, the keys refused): the values a family's config class
+    would refuse with a traceback (transformers' strict config dataclasses check each field's type, and some
+    families' heads), or take and then build nothing (a layer count of 0, a negative width), or silently ignore (a
+    top-level rope_theta beside rope_parameters' own), one line each naming ``where`` (a config.json path, or
+    model.architecture), the key and the value. A whole number where a float is declared is the float
+    (``"rms_norm_eps": 1`` as ``1.0``): JSON and Hydra write 0 and 0.0 alike."""
+    fix = fixer(override)
+    declared = getattr(config_class, "__dataclass_fields__", {})
+    validators = getattr(config_class, "__validators__", {})
+    fields, problems, bad = dict(fields), [], set()
+
+    def accepts(name, value) -> Exception | None:
+        for validator in validators.get(name, ()):
+            try:
+                validator(value)
+            except (TypeError, ValueError) as e:
+                return e
+        return None
+
+    for name, value in list(fields.items()):
+        if name not in validators:
+            continue
+        error = accepts(name, value)
+        if error is not None and _number(value) and isinstance(value, int) and accepts(name, float(value)) is None:
+            fields[name], error = float(value), None
+        if error is None:
+            continue
+        bad.add(name)
+        kind = declared[name].type
+        if isinstance(error, TypeError):
+            problems.append(
+                f"{where}: {name} {value!r} is not {type_words(kind)}: {fix(name, 'to ' + type_words(kind))}"
+            )
+        else:
+            problems.append(f"{where}: {name} {value!r} is out of range ({error}): {fix(name, 'within it')}")
+
+    def value(name):
+        if name in fields:
+            return fields[name]
+        return getattr(declared[name], "default", None) if name in declared else None
+
+    sizes = {}
+    for name in SIZE_KEYS:
+        size = value(name)
+        if name in bad or size is None or (name not in fields and name not in declared):
+            continue
+        if not (_number(size) and isinstance(size, int) and size >= 1):
+            bad.add(name)
+            problems.append(
+                f"{where}: {name} {size!r} is not a positive whole number (a size or count of the model): "
+                + fix(name, "to 1 or more")
+            )
+        else:
+            sizes[name] = size
+    key, there = ("model.architecture.", "") if override else ("", " there")
+    heads, kv, hidden = sizes.get("num_attention_heads"), sizes.get("num_key_value_heads"), sizes.get("hidden_size")
+    if heads and kv and heads % kv:
+        problems.append(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv} (each key/value head "
+            f"serves the same number of query heads): set {key}num_key_value_heads to a divisor of {heads} "
+            f"({_divisors(heads)}) or {key}num_attention_heads to a multiple of {kv}{there}"
+        )
+    # head_dim unset: each head takes hidden_size / num_attention_heads dimensions (LlamaConfig asks it always)
+    model_type = getattr(config_class, "model_type", None)
+    if heads and hidden and hidden % heads and (value("head_dim") is None or model_type == "llama"):
+        problems.append(
+            f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} (each head takes "
+            f"hidden_size / num_attention_heads dimensions): "
+            f"{fix('num_attention_heads', f'to a divisor of {hidden} (e.g. {_near_divisor(hidden, heads)})')}"
+        )
+    problems += _rope_duplicate_problems(config_class, fields, where, override)
+    return fields, problems, bad
+
+
+def _divisors(n: int) -> str:
+    found = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, found[:-1])) + f" or {found[-1]}" if len(found) > 1 else str(n)
+
+
+def _near_divisor(n: int, near: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - near), -d))
+
+
+def _rope_duplicate_problems(config_class: type, fields: dict, where: str, override: bool) -> list[str]:
+    """A RoPE value set twice, differently, where transformers 5 takes one and drops the other without a word
+    (modeling_rope_utils' ``convert_rope_params_to_dict``): ``rope_scaling`` replaces ``rope_parameters``, and a
+    ``rope_theta`` / ``partial_rotary_factor`` of the one it takes wins over the top-level key."""
+    import transformers
+
+    version = transformers.__version__
+    key = "model.architecture." if override else ""
+    problems = []
+    params, scaling = fields.get("rope_parameters"), fields.get("rope_scaling")
+    rope = scaling if isinstance(scaling, dict) else params
+    used = "rope_scaling" if isinstance(scaling, dict) else "rope_parameters"
+    if not isinstance(rope, dict):
+        return problems
+    if isinstance(params, dict) and used == "rope_scaling":
+        taken = {"rope_theta": fields.get("rope_theta", getattr(config_class, "default_theta", None)), **scaling}
+        # what rope_parameters says that the config will not have ("default": no scaling, what rope_scaling replaces)
+        lost = {k: v for k, v in params.items() if taken.get(k) != v and (k, v) != ("rope_type", "default")}
+        if lost:
+            said = ", ".join(f"{k} {v!r} (it takes {taken.get(k)!r})" for k, v in lost.items())
+            problems.append(
+                f"{where}: rope_scaling {scaling} and rope_parameters {params} are both set: transformers {version} "
+                f"builds the RoPE from rope_scaling and ignores rope_parameters' {said}; keep one of them (put those "
+                f"values in {key}rope_scaling, or remove it)"
+            )
+    for name in ROPE_DUPLICATES:
+        if name in fields and name in rope and fields[name] != rope[name]:
+            problems.append(
+                f"{where}: {name} {fields[name]!r} and {used}.{name} {rope[name]!r} disagree: transformers {version} "
+                f"uses {used}.{name} ({rope[name]!r}) and ignores the top-level {name}; set the one you mean in "
+                f"{key}{used}.{name} and remove {key}{name}"
+            )
+    return problems
+
+
+_BASIC_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", typing.Any: "any value"}
+_PLURALS = {bool: "true/false values", int: "integers", float: "numbers", str: "strings"}
+
+
+def type_words(kind) -> str:
+    """A declared type in words, for a message: ``int | None`` "an integer or null", ``list[int]`` "a list of
+    integers", ``dict[str, Any]`` "a mapping (name: value)", a Literal or Enum "one of a, b, c"."""
+    if kind is None or kind is type(None):
+        return "null"
+    if kind in _BASIC_WORDS:
+        return _BASIC_WORDS[kind]
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        words = list(dict.fromkeys(type_words(a) for a in args if a is not type(None)))
+        if "a number" in words and "an integer" in words:
+            words.remove("an integer")
+        words += ["null"] if type(None) in args else []
+        return ", ".join(words[:-1]) + f" or {words[-1]}" if len(words) > 1 else words[0]
+    if origin is typing.Literal:
+        return "one of " + ", ".join(str(a) for a in args)
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return "one of " + ", ".join(str(m.value) for m in kind)
+    if origin in (list, tuple, set) or kind in (list, tuple, set):
+        entry = args[0] if args else None
+        return f"a list of {_PLURALS[entry]}" if entry in _PLURALS else "a list"
+    if origin is dict or kind is dict or typing.is_typeddict(kind):
+        return "a mapping (name: value)"
+    return f"a {getattr(kind, '__name__', str(kind))}"

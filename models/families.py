@@ -36,6 +36,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 from transformers.models.llama import modeling_llama
 from transformers.models.llama4 import modeling_llama4
@@ -44,6 +45,8 @@ from transformers.models.mixtral import modeling_mixtral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+from models.config_rules import config_field_problems, model_config_problems
 
 DEFAULT_MODEL_TYPE = "llama"  # a conf/model architecture without model_type
 
@@ -113,6 +116,16 @@ class UnsupportedModelError(ValueError):
     """A ``model_type`` outside the family table; the message lists the supported ones."""
 
 
+class ModelConfigError(UnsupportedModelError):
+    """Values of a config.json or model.architecture that its family's config class cannot take, one line each
+    (``problems``; models/config_rules.py's ``config_field_problems``). An UnsupportedModelError, so every place
+    that reports a config it cannot use reports these too."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
 def unsupported_message(model_type: object, where: str) -> str:
     return (
         f"{where}: model_type {model_type!r} is not supported; supported model types: "
@@ -146,9 +159,7 @@ def load_config(model_dir: str) -> PretrainedConfig:
             "own tensors: convert the unquantized model (its bf16/fp16/fp32 release); for a 4-bit base, train with "
             "peft.method=lora peft.quantize=nf4, which quantises on load"
         )
-    config = FAMILIES[model_type].config_class.from_pretrained(model_dir)
-    check_rope(config, path)
-    return config
+    return build_config(model_type, raw, path, override=False)
 
 
 def check_rope(config: PretrainedConfig, where: str) -> None:
@@ -176,7 +187,35 @@ def config_from_dict(fields: dict, where: str = "model.architecture") -> Pretrai
     model_type = fields.pop("model_type", DEFAULT_MODEL_TYPE)
     if model_type not in FAMILIES:
         raise UnsupportedModelError(unsupported_message(model_type, where))
-    config = FAMILIES[model_type].config_class(**fields)
+    return build_config(model_type, fields, where, override=True)
+
+
+def build_config(model_type: str, fields: dict, where: str, override: bool) -> PretrainedConfig:
+    """``fields`` (of a config.json at ``where``, or model.architecture: ``override``) as ``model_type``'s config
+    class, as ``from_pretrained`` builds it; ModelConfigError with one line per value the class would refuse with a
+    traceback (config_rules.config_field_problems), or for what it still refuses."""
+    config_class = FAMILIES[model_type].config_class
+    fields, problems, bad = config_field_problems(config_class, fields, where, override)
+    if problems:
+        # the value rules too, on the keys that were not refused (all of a config's problems in one go)
+        try:
+            rest = config_class.from_dict({k: v for k, v in fields.items() if k not in bad})
+        except (StrictDataclassError, TypeError, ValueError):
+            rest = None
+        if rest is not None:
+            problems += [
+                line
+                for line in model_config_problems(rest, where, override)
+                if line.removeprefix(f"{where}: ").split(" ", 1)[0] not in bad
+            ]
+        raise ModelConfigError(problems)
+    try:
+        config = config_class.from_dict(fields)
+    except (StrictDataclassError, TypeError, ValueError) as e:
+        cause = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ is not None else e
+        raise ModelConfigError(
+            [f"{where}: not a {model_type} config transformers {transformers_version()} takes: {cause}"]
+        ) from e
     check_rope(config, where)
     return config
 

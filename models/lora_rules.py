@@ -24,6 +24,22 @@ def peft_change_problems(cfg, changes) -> list[str]:
     ]
 
 
+def peft_layout_problems(layout, peft_method: str | None = None, ds_config: str | None = None) -> list[str]:
+    """PEFT's rule on a parallel.layout.Layout (peft_problems asks it with the config's settings, the planner,
+    parallel/memory_plan.py, with those the layout implies: LoRA where ``layout.lora_rank`` > 0, ds=zeroN of its
+    ZeRO stage): the pipeline engine."""
+    if peft_method is None:
+        peft_method = "lora" if layout.lora_rank else "none"
+    if peft_method == "none" or layout.uses_pipeline:
+        return []
+    ds_config = ds_config if ds_config is not None else f"zero{layout.zero}"
+    return [
+        f"peft.method={peft_method} runs on the pipeline engine: num_stages=1 with ds={ds_config} uses DeepSpeed's "
+        "data-parallel engine, which this version does not adapt; use ds=zero0 or ds=zero1 (the frozen base has "
+        "no optimizer state to partition further)"
+    ]
+
+
 def peft_problems(cfg, model_config, layout) -> list[str]:
     """What a LoRA run cannot do with these settings (peft.method=lora)."""
     p, problems = cfg.peft, []
@@ -62,12 +78,7 @@ def peft_problems(cfg, model_config, layout) -> list[str]:
             "peft.quantize=nf4 (QLoRA) quantises with bitsandbytes, which is not installed: pip install "
             "bitsandbytes (pinned in pyproject.toml), or set peft.quantize=none"
         )
-    if not layout.uses_pipeline:
-        problems.append(
-            f"peft.method=lora runs on the pipeline engine: num_stages=1 with ds={cfg.ds_config} uses DeepSpeed's "
-            "data-parallel engine, which this version does not adapt; use ds=zero0 or ds=zero1 (the frozen base has "
-            "no optimizer state to partition further)"
-        )
+    problems += peft_layout_problems(layout, cfg.peft.method, cfg.ds_config)
     if p.init_from and not os.path.isfile(os.path.join(p.init_from, "adapter_config.json")):
         problems.append(
             f"peft.init_from {p.init_from} has no adapter_config.json: give a PEFT adapter directory "

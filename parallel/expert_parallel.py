@@ -335,7 +335,8 @@ class ExpertParallelPlan(AxisPlan):
 def expert_parallel_problems(cfg, model_config, layout: Layout, ds_json: dict | None = None) -> list[str]:
     """Everything train.py refuses about a MoE model or ``expert_parallel`` (cfg: training.config.TrainConfig), with
     the numbers and what to use instead: the layout's rules (parallel.layout.expert_layout_problems, which the planner
-    asks too) with the config's settings, and the DeepSpeed JSON's ZeRO-1 reduce-scatter. Without a model config (its
+    asks too: precision and offload among them) with the config's settings, and the DeepSpeed JSON's ZeRO-1
+    reduce-scatter. Without a model config (its
     own problem is said) only ep >= 1."""
     moe = moe_spec(model_config) if model_config is not None else None
     problems = []
@@ -343,12 +344,6 @@ def expert_parallel_problems(cfg, model_config, layout: Layout, ds_json: dict | 
         problems.append(
             f"expert_parallel {layout.ep} with zero_optimization.reduce_scatter=false in {cfg.ds_config}: DeepSpeed "
             "reduces the experts' gradients over their group in its reduce-scatter path only; remove the key"
-        )
-    if layout.ep > 1 and cfg.precision == "fp16":
-        problems.append(
-            f"expert_parallel {layout.ep} with precision=fp16: not supported yet (the experts' gradient reduction, "
-            "their share of the gradient norm and their optimizer groups are built and tested in fp32 and bf16 only, "
-            "not with fp16's loss scaling); set precision=bf16 (or fp32), or expert_parallel=1"
         )
     return problems + expert_layout_problems(
         layout,

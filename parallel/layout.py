@@ -8,6 +8,7 @@ micro x grad_acc x dp where they need it.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -247,7 +248,8 @@ def layout_problems(layout: Layout, world_size: int, partition_method: str, num_
             f"world size {world_size} is not divisible by {names} = {product}: launch a multiple of {product} "
             f"ranks, or set {knobs} so that their product divides {world_size}"
         )
-    if num_layers is not None and k > num_layers:
+    # a layer count below 1 is the model config's own problem (models/config_rules.py): no num_stages fits it
+    if num_layers is not None and num_layers >= 1 and k > num_layers:
         problems.append(
             f"num_stages {k} > {num_layers} decoder layers: every stage needs at least one; "
             f"set num_stages <= {num_layers}"
@@ -412,9 +414,9 @@ def expert_layout_problems(
 ) -> list[str]:
     """A Mixture-of-Experts model's rules and ``expert_parallel``'s, with the numbers and what to use instead: the
     pipeline engine; no tensor or sequence parallelism, DualPipeV, PEFT or DPO with experts; ep dividing the
-    data-parallel degree and each MoE layer's experts, no optimizer offload, and not with llama4_text (whose experts
-    run every token). ``num_experts``: each MoE layer's experts, 0 for a dense model, None for a model not known (only
-    ep >= 1 is checked); ``model_type`` names the model in the lines."""
+    data-parallel degree and each MoE layer's experts, not in fp16, no optimizer offload, and not with llama4_text
+    (whose experts run every token). ``num_experts``: each MoE layer's experts, 0 for a dense model, None for a model
+    not known (only ep >= 1 is checked); ``model_type`` names the model in the lines."""
     ep = layout.ep
     if ep < 1:
         return [f"expert_parallel {ep} must be >= 1 (1: every rank holds every expert)"]
@@ -461,6 +463,12 @@ def expert_layout_problems(
         problems.append(
             f"expert_parallel {ep} must divide the {num_experts} experts of each MoE layer: use one of {works}"
         )
+    if layout.dtype == "fp16":
+        problems.append(
+            f"expert_parallel {ep} with precision=fp16: not supported yet (the experts' gradient reduction, "
+            "their share of the gradient norm and their optimizer groups are built and tested in fp32 and bf16 only, "
+            "not with fp16's loss scaling); set precision=bf16 (or fp32), or expert_parallel=1"
+        )
     if layout.offload_optimizer:
         problems.append(
             f"expert_parallel {ep} with the optimizer offloaded (ds={ds_config}): not supported yet (DeepSpeed's "
@@ -492,7 +500,7 @@ def schedule_layout_problems(
             f"pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = {2 * k} (each rank "
             f"holds two pieces, {2 * k} in flight); got {layout.grad_accum}: raise gradient_accumulation_steps"
         )
-    if num_layers is not None and 2 * k > num_layers:
+    if num_layers is not None and num_layers >= 1 and 2 * k > num_layers:
         problems.append(
             f"pipeline_schedule=dualpipev cuts the model into 2 x num_stages = {2 * k} pieces, more than its "
             f"{num_layers} decoder layers: set num_stages <= {num_layers // 2}"
@@ -528,17 +536,23 @@ def schedule_warnings(layout: Layout) -> list[str]:
     return []
 
 
-def count_arg(minimum: float = 1, kind: type = int, strict: bool = False):
-    """An argparse ``type`` for a count or size: a ``kind`` number >= ``minimum`` (> with ``strict``), else
-    argparse's own error (``argument --dp: -1 is not >= 1``)."""
+def count_arg(minimum: float = 1, kind: type = int, strict: bool = False, maximum: float | None = None):
+    """An argparse ``type`` for a count or size: a finite ``kind`` number >= ``minimum`` (> with ``strict``) and, with
+    ``maximum``, <= it (the plausible values: a float flag's nan, inf or 1e30 means nothing), else argparse's own error
+    with the range (``argument --dp: -1 is not >= 1``, ``argument --gpu-mem: nan is not a finite number: give one in
+    (0, 4096]``)."""
+    low = f"{'>' if strict else '>='} {minimum:g}"
+    within = low if maximum is None else f"in {'(' if strict else '['}{minimum:g}, {maximum:g}]"
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if value < minimum or (strict and value == minimum):
-            raise argparse.ArgumentTypeError(f"{text} is not {'>' if strict else '>='} {minimum}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number: give one {within}")
+        if value < minimum or (strict and value == minimum) or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"{text} is not {within}")
         return value
 
     parse.__name__ = kind.__name__

@@ -90,8 +90,8 @@ each way as working memory, and each rank sends
 as much again in backward, and again in the recomputed forward with activation checkpointing. The largest
 gradient temporary may be a MoE layer's fused expert tensor, [E/ep, 2I, H] on a rank. The formulas hold for any
 ZeRO stage; the layouts the search proposes are those train.py runs (parallel.layout.expert_layout_problems): a
-MoE model on the pipeline engine without tensor or sequence parallelism or DualPipeV, and ep > 1 in fp32 at
-ZeRO-0 only in this version.
+MoE model on the pipeline engine without tensor or sequence parallelism or DualPipeV, and ep > 1 neither in fp16
+nor with the optimizer offloaded in this version.
 
 Backward also computes each parameter's gradient into a new tensor before adding it to the accumulated
 one (every micro-batch after the first): one parameter's gradient more, at a time. On the first and the
@@ -105,6 +105,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from models.lora_rules import peft_layout_problems
 from models.moe_counts import MoEShape, moe_shape
 from parallel.layout import (
     Layout,
@@ -117,6 +118,7 @@ from parallel.layout import (
 )
 from parallel.schedule_sim import simulated
 
+OFFLOADS = ("none", "optimizer", "params")  # what the fit search offloads: nothing, the optimizer, the weights too
 GB = 1e9  # the ZeRO paper and GPU vendors count decimal gigabytes
 DS_REDUCE_BUCKET_DEFAULT = 500_000_000  # elements: DeepSpeed's reduce_bucket_size when the JSON has none
 
@@ -515,11 +517,16 @@ def layouts_for(
     shape: Shape | None = None,
     schedules: tuple[str, ...] = ("1f1b",),
     ep_values: tuple[int, ...] = (1,),
+    zero_values: tuple[int, ...] = (0, 1, 2, 3),
+    offload_values: tuple[str, ...] = OFFLOADS,
+    refusals: list[str] | None = None,
 ):
-    """Every layout worth trying on ``gpus`` GPUs that train.py runs (:func:`refused`: the rules its validation
+    """Every layout worth trying on ``gpus`` GPUs that train.py runs (:func:`refusals_of`: the rules its validation
     asks), cheapest in communication and compute first; with ``lora`` (rank, target modules, nf4) LoRA layouts;
     each pipeline with every schedule of ``schedules`` that train.py runs it with (DualPipeV: 2 stages or
-    more, grad_accum >= 2 x stages, 2 x stages <= num_layers, no tensor or sequence parallelism).
+    more, grad_accum >= 2 x stages, 2 x stages <= num_layers, no tensor or sequence parallelism); each ZeRO stage
+    of ``zero_values`` and offload of ``offload_values`` (none, optimizer, params). ``refusals``: train.py's lines
+    for the layouts it refuses that break the fewest of its rules are added to it (each line once).
 
     Order: no offload before optimizer offload before parameter offload; no activation checkpointing
     before checkpointing (sequence parallelism saves the recomputation: its all-to-alls move less than tensor
@@ -529,14 +536,15 @@ def layouts_for(
     (``sp_values``, those :func:`sequence_parallel_fits` allows for ``shape``; none without one) first; less
     expert parallelism (``ep_values``, those train.py runs: parallel.layout.expert_layout_problems) first.
     """
-    candidates = []
+    candidates, nearest, fewest = [], [], float("inf")
     for stages in (s for s in range(1, gpus + 1) if gpus % s == 0 and (num_layers is None or s <= num_layers)):
         options = itertools.product(
-            tp_values, sp_values, ep_values, range(4), (False, True), (False, True), (False, True), schedules
+            tp_values, sp_values, ep_values, zero_values, offload_values, (False, True), schedules
         )
-        for tp, sp, ep, zero, opt_off, par_off, ckpt, schedule in options:
-            if (sp > 1 and shape is None) or (par_off and not opt_off):
-                continue  # the planner's own: Ulysses needs the heads; parameter offload with optimizer offload
+        for tp, sp, ep, zero, offload, ckpt, schedule in options:
+            opt_off, par_off = offload != "none", offload == "params"  # parameter offload with optimizer offload
+            if sp > 1 and shape is None:
+                continue  # the planner's own: Ulysses needs the heads
             layout = Layout(
                 stages,
                 gpus // (stages * tp * sp),
@@ -555,26 +563,32 @@ def layouts_for(
                 ep=ep,
                 schedule=schedule,
             )
-            if refused(layout, gpus, num_layers, shape):
+            problems = refusals_of(layout, gpus, num_layers, shape)
+            if problems:
+                if refusals is not None:  # those of the layouts nearest to one train.py runs: the fewest lines
+                    fewest = min(fewest, len(problems))
+                    nearest += [problems]
                 continue
             candidates.append(((par_off + opt_off, ckpt, zero, bubble_fraction(layout), tp, sp, ep), layout))
+    if refusals is not None:
+        refusals += dict.fromkeys(line for problems in nearest if len(problems) == fewest for line in problems)
     return [layout for _, layout in sorted(candidates, key=lambda c: c[0])]
 
 
-def refused(layout: Layout, gpus: int, num_layers: int | None, shape: Shape | None) -> bool:
-    """Whether train.py refuses ``layout`` on ``gpus`` GPUs: the rules ``training.validate.resolve`` asks, on the
-    layout alone (parallel/layout.py: its sizes, ZeRO stage and offload; tensor and sequence parallelism, with
-    the model's heads from ``shape``; the schedule; a Mixture-of-Experts model's and expert parallelism's, with its
-    experts), rows fed whole. LoRA's rule needs train.py's config (models.lora_rules.peft_problems): on the pipeline
-    engine only."""
+def refusals_of(layout: Layout, gpus: int, num_layers: int | None, shape: Shape | None) -> list[str]:
+    """train.py's lines refusing ``layout`` on ``gpus`` GPUs ([]: it runs it): the rules ``training.validate.resolve``
+    asks, on the layout alone (parallel/layout.py: its sizes, ZeRO stage and offload; tensor and sequence
+    parallelism, with the model's heads from ``shape``; the schedule; a Mixture-of-Experts model's and expert
+    parallelism's, with its experts, its precision and offload), rows fed whole; LoRA's on the pipeline engine
+    (models.lora_rules.peft_layout_problems)."""
     heads = (shape.heads, shape.kv_heads) if shape is not None else (None, None)
-    return bool(
+    return (
         layout_problems(layout, gpus, "compute", num_layers)
-        or tensor_layout_problems(layout)
-        or sequence_layout_problems(layout, *heads)
-        or schedule_layout_problems(layout, num_layers)
-        or expert_layout_problems(layout, *experts_of(shape))
-        or (layout.lora_rank and not layout.uses_pipeline)
+        + tensor_layout_problems(layout)
+        + sequence_layout_problems(layout, *heads)
+        + schedule_layout_problems(layout, num_layers)
+        + expert_layout_problems(layout, *experts_of(shape))
+        + peft_layout_problems(layout)
     )
 
 
@@ -650,16 +664,22 @@ def fitting(
     max_sp: int = SEQUENCE_PARALLEL_SIZES[-1],
     schedules: tuple[str, ...] = ("1f1b",),
     ep_values: tuple[int, ...] | None = None,
+    zero_values: tuple[int, ...] = (0, 1, 2, 3),
+    offload_values: tuple[str, ...] = OFFLOADS,
+    refusals: list[str] | None = None,
 ) -> list[tuple[Layout, Estimate]]:
     """Layouts whose most loaded GPU fits ``gpu_mem_gb``, cheapest first (see layouts_for).
 
     ``split(layout)`` gives (parameters per piece, decoder layers per piece or None); ``max_sp``: the largest
     sequence parallelism tried (1: none); ``schedules``: the pipeline schedules tried; ``ep_values``: the expert
-    parallelism tried (None: every one the model allows, :func:`expert_parallel_sizes`).
+    parallelism tried (None: every one the model allows, :func:`expert_parallel_sizes`); ``zero_values`` and
+    ``offload_values``: the ZeRO stages and offloads tried. ``refusals``, where train.py refuses every layout tried:
+    filled with its lines for them (left empty where it runs any, whether or not it fits).
     """
+    lines: list[str] = []
     out = []
     tp_values = tensor_parallel_sizes(shape)
-    for layout in layouts_for(
+    tried = layouts_for(
         gpus,
         num_layers,
         micro_batch,
@@ -673,7 +693,13 @@ def fitting(
         shape,
         schedules,
         expert_parallel_sizes(shape, gpus) if ep_values is None else ep_values,
-    ):
+        zero_values,
+        offload_values,
+        lines,
+    )
+    if refusals is not None and not tried:
+        refusals += lines
+    for layout in tried:
         params, layers = split(layout)
         e = estimate(params, layout, shape, layers)
         if e.total <= gpu_mem_gb * GB:

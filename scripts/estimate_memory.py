@@ -33,6 +33,7 @@ from models.peft_targets import DECODER_LINEARS  # noqa: E402
 from parallel.layout import Layout, count_arg, expert_layout_problems, layout_problems  # noqa: E402
 from parallel.memory_plan import (  # noqa: E402
     GB,
+    OFFLOADS,
     expert_all_to_all_step_bytes,
     expert_report,
     experts_of,
@@ -48,6 +49,7 @@ from parallel.partition import DEFAULT_PARTITION_METHOD, splitter  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 
 SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+GPU_MEM_MAX_GB = 4096  # --gpu-mem: past any accelerator's memory (a few hundred GB)
 
 
 def load_model(spec: str):
@@ -104,6 +106,7 @@ def report(config, total, layout: Layout, method: str) -> None:
 def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
     num_layers = config.num_hidden_layers if config is not None else None
     split = splitter(config, total, args.partition_method)
+    refusals: list[str] = []
     found = fitting(
         split,
         shape_of(config),
@@ -119,7 +122,13 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
         args.max_sp,
         schedules(args),
         None if args.ep is None else (args.ep,),
+        (args.zero,) if args.zero is not None else {"optimizer": (1, 2, 3), "params": (3,)}.get(args.offload, range(4)),
+        OFFLOADS if args.offload is None else (args.offload,),
+        refusals,
     )
+    # train.py refuses every layout of these flags (of the ZeRO stages that run the offload): its lines, the same as
+    # for one layout, not a call for GPUs
+    refuse(refusals, f"train.py runs no layout of {gpus} GPUs with these flags:")
     print(
         f"layouts that fit {gpus} x {gpu_mem:g} GB, cheapest first (estimate incl. activations, GB per GPU; bubble: "
         "the share of a step the pipeline ranks idle, DeepSpeed's schedule simulated with equal per-layer times):"
@@ -257,10 +266,12 @@ def in_flags(line: str) -> str:
     return line
 
 
-def refuse(problems: list[str]) -> None:
-    """Exit with train.py's lines for a layout it would refuse, in this script's flags: no plan is printed for it."""
+def refuse(problems: list[str], lead: str | None = None) -> None:
+    """Exit with train.py's lines for a layout it would refuse, in this script's flags (after ``lead``, a line of
+    its own): no plan is printed for it."""
     if problems:
-        print("\n".join(f"estimate_memory.py: error: {in_flags(p)}" for p in problems), file=sys.stderr)
+        lines = ([lead] if lead else []) + list(dict.fromkeys(in_flags(p) for p in problems))
+        print("\n".join(f"estimate_memory.py: error: {line}" for line in lines), file=sys.stderr)
         sys.exit(1)
 
 
@@ -292,12 +303,17 @@ def main(argv: list[str] | None = None) -> None:
         default=8,
         help="with --gpus: the largest sequence_parallel the search tries (1: layouts without it)",
     )
-    p.add_argument("--zero", type=int, default=0, choices=range(4))
+    p.add_argument(
+        "--zero",
+        type=int,
+        choices=range(4),
+        help="ZeRO stage (default 0); with --gpus, only this stage (default: each train.py runs)",
+    )
     p.add_argument(
         "--offload",
-        choices=("none", "optimizer", "params"),
-        default="none",
-        help="optimizer: optimizer states on the host; params: weights too (ZeRO-3)",
+        choices=OFFLOADS,
+        help="optimizer: optimizer states on the host; params: weights too (ZeRO-3); default none; with --gpus, only "
+        "this (default: each train.py runs)",
     )
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=2048)
@@ -336,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         help="train.py's pipeline_schedule; both: each (with --gpus, the search tries both)",
     )
     p.add_argument("--gpus", type=count_arg(1), help="with --gpu-mem: list the layouts that fit")
-    p.add_argument("--gpu-mem", type=count_arg(0, float, strict=True), help="GB per GPU")
+    p.add_argument("--gpu-mem", type=count_arg(0, float, strict=True, maximum=GPU_MEM_MAX_GB), help="GB per GPU")
     p.add_argument("--top", type=count_arg(1), default=10, help="how many fitting layouts to list")
     args = p.parse_args(argv)
     if (args.gpus is None) != (args.gpu_mem is None):
@@ -346,12 +362,18 @@ def main(argv: list[str] | None = None) -> None:
     args.model_config_given = config is not None
     num_layers = config.num_hidden_layers if config is not None else None
     fit = args.gpus is not None
+    # --gpus: the search tries each ZeRO stage and offload unless one is given; the layout checked first has the
+    # lowest ZeRO stage that runs the given offload
+    zero = args.zero if args.zero is not None else {"optimizer": 1, "params": 3}.get(args.offload, 0) if fit else 0
+    offload = args.offload or "none"
+    if not fit:
+        args.zero, args.offload = zero, offload
     layout = Layout(
         1 if fit else args.stages,  # --gpus: every stage count that divides it is tried
         args.gpus if fit else args.dp,
-        args.zero,
-        args.offload != "none",
-        args.offload == "params",
+        zero,
+        offload != "none",
+        offload == "params",
         args.micro_batch,
         args.seq_len,
         args.grad_accum,
@@ -361,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         *lora(args),
         tp=1 if fit else args.tp,  # --gpus: every tensor_parallel the model allows within a node is tried
         sp=1 if fit else args.sp,  # --gpus: and every sequence_parallel (parallel.memory_plan.SEQUENCE_PARALLEL_SIZES)
-        ep=1 if fit else args.ep or 1,  # --gpus: and every expert_parallel the model allows (or --ep's)
+        ep=args.ep or 1,  # --gpus without --ep: every expert_parallel the model allows
         save_async=args.save_async,
     )
     refuse(layout_problems(layout, layout.world_size, args.partition_method, num_layers))

@@ -39,10 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=count_arg(1), default=40)
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     p.add_argument("--top-k", type=count_arg(1), default=20, help="sample among the k most likely tokens")
-    p.add_argument("--temperature", type=count_arg(0, float, strict=True), default=0.7)
+    p.add_argument(
+        "--temperature", type=count_arg(0, float, strict=True, maximum=100), default=0.7, help="sampling temperature"
+    )
     p.add_argument(
         "--repetition-penalty",
-        type=count_arg(0, float, strict=True),
+        type=count_arg(0, float, strict=True, maximum=10),
         default=1.3,
         help="> 1 discourages loops in tiny models",
     )

@@ -150,6 +150,159 @@ def test_the_families_own_configs_pass(tmp_path, model_type):
     assert resolve_model(TrainConfig(model_name_or_path=checkpoint_config(tmp_path, model_type)))[1] == []
 
 
+def both_problems(tmp_path, tokenizer_dir, model_type: str, **fields) -> tuple[str, list[str], list[str]]:
+    """(the config.json path, its problems, model.architecture's) of ``fields`` in a tiny ``model_type``."""
+    path = checkpoint_config(tmp_path, model_type, **fields)
+    from_file = resolve_model(TrainConfig(model_name_or_path=path))[1]
+    from_arch = resolve_model(scratch(TrainConfig(), tokenizer_dir, model_type, **fields))[1]
+    return f"{path}/config.json", from_file, from_arch
+
+
+@pytest.mark.parametrize(
+    "model_type, key, value",
+    [("qwen3_moe", "router_aux_loss_coef", 0), ("mixtral", "router_aux_loss_coef", 0), ("llama", "rms_norm_eps", 1)],
+)
+def test_a_whole_number_where_the_config_declares_a_float_is_that_float(
+    tmp_path, tokenizer_dir, model_type, key, value
+):
+    """The case: ``"router_aux_loss_coef": 0`` (the router loss off) was transformers' StrictDataclass traceback
+    "expected float, got int", naming no file."""
+    path = checkpoint_config(tmp_path, model_type, **{key: value})
+    config, problems = resolve_model(TrainConfig(model_name_or_path=path))
+    assert problems == [] and getattr(config, key) == value and isinstance(getattr(config, key), float)
+    config, problems = resolve_model(scratch(TrainConfig(), tokenizer_dir, model_type, **{key: value}))
+    assert problems == [] and isinstance(getattr(config, key), float)
+
+
+WRONG_TYPES = [
+    (
+        "qwen3_moe",
+        dict(router_aux_loss_coef="0.01"),
+        ["router_aux_loss_coef '0.01' is not a number: set {k} to a number"],
+    ),
+    ("llama", dict(hidden_size="abc"), ["hidden_size 'abc' is not an integer: set {k} to an integer"]),
+    ("qwen3_moe", dict(norm_topk_prob="yes"), ["norm_topk_prob 'yes' is not true or false: set {k} to true or false"]),
+    ("llama", dict(initializer_range=-1.0), ["initializer_range -1.0 is out of range (Value must be greater or equal"]),
+    (  # every problem of the config at once: the type, and the value rules on the keys that have a type
+        "mixtral",
+        dict(num_experts_per_tok=1.5, router_jitter_noise=5, initializer_range=-1.0),
+        [
+            "num_experts_per_tok 1.5 is not an integer: set {k} to an integer",
+            "initializer_range -1.0 is not a standard deviation",
+            "router_jitter_noise 5.0 is not a noise scale",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("model_type, fields, messages", WRONG_TYPES, ids=lambda x: None)
+def test_a_value_of_a_type_the_config_does_not_take_is_one_line_naming_file_and_key(
+    tmp_path, tokenizer_dir, model_type, fields, messages
+):
+    """Any other value transformers' strict config classes refuse: a problem line with the others, no traceback."""
+    path, from_file, from_arch = both_problems(tmp_path, tokenizer_dir, model_type, **fields)
+    assert len(from_file) == len(messages) and len(from_arch) == len(messages), (from_file, from_arch)
+    for message, line, override in zip(messages, from_file, from_arch):
+        key = message.split()[0]
+        assert line.startswith(f"{path}: " + message.format(k=key)), line
+        assert override.startswith(f"model.architecture (model=tiny-{model_type}): ") and (
+            message.format(k=f"model.architecture.{key}") in override
+        ), override
+
+
+SIZES = [
+    ("llama", dict(hidden_size=-64), ["hidden_size -64 is not a positive whole number"]),
+    ("llama", dict(num_hidden_layers=0), ["num_hidden_layers 0 is not a positive whole number"]),
+    ("qwen3_moe", dict(moe_intermediate_size=0, vocab_size=0), ["vocab_size 0 is", "moe_intermediate_size 0 is"]),
+    ("qwen3", dict(head_dim=0), ["head_dim 0 is not a positive whole number"]),
+    (
+        "llama",
+        dict(num_key_value_heads=3),
+        [
+            "num_attention_heads 4 is not a multiple of num_key_value_heads 3 (each key/value head serves the same "
+            "number of query heads): set {p}num_key_value_heads to a divisor of 4 (1, 2 or 4) or "
+            "{p}num_attention_heads to a multiple of 3"
+        ],
+    ),
+    (
+        "qwen2",  # no head_dim: each head takes hidden_size / num_attention_heads
+        dict(num_attention_heads=3, num_key_value_heads=1),
+        [
+            "hidden_size 64 is not a multiple of num_attention_heads 3 (each head takes hidden_size / "
+            "num_attention_heads dimensions): set {p}num_attention_heads to a divisor of 64 (e.g. 4)"
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("model_type, fields, messages", SIZES, ids=lambda x: None)
+def test_sizes_and_heads_that_build_no_model_are_refused(tmp_path, tokenizer_dir, model_type, fields, messages):
+    """The cases: a negative hidden_size was a "negative dimension" traceback, 3 heads of a 64-wide model
+    transformers' class validation traceback, 3 key/value heads of 4 query heads passed the preflight (and failed in
+    the first forward), 0 layers was told to "set num_stages <= 0"."""
+    path, from_file, from_arch = both_problems(tmp_path, tokenizer_dir, model_type, **fields)
+    assert len(from_file) == len(messages) and len(from_arch) == len(messages), (from_file, from_arch)
+    for message, line, override in zip(messages, from_file, from_arch):
+        assert line.startswith(f"{path}: " + message.format(p="")), line
+        assert override.startswith(f"model.architecture (model=tiny-{model_type}): "), override
+        assert message.format(p="model.architecture.") in override, override
+
+
+def test_zero_layers_gets_no_num_stages_hint(cfg, tokenizer_dir):
+    from parallel.layout import Layout, layout_problems
+
+    problems = problems_of(scratch(cfg, tokenizer_dir, num_hidden_layers=0))
+    assert any("num_hidden_layers 0 is not a positive whole number" in line for line in problems), problems
+    assert not any("num_stages" in line for line in problems), problems
+    assert not any("num_stages" in line for line in layout_problems(Layout(stages=2, dp=1), 2, "parameters", 0))
+
+
+def test_heads_need_not_divide_the_width_where_head_dim_is_set(tmp_path, tokenizer_dir):
+    """Qwen3 (head_dim given) takes 3 heads of 16 in a 64-wide model; Llama's own config class refuses it."""
+    assert both_problems(tmp_path, tokenizer_dir, "qwen3", num_attention_heads=3, num_key_value_heads=1)[1:] == ([], [])
+    path, from_file, _ = both_problems(tmp_path, tokenizer_dir, "llama", head_dim=16, num_attention_heads=3)
+    assert len(from_file) == 2 and "hidden_size 64 is not a multiple of num_attention_heads 3" in from_file[1]
+
+
+def test_a_rope_value_set_twice_differently_is_refused_naming_the_one_transformers_uses(tmp_path, tokenizer_dir):
+    """The case: a llama config.json keeping rope_parameters.rope_theta 10000.0 and a top-level rope_theta of
+    -10000.0 (or 500000) passed; transformers 5 uses rope_parameters' and drops the top-level key silently."""
+    import transformers
+
+    path = os.path.join(str(tmp_path), "llama")
+    tiny_config("llama").save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    assert config["rope_parameters"]["rope_theta"] == 10000.0
+    for top in (-10000.0, 500000.0):
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**config, "rope_theta": top}, f)
+        assert resolve_model(TrainConfig(model_name_or_path=path))[1] == [
+            f"{path}/config.json: rope_theta {top!r} and rope_parameters.rope_theta 10000.0 disagree: transformers "
+            f"{transformers.__version__} uses rope_parameters.rope_theta (10000.0) and ignores the top-level "
+            "rope_theta; set the one you mean in rope_parameters.rope_theta and remove rope_theta"
+        ]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**config, "rope_theta": 10000}, f)  # the same value twice: what transformers 4 wrote
+    assert resolve_model(TrainConfig(model_name_or_path=path))[1] == []
+    scaling = {"rope_type": "linear", "factor": 2.0}  # rope_scaling replaces rope_parameters, theta and all
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(
+            {**config, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": scaling}, f
+        )
+    (line,) = resolve_model(TrainConfig(model_name_or_path=path))[1]
+    assert (
+        "builds the RoPE from rope_scaling and ignores rope_parameters' rope_theta 500000.0 (it takes 10000.0)" in line
+    )
+    with open(os.path.join(path, "config.json"), "w") as f:  # rope_scaling added, nothing of rope_parameters lost
+        json.dump({**config, "rope_scaling": scaling}, f)
+    assert resolve_model(TrainConfig(model_name_or_path=path))[1] == []
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    (line,) = resolve_model(scratch(TrainConfig(), tokenizer_dir, "llama", rope_theta=5e5, rope_parameters=rope))[1]
+    assert line.startswith("model.architecture (model=tiny-llama): rope_theta 500000.0 and rope_parameters.rope_theta")
+    assert line.endswith("model.architecture.rope_parameters.rope_theta and remove model.architecture.rope_theta")
+
+
 def test_the_start_up_lines_say_which_router_loss_is_in_use(capsys):
     on = tiny_config("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.5, mlp_only_layers=[0])
     assert moe_line(on, "CKPT/config.json") == (
@@ -287,7 +440,12 @@ def test_every_float_key_has_its_range_in_the_configuration_reference():
     "change, message",
     [
         (dict(optim=OptimConfig(lr=3.0)), "optim.lr 3 > 1 is no AdamW learning rate: set it in (0, 1]"),
-        (dict(optim=OptimConfig(eps=1e8)), "optim.eps 1e+08 >= 1 swamps every update: set it in [0, 1)"),
+        (dict(optim=OptimConfig(eps=1e8)), "optim.eps 1e+08 >= 1 swamps every update: set it in (0, 1)"),
+        (
+            dict(optim=OptimConfig(eps=0.0)),
+            "optim.eps 0 <= 0: AdamW divides each update by sqrt(v) + eps, which is 0 (a NaN update) wherever a "
+            "weight's gradients have been 0; set it in (0, 1)",
+        ),
         (
             dict(optim=OptimConfig(lr=0.1, weight_decay=20.0)),
             "optim.weight_decay 20 x optim.lr 0.1 >= 1: decoupled weight decay multiplies each weight by 1 - lr x "
@@ -307,3 +465,25 @@ def test_implausible_finite_values_are_refused(cfg, tiny_ckpt, change, message):
     if cfg.peft.method == "lora":
         cfg.model_name_or_path = tiny_ckpt  # LoRA adapts a base in layer files
     assert any(line.startswith(message) for line in problems_of(cfg)), problems_of(cfg)
+
+
+@pytest.mark.parametrize(
+    "optim, line",
+    [
+        (OptimConfig(lr=-1e-3), "optim.lr -0.001 < 0 climbs the loss instead of descending it: set it in (0, 1]"),
+        (
+            OptimConfig(lr=3.0, min_lr=5.0, scheduler="cosine"),
+            "optim.lr 3 > 1 is no AdamW learning rate: set it in (0, 1]",
+        ),
+        (OptimConfig(lr=0.0, min_lr=1e-5, scheduler="cosine"), "optim.lr 0.0 trains nothing: set optim.lr > 0"),
+        (OptimConfig(lr=-1e-3, weight_decay=-0.1), "optim.lr -0.001 < 0 climbs the loss"),
+    ],
+    ids=lambda x: None,
+)
+def test_a_learning_rate_out_of_range_is_the_one_key_reported(cfg, optim, line):
+    """optim.lr out of its range is said once, on its own line: optim.min_lr (left at its default, or set) and
+    optim.weight_decay x lr are not measured against it as well."""
+    cfg.optim = optim
+    lines = [p for p in problems_of(cfg) if p.startswith("optim.")]
+    assert any(p.startswith(line) for p in lines) and not any("optim.lr=" in p or "x optim.lr" in p for p in lines)
+    assert len(lines) == 1 + (optim.weight_decay < 0), lines

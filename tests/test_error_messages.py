@@ -245,6 +245,35 @@ def test_a_value_of_another_type_is_told_the_form_the_key_takes(override, line):
     assert override_key_problems([override]) == [line]
 
 
+def test_a_mapping_key_given_one_value_is_told_the_mapping_forms():
+    """The case: ``model.architecture=abc`` was told "model.architecture takes typing.Dict[str, typing.Any]"."""
+    (line,) = override_key_problems(["model.architecture=abc"])
+    assert line == (
+        "model.architecture=abc: model.architecture is a mapping: set one entry with model.architecture.<key>=value "
+        "(a Hugging Face config key, e.g. model.architecture.hidden_size=64), or several with "
+        "model.architecture='{hidden_size:64,num_hidden_layers:4}' (Hydra's mapping syntax)"
+    )
+    # the form it gives is one Hydra takes (a mapping merged into the group's architecture: no crash, no problem)
+    assert override_key_problems(["model.architecture={hidden_size:64,num_hidden_layers:4}"]) == []
+
+
+def test_every_declared_type_is_said_in_words():
+    import typing
+    from typing import Any, Dict, Literal, Optional
+
+    from models.config_rules import type_words
+    from training.config import DataFormat
+
+    assert type_words(Optional[Dict[str, Any]]) == "a mapping (name: value) or null"
+    assert type_words(Optional[DataFormat]) == "one of " + ", ".join(f.value for f in DataFormat) + " or null"
+    assert type_words(int | float | None) == "a number or null"
+    assert type_words(int | list[int] | None) == "an integer, a list of integers or null"
+    assert type_words(Literal["a", "b"]) == "one of a, b"
+    assert type_words(list[str]) == "a list of strings"
+    for kind in (Optional[Dict[str, Any]], Optional[DataFormat], int | list[int] | None, typing.Any):
+        assert "typing" not in type_words(kind) and "<" not in type_words(kind)
+
+
 def test_what_hydra_accepts_is_not_refused_and_the_preflight_says_the_same():
     from training.preflight import composed_with_unknown
 
@@ -253,3 +282,22 @@ def test_what_hydra_accepts_is_not_refused_and_the_preflight_says_the_same():
     with pytest.raises(ValueError) as e:
         composed_with_unknown(["profile_steps=5"])
     assert str(e.value) == "invalid configuration:\n  " + override_key_problems(["profile_steps=5"])[0]
+
+
+def test_a_damaged_checkpoint_file_is_said_once_with_what_to_do(tmp_path):
+    from training.run_checkpoints import cannot_resume
+
+    # two ranks check layer_01 (its stage's and the pickle share's): one line, no rank list, and what to do
+    bad = f"{tmp_path}/global_step4/layer_01-model_states.pt is truncated (48205 bytes): the end of its zip archive"
+    (tmp_path / "global_step4").mkdir()
+    text = cannot_resume(str(tmp_path), "global_step4", [bad, bad])
+    assert text == (
+        f"cannot resume from {tmp_path}/global_step4:\n  {bad}\nrestore the files named from a copy of "
+        f"{tmp_path}/global_step4 (it is the only checkpoint in {tmp_path}), or start afresh in another output_dir"
+    )
+    (tmp_path / "global_step2").mkdir()  # an earlier checkpoint: named, and how to resume from it
+    assert cannot_resume(str(tmp_path), "global_step4", [bad]).endswith(
+        f"\nresume from the previous checkpoint, {tmp_path}/global_step2: write its name into {tmp_path}/latest "
+        f"(`echo global_step2 > {tmp_path}/latest`; the next save deletes global_step4: copy it first to keep it), "
+        "or restore the files named from a copy"
+    )

@@ -159,7 +159,9 @@ def test_training_refuses_other_model_types_before_starting(tmp_path):
     cfg = TrainConfig()
     cfg.model.architecture = {"model_type": "deepseek_v3", "hidden_size": 64}
     cfg.model.tokenizer, cfg.output_dir = str(tmp_path), str(tmp_path / "out")
-    with pytest.raises(ConfigError, match="model.architecture: model_type 'deepseek_v3' is not supported"):
+    with pytest.raises(
+        ConfigError, match=r"model.architecture \(model=checkpoint\): model_type 'deepseek_v3' is not supported"
+    ):
         resolve(cfg, world_size=4)
 
 

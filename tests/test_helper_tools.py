@@ -139,7 +139,10 @@ def test_a_valid_layout_still_gets_its_plan(tiny_hf, capsys):
     [
         (["--dp", "-1"], "argument --dp: -1 is not >= 1"),
         (["--gpus", "0", "--gpu-mem", "80"], "argument --gpus: 0 is not >= 1"),
-        (["--gpus", "8", "--gpu-mem", "-1"], "argument --gpu-mem: -1 is not > 0"),
+        (["--gpus", "8", "--gpu-mem", "-1"], "argument --gpu-mem: -1 is not in (0, 4096]"),
+        (["--gpus", "8", "--gpu-mem", "nan"], "argument --gpu-mem: nan is not a finite number: give one in (0, 4096]"),
+        (["--gpus", "8", "--gpu-mem", "inf"], "argument --gpu-mem: inf is not a finite number: give one in (0, 4096]"),
+        (["--gpus", "8", "--gpu-mem", "1e9"], "argument --gpu-mem: 1e9 is not in (0, 4096]"),
         (["--top", "0", "--gpus", "8", "--gpu-mem", "80"], "argument --top: 0 is not >= 1"),
         (["--gpus", "8"], "--gpus and --gpu-mem go together: give both to list the layouts that fit, or neither"),
     ],
@@ -170,7 +173,17 @@ def test_preflight_world_size_below_one_is_refused(tiny_hf, tmp_path):
     [
         ("scripts/preflight.py", ["--world-size", "0"], "argument --world-size: 0 is not >= 1"),
         ("scripts/generate.py", ["--model", "m", "--max-new-tokens", "0"], "argument --max-new-tokens: 0 is not >= 1"),
-        ("scripts/generate.py", ["--model", "m", "--temperature", "0"], "argument --temperature: 0 is not > 0"),
+        ("scripts/generate.py", ["--model", "m", "--temperature", "0"], "argument --temperature: 0 is not in (0, 100]"),
+        (
+            "scripts/generate.py",
+            ["--model", "m", "--temperature", "nan"],
+            "argument --temperature: nan is not a finite number: give one in (0, 100]",
+        ),
+        (
+            "scripts/generate.py",
+            ["--model", "m", "--repetition-penalty", "1e6"],
+            "argument --repetition-penalty: 1e6 is not in (0, 10]",
+        ),
         ("scripts/eval_hf.py", ["--model", "m", "--data", "d", "--seq-len", "1"], "argument --seq-len: 1 is not >= 2"),
         (
             "scripts/eval_hf.py",

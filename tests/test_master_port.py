@@ -55,6 +55,19 @@ def test_master_port_is_the_given_one_else_a_free_one(default_port_taken):
         master_port({}, host="192.0.2.1")  # TEST-NET-1: never this machine
 
 
+def test_a_given_master_port_held_here_is_refused_at_once(default_port_taken):
+    """MASTER_PORT held by another process on this machine: refused before the launch, with how to take a free one;
+    on another machine's MASTER_ADDR it cannot be checked, and is taken as given."""
+    with pytest.raises(PortError) as e:
+        master_port({"MASTER_PORT": str(DEFAULT_PORT)})
+    assert str(e.value) == (
+        f"MASTER_PORT={DEFAULT_PORT} is in use on 127.0.0.1 (another process holds it), so rank 0 could not serve the "
+        "rendezvous there: unset MASTER_PORT to take a free port, or set it to one free here (`python -m "
+        "training.ports` prints one)"
+    )
+    assert master_port({"MASTER_PORT": str(DEFAULT_PORT)}, host="192.0.2.1") == (DEFAULT_PORT, "from MASTER_PORT")
+
+
 def test_every_launch_passes_a_port():
     """DeepSpeed's launcher ignores MASTER_PORT: each launch in the shell scripts passes --master_port, the port
     from training/ports.py; deepspeed_command without a port passes a free one."""

@@ -87,12 +87,12 @@ def test_a_signal_during_start_up_exits_at_once_said_once(tmp_path, name):
         f"[train] rank 2: {said} during start-up, before the first step: exiting now, nothing trained yet to save "
         "(exit code 76); resume=auto continues from the last complete checkpoint"
     )
-    assert (tmp_path / ".stopping").read_text() == "76" and (tmp_path / "released").exists()
+    assert os.readlink(tmp_path / ".stopping") == "76" and (tmp_path / "released").exists()
 
 
 @pytest.mark.e2e
 def test_the_peers_of_a_rank_that_exited_at_once_are_quiet(tmp_path):
-    (tmp_path / ".stopping").write_text("76")  # a rank of the job exited at once (the test above)
+    (tmp_path / ".stopping").symlink_to("76")  # a rank of the job exited at once (the test above)
     # a peer of the job, signalled too (or by the launcher ending it): quiet, same code
     proc = python(EARLY.format(out=str(tmp_path), rank=0) + "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(20)\n")
     assert (proc.returncode, proc.stderr) == (UNSAVED_EXIT_CODE, "")
@@ -107,7 +107,7 @@ def test_the_peers_of_a_rank_that_exited_at_once_are_quiet(tmp_path):
     from training.preemption import clear_stale_marker
 
     clear_stale_marker(str(tmp_path))
-    assert not (tmp_path / ".stopping").exists()
+    assert not os.path.lexists(tmp_path / ".stopping")
 
 
 @pytest.mark.e2e

@@ -375,3 +375,51 @@ def test_preflight_prints_the_experts_of_a_moe_model(tmp_path, tokenizer_dir):
     lines = check(8, [*overrides, f"output_dir={tmp_path / 'out'}", "min_free_disk_gb=0"])
     assert any(line.startswith("experts: 8 per MoE layer on 32 layers, top 2, width 14336") for line in lines), lines
     assert any(line.startswith("  expert all-to-all (dispatch + combine): each rank sends") for line in lines), lines
+
+
+def test_the_fit_search_refuses_expert_parallelism_in_fp16_as_train_py_does():
+    """train.py refuses expert_parallel > 1 in fp16 (parallel.layout.expert_layout_problems, one rule for both): the
+    search proposes none; with ep 2 only, it returns nothing and train.py's line, not a layout."""
+    config, shape = mixtral()
+    split = splitter(config, None)
+    found = fitting(split, shape, 16, 80, 32, 1, 2048, 16, "fp16", 1024)
+    assert found and {layout.ep for layout, _ in found} == {1}
+    refusals = []
+    assert fitting(split, shape, 8, 800, 32, 1, 2048, 8, "fp16", 1024, ep_values=(2,), refusals=refusals) == []
+    assert refusals == [
+        "expert_parallel 2 with precision=fp16: not supported yet (the experts' gradient reduction, their share of the "
+        "gradient norm and their optimizer groups are built and tested in fp32 and bf16 only, not with fp16's loss "
+        "scaling); set precision=bf16 (or fp32), or expert_parallel=1"
+    ]
+    cfg = TrainConfig(precision="fp16", expert_parallel=2)  # train.py's own check says the same line
+    assert refusals[0] in expert_parallel_problems(cfg, config, Layout(stages=2, dp=4, ep=2, dtype="fp16"))
+
+
+def test_estimate_memory_lists_no_layout_for_flags_train_py_refuses_and_says_its_rule(capsys):
+    """--gpus with --offload optimizer and --ep 4: the rule that refuses every such layout, in the script's flags (as
+    for one layout), not "add GPUs" nor a --zero 1 that leads into that rule; --zero 0 given: --offload none."""
+    script = load_entry_point("scripts/estimate_memory.py")
+    fit = ["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", "80", "--offload", "optimizer", "--ep", "4"]
+    offload = (
+        "estimate_memory.py: error: --ep 4 with --offload optimizer: not supported yet (DeepSpeed's CPU Adam is not "
+        "run with its MoE parameter groups here); keep the optimizer states on the GPU (--offload none; --zero 1 "
+        "shards them over the data axis) or use --ep 1"
+    )
+    for zero in ([], ["--zero", "1"]):
+        with pytest.raises(SystemExit) as exit_:
+            script.main([*fit, *zero])
+        assert exit_.value.code == 1
+        assert capsys.readouterr().err.strip().splitlines() == [
+            "estimate_memory.py: error: train.py runs no layout of 8 GPUs with these flags:",
+            offload,
+        ]
+    with pytest.raises(SystemExit):
+        script.main([*fit, "--zero", "0"])
+    assert capsys.readouterr().err.strip() == (
+        "estimate_memory.py: error: --offload optimizer with ZeRO stage 0, where DeepSpeed ignores it: use --offload "
+        "none (--ep 4 does not run with the optimizer offloaded; --zero 1 shards the optimizer states over the data "
+        "axis)"
+    )
+    with pytest.raises(SystemExit):
+        script.main(["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", "80", "--ep", "2", "--dtype", "fp16"])
+    assert "--ep 2 with --dtype fp16: not supported yet" in capsys.readouterr().err

@@ -91,12 +91,118 @@ def test_metrics_the_run_lock_and_the_cache_name_the_file_they_could_not_write(t
     assert failure_text(err.value) == f"writing {full / 'input_ids.bin'} failed: {NO_SPACE}"
 
 
+def torch_zip_error() -> RuntimeError:
+    """What ``torch.save(obj, path)`` raises on a full disk (torch 2.x's zip writer): no errno, the stream's error
+    hidden behind the one closing the zip raised."""
+    try:
+        try:
+            raise RuntimeError("basic_ios::clear: iostream error")
+        finally:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 768 vs 662")
+    except RuntimeError as e:
+        return e
+
+
+def test_torchs_errnoless_write_error_is_a_full_disk_where_the_disk_is_full(tmp_path, monkeypatch):
+    import shutil
+
+    path = str(tmp_path / ".global_step4.partial" / "layer_01-model_states.pt")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(used=usage.total, free=0))
+    with pytest.raises(WriteFailed) as err, writing(path):
+        raise torch_zip_error()
+    # the directory asked is the nearest that exists: the staging directory had not been made
+    assert err.value.what == f"writing {path} failed: {NO_SPACE} (0 bytes free in {tmp_path})"
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=10 << 30))  # not full: torch's words
+    with pytest.raises(WriteFailed) as err, writing(path):
+        raise torch_zip_error()
+    assert err.value.what == (
+        f"writing {path} failed: torch.save: basic_ios::clear: iostream error (the file system refused the write; "
+        "check its free space and quota)"
+    )
+    with pytest.raises(WriteFailed) as err, writing(str(tmp_path)):  # a copy's error names its source first
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/src/tokenizer.json", None, str(tmp_path / "t.json"))
+    assert err.value.what == f"writing {tmp_path / 't.json'} failed: {NO_SPACE}"
+    with pytest.raises(RuntimeError, match="^not a write$"), writing(path):  # other errors pass as they are
+        raise RuntimeError("not a write")
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A real full disk: a 256 KiB tmpfs mounted in tmp_path, filled (needs root; skipped where it cannot mount)."""
+    import subprocess
+
+    full = tmp_path / "full"
+    full.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(full)], capture_output=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs for a real full disk (needs root): {mount.stderr.decode().strip()}")
+    try:
+        with open(full / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+            while True:
+                f.write(b"x" * 65536)
+        yield full
+    finally:
+        subprocess.run(["umount", "-l", str(full)], check=True)
+
+
+def test_every_write_of_a_run_on_a_real_full_disk_names_the_rank_the_file_and_no_space(full_disk, monkeypatch):
+    import types
+
+    import torch
+
+    from data import cache
+    from training import preemption, run_checkpoints
+    from training.async_save import CheckpointEngine
+    from training.config import TrainConfig
+    from training.metrics import StepLogger
+    from training.profiling import check_trace_written
+    from training.run_lock import RunLock
+
+    monkeypatch.setenv("RANK", "1")
+    fail = rf"^rank 1: writing {full_disk}/%s failed: \[Errno 28\] No space left on device"
+    engine = CheckpointEngine()
+    engine.zipfile_serialization = True  # as a run's config has it: torch's zip writer, which names no errno
+    staging = full_disk / ".global_step4.partial"
+    staging.mkdir()
+    with pytest.raises(WriteFailed, match=fail % r"\.global_step4\.partial/layer_01-model_states\.pt"):
+        engine.save({"w": torch.zeros(1000)}, str(staging / "layer_01-model_states.pt"))
+    with pytest.raises(WriteFailed, match=fail % "latest"):
+        run_checkpoints.make_latest(
+            types.SimpleNamespace(output_dir=str(full_disk), save_total_limit=0), "global_step4"
+        )
+    with pytest.raises(WriteFailed, match=fail % "train_config.yaml"):
+        run_checkpoints.write_train_config(TrainConfig(), str(full_disk))
+    with pytest.raises(WriteFailed, match=fail % "metrics.jsonl"):
+        StepLogger(str(full_disk), 4, 1, True)._write({"step": 1})
+    lock = RunLock(str(full_disk))
+    with pytest.raises(WriteFailed, match=fail % lock.path.split(os.sep)[-1]):
+        lock.acquire()
+    assert not os.path.exists(lock.path)
+    with pytest.raises(OSError) as err:
+        cache.write_rows(str(full_disk), iter([([1] * 8, [1] * 8, [0] * 8, 8)] * 64), None, lambda n: None)
+    assert failure_text(err.value).startswith(f"writing {full_disk}/") and NO_SPACE in failure_text(err.value)
+    trace = full_disk / "profile" / "rank1.json"
+    trace.parent.mkdir()
+    trace.write_bytes(b"")  # the profiler's native export on a full disk: nothing written, nothing said
+    with pytest.raises(WriteFailed, match=fail % "profile/rank1.json"), writing(str(trace)):
+        check_trace_written(str(trace))
+    # the job's exit code, for its peers (training/preemption.py): said on a full disk too (a file's write of it
+    # failed there, and its peers exited 76, "resume continues", instead of the failure's 1)
+    monkeypatch.setitem(preemption._job, "marker", str(full_disk / preemption.STOPPING_FILE))
+    monkeypatch.setattr(preemption, "_exiting", [])
+    assert preemption._first_to_exit(1)
+    preemption._exiting.clear()
+    assert preemption.peers_exiting() == 1
+
+
 def test_a_hang_dump_that_cannot_be_written_is_said_in_the_report(tmp_path, monkeypatch, capsys):
     from training import hang
 
     watch = hang.HangWatch.__new__(hang.HangWatch)
     watch.dir, watch.rank, watch.world, watch.fixed, watch.action = str(tmp_path / "hang"), 0, 1, 5.0, "wait"
     watch.step, watch.steps, watch.dump_error = 3, [], None
+
     def dump_full(*args, **kwargs):
         raise no_space()
 

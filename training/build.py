@@ -34,7 +34,7 @@ from training import run_checkpoints
 from training.compile import compile_engine
 from training.config import Resolved
 from training.data_setup import RankData, prepare_rank_data
-from training.distributed import on_all_ranks, release_cpu_comm_buffer
+from training.distributed import StartupError, on_all_ranks, release_cpu_comm_buffer
 from training.logs import log0
 from training.optim import (
     apply_optim_settings,
@@ -268,6 +268,11 @@ def resume_or_start(resolved: Resolved, engine, data: RankData, total_steps: int
         step = local["state"]["step"]
         log0(f"resume: optimizer states of every parameter set in {time.time() - start:.1f} s")
     else:
+        # every rank's problems with the checkpoint's files, said once for the job (a file may be checked by two)
+        shares = on_all_ranks("checking the checkpoint", lambda: run_checkpoints.checkpoint_problems(resolved, engine))
+        problems = [problem for share in shares for problem in share]
+        if problems:
+            raise StartupError(run_checkpoints.cannot_resume(resolved.cfg.output_dir, resolved.resume_tag, problems))
         on_all_ranks(
             "reading trainer state", lambda: local.update(state=run_checkpoints.read_trainer_state(resolved, engine))
         )

@@ -117,7 +117,7 @@ class OptimConfig:
 
     lr: float = 3e-4  # peak learning rate, in (0, 1]
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2), each in [0, 1)
-    eps: float = 1e-8  # AdamW epsilon, in [0, 1)
+    eps: float = 1e-8  # AdamW epsilon, in (0, 1)
     # decoupled weight decay, >= 0 (and optim.lr x it < 1); never applied to norm weights (1-D tensors)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0  # clip the global gradient L2 norm to this, >= 0; 0 = no clipping

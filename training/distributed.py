@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import errno
 import os
+import shutil
 import sys
 import traceback
 from collections.abc import Callable
@@ -59,12 +60,71 @@ def os_error_text(e: OSError) -> str:
     return f"[Errno {e.errno}] {e.strerror}" if e.errno is not None and e.strerror else str(e)
 
 
+# What torch.save says when its zip writer, given a path, cannot write (a full disk): no errno, the file system's
+# cause lost in C++. ``basic_ios::clear: iostream error`` from the write of a record, then, from closing the zip,
+# ``[enforce fail at inline_container.cc:672] . unexpected pos 768 vs 662`` (or PytorchStreamWriter's own words).
+TORCH_WRITE_TEXTS = (
+    "PytorchStreamWriter failed",
+    "file write failed",
+    "basic_ios::clear",
+    "iostream error",
+    "unexpected pos",
+)
+FULL_BELOW_BYTES = 1 << 20  # a write failed with less than this free on its file system: the disk is full
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from or while handling (torch's second error hides its first)."""
+    chain: list[BaseException] = []
+    while e is not None and all(e is not seen for seen in chain):
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    return chain
+
+
 def is_write_error(e: BaseException) -> bool:
-    """An OSError, or torch's error when ``torch.save`` cannot write its zip file (a RuntimeError naming no errno)."""
+    """An OSError, or torch's error when ``torch.save`` cannot write its zip file (a RuntimeError naming no errno,
+    ``TORCH_WRITE_TEXTS``, or raised while handling a full disk's OSError: a file object's write)."""
     if isinstance(e, OSError):
         return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and ("PytorchStreamWriter failed" in text or "file write failed" in text)
+    return isinstance(e, RuntimeError) and any(
+        (isinstance(x, OSError) and x.errno in WRITE_ERRNOS)
+        or (isinstance(x, RuntimeError) and any(t in str(x) for t in TORCH_WRITE_TEXTS))
+        for x in _chain(e)
+    )
+
+
+def disk_full_cause(path: str) -> str | None:
+    """``[Errno 28] No space left on device (0 bytes free in DIR)`` where the file system of ``path`` (a file or
+    directory, or its nearest existing parent) has less than ``FULL_BELOW_BYTES`` free (or no free inode); None
+    otherwise (or when it cannot be asked)."""
+    directory = os.path.abspath(path)
+    while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)
+    try:
+        free = shutil.disk_usage(directory).free
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    if free >= FULL_BELOW_BYTES and not (st.f_files and st.f_favail == 0):
+        return None
+    what = f"{free} bytes free" if free < FULL_BELOW_BYTES else "no free inode"
+    return f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} ({what} in {directory})"
+
+
+def write_failed(path: str, e: BaseException) -> WriteFailed:
+    """:class:`WriteFailed` for ``e`` (``is_write_error``), raised writing ``path``: the file an OSError names (the
+    destination of a copy), its errno; torch's errno-less error confirmed as a full disk by the free space
+    (``disk_full_cause``), else said in torch's own first words."""
+    for x in _chain(e):
+        if isinstance(x, OSError):
+            named = x.filename2 if x.filename2 is not None and x.errno in WRITE_ERRNOS else x.filename
+            return WriteFailed(str(named or path), os_error_text(x))
+    first = str(_chain(e)[-1]).strip().splitlines()[-1]
+    full = disk_full_cause(path)
+    if full is not None:
+        return WriteFailed(path, full)
+    return WriteFailed(path, f"torch.save: {first} (the file system refused the write; check its free space and quota)")
 
 
 @contextlib.contextmanager
@@ -78,9 +138,7 @@ def writing(path: str):
     except Exception as e:
         if not is_write_error(e):
             raise
-        if isinstance(e, OSError):  # the file it names, where ``path`` is a directory of several
-            raise WriteFailed(str(e.filename or path), os_error_text(e)) from e
-        raise WriteFailed(path, str(e).strip().splitlines()[-1]) from e
+        raise write_failed(path, e) from e
 
 
 def failure_text(e: BaseException) -> str:

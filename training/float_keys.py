@@ -17,7 +17,7 @@ import typing
 FLOAT_RANGES = {
     "optim.lr": "in (0, 1]",
     "optim.betas": "in [0, 1)",
-    "optim.eps": "in [0, 1)",
+    "optim.eps": "in (0, 1)",
     "optim.weight_decay": ">= 0 (and optim.lr x it < 1)",
     "optim.max_grad_norm": ">= 0",
     "optim.min_lr": "in [0, optim.lr]",

@@ -9,7 +9,7 @@ import yaml
 
 from data.checks import LOADABLE_TOKENIZER_FILES
 from models.config_rules import model_config_problems
-from models.families import UnsupportedModelError, config_from_dict, load_config
+from models.families import ModelConfigError, UnsupportedModelError, config_from_dict, load_config
 from models.hf_start import hf_start_problems, is_hf_dir
 from models.layer_files import latest_tag
 from models.lora_files import lora_run_base
@@ -62,7 +62,7 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
         try:
             config = load_config(cfg.model_name_or_path)
         except UnsupportedModelError as e:
-            return None, [str(e)]
+            return None, config_problems(e)
         # a meaningless value (its own problem) would mislead the rules that read the model: they skip it
         values = model_config_problems(config, os.path.join(cfg.model_name_or_path, "config.json"), override=False)
         if values:
@@ -70,9 +70,9 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
         if arch is None:
             return config, []
         try:
-            chosen = config_from_dict(arch)
-        except (UnsupportedModelError, TypeError, ValueError) as e:
-            return config, [f"model.architecture is not a valid model config: {e}"]
+            chosen = config_from_dict(arch, where=f"model.architecture (model={cfg.model.name})")
+        except UnsupportedModelError as e:
+            return config, config_problems(e)
         return config, [
             f"model={cfg.model.name} has {f}={getattr(chosen, f)} but {cfg.model_name_or_path}/config.json has "
             f"{getattr(config, f)}: drop the model= override or use a checkpoint of that architecture"
@@ -93,14 +93,18 @@ def resolve_model(cfg: TrainConfig) -> tuple[object, list[str]]:
             f"model.tokenizer {cfg.model.tokenizer!r} holds no tokenizer ({' or '.join(LOADABLE_TOKENIZER_FILES)}): "
             f"training from scratch needs one (it is saved with every checkpoint)"
         )
+    where = f"model.architecture (model={cfg.model.name})"
     try:
-        config = config_from_dict(arch)
+        config = config_from_dict(arch, where=where)
     except UnsupportedModelError as e:
-        return None, problems + [str(e)]
-    except (TypeError, ValueError) as e:
-        return None, problems + [f"model.architecture is not a valid model config: {e}"]
-    values = model_config_problems(config, f"model.architecture (model={cfg.model.name})", override=True)
+        return None, problems + config_problems(e)
+    values = model_config_problems(config, where, override=True)
     return (None, problems + values) if values else (config, problems)
+
+
+def config_problems(error: UnsupportedModelError) -> list[str]:
+    """The lines of a config the family table cannot build: one per value (ModelConfigError), or the one."""
+    return error.problems if isinstance(error, ModelConfigError) else [str(error)]
 
 
 def input_checkpoint_problems(cfg: TrainConfig, model_config=None) -> list[str]:

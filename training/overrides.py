@@ -16,6 +16,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
+from models.config_rules import type_words
 from training.config import MODEL_CONF_DIR, DataFormat, SourceConfig, TrainConfig, leaf_keys
 
 
@@ -81,6 +82,15 @@ LIST_FORMS = {
 }
 
 
+# The forms of mapping keys: (one entry, several)
+DICT_FORMS = {
+    "model.architecture": (
+        "<key>=value (a Hugging Face config key, e.g. model.architecture.hidden_size=64)",
+        "'{hidden_size:64,num_hidden_layers:4}'",
+    ),
+}
+
+
 def value_type_problems(overrides: list[str]) -> list[str]:
     """``key=value`` overrides of TrainConfig's leaf keys whose value Hydra would refuse for the key's type, each
     with the form the key takes (Hydra says only "int is not a ListConfig" or "could not be converted to
@@ -102,6 +112,8 @@ def value_type_problems(overrides: list[str]) -> list[str]:
             kind, _ = key_type(key)
             if not (isinstance(kind, type) and issubclass(kind, Enum)):  # Hydra's line lists the choices already
                 problems.append(value_type_problem(key, arg.split("=", 1)[1], value))
+        except Exception:  # no merge into the schema's default (a mapping into model.architecture's None): the
+            continue  # composed config, with the group's entry, decides
     return problems
 
 
@@ -109,6 +121,12 @@ def value_type_problem(key: str, raw: str, value) -> str:
     """The line for ``key=raw`` (parsed: ``value``) that ``key``'s type does not take: the form it takes."""
     kind, default = key_type(key)
     origin = typing.get_origin(kind) or kind
+    if origin is dict:
+        entry, example = DICT_FORMS.get(key, ("<name>=value", "{name:value,other:value}"))
+        return (
+            f"{key}={raw}: {key} is a mapping: set one entry with {key}.{entry}, or several with "
+            f"{key}={example} (Hydra's mapping syntax)"
+        )
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)) and key in LIST_FORMS:
             return f"{key}={raw} is one value; {key} is a list of {LIST_FORMS[key].format(v=raw)}"
@@ -137,10 +155,6 @@ def key_type(key: str) -> tuple[type, object]:
     if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 1:
         kind = args[0]
     return kind, node
-
-
-def type_words(kind) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, str(kind))
 
 
 def form(value) -> str:

@@ -36,7 +36,7 @@ from training.distributed import release_cpu_comm_buffer
 PREEMPTED_EXIT_CODE = 75  # BSD's EX_TEMPFAIL: saved, stopped, resume to continue (requeue)
 UNSAVED_EXIT_CODE = 76  # stopped without saving this step: resume continues from the last complete checkpoint
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
-STOPPING_FILE = ".stopping"  # in output_dir: the exit code of the job's first rank to exit at once (see exit_now)
+STOPPING_FILE = ".stopping"  # in output_dir: a link to the exit code of the job's first rank to exit at once
 _exiting: list[int] = []  # set when this rank is already on its way out (training/hang.py): signals end it quietly
 _job: dict = {"marker": None, "cleanup": [], "handler": None, "watching": False, "peers": None}
 
@@ -51,8 +51,10 @@ def peers_exiting() -> int | None:
     if _exiting:
         return _exiting[0]
     marker = _job["marker"]
-    if marker and os.path.exists(marker):
+    if marker and os.path.lexists(marker):
         try:
+            if os.path.islink(marker):  # _first_to_exit's: the code is the link's target
+                return int(os.readlink(marker))
             with open(marker) as f:
                 return int(f.read().strip() or UNSAVED_EXIT_CODE)
         except (OSError, ValueError):
@@ -90,16 +92,13 @@ def _first_to_exit(code: int) -> bool:
     if marker is None:
         return True
     try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        # A symbolic link to the code: made at once with its code (a peer never reads it empty), and on a full
+        # disk too (no data block to write; a file's write of the code fails there, and its peers said 76).
+        os.symlink(str(code), marker)
     except FileExistsError:
         return False
     except OSError:
         return True
-    try:
-        os.write(fd, str(code).encode())
-    except OSError:  # a full disk: the empty marker still says the job is exiting (peers_exiting reads it so)
-        pass
-    os.close(fd)
     return True
 
 

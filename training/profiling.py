@@ -23,7 +23,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from parallel.dualpipev import LlamaDualPipeVEngine, wrap_instructions
-from training.distributed import writing
+from training.distributed import WriteFailed, disk_full_cause, writing
 from training.logs import log0, native_lines_dropped
 from training.timeline import PROFILE_DIR, STEP_RANGE, TRACE_NAME, range_name
 
@@ -155,8 +155,21 @@ class StepProfiler:
         with writing(self.path):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             profiler.export_chrome_trace(self.path)
+            check_trace_written(self.path)
         log0(
             f"profile of steps {self.first}..{self.last} written per rank to {os.path.dirname(self.path)} "
             f"({TRACE_NAME.format('<R>')}: open in https://ui.perfetto.dev or TensorBoard); "
             f"scripts/plot_timeline.py {os.path.dirname(os.path.dirname(self.path))} draws a step"
         )
+
+
+def check_trace_written(path: str) -> None:
+    """The profiler's native export says nothing when its write fails (a full disk leaves an empty or cut trace):
+    a trace that does not end as its JSON does (``}``) raises :class:`WriteFailed`, the cause the disk's if full."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - 64))
+        whole = f.read().rstrip().endswith(b"}")
+    if not whole:
+        cause = disk_full_cause(path) or "the profiler wrote an incomplete trace and said nothing (check the disk)"
+        raise WriteFailed(path, f"{cause}; {size} bytes written")

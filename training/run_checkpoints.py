@@ -119,7 +119,8 @@ def save(resolved: Resolved, engine, step: int, iterator, writer: BackgroundWrit
     dist.barrier()  # no rank writes into the directory before a stale one is gone
     start = time.time()
     capture = engine.checkpoint_engine.capturing() if background else contextlib.nullcontext()
-    with capture as captured:
+    # a failed write names its file (training/async_save.py's CheckpointEngine), else the checkpoint's directory
+    with capture as captured, writing(staging):
         # A LoRA run's layer files hold only what it trains; the frozen base stays in model_name_or_path.
         engine.save_checkpoint(
             cfg.output_dir, tag=os.path.basename(staging), save_latest=False, exclude_frozen_parameters=resolved.lora
@@ -346,10 +347,11 @@ def missing_deepspeed_files(engine, output_dir: str, tag: str) -> list[str]:
     return [f"{path} is missing: the checkpoint is incomplete" for path in expected if not os.path.isfile(path)]
 
 
-def read_trainer_state(resolved: Resolved, engine) -> dict:
-    """This rank's trainer state of the checkpoint being resumed (run through on_all_ranks), once this
-    stage's layer files are checked against the model, the DeepSpeed files it will read are there, and
-    no file of its share names anything a checkpoint does not hold (before DeepSpeed loads anything)."""
+def checkpoint_problems(resolved: Resolved, engine) -> list[str]:
+    """This rank's share of the checks of the checkpoint being resumed, before DeepSpeed loads anything: its
+    stage's layer files against the model, the DeepSpeed files it will read there, and no file of its share (every
+    world_size-th) naming anything a checkpoint does not hold. A file may be checked by two ranks (its stage's, and
+    the share's): :func:`cannot_resume` says each problem once, for the job."""
     cfg, tag = resolved.cfg, resolved.resume_tag
     if resolved.lora:
         problems = adapter_file_problems(
@@ -359,8 +361,31 @@ def read_trainer_state(resolved: Resolved, engine) -> dict:
         problems = stage_file_problems(engine.module, resolved.model_config, cfg.output_dir, tag)
     problems += missing_deepspeed_files(engine, cfg.output_dir, tag)
     problems += unsafe_checkpoint_files(os.path.join(cfg.output_dir, tag), dist.get_rank(), dist.get_world_size())
-    if problems:
-        raise CheckpointError(f"cannot resume from {cfg.output_dir}/{tag}:\n  " + "\n  ".join(problems))
+    return problems
+
+
+def cannot_resume(output_dir: str, tag: str, problems: list[str]) -> str:
+    """The job's one message for the problems every rank found in checkpoint ``tag`` (each said once), and what to
+    do: resume from the checkpoint before it where output_dir has one, else restore the files."""
+    earlier = [name for step, name in checkpoint_tags(output_dir) if step < step_of(tag)]
+    if earlier:
+        what = (
+            f"resume from the previous checkpoint, {os.path.join(output_dir, earlier[-1])}: write its name into "
+            f"{os.path.join(output_dir, LATEST_FILE)} (`echo {earlier[-1]} > {os.path.join(output_dir, LATEST_FILE)}`; "
+            f"the next save deletes {tag}: copy it first to keep it), or restore the files named from a copy"
+        )
+    else:
+        what = (
+            f"restore the files named from a copy of {os.path.join(output_dir, tag)} (it is the only checkpoint in "
+            f"{output_dir}), or start afresh in another output_dir"
+        )
+    return f"cannot resume from {output_dir}/{tag}:\n  " + "\n  ".join(dict.fromkeys(problems)) + f"\n{what}"
+
+
+def read_trainer_state(resolved: Resolved, engine) -> dict:
+    """This rank's trainer state of the checkpoint being resumed (run through on_all_ranks, after
+    :func:`checkpoint_problems` found none on any rank)."""
+    cfg, tag = resolved.cfg, resolved.resume_tag
     path = trainer_state_file(cfg.output_dir, tag, dist.get_rank())
     if not os.path.isfile(path):
         raise FileNotFoundError(

@@ -223,8 +223,12 @@ class RunLock:
                 return False
             # Replace it in one step: unlinking first would let a plain create win without a warning.
             new = f"{claim}.new"
-            with open(new, "w") as f:
-                json.dump(self._record, f)
+            try:
+                with writing(self.path), open(new, "w") as f:
+                    json.dump(self._record, f)
+            except WriteFailed:
+                self._remove_quietly(new)
+                raise
             os.replace(new, self.path)
             if seen[0]:
                 self._remove_quietly(self._tmp_path(seen[0]["run_id"]))

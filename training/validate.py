@@ -155,14 +155,23 @@ def resolve(
         problems.append(
             f"optim.betas {list(cfg.optim.betas)} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]"
         )
-    for name in ("eps", "weight_decay"):
-        if getattr(cfg.optim, name) < 0:
-            problems.append(f"optim.{name} {getattr(cfg.optim, name)} < 0: set it >= 0")
-    if cfg.optim.eps >= 1:  # 1e8 for 1e-8: the update shrinks by that much
-        problems.append(f"optim.eps {cfg.optim.eps:g} >= 1 swamps every update: set it in [0, 1) (AdamW's 1e-8)")
+    if cfg.optim.weight_decay < 0:
+        problems.append(f"optim.weight_decay {cfg.optim.weight_decay} < 0: set it >= 0")
+    if cfg.optim.eps <= 0:  # AdamW divides by sqrt(v) + eps: 0 / 0 where a gradient and its moments are 0
+        problems.append(
+            f"optim.eps {cfg.optim.eps:g} <= 0: AdamW divides each update by sqrt(v) + eps, which is 0 (a NaN update) "
+            "wherever a weight's gradients have been 0; set it in (0, 1) (AdamW's 1e-8)"
+        )
+    elif cfg.optim.eps >= 1:  # 1e8 for 1e-8: the update shrinks by that much
+        problems.append(f"optim.eps {cfg.optim.eps:g} >= 1 swamps every update: set it in (0, 1) (AdamW's 1e-8)")
+    lr_valid = 0 < cfg.optim.lr <= 1  # else its own line, and no rule measures another key against it
     if cfg.optim.lr > 1:
         problems.append(f"optim.lr {cfg.optim.lr:g} > 1 is no AdamW learning rate: set it in (0, 1] (1e-5 to 1e-3)")
-    elif cfg.optim.lr * cfg.optim.weight_decay >= 1:
+    elif cfg.optim.lr < 0:
+        problems.append(
+            f"optim.lr {cfg.optim.lr:g} < 0 climbs the loss instead of descending it: set it in (0, 1] (1e-5 to 1e-3)"
+        )
+    elif lr_valid and cfg.optim.lr * cfg.optim.weight_decay >= 1:
         problems.append(
             f"optim.weight_decay {cfg.optim.weight_decay:g} x optim.lr {cfg.optim.lr:g} >= 1: decoupled weight decay "
             "multiplies each weight by 1 - lr x weight_decay every step, which zeroes or flips it; set "
@@ -170,7 +179,7 @@ def resolve(
         )
     if cfg.optim.max_grad_norm < 0:
         problems.append(f"optim.max_grad_norm {cfg.optim.max_grad_norm} < 0: set it >= 0 (0 = no clipping)")
-    if not 0 <= cfg.optim.min_lr <= cfg.optim.lr:
+    if cfg.optim.min_lr < 0 or (lr_valid and cfg.optim.min_lr > cfg.optim.lr):
         problems.append(f"optim.min_lr {cfg.optim.min_lr} must be in [0, optim.lr={cfg.optim.lr}]")
     if cfg.monitor.tensorboard and importlib.util.find_spec("tensorboard") is None:
         problems.append("monitor.tensorboard=true needs the tensorboard package: pip install tensorboard")
@@ -384,7 +393,7 @@ def noop_value_problems(cfg: TrainConfig) -> list[str]:
     """Values that would make the whole run train nothing, refused rather than run for nothing (peft.alpha 0:
     models.lora_rules.peft_problems)."""
     problems = []
-    if cfg.optim.lr <= 0:
+    if cfg.optim.lr == 0:  # below 0: resolve's range line
         problems.append(
             f"optim.lr {cfg.optim.lr} trains nothing: set optim.lr > 0 (to load and evaluate without training, "
             "set max_steps=0)"

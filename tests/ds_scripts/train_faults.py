@@ -14,16 +14,19 @@ environment variables choosing the faults:
 - ``FAULT_HANG_AT_STEP=<step>:<rank>``: that rank stops responding at the start of that step (it
   sleeps forever, like a rank stuck in I/O), while the others wait for it in a collective; the line saying
   so ends with the time it began.
-- ``FAULT_DISK_FULL=<ranks>:<text>[:<nth>]``: those ranks (``0`` or ``0+1``) get ``[Errno 28] No space left on
-  device`` from their ``nth`` (1 by default) write of a file whose path contains ``text``, and every one after it:
-  a full disk, where the rank opens the file for writing (``open``, ``os.open``), ``torch.save``s it or exports a
-  profiler trace to it.
+- ``FAULT_DISK_FULL=<ranks>:<text>[:<nth>]``: those ranks (``0`` or ``0+1``) find the disk full from their ``nth``
+  (1 by default) write of a file whose path contains ``text``, and every one after it, as a real full disk says it:
+  ``open`` and ``os.open`` raise ``[Errno 28] No space left on device``; ``torch.save`` to a path raises torch's
+  errno-less ``RuntimeError``s (``basic_ios::clear: iostream error``, then ``unexpected pos``); a profiler trace is
+  left cut short without a word (the native export's way); and ``shutil.disk_usage`` reports 0 bytes free once the
+  disk is full.
 """
 
 import builtins
 import errno
 import io
 import os
+import shutil
 import signal
 import sys
 import time
@@ -84,11 +87,33 @@ disk_full = os.environ.get("FAULT_DISK_FULL", "").split(":")
 if disk_full[0] and str(RANK) in disk_full[0].split("+"):
     full_text, full_from, full_seen = disk_full[1], int(disk_full[2]) if len(disk_full) > 2 else 1, [0]
 
-    def no_space(path) -> None:
+    def is_full(path) -> bool:
         if isinstance(path, (str, os.PathLike)) and full_text in os.fspath(path):
             full_seen[0] += 1
-            if full_seen[0] >= full_from:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        return full_seen[0] >= full_from and full_text in os.fspath(path)
+
+    def no_space(path) -> None:
+        if isinstance(path, (str, os.PathLike)) and is_full(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+
+    def torch_save_full(obj, f, *args, **kwargs):
+        if not (isinstance(f, (str, os.PathLike)) and is_full(f)):
+            return _torch_save(obj, f, *args, **kwargs)
+        try:  # torch's zip writer, given a path: its stream's error, then another from closing the zip
+            raise RuntimeError("basic_ios::clear: iostream error")
+        finally:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 768 vs 662")
+
+    def export_full(self, path):
+        _export(self, path)
+        if is_full(path):  # the native export ignores a failed write: the trace is cut short, nothing said
+            os.truncate(path, os.path.getsize(path) // 2)
+
+    _disk_usage = shutil.disk_usage
+
+    def disk_usage(path):
+        usage = _disk_usage(path)
+        return usage._replace(used=usage.total, free=0) if full_seen[0] >= full_from else usage
 
     def full_disk(write, is_write):
         def wrapped(path, *args, **kwargs):
@@ -104,11 +129,12 @@ if disk_full[0] and str(RANK) in disk_full[0].split("+"):
     builtins.open = io.open = full_disk(builtins.open, writes_mode)
     os.open = full_disk(os.open, lambda args, kwargs: bool(args[0] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)))
     _torch_save = torch.save
-    torch.save = lambda obj, f, *args, **kwargs: (no_space(f), _torch_save(obj, f, *args, **kwargs))[1]
+    torch.save = torch_save_full
     import torch.profiler  # noqa: E402
 
     _export = torch.profiler.profile.export_chrome_trace
-    torch.profiler.profile.export_chrome_trace = lambda self, path: (no_space(path), _export(self, path))[1]
+    torch.profiler.profile.export_chrome_trace = export_full
+    shutil.disk_usage = disk_usage
 
 if nan_steps:
     _loss = CausalLMLoss.__call__
