@@ -181,6 +181,13 @@ class HFTensorSource:
             return handle[key].clone()
         return handle.get_tensor(key)  # a view of the mapped file: valid while the tensor lives
 
+    def first_rows(self, key: str, rows: int) -> torch.Tensor:
+        """The first ``rows`` rows of tensor ``key``, read without the rest of it."""
+        if self._bin:
+            return self.get(key)[:rows]
+        with open_safetensors(self.key_to_file[key]) as handle:
+            return handle.get_slice(key)[:rows]
+
     def release(self) -> None:
         """Unmap every open file (once the tensors taken from it are no longer referenced)."""
         self._handles.clear()
@@ -424,6 +431,7 @@ def hf_input_problems(config: PretrainedConfig, source: HFTensorSource) -> list[
         for k in source.key_to_file
         if k not in want and k != tied_head_key and not k.endswith(IGNORED_SUFFIXES)
     ]
+    problems += tied_head_problems(config, source, want)
     # The hint only where the file holds experts in another layout (fused, stacked): a deleted expert is just missing.
     other = [k for k in source.key_to_file if k not in want and ".experts." in k and not PER_EXPERT_KEY.search(k)]
     if other and config.model_type in EXPERTS_ON_DISK:
@@ -434,6 +442,28 @@ def hf_input_problems(config: PretrainedConfig, source: HFTensorSource) -> list[
             "experts in another layout, which this converter does not read"
         )
     return problems
+
+
+TIED_HEAD_ROWS = 64  # rows of a tied checkpoint's own LM head compared with the embedding's (a sample: both are large)
+
+
+def tied_head_problems(config: PretrainedConfig, source: HFTensorSource, want: dict) -> list[str]:
+    """A config.json with tie_word_embeddings true beside a file holding its own ``lm_head.weight`` that differs from
+    the embedding: the head would be the embedding and the file's head dropped without a word (transformers loads it
+    so too); save_pretrained writes no head for a tied model, so the file and its config disagree."""
+    embed = next((k for k in want if k.endswith("embed_tokens.weight")), None)
+    head = "lm_head.weight"
+    if not config.tie_word_embeddings or embed is None or head not in source.key_to_file:
+        return []
+    if source.shape(head) == source.shape(embed) and torch.equal(
+        source.first_rows(head, TIED_HEAD_ROWS), source.first_rows(embed, TIED_HEAD_ROWS)
+    ):
+        return []
+    return [
+        f"config.json sets tie_word_embeddings true, but {source.key_to_file[head]} holds its own {head!r}, which "
+        f"differs from {embed!r}: the embedding would be the LM head and the file's head dropped; set "
+        "tie_word_embeddings false there to train the file's head, or remove lm_head.weight from the file"
+    ]
 
 
 def hf_to_stages(input_dir: str, output: str, dtype: torch.dtype | None = None, overwrite: bool = False) -> None:

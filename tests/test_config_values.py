@@ -9,10 +9,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from types import SimpleNamespace
 
 import pytest
+from safetensors.torch import load_file, save_file
 
+from models.families import load_config
+from models.hf_io import HFTensorSource, hf_input_problems
 from models.tiny import tiny_config
 from training.announce import model_lines, moe_line
 from training.config import (
@@ -487,3 +491,25 @@ def test_a_learning_rate_out_of_range_is_the_one_key_reported(cfg, optim, line):
     lines = [p for p in problems_of(cfg) if p.startswith("optim.")]
     assert any(p.startswith(line) for p in lines) and not any("optim.lr=" in p or "x optim.lr" in p for p in lines)
     assert len(lines) == 1 + (optim.weight_decay < 0), lines
+
+
+@pytest.mark.parametrize("head", ["differs", "equal"])
+def test_a_tied_config_beside_a_head_of_its_own_is_refused_where_they_differ(tmp_path, tiny_tied_hf, head):
+    """tie_word_embeddings true in config.json while the file holds an lm_head.weight of its own: transformers (and the
+    converter, and train.py's start from the directory) would use the embedding as the head and drop the file's."""
+    model = tmp_path / "tied"
+    shutil.copytree(tiny_tied_hf, model)
+    weights = load_file(str(model / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = embed + 1 if head == "differs" else embed.clone()
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    config = load_config(str(model))
+    problems = hf_input_problems(config, HFTensorSource(str(model)))
+    if head == "equal":
+        assert problems == []
+        return
+    assert problems == [
+        f"config.json sets tie_word_embeddings true, but {model / 'model.safetensors'} holds its own 'lm_head.weight', "
+        "which differs from 'model.embed_tokens.weight': the embedding would be the LM head and the file's head "
+        "dropped; set tie_word_embeddings false there to train the file's head, or remove lm_head.weight from the file"
+    ]
