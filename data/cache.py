@@ -350,6 +350,9 @@ class TokenBlocks(Dataset):
         self.entry = entry
         with open(os.path.join(entry, "meta.json")) as f:
             self.meta = json.load(f)
+        damaged = entry_files_problem(entry, self.meta)
+        if damaged:
+            raise DataError(damaged)
         shards = [os.path.join(entry, s["dir"]) for s in self.meta["shards"]] if "shards" in self.meta else [entry]
         self.shards = [_open_entry(d, self.meta["seq_len"]) for d in shards]
         self.offsets = np.cumsum([0] + [len(nt) for _, nt in self.shards])  # first row of each shard, then the end
@@ -385,6 +388,51 @@ class TokenBlocks(Dataset):
     def total_tokens(self) -> int:
         """Real (non-padding) tokens in these rows."""
         return int(self.lengths().sum(dtype=np.int64))
+
+
+def entry_files_problem(entry: str, meta: dict) -> str:
+    """Why the files of a cache entry or a prepared directory (``meta``: its meta.json) do not hold the rows its
+    meta.json counts: "" when every .bin file is there with its size (rows x seq_len x 4 bytes; num_tokens rows x 4).
+    A cut file would otherwise be read as fewer rows (num_tokens) or fail when mapped, naming no file."""
+    prepared = "shards" in meta
+    fix = (
+        "prepare the data again (python scripts/prepare_data.py)"
+        if prepared
+        else f"delete the cache entry {entry} (train.py tokenizes the data again)"
+    )
+    where = os.path.join(entry, "meta.json")
+    seq_len = meta.get("seq_len")
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        return f"{where} is damaged: seq_len is {seq_len!r}, not a positive whole number: {fix}"
+    if prepared:
+        shards = meta["shards"]
+        if not isinstance(shards, list) or not all(isinstance(s, dict) and "dir" in s for s in shards):
+            return f"{where} is damaged: its shards list is not a list of {{dir, num_samples}}: {fix}"
+        parts = [
+            (os.path.join(entry, s["dir"]), s.get("num_samples"), f"shard {s['dir']}'s num_samples") for s in shards
+        ]
+        total = meta.get("num_samples")
+        if not isinstance(total, int) or isinstance(total, bool):
+            return f"{where} is damaged: num_samples is {total!r}, not a whole number: {fix}"
+    else:
+        parts = [(entry, meta.get("num_samples"), "num_samples")]
+    for directory, rows, what in parts:
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+            return f"{where} is damaged: {what} is {rows!r}, not a whole number: {fix}"
+        if not os.path.isdir(directory):
+            return f"{directory} is missing ({where} lists it): {fix}"
+        for name, size in [(n, rows * seq_len * 4) for n in ARRAYS] + [(NUM_TOKENS, rows * 4)]:
+            path = os.path.join(directory, f"{name}.bin")
+            if not os.path.isfile(path):
+                return f"{path} is missing ({where} counts {rows} rows there): {fix}"
+            have = os.path.getsize(path)
+            if have != size:
+                return (
+                    f"{path} holds {have} bytes, and {where} implies {size} ({rows} rows"
+                    + (f" x {seq_len}" if name != NUM_TOKENS else "")
+                    + f" x 4 bytes): the file is cut or damaged: {fix}"
+                )
+    return ""
 
 
 def _open_entry(directory: str, seq_len: int) -> tuple[dict[str, np.memmap], np.memmap]:

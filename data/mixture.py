@@ -79,7 +79,8 @@ class MixtureDataset(Dataset):
             rows = np.arange(size)
             if shuffle:
                 g = torch.Generator()
-                g.manual_seed(seed * 1_000_003 + i * 10_007 + rep)  # one permutation per source and pass
+                # one permutation per source and pass; mod 2**64: torch's seed range (any seed up to 2**63 - 1)
+                g.manual_seed((seed * 1_000_003 + i * 10_007 + rep) % 2**64)
                 rows = torch.randperm(size, generator=g).numpy()
             lo, hi = max(start - rep * size, 0), min(stop - rep * size, size)
             out.append(rows[lo:hi])

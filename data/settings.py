@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from transformers import AutoTokenizer
 
-from data.cache import DataSettings, prepared_mismatch, vocab_problem
+from data.cache import DataSettings, entry_files_problem, prepared_mismatch, vocab_problem
 from data.checks import LOADABLE_TOKENIZER_FILES, field_names, packs, source_formats
 from data.sources import is_prepared
 
@@ -45,6 +46,11 @@ def prepared_problems(cfg, model_config) -> list[str]:
     problems = []
     for key, path, fmt in keyed:
         if path and os.path.isdir(path) and is_prepared(path):
+            with open(os.path.join(path, "meta.json")) as f:
+                damaged = entry_files_problem(path, json.load(f))
+            if damaged:
+                problems.append(f"{key} {damaged}")
+                continue
             settings = data_settings(cfg, model_config, fmt)
             meta, mismatch = prepared_mismatch(path, settings, tokenizer_dir(cfg) or None)
             if mismatch and meta["settings"].get("format") == settings.format:  # another format: data_problems says it

@@ -217,13 +217,28 @@ def saved_dataset(spec: str):
     return dataset
 
 
+def _prepared_meta(spec: str) -> dict:
+    """A prepared directory's ``meta.json``; one that is not a JSON object raises ValueError naming it."""
+    path = os.path.join(spec, "meta.json")
+    with open(path) as f:
+        try:
+            meta = json.load(f)
+        except ValueError as e:
+            raise ValueError(
+                f"{path}: not valid JSON ({e}): copy the prepared directory again, or prepare it again "
+                "(scripts/prepare_data.py)"
+            ) from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: not a JSON object: copy the prepared directory again, or prepare it again")
+    return meta
+
+
 def is_prepared(spec: str) -> bool:
     """A directory made by scripts/prepare_data.py (data/prepare.py): tokenized shards, read as they are."""
     meta = os.path.join(spec, "meta.json")
     if not os.path.isfile(meta):
         return False
-    with open(meta) as f:
-        return bool(json.load(f).get("prepared"))
+    return bool(_prepared_meta(spec).get("prepared"))
 
 
 def is_saved_dataset(spec: str) -> bool:
@@ -241,6 +256,11 @@ def source_files(spec: str) -> list[str]:
     if os.path.isdir(spec):
         files = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(DATA_SUFFIXES))
         if not files:
+            if any(f.startswith("shard-") and os.path.isdir(os.path.join(spec, f)) for f in os.listdir(spec)):
+                raise WholeFileError(
+                    f"{spec}: looks like a directory made by scripts/prepare_data.py (it has shard-* directories) "
+                    "missing its meta.json: prepare the data again (python scripts/prepare_data.py)"
+                )
             raise WholeFileError(f"{spec}: a directory without data files ({', '.join(DATA_SUFFIXES)})")
         return files
     if glob.has_magic(spec):
@@ -305,8 +325,7 @@ def first_record_problems(
 
 def _prepared_format_problems(spec: str, fmt: str, source: SourceRef | None) -> list[str]:
     """A prepared directory (data/prepare.py) of another format than the one it is read as."""
-    with open(os.path.join(spec, "meta.json")) as f:
-        made = json.load(f).get("settings", {}).get("format")
+    made = _prepared_meta(spec).get("settings", {}).get("format")
     if made in (None, fmt):
         return []
     setting, fix = (

@@ -39,6 +39,16 @@ def fixer(override: bool):
     return fix
 
 
+# Keys whose validator's range (LlamaConfig's) gets the house's words, as model_config_problems says it for the
+# families whose config class checks no range: (the range wanted, what a finite value out of it is)
+HOUSE_RANGES = {
+    "initializer_range": (
+        "in [0, 1] (0.02 in most families)",
+        "is not a standard deviation (a model from scratch draws its weights from N(0, it))",
+    ),
+}
+
+
 def model_config_problems(config: PretrainedConfig, where: str, override: bool) -> list[str]:
     """Meaningless values of ``config`` (read from ``where``: a config.json path, or model.architecture), one line
     each naming the file and the key. ``override``: the key is set as ``model.architecture.<key>=`` (from scratch);
@@ -63,8 +73,8 @@ def model_config_problems(config: PretrainedConfig, where: str, override: bool) 
     need(
         "initializer_range",
         _finite(std) and 0 <= std <= 1,
-        "in [0, 1] (0.02 in most families)",
-        "is not a standard deviation (a model from scratch draws its weights from N(0, it))",
+        HOUSE_RANGES["initializer_range"][0],
+        HOUSE_RANGES["initializer_range"][1] if _finite(std) else "is not a finite number",
     )
     dropout = getattr(config, "attention_dropout", 0.0)
     need("attention_dropout", _finite(dropout) and 0 <= dropout < 1, "in [0, 1) (0: no dropout, the usual)")
@@ -213,8 +223,13 @@ def config_field_problems(
             problems.append(
                 f"{where}: {name} {value!r} is not {type_words(kind)}: {fix(name, 'to ' + type_words(kind))}"
             )
+        elif name in HOUSE_RANGES:  # our own words for the range, not transformers' validator text
+            wanted, why = HOUSE_RANGES[name]
+            why = why if _finite(value) else "is not a finite number"
+            problems.append(f"{where}: {name} {value!r} {why}: {fix(name, wanted)}")
         else:
             problems.append(f"{where}: {name} {value!r} is out of range ({error}): {fix(name, 'within it')}")
+    problems += _name_problems(fields, where, fix, bad)
 
     def value(name):
         if name in fields:
@@ -250,8 +265,60 @@ def config_field_problems(
             f"hidden_size / num_attention_heads dimensions): "
             f"{fix('num_attention_heads', f'to a divisor of {hidden} (e.g. {_near_divisor(hidden, heads)})')}"
         )
+    problems += _token_id_problems(fields, sizes.get("vocab_size"), where, fix, bad, override)
     problems += _rope_duplicate_problems(config_class, fields, where, override)
     return fields, problems, bad
+
+
+def _name_problems(fields: dict, where: str, fix, bad: set) -> list[str]:
+    """hidden_act and dtype / torch_dtype name what transformers looks up by name when it builds the model (an
+    activation in transformers.activations.ACT2FN, a torch floating dtype): a name it lacks is a KeyError or an
+    AttributeError from inside the build."""
+    import torch
+    from transformers.activations import ACT2FN
+
+    problems = []
+    act = fields.get("hidden_act")
+    if "hidden_act" not in bad and isinstance(act, str) and act not in ACT2FN:
+        bad.add("hidden_act")
+        problems.append(
+            f"{where}: hidden_act {act!r} is not an activation transformers knows: "
+            + fix("hidden_act", f"to one of {', '.join(sorted(ACT2FN))} (silu in Llama)")
+        )
+    for key in ("dtype", "torch_dtype"):
+        name = fields.get(key)
+        if key in bad or not isinstance(name, str):
+            continue
+        dtype = getattr(torch, name, None)
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            bad.add(key)
+            problems.append(
+                f"{where}: {key} {name!r} is not a torch floating dtype: "
+                + fix(key, "to bfloat16, float16 or float32 (the dtype of the released weights), or remove it")
+            )
+    return problems
+
+
+def _token_id_problems(fields: dict, vocab: int | None, where: str, fix, bad: set, override: bool) -> list[str]:
+    """pad/bos/eos token ids of a config.json inside its vocabulary (pad_token_id is the embedding's padding row: one
+    outside it fails the build). From scratch pad_token_id only: a conf/model's bos/eos ids stay set where
+    model.architecture.vocab_size is lowered to a small tokenizer's (tests/test_families.py), and train nothing."""
+    problems = []
+    if vocab is None:
+        return problems
+    for key in ("pad_token_id",) if override else ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = fields.get(key)
+        if key in bad or value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if all(_number(i) and isinstance(i, int) and 0 <= i < vocab for i in ids):
+            continue
+        bad.add(key)
+        problems.append(
+            f"{where}: {key} {value!r} is outside the vocabulary (vocab_size {vocab}): "
+            + fix(key, f"to a token id in [0, {vocab}) (the tokenizer's), or null")
+        )
+    return problems
 
 
 def _divisors(n: int) -> str:

@@ -147,7 +147,12 @@ def load_config(model_dir: str) -> PretrainedConfig:
     and build the wrong model."""
     path = os.path.join(model_dir, "config.json")
     with open(path) as f:
-        raw = json.load(f)
+        try:
+            raw = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not valid JSON ({e}): copy the model's config.json again") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a JSON object: copy the model's config.json again")
     model_type = raw.get("model_type")
     if model_type not in FAMILIES:
         raise UnsupportedModelError(unsupported_message(model_type, path))
@@ -200,8 +205,9 @@ def build_config(model_type: str, fields: dict, where: str, override: bool) -> P
         # the value rules too, on the keys that were not refused (all of a config's problems in one go)
         try:
             rest = config_class.from_dict({k: v for k, v in fields.items() if k not in bad})
-        except (StrictDataclassError, TypeError, ValueError):
+        except (StrictDataclassError, TypeError, ValueError, KeyError, AttributeError) as e:
             rest = None
+            problems += [] if (line := rope_keys_problem(e, fields, where, override)) is None else [line]
         if rest is not None:
             problems += [
                 line
@@ -211,6 +217,11 @@ def build_config(model_type: str, fields: dict, where: str, override: bool) -> P
         raise ModelConfigError(problems)
     try:
         config = config_class.from_dict(fields)
+    except KeyError as e:
+        line = rope_keys_problem(e, fields, where, override)
+        if line is None:
+            raise
+        raise ModelConfigError([line]) from e
     except (StrictDataclassError, TypeError, ValueError) as e:
         cause = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ is not None else e
         raise ModelConfigError(
@@ -218,6 +229,30 @@ def build_config(model_type: str, fields: dict, where: str, override: bool) -> P
         ) from e
     check_rope(config, where)
     return config
+
+
+def rope_keys_problem(error: Exception, fields: dict, where: str, override: bool) -> str | None:
+    """The line for transformers' rope validation KeyError (a rope type without the keys it needs: llama3 without
+    low_freq_factor), naming the file, the rope type and the keys missing; None for any other error."""
+    import ast
+    import re
+
+    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else ""
+    if "rope_parameters" not in text or "Missing required keys" not in text:
+        return None
+    key = "rope_scaling" if isinstance(fields.get("rope_scaling"), dict) else "rope_parameters"
+    rope = fields.get(key) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    found = re.search(r"(\{.*\})\s*$", text)
+    try:
+        missing = ", ".join(sorted(ast.literal_eval(found.group(1)))) if found else text
+    except (ValueError, SyntaxError):
+        missing = found.group(1)
+    there = f"model.architecture.{key}" if override else f"{key} there"
+    return (
+        f"{where}: {key} (rope_type {kind!r}) lacks {missing}, which transformers {transformers_version()} needs "
+        f"for that rope type: add them to {there}, or set rope_type default (no scaling)"
+    )
 
 
 def attention_type(config: PretrainedConfig, layer_idx: int) -> str:

@@ -29,9 +29,11 @@ from models.layer_files import (
     copy_tokenizer_files,
     full_shape,
     load_layer_file,
+    open_safetensors,
     read_tag,
 )
 from models.lora import ADAPTER_NAME, lora_config, trainable_state
+from models.peft_targets import DECODER_LINEARS
 from models.specs import SpecInfo, layer_file_name, spec_layout
 
 PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM's prefix of the wrapped model's keys
@@ -66,14 +68,12 @@ def load_adapter_(local: list[tuple[int, nn.Module]], config, adapter_dir: str) 
     """Set this stage's adapters from a PEFT adapter directory (``peft.init_from``); returns the tensors
     set. Every adapter tensor of the stage must be in the file with its shape; all problems are raised
     together."""
-    from safetensors import safe_open
-
     layout = spec_layout(config)
     path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: peft.init_from needs {ADAPTER_WEIGHTS} beside {ADAPTER_CONFIG}")
     problems, count = [], 0
-    with safe_open(path, framework="pt") as f:
+    with open_safetensors(path) as f:
         wanted = {}
         for key in f.keys():
             index, local_key = spec_key(layout, key)
@@ -102,19 +102,20 @@ def adapter_model_problems(adapter_dir: str, config) -> list[str]:
     and shapes before start, instead of a key that maps to no stage in every rank."""
     import re
 
-    from safetensors import safe_open
-
     path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
     if not os.path.isfile(path):
         return [f"{path} not found: peft.init_from needs {ADAPTER_WEIGHTS} beside {ADAPTER_CONFIG}"]
     layers, wide = set(), set()
-    with safe_open(path, framework="pt") as f:
-        for key in f.keys():
-            m = re.search(r"\.layers\.(\d+)\.", key)
-            if m:
-                layers.add(int(m.group(1)))
-            if re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.lora_A\.weight$", key):
-                wide.add(f.get_slice(key).get_shape()[1])  # [r, hidden]
+    try:
+        with open_safetensors(path) as f:
+            for key in f.keys():
+                m = re.search(r"\.layers\.(\d+)\.", key)
+                if m:
+                    layers.add(int(m.group(1)))
+                if re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.lora_A\.weight$", key):
+                    wide.add(f.get_slice(key).get_shape()[1])  # [r, hidden]
+    except CheckpointError as e:
+        return [f"peft.init_from: {e}"]
     problems = []
     if layers and max(layers) >= config.num_hidden_layers:
         problems.append(
@@ -127,19 +128,78 @@ def adapter_model_problems(adapter_dir: str, config) -> list[str]:
     return [p + ": an adapter of another model; give one trained on this model's architecture" for p in problems]
 
 
-def adapter_settings_problems(adapter_dir: str, peft_cfg) -> list[str]:
-    """How the adapter directory's ``adapter_config.json`` differs from the ``peft`` settings it must match."""
-    with open(os.path.join(adapter_dir, ADAPTER_CONFIG)) as f:
-        saved = json.load(f)
+def read_adapter_config(adapter_dir: str) -> dict:
+    """The adapter directory's ``adapter_config.json``; a file that is not a JSON object raises ValueError naming it."""
+    path = os.path.join(adapter_dir, ADAPTER_CONFIG)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except ValueError as e:
+        raise ValueError(
+            f"{path}: not valid JSON ({e}): copy the adapter directory again (save_pretrained's output)"
+        ) from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: not a JSON object: copy the adapter directory again (save_pretrained's output)")
+    return saved
+
+
+# adapter_config.json's keys compared with the peft settings, and the types PEFT writes them as
+_ADAPTER_TYPES = {
+    "peft_type": (str,),
+    "r": (int,),
+    "lora_alpha": (int, float),
+    "use_rslora": (bool,),
+    "use_dora": (bool,),
+}
+
+
+_TYPE_WORDS = {str: "a string", int: "an integer", bool: "true or false"}
+
+
+def _module_list(path: str, key: str, value, problems: list[str]) -> list[str] | None:
+    """adapter_config.json's target_modules / modules_to_save as a list of names; None (with a problem) for a
+    value this pipeline cannot compare. PEFT writes a string as a regex over module names, or "all-linear"."""
+    if value is None:
+        return []
+    if key == "target_modules" and value == "all-linear":
+        return list(DECODER_LINEARS)  # PEFT: every linear layer but the output layer
+    if isinstance(value, str):
+        problems.append(
+            f"{key} {value!r} in {path} is a regex over module names, which this pipeline does not match: write "
+            f"the modules it selects there as a list (for example {list(DECODER_LINEARS)})"
+        )
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        problems.append(f"{key} {value!r} in {path} is not a list of module names: the file is damaged; copy it again")
+        return None
+    return value
+
+
+def adapter_settings_problems(adapter_dir: str, peft_cfg) -> tuple[list[str], list[str]]:
+    """(what is wrong with the adapter directory's ``adapter_config.json`` itself, how it differs from the ``peft``
+    settings it must match). A value of the wrong type is the file's fault, said as such (not as a setting to
+    change)."""
+    path = os.path.join(adapter_dir, ADAPTER_CONFIG)
+    try:
+        saved = read_adapter_config(adapter_dir)
+    except ValueError as e:
+        return [f"peft.init_from: {e}"], []
     now = lora_config(peft_cfg).to_dict()
-    problems = []
+    problems, damaged = [], []
     for key in ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora"):
-        if saved.get(key) != now.get(key) and not (key == "lora_alpha" and saved.get(key) == float(now[key])):
+        value, types = saved.get(key), _ADAPTER_TYPES[key]
+        if key in saved and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
+            damaged.append(
+                f"{key} {value!r} in {path} is not {_TYPE_WORDS[types[0]]}: "
+                "the file is damaged or hand-edited; write the value the adapter was trained with, or copy it again"
+            )
+        elif saved.get(key) != now.get(key) and not (key == "lora_alpha" and saved.get(key) == float(now[key])):
             problems.append(f"{key} {saved.get(key)!r} in {adapter_dir}, {now.get(key)!r} here")
     for key in ("target_modules", "modules_to_save"):
-        if sorted(saved.get(key) or []) != sorted(now.get(key) or []):
-            problems.append(f"{key} {sorted(saved.get(key) or [])} in {adapter_dir}, {sorted(now.get(key) or [])} here")
-    return problems
+        names = _module_list(path, key, saved.get(key), damaged)
+        if names is not None and sorted(names) != sorted(now.get(key) or []):
+            problems.append(f"{key} {sorted(names)} in {adapter_dir}, {sorted(now.get(key) or [])} here")
+    return damaged, problems
 
 
 def file_sha256(path: str) -> str:

@@ -79,13 +79,19 @@ def peft_problems(cfg, model_config, layout) -> list[str]:
             "bitsandbytes (pinned in pyproject.toml), or set peft.quantize=none"
         )
     problems += peft_layout_problems(layout, cfg.peft.method, cfg.ds_config)
-    if p.init_from and not os.path.isfile(os.path.join(p.init_from, "adapter_config.json")):
+    if p.init_from and not os.path.isdir(p.init_from):
+        problems.append(
+            f"peft.init_from {p.init_from}: no such directory: give a PEFT adapter directory "
+            "(save_pretrained's output, or convert2ckpt.py --to-hf of a LoRA run)"
+        )
+    elif p.init_from and not os.path.isfile(os.path.join(p.init_from, "adapter_config.json")):
         problems.append(
             f"peft.init_from {p.init_from} has no adapter_config.json: give a PEFT adapter directory "
             "(save_pretrained's output, or convert2ckpt.py --to-hf of a LoRA run)"
         )
     elif p.init_from:
-        differs = adapter_settings_problems(p.init_from, p)
+        damaged, differs = adapter_settings_problems(p.init_from, p)
+        problems += damaged
         if model_config is not None:
             problems += adapter_model_problems(p.init_from, model_config)
         if differs:

@@ -13,6 +13,7 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
+import transformers
 from safetensors.torch import load_file, save_file
 
 from models.families import load_config
@@ -128,6 +129,16 @@ MODEL_VALUES = [
     ),
     ("qwen2", dict(attention_dropout=1.5), "attention_dropout 1.5 is out of range"),
     ("mistral", dict(sliding_window=0), "sliding_window 0 lets a token attend to nothing"),
+    # names transformers looks up when it builds the model (a KeyError / AttributeError from inside the build)
+    ("llama", dict(hidden_act="gelu_foo"), "hidden_act 'gelu_foo' is not an activation transformers knows"),
+    ("qwen3_moe", dict(hidden_act="foo"), "hidden_act 'foo' is not an activation transformers knows"),
+    ("llama", dict(dtype="float8"), "dtype 'float8' is not a torch floating dtype"),
+    ("mixtral", dict(dtype="int8"), "dtype 'int8' is not a torch floating dtype"),
+    # token ids outside the vocabulary (pad_token_id: the embedding's padding row, an AssertionError in the build)
+    ("llama", dict(pad_token_id=1000), "pad_token_id 1000 is outside the vocabulary (vocab_size 512)"),
+    # LlamaConfig's validator refuses it with its own text; the house's words instead
+    ("llama", dict(initializer_range=NAN), "initializer_range nan is not a finite number"),
+    ("mixtral", dict(initializer_range=NAN), "initializer_range nan is not a finite number"),
 ]
 
 
@@ -152,6 +163,50 @@ def test_meaningless_values_of_the_models_config_are_refused_naming_file_and_key
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama4_text"])
 def test_the_families_own_configs_pass(tmp_path, model_type):
     assert resolve_model(TrainConfig(model_name_or_path=checkpoint_config(tmp_path, model_type)))[1] == []
+
+
+def test_names_and_token_ids_transformers_takes_pass(tmp_path):
+    path = checkpoint_config(
+        tmp_path, "llama", hidden_act="gelu_pytorch_tanh", dtype="bfloat16", pad_token_id=0, eos_token_id=[2, 511]
+    )
+    config, problems = resolve_model(TrainConfig(model_name_or_path=path))
+    assert problems == [] and config.eos_token_id == [2, 511]
+
+
+@pytest.mark.parametrize(
+    "fields, line",
+    [
+        (dict(bos_token_id=-5), "bos_token_id -5 is outside the vocabulary (vocab_size 512): set bos_token_id to"),
+        (dict(eos_token_id=[2, 100000]), "eos_token_id [2, 100000] is outside the vocabulary (vocab_size 512): set"),
+    ],
+    ids=lambda x: None,
+)
+def test_bos_and_eos_of_a_config_json_are_in_its_vocabulary(tmp_path, tokenizer_dir, fields, line):
+    """In a config.json; model.architecture's are left alone (a conf/model's stay set where its vocab_size is lowered
+    to the tokenizer's)."""
+    path = checkpoint_config(tmp_path, "qwen3", **fields)
+    config, problems = resolve_model(TrainConfig(model_name_or_path=path))
+    assert config is None and len(problems) == 1 and problems[0].startswith(f"{path}/config.json: {line}"), problems
+    assert resolve_model(scratch(TrainConfig(), tokenizer_dir, "qwen3", **fields))[1] == []
+
+
+def test_a_rope_type_without_the_keys_it_needs_is_one_line(tmp_path, tokenizer_dir):
+    """The case: rope_parameters {"rope_type": "llama3", "rope_theta": 10000, "factor": 8} was transformers'
+    KeyError "Missing required keys in `rope_parameters`" from inside the config's build."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+    path = checkpoint_config(tmp_path, "llama", rope_parameters=rope)
+    config, problems = resolve_model(TrainConfig(model_name_or_path=path))
+    assert config is None and problems == [
+        f"{path}/config.json: rope_parameters (rope_type 'llama3') lacks high_freq_factor, low_freq_factor, which "
+        f"transformers {transformers.__version__} needs for that rope type: add them to rope_parameters there, or set "
+        "rope_type default (no scaling)"
+    ], problems
+    # with another problem beside it: both lines
+    config, problems = resolve_model(scratch(TrainConfig(), tokenizer_dir, rope_parameters=rope, hidden_size=-64))
+    assert config is None and len(problems) == 2, problems
+    assert problems[0].startswith("model.architecture (model=tiny-llama): hidden_size -64 ")
+    assert "rope_parameters (rope_type 'llama3') lacks high_freq_factor, low_freq_factor" in problems[1]
+    assert "add them to model.architecture.rope_parameters" in problems[1]
 
 
 def both_problems(tmp_path, tokenizer_dir, model_type: str, **fields) -> tuple[str, list[str], list[str]]:
@@ -186,7 +241,14 @@ WRONG_TYPES = [
     ),
     ("llama", dict(hidden_size="abc"), ["hidden_size 'abc' is not an integer: set {k} to an integer"]),
     ("qwen3_moe", dict(norm_topk_prob="yes"), ["norm_topk_prob 'yes' is not true or false: set {k} to true or false"]),
-    ("llama", dict(initializer_range=-1.0), ["initializer_range -1.0 is out of range (Value must be greater or equal"]),
+    (  # LlamaConfig's own range check, said in the house's words (not the validator's text)
+        "llama",
+        dict(initializer_range=-1.0),
+        [
+            "initializer_range -1.0 is not a standard deviation (a model from scratch draws its weights from N(0, "
+            "it)): set {k} in [0, 1] (0.02 in most families)"
+        ],
+    ),
     (  # every problem of the config at once: the type, and the value rules on the keys that have a type
         "mixtral",
         dict(num_experts_per_tok=1.5, router_jitter_noise=5, initializer_range=-1.0),
@@ -469,6 +531,34 @@ def test_implausible_finite_values_are_refused(cfg, tiny_ckpt, change, message):
     if cfg.peft.method == "lora":
         cfg.model_name_or_path = tiny_ckpt  # LoRA adapts a base in layer files
     assert any(line.startswith(message) for line in problems_of(cfg)), problems_of(cfg)
+
+
+@pytest.mark.parametrize(
+    "change, line",
+    [
+        (dict(seed=-1), "seed -1 is out of range: set seed in [0, 2**63 - 1] (e.g. 42)"),
+        (dict(seed=10**20), "seed 100000000000000000000 is out of range: set seed in [0, 2**63 - 1] (e.g. 42)"),
+        (
+            dict(optim=OptimConfig(warmup_steps=-1)),
+            "optim.warmup_steps -1 is out of range: set optim.warmup_steps >= 0 (0 = no warm-up)",
+        ),
+    ],
+    ids=lambda x: None,
+)
+def test_int_keys_out_of_range_are_refused(cfg, change, line):
+    """The cases: seed -1 broke numpy's default_rng with data.sources, seed 1e20 overflowed torch's manual_seed,
+    optim.warmup_steps -1 was taken without a word."""
+    for key, value in change.items():
+        setattr(cfg, key, value)
+    assert line in problems_of(cfg)
+
+
+def test_the_largest_seed_mixes_sources():
+    """seed 2**63 - 1 (the top of its range) orders a data.sources mixture: its per-source seeds wrap to torch's."""
+    from data.mixture import MixtureDataset
+
+    mixture = MixtureDataset([list(range(3)), list(range(2))], [0.6, 0.4], ["a", "b"])
+    assert sorted(mixture.epoch_order(1, 2**63 - 1, shuffle=True).tolist()) == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize(

@@ -301,3 +301,200 @@ def test_a_damaged_checkpoint_file_is_said_once_with_what_to_do(tmp_path):
         f"(`echo global_step2 > {tmp_path}/latest`; the next save deletes global_step4: copy it first to keep it), "
         "or restore the files named from a copy"
     )
+
+
+# -- a damaged prepared directory or cache entry is refused, naming the file ---------------------------------------
+
+
+def prepared_dir(path, rows: int = 6, seq_len: int = 8) -> str:
+    """A prepared directory's layout (scripts/prepare_data.py): meta.json and one shard of .bin files."""
+    import numpy as np
+
+    from data.cache import ARRAYS, NUM_TOKENS
+
+    shard = os.path.join(path, "shard-00000")
+    os.makedirs(shard)
+    for name in ARRAYS:
+        np.ones((rows, seq_len), dtype=np.int32).tofile(os.path.join(shard, f"{name}.bin"))
+    np.full(rows, seq_len, dtype=np.int32).tofile(os.path.join(shard, f"{NUM_TOKENS}.bin"))
+    meta = {"prepared": 1, "seq_len": seq_len, "num_samples": rows, "tokens": rows * seq_len, "settings": {}}
+    meta["shards"] = [{"dir": "shard-00000", "num_samples": rows}]
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return str(path)
+
+
+def cut(path: str, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        (lambda d: cut(f"{d}/shard-00000/num_tokens.bin", 8), "num_tokens.bin holds 8 bytes, and"),
+        (lambda d: cut(f"{d}/shard-00000/input_ids.bin", 100), "input_ids.bin holds 100 bytes, and"),
+        (lambda d: os.remove(f"{d}/shard-00000/labels.bin"), "shard-00000/labels.bin is missing"),
+        (lambda d: __import__("shutil").rmtree(f"{d}/shard-00000"), "shard-00000 is missing"),
+    ],
+)
+def test_a_damaged_prepared_directory_is_refused_naming_the_file(tmp_path, damage, said):
+    from data.cache import TokenBlocks
+    from data.sources import DataError
+
+    d = prepared_dir(tmp_path)
+    assert len(TokenBlocks(d)) == 6
+    damage(d)
+    with pytest.raises(DataError) as e:
+        TokenBlocks(d)
+    assert said in str(e.value) and "prepare the data again" in str(e.value)
+    if "bytes" in said:
+        expected = "24 (6 rows x 4 bytes)" if "num_tokens" in said else "192 (6 rows x 8 x 4 bytes)"
+        assert expected in str(e.value)
+
+
+def test_a_meta_json_with_a_count_that_is_not_a_number_is_said_damaged(tmp_path):
+    from data.cache import entry_files_problem
+
+    d = prepared_dir(tmp_path)
+    with open(f"{d}/meta.json") as f:
+        meta = json.load(f)
+    meta["num_samples"] = "many"
+    assert entry_files_problem(d, meta) == (
+        f"{d}/meta.json is damaged: num_samples is 'many', not a whole number: prepare the data again "
+        "(python scripts/prepare_data.py)"
+    )
+
+
+def test_a_cut_cache_entry_is_refused_with_its_deletion_as_the_fix(tmp_path):
+    from data.cache import entry_files_problem
+
+    d = prepared_dir(tmp_path)
+    entry = f"{d}/shard-00000"
+    cut(f"{entry}/position_ids.bin", 4)
+    problem = entry_files_problem(entry, {"seq_len": 8, "num_samples": 6})
+    assert "position_ids.bin holds 4 bytes" in problem and f"delete the cache entry {entry}" in problem
+
+
+def test_a_prepared_directory_missing_its_meta_json_is_said_so(tmp_path):
+    from data.sources import source_problems
+
+    d = prepared_dir(tmp_path)
+    os.remove(f"{d}/meta.json")
+    (problem,) = source_problems(d)
+    assert "looks like a directory made by scripts/prepare_data.py" in problem and "missing its meta.json" in problem
+
+
+# -- a misspelt ds_config key is refused, not ignored ---------------------------------------------------------------
+
+
+def test_a_misspelt_ds_config_key_is_refused_with_the_nearest_key(tmp_path):
+    from training.ds_json import load_ds_json
+
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps({"zero_optimisation": {"stage": 1}, "bf16": {"enabled": "auto"}}))
+    ds_json, problem = load_ds_json(str(path))
+    assert problem == (
+        "ds_config typo.json: unknown key 'zero_optimisation' (DeepSpeed ignores it): did you mean 'zero_optimization'?"
+    )
+
+
+def test_every_shipped_ds_config_and_deepspeeds_documented_keys_pass():
+    from training.ds_json import available_ds_configs, load_ds_json, unknown_key_problems
+
+    for name in available_ds_configs():
+        assert load_ds_json(name)[1] is None, name
+    documented = [
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
+        "communication_data_type", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "fp16",
+        "bf16", "amp", "gradient_clipping", "zero_optimization", "aio", "activation_checkpointing", "flops_profiler",
+        "steps_per_print", "wall_clock_breakdown", "dump_state", "tensorboard", "wandb", "csv_monitor", "comet",
+        "comms_logger", "checkpoint", "data_types", "data_efficiency", "zero_allow_untested_optimizer", "pipeline",
+        "elasticity", "autotuning", "compression_training", "torch_autocast", "memory_breakdown",
+    ]  # fmt: skip
+    assert unknown_key_problems("x.json", dict.fromkeys(documented, {})) == []
+
+
+# -- a PEFT adapter directory (peft.init_from) and the JSON files a run reads are named when damaged --------------
+
+
+def adapter_dir(path, **config) -> str:
+    """An adapter directory with PEFT's adapter_config.json (the pipeline's default peft settings, then ``config``)
+    and a one-tensor adapter_model.safetensors."""
+    os.makedirs(path, exist_ok=True)
+    saved = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "use_rslora": False, "use_dora": False}
+    saved |= {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+    (path / "adapter_config.json").write_text(json.dumps(saved | config))
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    save_file({key: torch.zeros(8, 64)}, str(path / "adapter_model.safetensors"))
+    return str(path)
+
+
+def test_a_truncated_adapter_file_is_named_as_truncated(tmp_path):
+    from models.lora_files import adapter_model_problems
+
+    adapter = adapter_dir(tmp_path / "adapter")
+    cut(os.path.join(adapter, "adapter_model.safetensors"), 50)
+    (problem,) = adapter_model_problems(adapter, tiny_config())
+    assert problem.startswith(f"peft.init_from: {adapter}/adapter_model.safetensors is truncated")
+
+
+def test_a_target_modules_string_is_read_as_peft_reads_it_never_split_into_characters(tmp_path):
+    from models.lora_files import adapter_settings_problems
+    from training.config import PeftConfig
+
+    peft = PeftConfig(method="lora")
+    assert adapter_settings_problems(adapter_dir(tmp_path / "all", target_modules="all-linear"), peft) == ([], [])
+    damaged, differs = adapter_settings_problems(adapter_dir(tmp_path / "re", target_modules=".*q_proj"), peft)
+    assert differs == [] and damaged[0].startswith(f"target_modules '.*q_proj' in {tmp_path}/re/adapter_config.json")
+    assert "write the modules it selects there as a list" in damaged[0]
+
+
+def test_a_value_of_the_wrong_type_in_adapter_config_is_the_files_fault(tmp_path):
+    from models.lora_files import adapter_settings_problems
+    from training.config import PeftConfig
+
+    damaged, differs = adapter_settings_problems(adapter_dir(tmp_path / "a", r="eight"), PeftConfig(method="lora"))
+    assert differs == [] and damaged == [
+        f"r 'eight' in {tmp_path}/a/adapter_config.json is not an integer: the file is damaged or hand-edited; write "
+        "the value the adapter was trained with, or copy it again"
+    ]
+
+
+def test_a_missing_init_from_directory_is_said_missing(tmp_path):
+    from models.lora_rules import peft_problems
+    from training.config import PeftConfig
+
+    cfg = TrainConfig(model_name_or_path="ckpt", peft=PeftConfig(method="lora", init_from=str(tmp_path / "gone")))
+    assert f"peft.init_from {tmp_path}/gone: no such directory" in "\n".join(peft_problems(cfg, None, Layout()))
+
+
+@pytest.mark.parametrize("text", ['{"r": 8,\n', ""])
+def test_a_json_file_that_is_not_json_is_named_with_what_to_do(tmp_path, text):
+    from data.sources import is_prepared
+    from models.families import load_config
+    from models.lora_files import adapter_settings_problems
+    from training.config import PeftConfig
+
+    for name in ("adapter_config.json", "config.json", "meta.json"):
+        (tmp_path / name).write_text(text)
+    (damaged,), _ = adapter_settings_problems(str(tmp_path), PeftConfig(method="lora"))
+    assert damaged.startswith(f"peft.init_from: {tmp_path}/adapter_config.json: not valid JSON (")
+    assert damaged.endswith("): copy the adapter directory again (save_pretrained's output)")
+    with pytest.raises(ValueError, match=f"{tmp_path}/config.json: not valid JSON .*copy the model's config.json"):
+        load_config(str(tmp_path))
+    with pytest.raises(ValueError, match=f"{tmp_path}/meta.json: not valid JSON .*copy the prepared directory again"):
+        is_prepared(str(tmp_path))
+
+
+def test_the_preflight_refuses_a_cut_prepared_directory_too(tmp_path):
+    from data.settings import prepared_problems
+
+    d = prepared_dir(tmp_path)
+    cut(f"{d}/shard-00000/num_tokens.bin", 8)
+    cfg = TrainConfig()
+    cfg.data.train_file = d
+    (problem,) = prepared_problems(cfg, object())
+    assert problem.startswith(
+        f"data.train_file {d}/shard-00000/num_tokens.bin holds 8 bytes, and {d}/meta.json implies 24"
+    )

@@ -141,7 +141,7 @@ def test_lora_config_resolves(lora_cfg):
         (dict(peft=peft_settings(modules_to_save=["norm"])), "peft.modules_to_save ['norm'] unknown"),
         (dict(peft=peft_settings(r=0)), "peft.r 0 < 1"),
         (dict(num_stages=1, ds_config="zero2"), "data-parallel engine, which this version does not adapt"),
-        (dict(peft=peft_settings(init_from="/nonexistent")), "has no adapter_config.json"),
+        (dict(peft=peft_settings(init_from="/nonexistent")), "peft.init_from /nonexistent: no such directory"),
         # parameters: the 4-layer model's embedding + layer 0 | layers 1-3 | norm + head on three stages
         (dict(num_stages=4, partition_method="uniform"), "hold no decoder layer, hence nothing to train"),
     ],

@@ -124,7 +124,7 @@ class OptimConfig:
     scheduler: Scheduler = (
         Scheduler.constant
     )  # after warm-up: constant | linear | cosine (decay to min_lr at the last step)
-    warmup_steps: int = 0  # optimizer steps of linear warm-up to lr
+    warmup_steps: int = 0  # optimizer steps of linear warm-up to lr, >= 0; 0 = no warm-up
     min_lr: float = 0.0  # learning rate reached at the last step by linear and cosine, in [0, optim.lr]
 
 
@@ -302,7 +302,7 @@ class TrainConfig:
     max_steps: int = 100  # optimizer steps to train; 0 with num_epochs 0: load everything, train nothing
     # stop after this many passes over the training data (fractions allowed), >= 0; 0 = max_steps alone decides
     num_epochs: float = 0.0
-    seed: int = 42  # seeds the data order and a from-scratch initialisation
+    seed: int = 42  # seeds the data order and a from-scratch initialisation, in [0, 2**63 - 1]
     activation_checkpoint_interval: int = 0  # recompute activations in chunks of this many decoder layers; 0 = off
     log_steps: int = 1  # print a progress line every this many steps (metrics.jsonl gets every step)
     eval_steps: int = 0  # evaluate every this many steps and at the end, when there is eval data; 0 = only at the end

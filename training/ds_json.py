@@ -136,6 +136,85 @@ def load_ds_json(name: str) -> tuple[dict | None, str | None]:
         )
     try:
         with open(path) as f:
-            return json.load(f), None
+            ds_json = json.load(f)
     except json.JSONDecodeError as e:
         return None, f"ds_config {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+    unknown = unknown_key_problems(os.path.basename(path), ds_json) if isinstance(ds_json, dict) else []
+    return ds_json, "; ".join(unknown) or None
+
+
+_KNOWN_KEYS: set[str] = set()
+
+
+def deepspeed_top_level_keys() -> set[str]:
+    """The top-level keys DeepSpeed reads from its JSON, from DeepSpeed itself: the keys its config reader asks
+    for (DeepSpeedConfig._initialize_params run on an empty dict that records every key asked for), the key
+    names in its constants/config modules, and the removed ones it refuses in its own words. Generous: a key
+    missing here is refused, a name listed that is not top-level only lets a typo of it through."""
+    if _KNOWN_KEYS:
+        return _KNOWN_KEYS
+    import re
+
+    import deepspeed
+
+    root = os.path.dirname(deepspeed.__file__)
+    named = re.compile(r"^[A-Z][A-Z0-9_]* *= *[\"']([a-z][a-z0-9_]*)[\"']", re.M)
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(("constants.py", "config.py")):
+                with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                    _KNOWN_KEYS.update(named.findall(f.read()))
+    try:
+        from deepspeed.runtime import config as ds_config_module
+
+        _KNOWN_KEYS.update(getattr(ds_config_module, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}))
+        _KNOWN_KEYS.update(_asked_keys(ds_config_module.DeepSpeedConfig))
+    except Exception:  # noqa: BLE001 - another DeepSpeed version: the constants above still name its keys
+        pass
+    _KNOWN_KEYS.update(("zero_optimization", "train_batch_size", "optimizer", "scheduler", "bf16", "fp16"))
+    return _KNOWN_KEYS
+
+
+def _asked_keys(config_class) -> set[str]:
+    """The keys ``config_class._initialize_params`` asks an empty param dict for."""
+    asked: set[str] = set()
+
+    class Asked(dict):
+        def get(self, key, default=None):
+            asked.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            asked.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            asked.add(key)
+            return super().__contains__(key)
+
+        def keys(self):
+            return self  # `key in d.keys()` asks too
+
+    config = config_class.__new__(config_class)
+    config._param_dict = Asked()
+    try:
+        config._initialize_params(config._param_dict)
+    except Exception:  # noqa: BLE001 - the keys asked before it stopped still count
+        pass
+    return {k for k in asked if isinstance(k, str)}
+
+
+def unknown_key_problems(name: str, ds_json: dict) -> list[str]:
+    """Top-level keys of the DeepSpeed JSON that DeepSpeed does not read: it ignores them without a word, so a
+    misspelt section (zero_optimisation) would run with DeepSpeed's defaults."""
+    import difflib
+
+    known = deepspeed_top_level_keys()
+    problems = []
+    for key in ds_json:
+        if key in known:
+            continue
+        near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+        fix = f"did you mean {near[0]!r}?" if near else "remove it, or name a key DeepSpeed reads"
+        problems.append(f"ds_config {name}: unknown key {key!r} (DeepSpeed ignores it): {fix}")
+    return problems

@@ -40,6 +40,7 @@ from training.step_range import known_steps, step_setting_problems
 from training.tracking import wandb_problems
 
 HANG_TIMEOUT_MIN_S = 5.0  # hang_timeout_s below this (other than 0) is refused: see resolve's range checks
+SEED_MAX = 2**63 - 1  # seed: numpy takes no negative seed, torch.Generator.manual_seed none past int64
 # mfu_peak_tflops other than 0 (the known-GPU table): one device's peak TFLOP/s, from a CPU core's to past any GPU's
 MFU_PEAK_TFLOPS = (0.01, 100_000.0)
 
@@ -130,6 +131,12 @@ def resolve(
         )
     if cfg.startup_timeout_s < 0:
         problems.append(f"startup_timeout_s {cfg.startup_timeout_s} < 0: set it >= 0 (0 = no limit)")
+    if not 0 <= cfg.seed <= SEED_MAX:  # numpy's default_rng takes no negative seed, torch's Generator none past int64
+        problems.append(f"seed {cfg.seed} is out of range: set seed in [0, 2**63 - 1] (e.g. 42)")
+    if cfg.optim.warmup_steps < 0:
+        problems.append(
+            f"optim.warmup_steps {cfg.optim.warmup_steps} is out of range: set optim.warmup_steps >= 0 (0 = no warm-up)"
+        )
     unknown_classes = sorted(set(cfg.resume_allow_changes) - set(ACCEPTABLE_CHANGES))
     if unknown_classes:
         problems.append(
