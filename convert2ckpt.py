@@ -10,9 +10,9 @@ Tensors are read and written one layer at a time, so the whole model is never in
 written to ``<output>.tmp-<pid>`` and renamed at the end: a failed conversion leaves no output.
 An --output that is, contains or lies inside the --input is refused; --overwrite replaces only a
 directory this tool wrote (it holds the ``.llama-pipe-output`` marker).
-The reading and writing is models/hf_io.py; the key mapping is the prefix of each spec in
+The reading and writing is models/files/hf_convert.py; the key mapping is the prefix of each spec in
 ``models.llama_pipe.spec_layout``. ``--reshard`` turns a train.py checkpoint of any layout into one whose
-optimizer states are safetensors per layer file (training/reshard.py, the code a resume on another
+optimizer states are safetensors per layer file (training/checkpoints/reshard.py, the code a resume on another
 layout runs): resume it on any layout as ``output_dir``, or inspect it without DeepSpeed.
 """
 
@@ -22,16 +22,16 @@ import argparse
 import os
 import sys
 
-from training.logs import quiet_dependencies
+from training.observation.logs import quiet_dependencies
 
 quiet_dependencies("warning")  # as train.py does, before torch, DeepSpeed and bitsandbytes are imported
 
 import torch  # noqa: E402
 
-from models.hf_io import DEFAULT_MAX_SHARD, ConversionError, hf_to_stages, stages_to_hf  # noqa: E402
-from models.layer_files import CheckpointError, read_tag  # noqa: E402
-from models.lora_files import export_adapter, lora_run_base  # noqa: E402
-from training.reshard import reshard  # noqa: E402
+from models.files.hf_convert import DEFAULT_MAX_SHARD, ConversionError, hf_to_stages, stages_to_hf  # noqa: E402
+from models.files.peft_adapter import export_adapter, lora_run_base  # noqa: E402
+from models.files.pipeline_dir import CheckpointError, read_tag  # noqa: E402
+from training.checkpoints.reshard import reshard  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -6,7 +6,7 @@
 
 ``main`` is the table of contents: config -> layout (process group, topology) -> pipeline model -> weights ->
 data -> engine -> resume -> loop (eval, checkpoints). Each line is one call: the start-up phases are in
-training/build.py, the announcement in training/announce.py, the loop in training/loop.py (a step in
+training/build.py, the announcement in training/observation/announce.py, the loop in training/loop.py (a step in
 training/step.py).
 """
 
@@ -19,11 +19,11 @@ import sys
 # The same value is in the LOCAL_RANK environment variable, so the argument is dropped before Hydra parses.
 sys.argv = [a for a in sys.argv if not a.startswith("--local_rank")]
 
-from training.logs import argv_log_level, quiet_dependencies, set_log_level  # noqa: E402
-from training.startup import use_venv_extensions_dir  # noqa: E402
+from training.observation.logs import argv_log_level, quiet_dependencies, set_log_level  # noqa: E402
+from training.resilience.op_build_watch import use_venv_extensions_dir  # noqa: E402
 
-# Before deepspeed is imported: its ops build into this virtualenv's own cache (training/startup.py), and
-# the known-harmless lines of its import are filtered (training/logs.py).
+# Before deepspeed is imported: its ops build into this virtualenv's own cache (training/resilience/op_build_watch.py),
+# and the known-harmless lines of its import are filtered (training/observation/logs.py).
 EXTENSIONS_DIR = use_venv_extensions_dir()
 quiet_dependencies(argv_log_level(sys.argv))
 
@@ -34,11 +34,10 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from data.guard import OrderMismatchError  # noqa: E402
+from data.order_guard import OrderMismatchError  # noqa: E402
 from models.host_memory import peak_rss_mb  # noqa: E402
-from training.announce import announce  # noqa: E402
 from training.build import (  # noqa: E402
-    adapt,
+    add_lora,
     build_data,
     build_engine,
     build_loss,
@@ -49,8 +48,15 @@ from training.build import (  # noqa: E402
     make_output_dir,
     resume_or_start,
 )
-from training.config import ConfigError, Resolved, TrainConfig, register_configs  # noqa: E402
-from training.distributed import (  # noqa: E402
+from training.configuration.overrides import given_keys, override_key_problems, unknown_key_problems  # noqa: E402
+from training.configuration.schema import ConfigError, Resolved, TrainConfig, register_configs  # noqa: E402
+from training.configuration.validate import resolve  # noqa: E402
+from training.dpo import prepare_reference  # noqa: E402
+from training.loop import check_axes_at_end, plan_steps, train  # noqa: E402
+from training.observation.announce import announce  # noqa: E402
+from training.observation.logs import log0  # noqa: E402
+from training.optim import fill_ds_config  # noqa: E402
+from training.resilience.all_ranks import (  # noqa: E402
     StartupError,
     TrainingStopped,
     WriteFailed,
@@ -59,11 +65,7 @@ from training.distributed import (  # noqa: E402
     on_all_ranks,
     release_cpu_comm_buffer,
 )
-from training.logs import log0  # noqa: E402
-from training.loop import check_axes_at_end, plan_steps, train  # noqa: E402
-from training.optim import fill_ds_config  # noqa: E402
-from training.overrides import given_keys, override_key_problems, unknown_key_problems  # noqa: E402
-from training.preemption import (  # noqa: E402
+from training.resilience.preemption import (  # noqa: E402
     PREEMPTED_EXIT_CODE,
     Preempted,
     exit_alone,
@@ -72,8 +74,6 @@ from training.preemption import (  # noqa: E402
     mark_exiting,
     stop_at_once_on_signals,
 )
-from training.preference import prepare_reference  # noqa: E402
-from training.validate import resolve  # noqa: E402
 
 register_configs()
 
@@ -122,14 +122,14 @@ def main(dict_cfg: DictConfig) -> None:
     try:
         lock = lock_output_dir(resolved)
         on_all_ranks("creating output_dir", lambda: make_output_dir(resolved.cfg.output_dir))
-        # from here a signal during start-up ends the job at once, said once (training/preemption.py)
+        # from here a signal during start-up ends the job at once, said once (training/resilience/preemption.py)
         stop_at_once_on_signals(resolved.cfg.output_dir, dist.get_rank(), lock.release if lock else None)
         rss_before_model = peak_rss_mb()
         ds_config = fill_ds_config(resolved)  # the DeepSpeed config: a ZeRO-3 stack is built under it, the engine too
         loss_fn = build_loss(resolved)
         model = build_model(resolved, topology, loss_fn, ds_config)
         init_reports = init_weights(model, resolved, rss_before_model)
-        lora_reports = adapt(model, resolved)
+        lora_reports = add_lora(model, resolved)
         data, data_reports = build_data(resolved, topology)
         total_steps, steps_per_epoch = plan_steps(resolved, data)
         engine = build_engine(resolved, model, ds_config, total_steps)
@@ -150,9 +150,11 @@ def main(dict_cfg: DictConfig) -> None:
     except WriteFailed as e:  # this rank alone: its peers wait in a collective
         exit_alone(str(e))
     except Exception as e:
-        exit_if_exiting()  # a collective failing because the job's peers exited first (training/hang.py): quiet
+        # a collective failing because the job's peers exited first (training/resilience/hang.py): quiet
+        exit_if_exiting()
         exit_if_peer_lost(dist.get_rank(), e)  # a peer gone without a word (kill -9): one line for the job
-        if isinstance(e, OSError) and e.filename is not None:  # a write not wrapped in training.distributed.writing
+        # a write not wrapped in training.resilience.all_ranks.writing
+        if isinstance(e, OSError) and e.filename is not None:
             exit_alone(f"rank {dist.get_rank()}: {failure_text(e)}")
         mark_exiting()  # this rank's traceback follows; its peers, failing in a collective with it, stay quiet
         raise

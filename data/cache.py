@@ -44,7 +44,7 @@ from data.sources import (
     source_bytes,
     source_digest_files,
 )
-from models.layer_files import TOKENIZER_FILES
+from models.files.pipeline_dir import TOKENIZER_FILES
 from models.loss import IGNORE_INDEX
 
 CACHE_VERSION = 3  # bump when the on-disk layout or the tokenization rules change (3: ShareGPT rows read)
@@ -237,7 +237,7 @@ def check_prepared(path: str, settings: DataSettings, tokenizer_dir: str | None,
 
 def prepared_mismatch(path: str, settings: DataSettings, tokenizer_dir: str | None) -> tuple[dict, str]:
     """(meta of a directory made by scripts/prepare_data.py, why this run cannot read it: "" when its settings and
-    tokenizer are this run's). The one rule: train.py's config check (data.settings.prepared_problems, so the
+    tokenizer are this run's). The one rule: train.py's config check (data.tokenize_settings.prepared_problems, so the
     preflight says it too) and the opening of the data (check_prepared) both ask it."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
@@ -322,7 +322,7 @@ def write_rows(directory: str, rows: Iterator[Row], stats: SourceStats, progress
 
 def named_write_errors(f, write) -> None:
     """``write()`` to file ``f``, whose failure (a full disk) names the file: a file object's error names none, and
-    train.py's message names it (training/distributed.py's failure_text)."""
+    train.py's message names it (training/resilience/all_ranks.py's failure_text)."""
     try:
         write()
     except OSError as e:

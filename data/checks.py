@@ -1,5 +1,5 @@
 """The rules of the ``data.*`` settings, beside the code that reads the data: checked before start, with
-every other problem, by ``training.validate.resolve``."""
+every other problem, by ``training.configuration.validate.resolve``."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def mixture_problems(d, fields: dict[str, str]) -> list[str]:
 
 
 def data_problems(cfg) -> list[str]:
-    """The data settings' problems (``cfg``: training.config.TrainConfig), named with the fix."""
+    """The data settings' problems (``cfg``: training.configuration.schema.TrainConfig), named with the fix."""
     d, problems = cfg.data, []
     fields = field_names(d)
     if not d.train_file and not d.sources:

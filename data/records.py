@@ -1,6 +1,6 @@
 """What reading training data yields and how it fails: examples, the counts kept per source, the data errors.
-Their own module so that the readers and renderers of each format (data/sources.py, data/render.py, data/preference.py)
-share them."""
+Their own module so that the readers and renderers of each format (data/sources.py, data/render.py,
+data/preference_pairs.py) share them."""
 
 from __future__ import annotations
 

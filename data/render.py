@@ -10,14 +10,14 @@ Formats (``data.format``):
   ShareGPT's ``{"conversations": [{"from", "value"}, ...]}`` (mapped to messages); chats are rendered with
   the tokenizer's chat template. Labels are -100 except on response / assistant tokens.
 - ``dpo``: JSONL ``{"prompt", "chosen", "rejected"}``, plain text or conversational: two rows per pair, tokenized
-  as TRL's DPOTrainer does (data/preference.py).
+  as TRL's DPOTrainer does (data/preference_pairs.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from data.preference import preference_examples
+from data.preference_pairs import preference_examples
 from data.records import DataError, Example, SourceStats, WholeFileError
 from data.sources import bad_line, read_records
 from models.loss import IGNORE_INDEX

@@ -3,7 +3,7 @@
 A batch is ``((input_ids [B,S] int64, position_ids [B,S] int64), labels [B,S] int64)``: the first
 stage consumes the inputs tuple, the last stage the labels (see the stage contract in
 ``models/llama_pipe.py``); a micro-batch of preference pairs has 2B rows and a labels tuple
-(``data/preference.py``). S is the rows' length (max_seq_length), or with ``pad_multiple`` the
+(``data/preference_pairs.py``). S is the rows' length (max_seq_length), or with ``pad_multiple`` the
 micro-batch's longest row rounded up to that multiple: rows are right-padded, so cutting the common
 padding off the end changes no real token (the pipeline then sends shapes with every micro-batch,
 ``PipelineModule(dynamic_shape=True)``).
@@ -49,7 +49,7 @@ def collate(samples: list[dict[str, torch.Tensor]], pad_multiple: int = 0) -> Ba
 
 
 def collate_pairs(samples: list[dict], pad_multiple: int = 0):
-    """Pairs (data/preference.py) -> ``((input_ids [2B,S], position_ids [2B,S]), (labels [2B,S], pair ids [B],
+    """Pairs (data/preference_pairs.py) -> ``((input_ids [2B,S], position_ids [2B,S]), (labels [2B,S], pair ids [B],
     reference [2B]))``: the B chosen rows, then the B rejected ones, cut as :func:`collate` cuts rows (each pair's
     longer row counts); the reference NaN where none is attached yet."""
     rows = [

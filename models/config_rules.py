@@ -1,8 +1,9 @@
 """The values of a model's config (``config.json`` of model_name_or_path, or ``model.architecture``) that change the
-loss, the routing or the attention, checked before start as the run's own keys are (training/model_source.py's
-``resolve_model``, so the preflight too). Hugging Face's config classes check their types, not their values: a
-``router_aux_loss_coef`` of -0.5 trains cross entropy minus half the router loss, a ``num_experts_per_tok`` of 0 routes
-every token to no expert, a ``mlp_only_layers`` entry past the last layer is ignored, and none of it says a word."""
+loss, the routing or the attention, checked before start as the run's own keys are
+(training/configuration/model_source.py's ``resolve_model``, so the preflight too). Hugging Face's config classes check
+their types, not their values: a ``router_aux_loss_coef`` of -0.5 trains cross entropy minus half the router loss, a
+``num_experts_per_tok`` of 0 routes every token to no expert, a ``mlp_only_layers`` entry past the last layer is
+ignored, and none of it says a word."""
 
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ The MoE families' routers and experts are Hugging Face's own modules too (:func:
 their routing statistics for the router loss (models/router_loss.py) and parallel/expert_parallel.py splits
 their experts over ranks.
 
-Adding a family is one ``Family`` entry plus its tests (tests/test_families.py), as long as its decoder
+Adding a family is one ``Family`` entry, its two stage classes (a decoder layer and a norm, written out in
+models/llama_pipe.py) and its tests (tests/test_families.py), as long as its decoder
 layer takes ``(hidden, attention_mask, position_ids, position_embeddings)`` like Llama's and its model
 has the ``model.embed_tokens`` / ``model.layers.N`` / ``model.norm`` / ``lm_head`` layout.
 """

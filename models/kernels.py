@@ -1,5 +1,5 @@
 """Fused GPU kernels on the stages' Hugging Face modules: ``kernels=liger`` (Liger-Kernel's Triton kernels, CUDA only;
-``liger-kernel`` is a GPU extra, not a dependency: scripts/gpu_wheels.sh carries its wheel to the GPU machine).
+``liger-kernel`` is a GPU extra, not a dependency: tools/gpu_wheels.sh carries its wheel to the GPU machine).
 
 Liger's ``apply_liger_kernel_to_llama(model=...)`` patches a loaded ``LlamaForCausalLM`` in place: each decoder
 layer's ``mlp`` gets ``LigerSwiGLUMLP``'s forward (silu(gate) x up in one kernel) and its RMSNorms
@@ -35,8 +35,8 @@ LIGER_PARTS = ("rms_norm", "swiglu", "rope")
 
 
 def kernel_problems(kernels: str, model_config, cuda: bool | None = None, importable: bool | None = None) -> list[str]:
-    """Why ``kernels`` cannot run here, before any process group (training/validate.py): no CUDA device, no
-    liger_kernel package, a family or activation Liger's modules do not cover. ``cuda``/``importable``: the
+    """Why ``kernels`` cannot run here, before any process group (training/configuration/validate.py): no CUDA device,
+    no liger_kernel package, a family or activation Liger's modules do not cover. ``cuda``/``importable``: the
     machine's answers unless given."""
     if kernels == "none":
         return []
@@ -73,7 +73,7 @@ def liger_unavailable(
     if not importable:
         problems.append(
             f"{setting} needs the liger_kernel package, which is not installed: pip install liger-kernel==0.8.5 "
-            f"(a GPU extra; scripts/gpu_wheels.sh makes its wheel), or set {instead}"
+            f"(a GPU extra; tools/gpu_wheels.sh makes its wheel), or set {instead}"
         )
     return problems
 
@@ -81,16 +81,15 @@ def liger_unavailable(
 def loss_impl_problems(
     loss_impl: str,
     loss_chunk_tokens: int,
-    tensor_parallel: int = 1,
-    pipeline_engine: bool = True,
+    engine=None,
     cuda: bool | None = None,
     importable: bool | None = None,
 ) -> list[str]:
     """Why ``loss_impl=liger`` (Liger's fused linear cross entropy on the last stage, models/loss.py's
-    ``liger_head_losses``) cannot run, before any process group (training/validate.py): no CUDA or no liger_kernel
-    (:func:`liger_unavailable`), the head handing over logits (``loss_chunk_tokens=0``), a vocabulary-split head
-    (``tensor_parallel`` > 1: Liger's loss takes the whole vocabulary's logits per row), or DeepSpeed's data-parallel
-    engine (``pipeline_engine`` False: num_stages=1 with ZeRO 2/3, whose loss is built without the layout). The
+    ``liger_head_losses``) cannot run, before any process group (training/configuration/validate.py): no CUDA or no
+    liger_kernel (:func:`liger_unavailable`), the head handing over logits (``loss_chunk_tokens=0``), or DeepSpeed's
+    data-parallel engine (``engine``: the run's, parallel/engines.py; num_stages=1 with ZeRO 2/3, whose loss is built
+    without the layout). A head split by vocabulary is tensor parallelism's rule (parallel/tensor_parallel.py). The
     rest runs as the chunked loss does, from the same (hidden, weight) and labels: sequence parallelism (each rank's
     slice of the targets), DPO (per-token losses), the MoE router loss (added after), DualPipeV, LoRA, compile."""
     if loss_impl == "chunked":
@@ -103,14 +102,8 @@ def loss_impl_problems(
             f"whole logits with loss_chunk_tokens={loss_chunk_tokens}: set loss_chunk_tokens > 0 (e.g. 1024; Liger "
             f"sizes its own chunks), or set {instead}"
         )
-    if tensor_parallel > 1:
-        problems.append(
-            f"loss_impl=liger with tensor_parallel {tensor_parallel}: the LM head is split by vocabulary, and Liger's "
-            "fused linear cross entropy needs each row's logits over the whole vocabulary on one rank (the chunked "
-            f"loss all-reduces them per chunk): set {instead}, or tensor_parallel=1"
-        )
-    if not pipeline_engine:
-        problems.append(
+    if engine is not None:
+        problems += engine.pipeline_only(
             "loss_impl=liger with num_stages=1 and ZeRO 2/3 (DeepSpeed's data-parallel engine): it is wired into the "
             f"pipeline engine's last stage only: use ds=zero1 (or zero0; num_stages=1 then runs the pipeline "
             f"engine), or set {instead}"

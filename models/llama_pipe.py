@@ -28,7 +28,7 @@ from transformers.masking_utils import (
 
 from models.attention import DOCUMENT_ATTENTION, attention_chunk, rows_are_whole_documents
 from models.families import FAMILIES, MOE_NORMAL_CLASSES, RMS_NORM_CLASSES, attention_type, family_of, moe_spec
-from models.layer_files import tp_piece, whole_shape
+from models.files.pipeline_dir import tp_piece, whole_shape
 from models.router_loss import RouterStats
 from models.specs import SpecInfo, expected_state_shapes, layer_file_name, spec_layout  # noqa: F401 (read from here too)
 
@@ -217,21 +217,84 @@ class NormPipe(nn.Module):
         return super().forward(hidden)  # [B,S,H]
 
 
-def _stage_class(base: type, hf_class: type, name: str) -> type:
-    """``class <name>(base, hf_class)``, defined in this module (so it pickles and shows by name)."""
-    cls = type(
-        name, (base, hf_class), {"__module__": __name__, "__doc__": f"{base.__name__} over {hf_class.__name__}."}
-    )
-    globals()[name] = cls
-    return cls
+# One decoder-layer and one norm class per family (models/families.py), written out so that each pickles, shows
+# and steps by name; their names end in "DecoderLayerPipe" / "NormPipe", which partition_method=type:DecoderLayerPipe
+# matches.
+class LlamaDecoderLayerPipe(DecoderLayerPipe, FAMILIES["llama"].decoder_layer):
+    """DecoderLayerPipe over LlamaDecoderLayer."""
 
 
-# One decoder-layer and one norm class per family, keyed by model_type; their names end in
-# "DecoderLayerPipe" / "NormPipe", which partition_method=type:DecoderLayerPipe matches.
+class LlamaNormPipe(NormPipe, FAMILIES["llama"].rms_norm):
+    """NormPipe over LlamaRMSNorm."""
+
+
+class MistralDecoderLayerPipe(DecoderLayerPipe, FAMILIES["mistral"].decoder_layer):
+    """DecoderLayerPipe over MistralDecoderLayer."""
+
+
+class MistralNormPipe(NormPipe, FAMILIES["mistral"].rms_norm):
+    """NormPipe over MistralRMSNorm."""
+
+
+class Qwen2DecoderLayerPipe(DecoderLayerPipe, FAMILIES["qwen2"].decoder_layer):
+    """DecoderLayerPipe over Qwen2DecoderLayer."""
+
+
+class Qwen2NormPipe(NormPipe, FAMILIES["qwen2"].rms_norm):
+    """NormPipe over Qwen2RMSNorm."""
+
+
+class Qwen3DecoderLayerPipe(DecoderLayerPipe, FAMILIES["qwen3"].decoder_layer):
+    """DecoderLayerPipe over Qwen3DecoderLayer."""
+
+
+class Qwen3NormPipe(NormPipe, FAMILIES["qwen3"].rms_norm):
+    """NormPipe over Qwen3RMSNorm."""
+
+
+class Qwen3MoeDecoderLayerPipe(DecoderLayerPipe, FAMILIES["qwen3_moe"].decoder_layer):
+    """DecoderLayerPipe over Qwen3MoeDecoderLayer."""
+
+
+class Qwen3MoeNormPipe(NormPipe, FAMILIES["qwen3_moe"].rms_norm):
+    """NormPipe over Qwen3MoeRMSNorm."""
+
+
+class MixtralDecoderLayerPipe(DecoderLayerPipe, FAMILIES["mixtral"].decoder_layer):
+    """DecoderLayerPipe over MixtralDecoderLayer."""
+
+
+class MixtralNormPipe(NormPipe, FAMILIES["mixtral"].rms_norm):
+    """NormPipe over MixtralRMSNorm."""
+
+
+class Llama4DecoderLayerPipe(DecoderLayerPipe, FAMILIES["llama4_text"].decoder_layer):
+    """DecoderLayerPipe over Llama4TextDecoderLayer."""
+
+
+class Llama4NormPipe(NormPipe, FAMILIES["llama4_text"].rms_norm):
+    """NormPipe over Llama4TextRMSNorm."""
+
+
+# Keyed by model_type.
 DECODER_LAYER_CLASSES = {
-    t: _stage_class(DecoderLayerPipe, f.decoder_layer, f"{f.name}DecoderLayerPipe") for t, f in FAMILIES.items()
+    "llama": LlamaDecoderLayerPipe,
+    "mistral": MistralDecoderLayerPipe,
+    "qwen2": Qwen2DecoderLayerPipe,
+    "qwen3": Qwen3DecoderLayerPipe,
+    "qwen3_moe": Qwen3MoeDecoderLayerPipe,
+    "mixtral": MixtralDecoderLayerPipe,
+    "llama4_text": Llama4DecoderLayerPipe,
 }
-NORM_CLASSES = {t: _stage_class(NormPipe, f.rms_norm, f"{f.name}NormPipe") for t, f in FAMILIES.items()}
+NORM_CLASSES = {
+    "llama": LlamaNormPipe,
+    "mistral": MistralNormPipe,
+    "qwen2": Qwen2NormPipe,
+    "qwen3": Qwen3NormPipe,
+    "qwen3_moe": Qwen3MoeNormPipe,
+    "mixtral": MixtralNormPipe,
+    "llama4_text": Llama4NormPipe,
+}
 
 
 def decoder_layer_class(config: PretrainedConfig) -> type:
@@ -431,9 +494,10 @@ class LlamaPipelineModule(PipelineModule):
     The price is memory: the first stage stores the embedding on top of its share; ``parameters``
     balances stored parameters, ``memory`` the predicted per-GPU peak (docs/training.md#partitioning).
 
-    The parallel axes put their own class before this one (parallel/stage.py's ``stage_class``): tensor
-    parallelism's builds, saves and loads the stage in pieces (parallel/tensor_parallel.py), DualPipeV's cuts it
-    into two pieces per rank (DeepSpeed's ``DualPipeVModule``).
+    Some parallel axes build the stage as a subclass of this one (each plan's ``stage_class``, picked by
+    parallel/stage.py's ``stage_class``): tensor and expert parallelism's build, save and load the stage in pieces
+    (parallel/tensor_parallel.py, expert_parallel.py), DualPipeV's cuts it into two pieces per rank (DeepSpeed's
+    ``DualPipeVModule``, parallel/dualpipev.py).
     """
 
     def __init__(self, config: PretrainedConfig, *args, boundaries: list[int], **kwargs):
@@ -512,7 +576,7 @@ class LlamaStack(nn.Module):
 
     The same modules in the same order as the pipeline (so the same layer files, weights and
     numbers); ``forward`` chains them like ``PipelineModule.forward``. It carries the attributes of a
-    one-stage ``PipelineModule`` that ``models.layer_files.local_modules`` reads, so loading, seeded
+    one-stage ``PipelineModule`` that ``models.files.pipeline_dir.local_modules`` reads, so loading, seeded
     initialisation and layer-file export are the pipeline's code paths.
     """
 

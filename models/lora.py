@@ -3,7 +3,7 @@
 Each rank injects PEFT's LoRA layers (``peft.inject_adapter_in_model``) into the decoder layers of its own
 stage, after the frozen base weights are loaded there, so no rank ever builds more than its stage. A
 spec's state-dict keys then carry PEFT's names (``self_attn.q_proj.lora_A.default.weight``); their adapter-file
-keys are models/lora_files.py's, and which ``peft`` settings are valid is models/lora_rules.py's.
+keys are models/files/peft_adapter.py's, and which ``peft`` settings are valid is models/lora_rules.py's.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.layer_files import full_numel
+from models.files.pipeline_dir import full_numel
 from models.specs import SpecInfo, spec_layout
 
 ADAPTER_NAME = "default"
 
 
 def lora_config(peft_cfg, base_model_name_or_path: str | None = None):
-    """PEFT's ``LoraConfig`` of the ``peft`` settings (training/config.PeftConfig)."""
+    """PEFT's ``LoraConfig`` of the ``peft`` settings (training/configuration/schema.PeftConfig)."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -62,7 +62,7 @@ def apply_lora(
     with ``peft.quantize=nf4`` (QLoRA) each decoder layer's linear layers are quantised first, on ``device``
     (:func:`quantize_nf4_`), and PEFT wraps them with its bitsandbytes LoRA layers.
 
-    ``local``: the stage's (spec index, module) pairs (``models.layer_files.local_modules``). PEFT draws
+    ``local``: the stage's (spec index, module) pairs (``models.files.pipeline_dir.local_modules``). PEFT draws
     the initial ``lora_A`` from torch's generator, seeded per spec here (as ``init_weights_`` is), so every
     data-parallel replica starts from the same adapters whatever the partitioning.
     """

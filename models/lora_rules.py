@@ -1,12 +1,13 @@
-"""The ``peft.*`` settings' rules, checked before start by training.validate.resolve (cfg: its TrainConfig,
-layout: parallel.layout.Layout): what a LoRA run cannot do with these settings, and a resume that changes them."""
+"""The ``peft.*`` settings' rules, checked before start by training.configuration.validate.resolve (cfg: its
+TrainConfig, layout: parallel.layout.Layout): what a LoRA run cannot do with these settings, and a resume that changes
+them."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 
-from models.lora_files import adapter_model_problems, adapter_settings_problems
+from models.files.peft_adapter import adapter_model_problems, adapter_settings_problems
 from models.peft_targets import DECODER_LINEARS, SAVABLE_MODULES
 
 
@@ -27,17 +28,17 @@ def peft_change_problems(cfg, changes) -> list[str]:
 def peft_layout_problems(layout, peft_method: str | None = None, ds_config: str | None = None) -> list[str]:
     """PEFT's rule on a parallel.layout.Layout (peft_problems asks it with the config's settings, the planner,
     parallel/memory_plan.py, with those the layout implies: LoRA where ``layout.lora_rank`` > 0, ds=zeroN of its
-    ZeRO stage): the pipeline engine."""
+    ZeRO stage): the pipeline engine (``layout.engine``, parallel/engines.py, says whether it is one)."""
     if peft_method is None:
         peft_method = "lora" if layout.lora_rank else "none"
-    if peft_method == "none" or layout.uses_pipeline:
+    if peft_method == "none":
         return []
     ds_config = ds_config if ds_config is not None else f"zero{layout.zero}"
-    return [
+    return layout.engine.pipeline_only(
         f"peft.method={peft_method} runs on the pipeline engine: num_stages=1 with ds={ds_config} uses DeepSpeed's "
         "data-parallel engine, which this version does not adapt; use ds=zero0 or ds=zero1 (the frozen base has "
         "no optimizer state to partition further)"
-    ]
+    )
 
 
 def peft_problems(cfg, model_config, layout) -> list[str]:

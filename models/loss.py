@@ -52,7 +52,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = 
 
 def label_tokens(labels: torch.Tensor | tuple) -> int:
     """Tokens the loss is taken over: labels after the shift that are not ``IGNORE_INDEX`` (Trainer's count).
-    Preference pairs' labels are a tuple whose first tensor holds them (data/preference.py)."""
+    Preference pairs' labels are a tuple whose first tensor holds them (data/preference_pairs.py)."""
     labels = labels[0] if isinstance(labels, tuple) else labels
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
@@ -216,9 +216,10 @@ def chunked_causal_lm_loss(
         raise ValueError(f"chunk_tokens must be >= 1, not {chunk_tokens}")
     targets = shifted_targets(labels, seq_slice)  # [B*S] (or this rank's [B*S/ranks])
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M] int64
+    # scalar fp32: the summed token losses
     total = head_losses(
         hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens, tensor_parallel, impl
-    )  # scalar fp32: the summed token losses
+    )
     if reduction == "sum":
         return total
     if reduction == "mean":
@@ -339,9 +340,10 @@ def sequence_logps(
     hidden, weight = outputs
     targets = shifted_targets(labels)  # [R*S]
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M]
+    # [M] fp32
     token_losses = head_losses(
         hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens, tensor_parallel, impl, "none"
-    )  # [M] fp32
+    )
     sums = torch.zeros(rows_, dtype=torch.float64, device=hidden.device)  # [R]
     return -sums.index_add(0, rows // seq, token_losses.double())
 
@@ -360,13 +362,13 @@ PREFERENCE_METRICS = (
 class PreferenceLoss:
     """The pipeline's ``loss_fn`` for train_objective=dpo: TRL DPOTrainer's DPO loss of a micro-batch of pairs.
 
-    Labels are ``(labels [2B,S], pair ids [B], reference log-probabilities [2B])`` (data/preference.py), the B
+    Labels are ``(labels [2B,S], pair ids [B], reference log-probabilities [2B])`` (data/preference_pairs.py), the B
     chosen rows first. Each row's log-probability is summed over its completion tokens (:func:`sequence_logps`,
     chunk by chunk with the chunked head); the loss is the mean over the micro-batch's pairs, which DeepSpeed's
     division by the micro-batches and mean over data-parallel ranks turn into the mean over the global batch's
     pairs, TRL's loss. ``stats`` sums, over the pairs seen since :meth:`take_stats`, the pair count and then
     :data:`PREFERENCE_METRICS`. With ``recording`` a list, the loss records (pair ids, log-probabilities) instead:
-    the reference pass (training/preference.py).
+    the reference pass (training/dpo.py).
     """
 
     def __init__(

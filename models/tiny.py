@@ -172,7 +172,7 @@ def write_text_corpus(path: str) -> int:
 def converted_random_model(work: str, **shape) -> str:
     """A random Llama of ``shape`` (tiny_config's fields) in ``work/hf``, converted once to ``work/ckpt``
     (the benchmark scripts' model; the tokenizer files are side files only: their data are token ids)."""
-    from models.hf_io import hf_to_stages
+    from models.files.hf_convert import hf_to_stages
 
     hf, ckpt = os.path.join(work, "hf"), os.path.join(work, "ckpt")
     if not os.path.isdir(ckpt):

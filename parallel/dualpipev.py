@@ -21,8 +21,9 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import BackwardPass, CommitP2P, DualPipeVSchedule, PipeInstruction
 from torch import nn
 
-from parallel.axis import AxisPlan
-from parallel.layout import Layout, schedule_layout_problems
+from models.llama_pipe import LlamaPipelineModule
+from parallel.axis import AxisPlan, ModelFacts, RuleSettings
+from parallel.layout import PIPELINE_SCHEDULES, Layout
 
 
 class WeightPass(PipeInstruction):
@@ -209,26 +210,108 @@ def wrap_instructions(names, wrap) -> None:
                 engine._INSTRUCTION_MAP[instruction] = wrap(fn)
 
 
-class DualPipeVPlan(AxisPlan):
-    """``pipeline_schedule=dualpipev`` (parallel/axis.py's steps).
+class LlamaDualPipeVModule(DualPipeVModule, LlamaPipelineModule):
+    """The stage's class with DualPipeV (``DualPipeVPlan.stage_class``): DeepSpeed's ``DualPipeVModule`` before
+    ``LlamaPipelineModule``, two pieces per rank."""
 
-    The stage: DeepSpeed's ``DualPipeVModule`` before ``LlamaPipelineModule`` (its split from ``boundaries``, now
-    2 x num_stages + 1 of them, ``Layout.pieces``; its clipping and layer-file fixes), two pieces per rank.
-    DeepSpeed's methods run each per piece (``activate_phase``), so layer files keep their global spec index
-    whichever rank wrote them.
+
+class DualPipeVPlan(AxisPlan):
+    """``pipeline_schedule`` (parallel/axis.py's rules), and the steps of ``pipeline_schedule=dualpipev``.
+
+    The stage: :class:`LlamaDualPipeVModule` (DeepSpeed's split from ``boundaries``, now 2 x num_stages + 1 of them,
+    ``Layout.pieces``; its clipping and layer-file fixes), two pieces per rank. DeepSpeed's methods run each per
+    piece (``activate_phase``), so layer files keep their global spec index whichever rank wrote them: the
+    checkpoint pieces are DeepSpeed's ``DualPipeVModule.save_state_dict`` / ``load_state_dir``.
 
     The engine: ``deepspeed.initialize`` builds DeepSpeed's ``DualPipeVEngine`` for such a module (it picks the
     class itself, from the module's type); :meth:`adopt_engine` then swaps the engine's class for
     :class:`LlamaDualPipeVEngine`, a subclass that adds no state of its own but the weight-gradient store set here,
-    and routes the pieces' linear layers through it. This is the one place an engine's class changes: building
-    the subclass directly would mean repeating ``deepspeed.initialize``'s own set-up around the engine's
-    construction."""
+    and routes the pieces' linear layers through it (as expert parallelism's does: building the subclass directly
+    would mean repeating ``deepspeed.initialize``'s own set-up around the engine's construction)."""
 
-    stage_mixin = DualPipeVModule
+    stage_class = LlamaDualPipeVModule
+    checkpoint_pieces = (DualPipeVModule.save_state_dict, DualPipeVModule.load_state_dir)
+    harmless_settings = (
+        (
+            ("data.group_by_length",),
+            lambda cfg, layout: not layout.feeds_rows_whole,
+            "groups rows of similar length so micro-batches are cut short, but DualPipeV feeds every row whole "
+            "(it only reorders the samples): drop data.group_by_length",
+        ),
+    )
 
     @staticmethod
     def used(layout: Layout) -> bool:
         return layout.schedule == "dualpipev"
+
+    @staticmethod
+    def layout_problems(
+        layout: Layout, model: ModelFacts = ModelFacts(), settings: RuleSettings = RuleSettings()
+    ) -> list[str]:
+        """pipeline_schedule's rules, with the numbers and the knob to change: a known schedule; DualPipeV's 2
+        pipeline ranks or more (so the pipeline engine), its 2 x num_stages micro-batches in flight and pieces (of
+        the model's ``num_layers`` decoder layers; None: not checked), rows fed whole, no tensor or sequence
+        parallelism."""
+        if layout.schedule not in PIPELINE_SCHEDULES:
+            return [f"pipeline_schedule {layout.schedule!r} unknown: choose one of {list(PIPELINE_SCHEDULES)}"]
+        if layout.schedule != "dualpipev":
+            return []
+        k, num_layers, problems = layout.stages, model.num_layers, []
+        if k < 2:
+            return [
+                f"pipeline_schedule=dualpipev with num_stages {k}: DualPipeV needs 2 pipeline ranks or more; set "
+                "num_stages >= 2 or pipeline_schedule=1f1b"
+            ]
+        if layout.grad_accum < 2 * k:
+            problems.append(
+                f"pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = {2 * k} (each "
+                f"rank holds two pieces, {2 * k} in flight); got {layout.grad_accum}: raise gradient_accumulation_steps"
+            )
+        if num_layers is not None and num_layers >= 1 and 2 * k > num_layers:
+            problems.append(
+                f"pipeline_schedule=dualpipev cuts the model into 2 x num_stages = {2 * k} pieces, more than its "
+                f"{num_layers} decoder layers: set num_stages <= {num_layers // 2}"
+            )
+        if settings.pad_to_multiple_of:
+            problems.append(
+                f"pipeline_schedule=dualpipev with data.pad_to_multiple_of {settings.pad_to_multiple_of}: DualPipeV "
+                "sends activation shapes once, so every micro-batch must have the same length; set "
+                "data.pad_to_multiple_of=0 (rows fed whole; data.packing=true keeps the padding low)"
+            )
+        for name, n in (("tensor_parallel", layout.tp), ("sequence_parallel", layout.sp)):
+            if n > 1:
+                problems.append(
+                    f"pipeline_schedule=dualpipev with {name} {n} is not supported yet (no parity test of the two "
+                    f"together): use {name}=1 or pipeline_schedule=1f1b"
+                )
+        return problems
+
+    @staticmethod
+    def warnings(layout: Layout, local_world_size: int) -> list[str]:
+        """1F1B with fewer micro-batches than stages: most of each step is the pipeline's bubble."""
+        k, micro_batches = layout.stages, layout.grad_accum
+        if k > 1 and micro_batches < k and layout.schedule == "1f1b":
+            return [
+                f"gradient_accumulation_steps {micro_batches} < num_stages {k}: the pipeline bubble dominates "
+                f"(ideal efficiency {micro_batches}/{micro_batches + k - 1}); raise gradient_accumulation_steps"
+            ]
+        return []
+
+    @staticmethod
+    def defaults(cfg, is_set) -> list[tuple[str, object, str]]:
+        """The defaults DualPipeV cannot run with, for the user's ``pipeline_schedule=dualpipev`` alone: the
+        micro-batches in flight, and rows fed whole."""
+        k = cfg.num_stages
+        if cfg.pipeline_schedule != "dualpipev" or k < 2:
+            return []
+        adapted = []
+        if cfg.gradient_accumulation_steps < 2 * k and not is_set("gradient_accumulation_steps"):
+            adapted.append(
+                ("gradient_accumulation_steps", 2 * k, f"DualPipeV keeps 2 x num_stages = {2 * k} in flight")
+            )
+        if cfg.data.pad_to_multiple_of and not is_set("data.pad_to_multiple_of"):
+            adapted.append(("data.pad_to_multiple_of", 0, "DualPipeV sends activation shapes once: rows fed whole"))
+        return adapted
 
     def adopt_engine(self, engine) -> None:
         if type(engine) is not DualPipeVEngine:
@@ -258,25 +341,3 @@ def short_eval_problem(layout: Layout, name: str, count: int) -> str:
         f"needs {least} per pass (2 x num_stages): add eval data, raise data.eval_fraction, or lower "
         "micro_batch_size"
     )
-
-
-def dualpipev_defaults(cfg, is_set) -> list[tuple[str, object, str]]:
-    """The defaults DualPipeV cannot run with, for the user's ``pipeline_schedule=dualpipev`` alone: (key, the value
-    it runs with, why) for each such key ``is_set`` says the user left (cfg: training.config.TrainConfig)."""
-    k = cfg.num_stages
-    if cfg.pipeline_schedule != "dualpipev" or k < 2:
-        return []
-    adapted = []
-    if cfg.gradient_accumulation_steps < 2 * k and not is_set("gradient_accumulation_steps"):
-        adapted.append(("gradient_accumulation_steps", 2 * k, f"DualPipeV keeps 2 x num_stages = {2 * k} in flight"))
-    if cfg.data.pad_to_multiple_of and not is_set("data.pad_to_multiple_of"):
-        adapted.append(("data.pad_to_multiple_of", 0, "DualPipeV sends activation shapes once: rows fed whole"))
-    return adapted
-
-
-def dualpipev_problems(cfg, model_config, layout) -> list[str]:
-    """Everything train.py refuses about ``pipeline_schedule`` (cfg: training.config.TrainConfig), with the numbers
-    and the knob to change: the layout's rules (parallel.layout.schedule_layout_problems, which the planner asks
-    too) with the config's settings."""
-    num_layers = model_config.num_hidden_layers if model_config is not None else None
-    return schedule_layout_problems(layout, num_layers, cfg.data.pad_to_multiple_of, cfg.ds_config)

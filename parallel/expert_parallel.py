@@ -20,11 +20,12 @@ expert-data-parallel group only (DeepSpeed's ``moe`` parameter groups). Only fp3
 (:func:`clip_with_experts_`): DeepSpeed's there averages the ranks' norms.
 
 Building: the stage is built on the meta device and only this rank's experts get memory (``ep_split``, read by
-models/layer_files.py like tensor parallelism's ``tp_split``): layer files keep every expert, and a rank reads its own
-rows of the memory-mapped file. Saving gathers the experts of each layer over the expert group and data-parallel rank
-0 writes them whole, so a layer file is the same for any ``expert_parallel``. The optimizer states: ZeRO-1 and bf16
+models/files/pipeline_dir.py like tensor parallelism's ``tp_split``): layer files keep every expert, and a rank reads
+its own rows of the memory-mapped file. Saving gathers the experts of each layer over the expert group and data-parallel
+rank 0 writes them whole, so a layer file is the same for any ``expert_parallel``. The optimizer states: ZeRO-1 and bf16
 write every data-parallel rank's partitions (the experts' over their expert-data-parallel group); in fp32 at ZeRO-0
-each expert rank writes its own experts' Adam moments (:func:`expert_moments_file`). training/reshard.py joins both.
+each expert rank writes its own experts' Adam moments (:func:`expert_moments_file`). training/checkpoints/reshard.py
+joins both.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ from deepspeed.moe.layer import MoE
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import groups
 from torch import nn
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from models.families import moe_spec
-from models.layer_files import local_modules
-from models.llama_pipe import materialize_
-from parallel.axis import AxisPlan
-from parallel.layout import Layout, expert_layout_problems
-from parallel.pieces import load_pieces, save_whole
+from models.files.pipeline_dir import local_modules
+from models.llama_pipe import LlamaPipelineModule, materialize_
+from parallel.axis import AxisPlan, ModelFacts, RuleSettings
+from parallel.layout import Layout
+from parallel.split_layer_files import load_pieces, save_whole
 
 
 def expert_moments_file(stage: int, rank: int) -> str:
@@ -153,15 +156,27 @@ class ExpertParallelExperts:
         return final  # [T,H]
 
 
-_EP_CLASSES: dict[type, type] = {}
+class ExpertParallelQwen3MoeExperts(ExpertParallelExperts, Qwen3MoeExperts):
+    """Qwen3-MoE's experts, this rank's share."""
+
+
+class ExpertParallelMixtralExperts(ExpertParallelExperts, MixtralExperts):
+    """Mixtral's experts, this rank's share."""
+
+
+# The class each Hugging Face experts class becomes on a rank holding some of its experts (llama4_text has none:
+# its experts run every token, expert_parallel's rules refuse it).
+EXPERT_PARALLEL_CLASSES: dict[type, type] = {
+    Qwen3MoeExperts: ExpertParallelQwen3MoeExperts,
+    MixtralExperts: ExpertParallelMixtralExperts,
+}
 
 
 def expert_parallel_class(cls: type) -> type:
-    """``class ExpertParallel<cls>(ExpertParallelExperts, cls)``, one per Hugging Face experts class."""
-    if cls not in _EP_CLASSES:
-        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {"__module__": __name__})
-        globals()[_EP_CLASSES[cls].__name__] = _EP_CLASSES[cls]
-    return _EP_CLASSES[cls]
+    """:data:`EXPERT_PARALLEL_CLASSES`' class for the Hugging Face experts class ``cls``."""
+    if cls not in EXPERT_PARALLEL_CLASSES:
+        raise TypeError(f"expert_parallel has no class for {cls.__name__}: add one to EXPERT_PARALLEL_CLASSES")
+    return EXPERT_PARALLEL_CLASSES[cls]
 
 
 def split_experts_(model, group, rank: int, size: int) -> int:
@@ -191,9 +206,9 @@ def split_experts_(model, group, rank: int, size: int) -> int:
     return split
 
 
-class ExpertParallelStage:
-    """The stage's class with expert parallelism (before ``LlamaPipelineModule``, parallel/stage.py): built with only
-    this rank's experts, saved with every expert (gathered over the expert group), loaded with its own."""
+class ExpertParallelStage(LlamaPipelineModule):
+    """The stage's class with expert parallelism (``ExpertParallelPlan.stage_class``): built with only this rank's
+    experts, saved with every expert (gathered over the expert group), loaded with its own."""
 
     # (expert group, rank in it, size): set by ExpertParallelPlan.before_build, the one way into
     # PipelineModule.__init__'s build (one model per process); the engine reads it from the stage. The
@@ -231,8 +246,8 @@ class ExpertParallelEngine(PipelineEngine):
     def _save_checkpoint(self, save_dir, tag, client_state={}, exclude_frozen_parameters=False):
         """DeepSpeed's engine file (data-parallel rank 0), and in fp32 at ZeRO-0, where that file holds rank 0's Adam
         moments, the moments of each other rank of expert group 0's experts (:func:`expert_moments_file`), so no rank
-        ever holds more than its own; training/reshard.py joins them, and a run with expert_parallel always resumes
-        through it. ZeRO-1 and bf16 write every rank's partitions in DeepSpeed's own files."""
+        ever holds more than its own; training/checkpoints/reshard.py joins them, and a run with expert_parallel always
+        resumes through it. ZeRO-1 and bf16 write every rank's partitions in DeepSpeed's own files."""
         super()._save_checkpoint(save_dir, tag, client_state, exclude_frozen_parameters)
         _, rank, size = self.module._ep
         if self.optimizer is None or self.save_zero_checkpoint or self._grid.data_parallel_id >= size or rank == 0:
@@ -277,15 +292,102 @@ def clip_with_experts_(parameters, max_norm: float, engine) -> float:
 
 
 class ExpertParallelPlan(AxisPlan):
-    """``expert_parallel`` > 1 (parallel/axis.py's steps): the expert and expert-data-parallel groups before the stage,
-    the stage built with this rank's experts (:class:`ExpertParallelStage`), and the engine's gradient reduction and
-    clipping made the experts' (:class:`ExpertParallelEngine`)."""
+    """A Mixture-of-Experts model's rules and ``expert_parallel``'s (parallel/axis.py's rules), and the steps of
+    ``expert_parallel`` > 1: the expert and expert-data-parallel groups before the stage, the stage built with this
+    rank's experts (:class:`ExpertParallelStage`), and the engine's gradient reduction and clipping made the experts'
+    (:class:`ExpertParallelEngine`). Checkpoint pieces: the layer files with every expert, gathered by ``ep_split``
+    (the stage's save and load), and in fp32 at ZeRO-0 each expert rank's Adam moments (the engine's save,
+    :func:`expert_moments_file`; training/checkpoints/reshard.py joins them)."""
 
-    stage_mixin = ExpertParallelStage
+    stage_class = ExpertParallelStage
+    checkpoint_pieces = (
+        ExpertParallelStage.save_state_dict,
+        ExpertParallelStage.load_state_dir,
+        ExpertParallelEngine._save_checkpoint,
+    )
 
     @staticmethod
     def used(layout: Layout) -> bool:
         return layout.ep > 1
+
+    @staticmethod
+    def layout_problems(
+        layout: Layout, model: ModelFacts = ModelFacts(), settings: RuleSettings = RuleSettings()
+    ) -> list[str]:
+        """With the numbers and what to use instead: the pipeline engine; no tensor or sequence parallelism,
+        DualPipeV, PEFT or DPO with experts; ep dividing the data-parallel degree and each MoE layer's experts, not
+        in fp16, no optimizer offload, and not with llama4_text (whose experts run every token). ``model``'s
+        ``num_experts``: 0 for a dense model, None for a model not known (only ep >= 1 is checked); its
+        ``model_type`` names the model in the lines."""
+        ep, model_type, num_experts = layout.ep, model.model_type, model.num_experts
+        if ep < 1:
+            return [f"expert_parallel {ep} must be >= 1 (1: every rank holds every expert)"]
+        if num_experts is None:
+            return []
+        if not num_experts:
+            if ep == 1:
+                return []
+            dense = (
+                f"model_type {model_type}, which has no experts"
+                if model_type
+                else "a dense model (no experts to split)"
+            )
+            return [f"expert_parallel {ep} with {dense}: use expert_parallel=1"]
+        peft_method, ds_config = settings.peft(layout), settings.ds(layout)
+        kind = f"a Mixture-of-Experts model ({model_type})" if model_type else "a Mixture-of-Experts model"
+        problems = layout.engine.needs_pipeline(kind, ds_config)
+        for what, value, instead in (
+            ("tensor_parallel", layout.tp > 1, "expert_parallel to divide the experts, and stages"),
+            ("sequence_parallel", layout.sp > 1, "shorter rows or more stages"),
+            ("pipeline_schedule=dualpipev", layout.schedule == "dualpipev", "pipeline_schedule=1f1b"),
+            (f"peft.method={peft_method}", peft_method != "none", "full training (peft.method=none)"),
+            ("train_objective=dpo", settings.train_objective == "dpo", "train_objective=sft"),
+        ):
+            if value:
+                problems.append(f"{what} with {kind} is not supported yet: use {instead}")
+        if ep == 1:
+            return problems
+        if layout.dp and layout.data_axis % ep:
+            problems.append(
+                f"expert_parallel {ep} must divide the data-parallel degree {layout.data_axis} (world size / "
+                "num_stages): the experts are split over data-parallel ranks of each stage"
+            )
+        if model_type == "llama4_text":
+            problems.append(
+                f"expert_parallel {ep} with llama4_text: Hugging Face's Llama 4 experts run every token through every "
+                "expert (scaled by its router score), not a dispatch to k experts; use expert_parallel=1"
+            )
+        elif num_experts % ep:
+            works = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
+            problems.append(
+                f"expert_parallel {ep} must divide the {num_experts} experts of each MoE layer: use one of {works}"
+            )
+        if layout.dtype == "fp16":
+            problems.append(
+                f"expert_parallel {ep} with precision=fp16: not supported yet (the experts' gradient reduction, "
+                "their share of the gradient norm and their optimizer groups are built and tested in fp32 and bf16 "
+                "only, not with fp16's loss scaling); set precision=bf16 (or fp32), or expert_parallel=1"
+            )
+        if layout.offload_optimizer:
+            problems.append(
+                f"expert_parallel {ep} with the optimizer offloaded (ds={ds_config}): not supported yet (DeepSpeed's "
+                "CPU Adam is not run with its MoE parameter groups here); keep the optimizer states on the GPU "
+                "(ds=zero1 shards them over the data axis, without offloading) or use expert_parallel=1"
+            )
+        return problems
+
+    @classmethod
+    def problems(cls, cfg, model_config, layout: Layout, ds_json: dict | None = None) -> list[str]:
+        """The layout's rules with the config's settings (without a model config, whose own problem is said, only
+        ep >= 1), after the DeepSpeed JSON's ZeRO-1 reduce-scatter."""
+        problems = []
+        if layout.ep > 1 and (ds_json or {}).get("zero_optimization", {}).get("reduce_scatter") is False:
+            problems.append(
+                f"expert_parallel {layout.ep} with zero_optimization.reduce_scatter=false in {cfg.ds_config}: "
+                "DeepSpeed reduces the experts' gradients over their group in its reduce-scatter path only; remove "
+                "the key"
+            )
+        return problems + super().problems(cfg, model_config, layout, ds_json)
 
     def before_build(self, config, topology, attention: str) -> str:
         group, rank, edp, ep_ranks, edp_ranks = expert_groups(topology, self.layout.ep)
@@ -330,26 +432,3 @@ class ExpertParallelPlan(AxisPlan):
             f"({moe.num_experts // self.layout.ep} per rank; expert parameters per rank "
             f"{', '.join(f'{c / 1e6:.2f} M' for c in counts)})"
         ]
-
-
-def expert_parallel_problems(cfg, model_config, layout: Layout, ds_json: dict | None = None) -> list[str]:
-    """Everything train.py refuses about a MoE model or ``expert_parallel`` (cfg: training.config.TrainConfig), with
-    the numbers and what to use instead: the layout's rules (parallel.layout.expert_layout_problems, which the planner
-    asks too: precision and offload among them) with the config's settings, and the DeepSpeed JSON's ZeRO-1
-    reduce-scatter. Without a model config (its
-    own problem is said) only ep >= 1."""
-    moe = moe_spec(model_config) if model_config is not None else None
-    problems = []
-    if layout.ep > 1 and (ds_json or {}).get("zero_optimization", {}).get("reduce_scatter") is False:
-        problems.append(
-            f"expert_parallel {layout.ep} with zero_optimization.reduce_scatter=false in {cfg.ds_config}: DeepSpeed "
-            "reduces the experts' gradients over their group in its reduce-scatter path only; remove the key"
-        )
-    return problems + expert_layout_problems(
-        layout,
-        model_config.model_type if model_config is not None else None,
-        None if model_config is None else moe.num_experts if moe is not None else 0,
-        cfg.peft.method,
-        cfg.ds_config,
-        cfg.train_objective,
-    )

@@ -12,10 +12,12 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-# Typed choices of train.py's config, as its other StrEnums (training/config.py): OmegaConf refuses any other value
-# with the list of these. A member's name is what the command line and train_config.yaml say, and "1f1b" or
+from parallel.engines import DataParallelEngine, PipelineEngine, engine_for
+
+# Typed choices of train.py's config, as its other StrEnums (training/configuration/schema.py): OmegaConf refuses any
+# other value with the list of these. A member's name is what the command line and train_config.yaml say, and "1f1b" or
 # "type:DecoderLayerPipe" is no Python identifier: hence the functional form, each member named as its value
-# (written out, as training/config_docs.py reads it from the source).
+# (written out, as tools/config_docs.py reads it from the source).
 # How the specs are split into stages (parallel/partition.py; of DeepSpeed's "type:<regex>" patterns, this one).
 PartitionMethod = StrEnum(
     "PartitionMethod",
@@ -180,13 +182,21 @@ class Layout:
         return stage == self.label_stage and tensor_rank == 0 and data % self.sp == 0
 
     @property
-    def uses_pipeline(self) -> bool:
-        """DeepSpeed's pipeline engine (ZeRO 0/1), or its data-parallel engine (num_stages=1, ZeRO 2/3)."""
-        return self.stages > 1 or self.zero < 2
+    def feeds_rows_whole(self) -> bool:
+        """Every row goes through whole, never cut to its micro-batch's longest: DualPipeV's engine takes fixed
+        shapes (parallel/dualpipev.py)."""
+        return self.schedule == "dualpipev"
 
     @property
-    def engine(self) -> str:
-        return "pipeline engine" if self.uses_pipeline else "data-parallel engine"
+    def order_check_compares(self) -> bool:
+        """Some ranks read the same micro-batches for data.order_check_steps to compare: the first and last stage,
+        a stage's tensor-parallel peers (data/order_guard.py)."""
+        return self.stages > 1 or self.tp > 1
+
+    @property
+    def engine(self) -> PipelineEngine | DataParallelEngine:
+        """The DeepSpeed engine this layout runs on (parallel/engines.py), which says what differs between the two."""
+        return engine_for(self)
 
     def axes(self) -> str:
         """``pipe P x data D``, with ``x tensor T`` and ``x sequence S`` where those are used."""
@@ -220,7 +230,7 @@ class Layout:
 
 def layout_problems(layout: Layout, world_size: int, partition_method: str, num_layers: int | None = None) -> list[str]:
     """Everything train.py refuses about a layout, each problem in train.py's words (its knob names): the
-    one home of these rules, so train.py (``training.validate.resolve``), preflight and
+    one home of these rules, so train.py (``training.configuration.validate.resolve``), preflight and
     scripts/estimate_memory.py refuse the same layouts with the same lines. ``world_size``: the ranks
     launched (``layout.dp`` is 0 where they do not divide); ``num_layers``: the model's decoder layers,
     None for a bare parameter count."""
@@ -276,7 +286,7 @@ def layout_problems(layout: Layout, world_size: int, partition_method: str, num_
             f"('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'); set num_stages=1 or ds_config=zero1"
         )
     if layout.offload_optimizer and layout.zero == 0:
-        # expert_parallel refuses the optimizer offloaded at any stage (expert_layout_problems): zero1_offload is no fix
+        # expert_parallel refuses the optimizer offloaded at any stage (its layout_problems): zero1_offload is no fix
         fix = (
             f"remove offload_optimizer from the JSON (expert_parallel {layout.ep} does not run with the optimizer "
             "offloaded; ds_config=zero1 shards the optimizer states over the data axis)"
@@ -296,244 +306,11 @@ def layout_problems(layout: Layout, world_size: int, partition_method: str, num_
     return problems
 
 
-# The axes' rules on a layout, in train.py's words: each axis's ``*_problems`` (parallel/tensor_parallel.py,
-# sequence_parallel.py, dualpipev.py) says them for training.validate.resolve with the config's settings, and the
-# planner (parallel/memory_plan.py's layout search) asks the same functions which layouts train.py runs. Settings
-# beyond the layout (``peft_method``, ``ds_config``, ...) only shape the lines; by default they are those the
-# layout implies (``ds_config`` zeroN of its ZeRO stage) or train.py's defaults.
-
-
-def _settings(layout: Layout, peft_method: str | None, ds_config: str | None) -> tuple[str, str]:
-    return (
-        peft_method if peft_method is not None else "lora" if layout.lora_rank else "none",
-        ds_config if ds_config is not None else f"zero{layout.zero}",
-    )
-
-
-def tensor_layout_problems(layout: Layout, peft_method: str | None = None, ds_config: str | None = None) -> list[str]:
-    """tensor_parallel's rules beyond the model's sizes (parallel.tensor_parallel.model_problems): the pipeline
-    engine, no LoRA, the chunked loss."""
-    tp = layout.tp
-    if tp <= 1:
-        return []
-    peft_method, ds_config = _settings(layout, peft_method, ds_config)
-    problems = []
-    if not layout.uses_pipeline:
-        problems.append(
-            f"tensor_parallel {tp} runs on the pipeline engine; num_stages=1 with ds={ds_config} (ZeRO "
-            f"{layout.zero}) uses DeepSpeed's data-parallel engine: use ds=zero0 or ds=zero1"
-        )
-    if peft_method != "none":
-        problems.append(
-            f"peft.method={peft_method} with tensor_parallel {tp} is not supported yet: PEFT's layers would wrap "
-            "DeepSpeed's split linears; use tensor_parallel=1 (LoRA's frozen base rarely needs it)"
-        )
-    if layout.loss_chunk < 1:
-        problems.append(
-            f"tensor_parallel {tp} computes the loss over the vocabulary slices with the chunked loss: set "
-            "loss_chunk_tokens > 0 (e.g. 1024)"
-        )
-    return problems
-
-
-def sequence_layout_problems(
-    layout: Layout,
-    heads: int | None = None,
-    kv_heads: int | None = None,
-    pad_to_multiple_of: int = 0,
-    loss_normalization: str = "tokens",
-    attention: str = "documents",
-    peft_method: str | None = None,
-    ds_config: str | None = None,
-) -> list[str]:
-    """sequence_parallel's rules, with the numbers and the values that work: whole attention heads per rank and
-    KV heads split or replicated (the model's ``heads``, ``kv_heads``; None: not checked), equal slices of the
-    sequence and of the pad multiple, the token-normalised loss, the per-document attention, no LoRA, the pipeline
-    engine."""
-    sp, tp = layout.sp, layout.tp
-    if sp <= 1:
-        return []
-    peft_method, ds_config = _settings(layout, peft_method, ds_config)
-    problems = []
-    if heads is not None:
-        local, kv = heads // tp, kv_heads // tp
-        if local % sp:
-            works = [n for n in range(2, local + 1) if local % n == 0]
-            problems.append(
-                f"sequence_parallel {sp} does not divide the {local} attention heads of each tensor-parallel rank "
-                f"(num_attention_heads {heads} / tensor_parallel {tp}): Ulysses gives each "
-                f"rank whole heads; sequence_parallel values that divide them: {works}"
-            )
-        elif kv % sp and sp % kv:
-            problems.append(
-                f"sequence_parallel {sp} and the {kv} key/value heads of each tensor-parallel rank "
-                f"(num_key_value_heads {kv_heads} / tensor_parallel {tp}): one must divide "
-                "the other (Ulysses splits the KV heads, or replicates them when there are fewer than ranks)"
-            )
-    seq, multiple = layout.seq_len, pad_to_multiple_of
-    if seq % sp:
-        problems.append(
-            f"data.max_seq_length {seq} is not divisible by sequence_parallel {sp}: each rank keeps an equal slice; "
-            f"set data.max_seq_length to a multiple of {sp} (e.g. {seq - seq % sp})"
-        )
-    if multiple and multiple % sp:
-        problems.append(
-            f"data.pad_to_multiple_of {multiple} is not a multiple of sequence_parallel {sp}: micro-batches are cut "
-            f"to a multiple of it and must split evenly; set data.pad_to_multiple_of to a multiple of {sp}"
-        )
-    if loss_normalization != "tokens":
-        problems.append(
-            f"loss_normalization={loss_normalization} with sequence_parallel {sp}: a micro-batch's mean needs "
-            "its label count on every slice; use loss_normalization=tokens (the default)"
-        )
-    if attention != "documents":
-        problems.append(
-            f"attention={attention} with sequence_parallel {sp}: Ulysses runs the per-document attention on the "
-            "whole sequence after its all-to-all; use attention=documents (the default)"
-        )
-    if peft_method != "none":
-        problems.append(
-            f"peft.method={peft_method} with sequence_parallel {sp} is not supported yet (no parity test of the "
-            "two together): use sequence_parallel=1"
-        )
-    if not layout.uses_pipeline:
-        problems.append(
-            f"sequence_parallel {sp} runs on the pipeline engine; num_stages=1 with ds={ds_config} (ZeRO "
-            f"{layout.zero}) uses DeepSpeed's data-parallel engine: use ds=zero0 or ds=zero1"
-        )
-    return problems
-
-
-def expert_layout_problems(
-    layout: Layout,
-    model_type: str | None = None,
-    num_experts: int | None = None,
-    peft_method: str | None = None,
-    ds_config: str | None = None,
-    train_objective: str = "sft",
-) -> list[str]:
-    """A Mixture-of-Experts model's rules and ``expert_parallel``'s, with the numbers and what to use instead: the
-    pipeline engine; no tensor or sequence parallelism, DualPipeV, PEFT or DPO with experts; ep dividing the
-    data-parallel degree and each MoE layer's experts, not in fp16, no optimizer offload, and not with llama4_text
-    (whose experts run every token). ``num_experts``: each MoE layer's experts, 0 for a dense model, None for a model
-    not known (only ep >= 1 is checked); ``model_type`` names the model in the lines."""
-    ep = layout.ep
-    if ep < 1:
-        return [f"expert_parallel {ep} must be >= 1 (1: every rank holds every expert)"]
-    if num_experts is None:
-        return []
-    if not num_experts:
-        if ep == 1:
-            return []
-        model = (
-            f"model_type {model_type}, which has no experts" if model_type else "a dense model (no experts to split)"
-        )
-        return [f"expert_parallel {ep} with {model}: use expert_parallel=1"]
-    peft_method, ds_config = _settings(layout, peft_method, ds_config)
-    kind = f"a Mixture-of-Experts model ({model_type})" if model_type else "a Mixture-of-Experts model"
-    problems = []
-    if not layout.uses_pipeline:
-        problems.append(
-            f"{kind} runs on the pipeline engine; num_stages=1 with ds={ds_config} (ZeRO {layout.zero}) uses "
-            "DeepSpeed's data-parallel engine: use ds=zero0 or ds=zero1"
-        )
-    for what, value, instead in (
-        ("tensor_parallel", layout.tp > 1, "expert_parallel to divide the experts, and stages"),
-        ("sequence_parallel", layout.sp > 1, "shorter rows or more stages"),
-        ("pipeline_schedule=dualpipev", layout.schedule == "dualpipev", "pipeline_schedule=1f1b"),
-        (f"peft.method={peft_method}", peft_method != "none", "full training (peft.method=none)"),
-        ("train_objective=dpo", train_objective == "dpo", "train_objective=sft"),
-    ):
-        if value:
-            problems.append(f"{what} with {kind} is not supported yet: use {instead}")
-    if ep == 1:
-        return problems
-    if layout.dp and layout.data_axis % ep:
-        problems.append(
-            f"expert_parallel {ep} must divide the data-parallel degree {layout.data_axis} (world size / "
-            "num_stages): the experts are split over data-parallel ranks of each stage"
-        )
-    if model_type == "llama4_text":
-        problems.append(
-            f"expert_parallel {ep} with llama4_text: Hugging Face's Llama 4 experts run every token through every "
-            "expert (scaled by its router score), not a dispatch to k experts; use expert_parallel=1"
-        )
-    elif num_experts % ep:
-        works = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
-        problems.append(
-            f"expert_parallel {ep} must divide the {num_experts} experts of each MoE layer: use one of {works}"
-        )
-    if layout.dtype == "fp16":
-        problems.append(
-            f"expert_parallel {ep} with precision=fp16: not supported yet (the experts' gradient reduction, "
-            "their share of the gradient norm and their optimizer groups are built and tested in fp32 and bf16 only, "
-            "not with fp16's loss scaling); set precision=bf16 (or fp32), or expert_parallel=1"
-        )
-    if layout.offload_optimizer:
-        problems.append(
-            f"expert_parallel {ep} with the optimizer offloaded (ds={ds_config}): not supported yet (DeepSpeed's "
-            "CPU Adam is not run with its MoE parameter groups here); keep the optimizer states on the GPU (ds=zero1 "
-            "shards them over the data axis, without offloading) or use expert_parallel=1"
-        )
-    return problems
-
-
-def schedule_layout_problems(
-    layout: Layout, num_layers: int | None = None, pad_to_multiple_of: int = 0, ds_config: str | None = None
-) -> list[str]:
-    """pipeline_schedule's rules, with the numbers and the knob to change: a known schedule; DualPipeV's 2
-    pipeline ranks or more, its 2 x num_stages micro-batches in flight and pieces (of the model's ``num_layers``
-    decoder layers; None: not checked), rows fed whole, no tensor or sequence parallelism, the pipeline engine."""
-    if layout.schedule not in PIPELINE_SCHEDULES:
-        return [f"pipeline_schedule {layout.schedule!r} unknown: choose one of {list(PIPELINE_SCHEDULES)}"]
-    if layout.schedule != "dualpipev":
-        return []
-    _, ds_config = _settings(layout, None, ds_config)
-    k, problems = layout.stages, []
-    if k < 2:
-        return [
-            f"pipeline_schedule=dualpipev with num_stages {k}: DualPipeV needs 2 pipeline ranks or more; set "
-            "num_stages >= 2 or pipeline_schedule=1f1b"
-        ]
-    if layout.grad_accum < 2 * k:
-        problems.append(
-            f"pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = {2 * k} (each rank "
-            f"holds two pieces, {2 * k} in flight); got {layout.grad_accum}: raise gradient_accumulation_steps"
-        )
-    if num_layers is not None and num_layers >= 1 and 2 * k > num_layers:
-        problems.append(
-            f"pipeline_schedule=dualpipev cuts the model into 2 x num_stages = {2 * k} pieces, more than its "
-            f"{num_layers} decoder layers: set num_stages <= {num_layers // 2}"
-        )
-    if pad_to_multiple_of:
-        problems.append(
-            f"pipeline_schedule=dualpipev with data.pad_to_multiple_of {pad_to_multiple_of}: DualPipeV "
-            "sends activation shapes once, so every micro-batch must have the same length; set "
-            "data.pad_to_multiple_of=0 (rows fed whole; data.packing=true keeps the padding low)"
-        )
-    for name, n in (("tensor_parallel", layout.tp), ("sequence_parallel", layout.sp)):
-        if n > 1:
-            problems.append(
-                f"pipeline_schedule=dualpipev with {name} {n} is not supported yet (no parity test of the two "
-                f"together): use {name}=1 or pipeline_schedule=1f1b"
-            )
-    if not layout.uses_pipeline:
-        problems.append(
-            f"pipeline_schedule=dualpipev runs on the pipeline engine, and ds={ds_config} is ZeRO "
-            f"{layout.zero}: use ZeRO 0 or 1 (ds_config=zero0 or zero1)"
-        )
-    return problems
-
-
-def schedule_warnings(layout: Layout) -> list[str]:
-    """1F1B with fewer micro-batches than stages: most of each step is the pipeline's bubble."""
-    k, micro_batches = layout.stages, layout.grad_accum
-    if k > 1 and micro_batches < k and layout.schedule == "1f1b":
-        return [
-            f"gradient_accumulation_steps {micro_batches} < num_stages {k}: the pipeline bubble dominates "
-            f"(ideal efficiency {micro_batches}/{micro_batches + k - 1}); raise gradient_accumulation_steps"
-        ]
-    return []
+# The axes' rules on a layout, in train.py's words, live with each axis: its plan's ``layout_problems``
+# (parallel/axis.py's contract; parallel/tensor_parallel.py, sequence_parallel.py, expert_parallel.py, dualpipev.py).
+# training.configuration.validate.resolve asks them with the config's settings (the plan's ``problems``), and the
+# planner (parallel/memory_plan.py's layout search) asks the same ones which layouts train.py runs, each in one loop
+# over parallel.axes.AXES.
 
 
 def count_arg(minimum: float = 1, kind: type = int, strict: bool = False, maximum: float | None = None):

@@ -12,7 +12,7 @@ weights, so ZeRO shards over the groups' ranks too):
 That is the paper's mixed precision (fp16). DeepSpeed trains bf16 at ZeRO-0 differently: its
 pipeline engine then uses BF16_Optimizer, which shards the fp32 master weights and Adam moments over
 data-parallel ranks as ZeRO-1 does and keeps a bf16 gradient-accumulation buffer beside the
-gradients: 2 Psi + (2 + 2) Psi + K Psi / Nd (measured with training/memory_census.py; the sweep
+gradients: 2 Psi + (2 + 2) Psi + K Psi / Nd (measured with training/observation/memory_census.py; the sweep
 prints estimate and measurement side by side).
 
 Optimizer offload moves the K part to host memory; ZeRO-3 parameter offload moves the weights too
@@ -89,14 +89,14 @@ each way as working memory, and each rank sends
 
 as much again in backward, and again in the recomputed forward with activation checkpointing. The largest
 gradient temporary may be a MoE layer's fused expert tensor, [E/ep, 2I, H] on a rank. The formulas hold for any
-ZeRO stage; the layouts the search proposes are those train.py runs (parallel.layout.expert_layout_problems): a
-MoE model on the pipeline engine without tensor or sequence parallelism or DualPipeV, and ep > 1 neither in fp16
-nor with the optimizer offloaded in this version.
+ZeRO stage; the layouts the search proposes are those train.py runs (parallel/expert_parallel.py's
+``ExpertParallelPlan.layout_problems``): a MoE model on the pipeline engine without tensor or sequence parallelism
+or DualPipeV, and ep > 1 neither in fp16 nor with the optimizer offloaded in this version.
 
 Backward also computes each parameter's gradient into a new tensor before adding it to the accumulated
 one (every micro-batch after the first): one parameter's gradient more, at a time. On the first and the
 last stage that is the [V,H] embedding or LM head, as large as a loss chunk at a 128k vocabulary
-(measured per stage by scripts/bench_stage_memory.py).
+(measured per stage by benchmarks/bench_stage_memory.py).
 """
 
 from __future__ import annotations
@@ -107,16 +107,11 @@ from dataclasses import dataclass
 
 from models.lora_rules import peft_layout_problems
 from models.moe_counts import MoEShape, moe_shape
-from parallel.layout import (
-    Layout,
-    expert_layout_problems,
-    layout_problems,
-    schedule_layout_problems,
-    sequence_layout_problems,
-    tensor_layout_problems,
-    tp_dividing,
-)
+from parallel.axes import AXES
+from parallel.axis import ModelFacts
+from parallel.layout import Layout, layout_problems, tp_dividing
 from parallel.schedule_sim import simulated
+from parallel.sequence_parallel import SequenceParallelPlan
 
 OFFLOADS = ("none", "optimizer", "params")  # what the fit search offloads: nothing, the optimizer, the weights too
 GB = 1e9  # the ZeRO paper and GPU vendors count decimal gigabytes
@@ -375,7 +370,7 @@ def loss_bytes(shape: Shape, layout: Layout) -> float:
     replaced them: elem more with several micro-batches per step. Chunked (models.loss.ChunkedLMHeadLoss):
     one chunk of fp32 logits, worked in place, plus its 16-bit matmul output in bf16: 4 + elem bytes (4
     in fp32). Measured in fp32: 16.1 and 4.5 bytes per logit for the loss alone
-    (scripts/bench_loss_memory.py), 20 and 4 on a pipeline's last stage (scripts/bench_stage_memory.py).
+    (benchmarks/bench_loss_memory.py), 20 and 4 on a pipeline's last stage (benchmarks/bench_stage_memory.py).
     With sequence parallelism each rank takes the logits of its B*S/sp tokens.
     """
     tokens = local_tokens(layout)
@@ -397,7 +392,7 @@ def grad_temp_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: i
     whole [V,H] gradient counts. Elsewhere the largest is the first stage's [V,H] embedding, whose
     backward runs last, once the micro-batch has freed its activations and its layer's working memory,
     or a middle stage's widest layer matrix [F,H]: only what exceeds those counts (measured per stage by
-    scripts/bench_stage_memory.py). DualPipeV: rank 0 holds the LM head (the last stage's case); elsewhere
+    benchmarks/bench_stage_memory.py). DualPipeV: rank 0 holds the LM head (the last stage's case); elsewhere
     what its smaller piece frees counts (``layers_on_stage``: one count per piece)."""
     if layout.zero < 2 and layout.grad_accum == 1:
         return 0.0
@@ -417,7 +412,7 @@ def grad_temp_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: i
 def optimizer_step_bytes(psi: float, layout: Layout) -> float:
     """ZeRO-1/2's optimizer step, beyond the model states: the rank's partition of the gradients
     flattened (training precision) and its fp32 copy, both beside the gradients (measured on CPU ranks,
-    DeepSpeed 0.19.8, by scripts/bench_stage_memory.py). The activations are gone by then. With the
+    DeepSpeed 0.19.8, by benchmarks/bench_stage_memory.py). The activations are gone by then. With the
     optimizer offloaded the fp32 gradient partition is the host's (``model_state_bytes``)."""
     if layout.zero not in (1, 2) or layout.offload_optimizer:
         return 0.0
@@ -534,7 +529,7 @@ def layouts_for(
     DualPipeV's is below 1F1B's on as many) first;
     less tensor parallelism (``tp_values``, each within a node) first; less sequence parallelism
     (``sp_values``, those :func:`sequence_parallel_fits` allows for ``shape``; none without one) first; less
-    expert parallelism (``ep_values``, those train.py runs: parallel.layout.expert_layout_problems) first.
+    expert parallelism (``ep_values``, those train.py runs: ``ExpertParallelPlan.layout_problems``) first.
     """
     candidates, nearest, fewest = [], [], float("inf")
     for stages in (s for s in range(1, gpus + 1) if gpus % s == 0 and (num_layers is None or s <= num_layers)):
@@ -576,33 +571,29 @@ def layouts_for(
 
 
 def refusals_of(layout: Layout, gpus: int, num_layers: int | None, shape: Shape | None) -> list[str]:
-    """train.py's lines refusing ``layout`` on ``gpus`` GPUs ([]: it runs it): the rules ``training.validate.resolve``
-    asks, on the layout alone (parallel/layout.py: its sizes, ZeRO stage and offload; tensor and sequence
-    parallelism, with the model's heads from ``shape``; the schedule; a Mixture-of-Experts model's and expert
-    parallelism's, with its experts, its precision and offload), rows fed whole; LoRA's on the pipeline engine
-    (models.lora_rules.peft_layout_problems)."""
-    heads = (shape.heads, shape.kv_heads) if shape is not None else (None, None)
-    return (
-        layout_problems(layout, gpus, "compute", num_layers)
-        + tensor_layout_problems(layout)
-        + sequence_layout_problems(layout, *heads)
-        + schedule_layout_problems(layout, num_layers)
-        + expert_layout_problems(layout, *experts_of(shape))
-        + peft_layout_problems(layout)
-    )
+    """train.py's lines refusing ``layout`` on ``gpus`` GPUs ([]: it runs it): the rules
+    ``training.configuration.validate.resolve`` asks, on the layout alone (parallel/layout.py: its sizes, ZeRO stage and
+    offload; each axis's ``layout_problems``, with the model's facts from ``shape``: parallel.axes.AXES), rows fed
+    whole; LoRA's on the pipeline engine (models.lora_rules.peft_layout_problems)."""
+    problems = layout_problems(layout, gpus, "compute", num_layers)
+    model = model_facts(shape, num_layers)
+    for axis in AXES:
+        problems += axis.layout_problems(layout, model)
+    return problems + peft_layout_problems(layout)
 
 
-def experts_of(shape: Shape | None) -> tuple[str | None, int]:
-    """(model_type, experts per MoE layer) of ``shape`` for parallel.layout.expert_layout_problems: 0 experts for a
-    dense model or a bare parameter count, which expert parallelism cannot split."""
+def model_facts(shape: Shape | None, num_layers: int | None = None) -> ModelFacts:
+    """What the axes' rules read of the model (parallel.axis.ModelFacts), from ``shape``: 0 experts for a dense model
+    or a bare parameter count (no heads known), which expert parallelism cannot split."""
     if shape is None:
-        return None, 0
-    return shape.model_type, shape.moe.num_experts if shape.moe is not None else 0
+        return ModelFacts(num_layers=num_layers, num_experts=0)
+    experts = shape.moe.num_experts if shape.moe is not None else 0
+    return ModelFacts(num_layers, shape.heads, shape.kv_heads, shape.model_type, experts)
 
 
 def expert_parallel_sizes(shape: Shape | None, gpus: int) -> tuple[int, ...]:
     """The expert_parallel values the fit search tries: every divisor of the model's experts up to ``gpus`` (each
-    layout keeps those train.py runs, parallel.layout.expert_layout_problems); 1 for a dense model."""
+    layout keeps those train.py runs, ``ExpertParallelPlan.layout_problems``); 1 for a dense model."""
     if shape is None or shape.moe is None:
         return (1,)
     return tuple(n for n in range(1, min(gpus, shape.moe.num_experts) + 1) if shape.moe.num_experts % n == 0)
@@ -633,7 +624,7 @@ def tensor_parallel_sizes(shape: Shape | None, node_gpus: int = 8) -> tuple[int,
     sizes = [t for t in (1, 2, 4, 8, 16) if t <= node_gpus]
     if shape is None:
         return tuple(sizes)
-    if shape.moe is not None:  # no tensor parallelism with experts (parallel.layout.expert_layout_problems)
+    if shape.moe is not None:  # no tensor parallelism with experts (ExpertParallelPlan.layout_problems)
         return (1,)
     return tuple(tp_dividing((shape.heads, shape.kv_heads, shape.ffn, shape.vocab), sizes))
 
@@ -645,8 +636,9 @@ def sequence_parallel_fits(shape: Shape, tp: int, sp: int, seq_len: int) -> bool
     """Whether Ulysses can split ``seq_len`` tokens over ``sp`` ranks after tensor parallelism ``tp``:
     each rank gets whole attention heads (sp divides heads/tp), the KV heads split or are replicated (sp
     and kv_heads/tp, one divides the other) and the sequence splits evenly: the model-side rules of
-    parallel.layout.sequence_layout_problems, which also has train.py's lines for them."""
-    return not sequence_layout_problems(Layout(tp=tp, sp=sp, seq_len=seq_len), shape.heads, shape.kv_heads)
+    ``SequenceParallelPlan.layout_problems``, which also has train.py's lines for them."""
+    model = ModelFacts(heads=shape.heads, kv_heads=shape.kv_heads)
+    return not SequenceParallelPlan.layout_problems(Layout(tp=tp, sp=sp, seq_len=seq_len), model)
 
 
 def fitting(

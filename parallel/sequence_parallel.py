@@ -24,50 +24,10 @@ from transformers import AttentionInterface
 
 from models.attention import document_attention
 from models.llama_pipe import EmbeddingPipe, tied_head_call
-from parallel.axis import AxisPlan
-from parallel.layout import Layout, sequence_layout_problems
+from parallel.axis import AxisPlan, ModelFacts, RuleSettings
+from parallel.layout import Layout
 
 ULYSSES_ATTENTION = "ulysses_documents"
-
-
-def sequence_parallel_defaults(cfg, is_set) -> list[tuple[str, object, str]]:
-    """The defaults ``sequence_parallel=N`` alone cannot run with: (key, the value it runs with, why) for each such
-    key ``is_set`` says the user left (cfg: training.config.TrainConfig)."""
-    sp, adapted = cfg.sequence_parallel, []
-    if sp <= 1:
-        return []
-    multiple, seq = cfg.data.pad_to_multiple_of, cfg.data.max_seq_length
-    if multiple and multiple % sp and not is_set("data.pad_to_multiple_of"):
-        adapted.append(("data.pad_to_multiple_of", math.lcm(multiple, sp), f"a multiple of sequence_parallel {sp}"))
-    if seq % sp and seq > sp and not is_set("data.max_seq_length"):
-        adapted.append(("data.max_seq_length", seq - seq % sp, f"a multiple of sequence_parallel {sp}"))
-    return adapted
-
-
-def sequence_parallel_problems(cfg, model_config, layout) -> list[str]:
-    """Everything train.py refuses about ``sequence_parallel`` (cfg: training.config.TrainConfig), with the
-    numbers and the values that work: the layout's rules (parallel.layout.sequence_layout_problems, which the
-    planner asks too) with the config's settings."""
-    return sequence_layout_problems(
-        layout,
-        model_config.num_attention_heads if model_config is not None else None,
-        model_config.num_key_value_heads if model_config is not None else None,
-        cfg.data.pad_to_multiple_of,
-        cfg.loss_normalization,
-        cfg.attention,
-        cfg.peft.method,
-        cfg.ds_config,
-    )
-
-
-def sequence_parallel_dpo_problems(layout: Layout) -> list[str]:
-    """train_objective=dpo (training.validate.objective_problems asks): a sequence's log-probability is one sum."""
-    if layout.sp <= 1:
-        return []
-    return [
-        f"sequence_parallel {layout.sp} with train_objective=dpo: DPO sums each sequence's log-probabilities, "
-        "which sequence parallelism splits over ranks; set sequence_parallel=1"
-    ]
 
 
 def sequence_group(topology, sp: int):
@@ -148,13 +108,95 @@ SEQUENCE_PLAN = {EmbeddingPipe: SliceRows}
 
 
 class SequenceParallelPlan(AxisPlan):
-    """``sequence_parallel`` > 1 (parallel/axis.py's steps): before the stage, this rank's sequence group and the
-    Ulysses attention over it (registered with transformers for this process, the name the decoder layers call);
-    on the built stage, :data:`SEQUENCE_PLAN`; for the loss, this rank's slice of each row."""
+    """``sequence_parallel`` > 1 (parallel/axis.py's rules and steps): before the stage, this rank's sequence group
+    and the Ulysses attention over it (registered with transformers for this process, the name the decoder layers
+    call); on the built stage, :data:`SEQUENCE_PLAN`; for the loss, this rank's slice of each row. No checkpoint
+    pieces: every rank of a sequence group holds the whole stage."""
 
     @staticmethod
     def used(layout: Layout) -> bool:
         return layout.sp > 1
+
+    @staticmethod
+    def layout_problems(
+        layout: Layout, model: ModelFacts = ModelFacts(), settings: RuleSettings = RuleSettings()
+    ) -> list[str]:
+        """sequence_parallel's rules, with the numbers and the values that work: whole attention heads per rank and
+        KV heads split or replicated (the model's ``heads``, ``kv_heads``; None: not checked), equal slices of the
+        sequence and of the pad multiple, the token-normalised loss, the per-document attention, no LoRA, the
+        pipeline engine."""
+        sp, tp = layout.sp, layout.tp
+        if sp <= 1:
+            return []
+        peft_method = settings.peft(layout)
+        problems = []
+        if model.heads is not None:
+            heads, kv_heads = model.heads, model.kv_heads
+            local, kv = heads // tp, kv_heads // tp
+            if local % sp:
+                works = [n for n in range(2, local + 1) if local % n == 0]
+                problems.append(
+                    f"sequence_parallel {sp} does not divide the {local} attention heads of each tensor-parallel rank "
+                    f"(num_attention_heads {heads} / tensor_parallel {tp}): Ulysses gives each "
+                    f"rank whole heads; sequence_parallel values that divide them: {works}"
+                )
+            elif kv % sp and sp % kv:
+                problems.append(
+                    f"sequence_parallel {sp} and the {kv} key/value heads of each tensor-parallel rank "
+                    f"(num_key_value_heads {kv_heads} / tensor_parallel {tp}): one must divide "
+                    "the other (Ulysses splits the KV heads, or replicates them when there are fewer than ranks)"
+                )
+        seq, multiple = layout.seq_len, settings.pad_to_multiple_of
+        if seq % sp:
+            problems.append(
+                f"data.max_seq_length {seq} is not divisible by sequence_parallel {sp}: each rank keeps an equal "
+                f"slice; set data.max_seq_length to a multiple of {sp} (e.g. {seq - seq % sp})"
+            )
+        if multiple and multiple % sp:
+            problems.append(
+                f"data.pad_to_multiple_of {multiple} is not a multiple of sequence_parallel {sp}: micro-batches are "
+                f"cut to a multiple of it and must split evenly; set data.pad_to_multiple_of to a multiple of {sp}"
+            )
+        if settings.loss_normalization != "tokens":
+            problems.append(
+                f"loss_normalization={settings.loss_normalization} with sequence_parallel {sp}: a micro-batch's mean "
+                "needs its label count on every slice; use loss_normalization=tokens (the default)"
+            )
+        if settings.attention != "documents":
+            problems.append(
+                f"attention={settings.attention} with sequence_parallel {sp}: Ulysses runs the per-document attention "
+                "on the whole sequence after its all-to-all; use attention=documents (the default)"
+            )
+        if peft_method != "none":
+            problems.append(
+                f"peft.method={peft_method} with sequence_parallel {sp} is not supported yet (no parity test of the "
+                "two together): use sequence_parallel=1"
+            )
+        return problems + layout.engine.needs_pipeline(f"sequence_parallel {sp}", settings.ds(layout))
+
+    @staticmethod
+    def defaults(cfg, is_set) -> list[tuple[str, object, str]]:
+        """The defaults ``sequence_parallel=N`` alone cannot run with: the pad multiple and the row length, made
+        multiples of N."""
+        sp, adapted = cfg.sequence_parallel, []
+        if sp <= 1:
+            return []
+        multiple, seq = cfg.data.pad_to_multiple_of, cfg.data.max_seq_length
+        if multiple and multiple % sp and not is_set("data.pad_to_multiple_of"):
+            adapted.append(("data.pad_to_multiple_of", math.lcm(multiple, sp), f"a multiple of sequence_parallel {sp}"))
+        if seq % sp and seq > sp and not is_set("data.max_seq_length"):
+            adapted.append(("data.max_seq_length", seq - seq % sp, f"a multiple of sequence_parallel {sp}"))
+        return adapted
+
+    @staticmethod
+    def objective_problems(layout: Layout, train_objective: str) -> list[str]:
+        """train_objective=dpo: a sequence's log-probability is one sum."""
+        if layout.sp <= 1 or train_objective != "dpo":
+            return []
+        return [
+            f"sequence_parallel {layout.sp} with train_objective=dpo: DPO sums each sequence's log-probabilities, "
+            "which sequence parallelism splits over ranks; set sequence_parallel=1"
+        ]
 
     def before_build(self, config, topology, attention: str) -> str:
         # the groups before the stage's own (every rank creates groups in the same order)

@@ -2,14 +2,12 @@
 
 As torchtitan's ``parallelize_llama`` applies tensor parallelism, context parallelism, ... one ``apply_*`` after the
 other, :func:`build_pipeline_model` builds the stage and applies the plans of the axes its ``Layout`` uses
-(:data:`AXES`, in order: tensor, sequence, expert, schedule; parallel/axis.py lists the steps). The layout is the only
-source of the axes' sizes; training/ asks :func:`axis_plans` for the steps that follow the build (the DeepSpeed
-config, the engine, the announcement, the end-of-run check).
+(``parallel.axes.AXES``, in order: tensor, sequence, expert, schedule; parallel/axis.py lists the steps). The layout
+is the only source of the axes' sizes; training/ asks :func:`axis_plans` for the steps that follow the build (the
+DeepSpeed config, the engine, the announcement, the end-of-run check).
 """
 
 from __future__ import annotations
-
-import functools
 
 from deepspeed.runtime.pipe.topology import (
     PipeDataParallelTopology,
@@ -20,20 +18,14 @@ from transformers import PretrainedConfig
 
 from models.attention import DOCUMENT_ATTENTION
 from models.families import moe_spec
-from models.layer_files import local_modules
+from models.files.pipeline_dir import local_modules
 from models.llama_pipe import DECODER_LAYER_CLASSES, LlamaPipelineModule, NormPipe, build_specs, router_stats_experts
 from models.loss import CausalLMLoss, LossSplit, PreferenceLoss
 from models.router_loss import RouterLoss
+from parallel.axes import AXES
 from parallel.axis import AxisPlan
-from parallel.dualpipev import DualPipeVPlan
-from parallel.expert_parallel import ExpertParallelPlan
 from parallel.layout import Layout
 from parallel.partition import DEFAULT_PARTITION_METHOD, stage_boundaries
-from parallel.sequence_parallel import SequenceParallelPlan
-from parallel.tensor_parallel import TensorParallelPlan
-
-# The axes, in the order their plans apply.
-AXES: tuple[type[AxisPlan], ...] = (TensorParallelPlan, SequenceParallelPlan, ExpertParallelPlan, DualPipeVPlan)
 
 
 def axis_plans(layout: Layout) -> list[AxisPlan]:
@@ -51,20 +43,16 @@ def pipeline_topology(layout: Layout) -> ProcessTopology:
 
 
 def stage_class(plans: list[AxisPlan]) -> type:
-    """``LlamaPipelineModule`` with each plan's ``stage_mixin`` before it, in the plans' order (one class per
-    combination: ``LlamaDualPipeVModule``, ``LlamaTensorParallelStage``)."""
-    return _composed(tuple(plan.stage_mixin for plan in plans if plan.stage_mixin is not None))
-
-
-@functools.cache
-def _composed(mixins: tuple[type, ...]) -> type:
-    if not mixins:
-        return LlamaPipelineModule
-    name = "Llama" + "".join(m.__name__ for m in mixins)
-    doc = f"LlamaPipelineModule with {', '.join(m.__name__ for m in mixins)} (parallel/stage.py)."
-    cls = type(name, (*mixins, LlamaPipelineModule), {"__module__": __name__, "__doc__": doc})
-    globals()[name] = cls  # defined in this module, so it pickles and shows by name
-    return cls
+    """The stage's class: the ``stage_class`` of the one plan that has its own (tensor parallelism's
+    ``TensorParallelStage``, expert parallelism's ``ExpertParallelStage``, DualPipeV's ``LlamaDualPipeVModule``),
+    else ``LlamaPipelineModule``. No two of those axes combine: their rules refuse it."""
+    own = [plan.stage_class for plan in plans if plan.stage_class is not None]
+    if len(own) > 1:
+        raise ValueError(
+            f"no stage class combines {' and '.join(cls.__name__ for cls in own)}: these axes' rules refuse them "
+            "together (parallel/axis.py's layout_problems)"
+        )
+    return own[0] if own else LlamaPipelineModule
 
 
 def build_pipeline_model(

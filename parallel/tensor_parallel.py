@@ -17,7 +17,7 @@ The contract (what each rank holds, what crosses the wire, what is replicated):
 
 Each split parameter carries ``tp_split = (dim, rank, world)``: the layer files stay whole tensors with
 Hugging Face's names, and :class:`TensorParallelStage` gathers (save) or slices (load) them by it: a rank reads
-only its piece of each tensor from the mapped file (models.layer_files.fill_module_).
+only its piece of each tensor from the mapped file (models.files.pipeline_dir.fill_module_).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.layer_files import local_modules, tp_piece
-from models.llama_pipe import EmbeddingPipe, LMHeadPipe, materialize_, tied_head_call
-from parallel.axis import AxisPlan
-from parallel.layout import Layout, tensor_layout_problems, tp_dividing
-from parallel.pieces import load_pieces, save_whole
+from models.files.pipeline_dir import local_modules, tp_piece
+from models.llama_pipe import EmbeddingPipe, LlamaPipelineModule, LMHeadPipe, materialize_, tied_head_call
+from parallel.axis import AxisPlan, ModelFacts, RuleSettings
+from parallel.layout import Layout, tp_dividing
+from parallel.split_layer_files import load_pieces, save_whole
 
 
 def model_problems(config, tp: int) -> list[str]:
@@ -54,27 +54,6 @@ def model_problems(config, tp: int) -> list[str]:
         + " (each rank keeps an equal share of each): tensor_parallel values that divide all of "
         + ", ".join(f"{k} {v}" for k, v in sizes.items())
         + f": {works}"
-    ]
-
-
-def tensor_parallel_problems(cfg, model_config, layout) -> list[str]:
-    """Everything train.py refuses about ``tensor_parallel`` (cfg: training.config.TrainConfig): the model's
-    sizes, then the layout's rules (parallel.layout.tensor_layout_problems, which the planner asks too)."""
-    tp = layout.tp
-    if tp <= 1:
-        return []
-    problems = model_problems(model_config, tp) if model_config is not None else []
-    return problems + tensor_layout_problems(layout, cfg.peft.method, cfg.ds_config)
-
-
-def tensor_parallel_warnings(layout, local_world_size: int) -> list[str]:
-    """tensor_parallel wider than a node (``local_world_size`` ranks per node, 0 unknown): its all-reduces,
-    two per layer and micro-batch each way, would cross the network between nodes."""
-    if not local_world_size or layout.tp <= local_world_size:
-        return []
-    return [
-        f"tensor_parallel {layout.tp} spans nodes of {local_world_size} ranks (LOCAL_WORLD_SIZE): every layer's "
-        f"all-reduces cross the network; keep tensor_parallel <= {local_world_size} and put the rest in stages"
     ]
 
 
@@ -262,9 +241,9 @@ def finish_split_(model, group) -> None:
             p.model_parallel = split or rank == 0
 
 
-class TensorParallelStage:
-    """The stage's class with tensor parallelism (before ``LlamaPipelineModule``, parallel/stage.py): what building,
-    saving and loading do with the pieces.
+class TensorParallelStage(LlamaPipelineModule):
+    """The stage's class with tensor parallelism (``TensorParallelPlan.stage_class``): what building, saving and
+    loading do with the pieces.
 
     Building: the stage's layers are built with their parameters on the meta device (buffers, e.g. rotary
     frequencies, built as usual), :func:`split_stage_` cuts them into this rank's pieces, and only the pieces get
@@ -298,16 +277,75 @@ class TensorParallelStage:
         return None
 
 
-class TensorParallelPlan(AxisPlan):
-    """``tensor_parallel`` > 1 (parallel/axis.py's steps): the stage built, saved and loaded in pieces
-    (:class:`TensorParallelStage`), its replicated parameters flagged for the gradient norm, the loss told its
-    vocabulary slice, the stages' tensors sent whole, and the replicas compared at the end of the run."""
+def liger_loss_problems(loss_impl: str, tp: int) -> list[str]:
+    """``loss_impl=liger`` (models/kernels.py) with the LM head split by vocabulary over ``tp`` ranks."""
+    if loss_impl != "liger":
+        return []
+    return [
+        f"loss_impl=liger with tensor_parallel {tp}: the LM head is split by vocabulary, and Liger's fused linear "
+        "cross entropy needs each row's logits over the whole vocabulary on one rank (the chunked loss all-reduces "
+        "them per chunk): set loss_impl=chunked (the chunked loss, the same numbers), or tensor_parallel=1"
+    ]
 
-    stage_mixin = TensorParallelStage
+
+class TensorParallelPlan(AxisPlan):
+    """``tensor_parallel`` > 1 (parallel/axis.py's rules and steps): the stage built, saved and loaded in pieces
+    (:class:`TensorParallelStage`; its layer files whole, each split parameter gathered by its ``tp_split``),
+    its replicated parameters flagged for the gradient norm, the loss told its vocabulary slice, the stages'
+    tensors sent whole, and the replicas compared at the end of the run."""
+
+    stage_class = TensorParallelStage
+    # the layer files, whole (parallel/split_layer_files.py's save_whole and load_pieces)
+    checkpoint_pieces = (TensorParallelStage.save_state_dict, TensorParallelStage.load_state_dir)
 
     @staticmethod
     def used(layout: Layout) -> bool:
         return layout.tp > 1
+
+    @staticmethod
+    def layout_problems(
+        layout: Layout, model: ModelFacts = ModelFacts(), settings: RuleSettings = RuleSettings()
+    ) -> list[str]:
+        """tensor_parallel's rules beyond the model's sizes (:func:`model_problems`): the pipeline engine, no LoRA,
+        the chunked loss."""
+        tp = layout.tp
+        if tp <= 1:
+            return []
+        peft_method = settings.peft(layout)
+        problems = layout.engine.needs_pipeline(f"tensor_parallel {tp}", settings.ds(layout))
+        if peft_method != "none":
+            problems.append(
+                f"peft.method={peft_method} with tensor_parallel {tp} is not supported yet: PEFT's layers would wrap "
+                "DeepSpeed's split linears; use tensor_parallel=1 (LoRA's frozen base rarely needs it)"
+            )
+        if layout.loss_chunk < 1:
+            problems.append(
+                f"tensor_parallel {tp} computes the loss over the vocabulary slices with the chunked loss: set "
+                "loss_chunk_tokens > 0 (e.g. 1024)"
+            )
+        return problems
+
+    @classmethod
+    def problems(cls, cfg, model_config, layout: Layout, ds_json: dict | None = None) -> list[str]:
+        """The model's sizes (:func:`model_problems`), then the layout's rules, then Liger's loss on a head split by
+        vocabulary."""
+        if layout.tp <= 1:
+            return []
+        sizes = model_problems(model_config, layout.tp) if model_config is not None else []
+        return (
+            sizes + super().problems(cfg, model_config, layout, ds_json) + liger_loss_problems(cfg.loss_impl, layout.tp)
+        )
+
+    @staticmethod
+    def warnings(layout: Layout, local_world_size: int) -> list[str]:
+        """tensor_parallel wider than a node (``local_world_size`` ranks per node, 0 unknown): its all-reduces,
+        two per layer and micro-batch each way, would cross the network between nodes."""
+        if not local_world_size or layout.tp <= local_world_size:
+            return []
+        return [
+            f"tensor_parallel {layout.tp} spans nodes of {local_world_size} ranks (LOCAL_WORLD_SIZE): every layer's "
+            f"all-reduces cross the network; keep tensor_parallel <= {local_world_size} and put the rest in stages"
+        ]
 
     def apply(self, model) -> dict:
         group = model._grid.get_slice_parallel_group()

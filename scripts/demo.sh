@@ -21,8 +21,8 @@ if [ ! -f "$WORK/ckpt/latest" ]; then
 fi
 
 # DeepSpeed's launcher ignores MASTER_PORT and takes 29500, which another job on this machine may hold: pass it
-# MASTER_PORT when set, else a port free now (training/ports.py says which).
-PORT="$($PY -m training.ports --who demo)"
+# MASTER_PORT when set, else a port free now (training/resilience/ports.py says which).
+PORT="$($PY -m training.resilience.ports --who demo)"
 .venv/bin/deepspeed --num_gpus 4 --master_port "$PORT" train.py \
   model_name_or_path="$WORK/ckpt" output_dir="$WORK/run" \
   num_stages=2 micro_batch_size=4 gradient_accumulation_steps=4 max_steps=300 save_steps=100 save_total_limit=2 \

@@ -25,20 +25,23 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from training.logs import quiet_dependencies  # noqa: E402
+from training.observation.logs import quiet_dependencies  # noqa: E402
 
-quiet_dependencies("warning")  # before models.llama_pipe imports DeepSpeed (training/logs.py)
+quiet_dependencies("warning")  # before models.llama_pipe imports DeepSpeed (training/observation/logs.py)
 
 from models.peft_targets import DECODER_LINEARS  # noqa: E402
-from parallel.layout import Layout, count_arg, expert_layout_problems, layout_problems  # noqa: E402
+from parallel.axis import RuleSettings  # noqa: E402
+from parallel.dualpipev import DualPipeVPlan  # noqa: E402
+from parallel.expert_parallel import ExpertParallelPlan  # noqa: E402
+from parallel.layout import Layout, count_arg, layout_problems  # noqa: E402
 from parallel.memory_plan import (  # noqa: E402
     GB,
     OFFLOADS,
     expert_all_to_all_step_bytes,
     expert_report,
-    experts_of,
     fitting,
     layout_bubble,
+    model_facts,
     schedule_report,
     sequence_report,
     shape_of,
@@ -46,7 +49,9 @@ from parallel.memory_plan import (  # noqa: E402
     stage_table,
 )
 from parallel.partition import DEFAULT_PARTITION_METHOD, splitter  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
+from parallel.sequence_parallel import SequenceParallelPlan  # noqa: E402
+from parallel.tensor_parallel import TensorParallelPlan  # noqa: E402
+from training.configuration.schema import TrainConfig  # noqa: E402
 
 SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 GPU_MEM_MAX_GB = 4096  # --gpu-mem: past any accelerator's memory (a few hundred GB)
@@ -57,7 +62,7 @@ def load_model(spec: str):
     m = re.fullmatch(r"([\d.]+(?:e\d+)?)([KMBT]?)", spec.strip(), re.IGNORECASE)
     if m:
         return None, float(m.group(1)) * SUFFIX.get(m.group(2).upper(), 1)
-    from training.model_source import model_group_config, model_group_names
+    from training.configuration.model_source import model_group_config, model_group_names
 
     if spec in model_group_names():
         config = model_group_config(spec)
@@ -159,7 +164,7 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
 def expert_parallel_note(shape) -> str | None:
     """Why the search proposes no expert parallelism for a MoE model: train.py's rule for ep 2 where it refuses it
     (llama4_text)."""
-    problems = expert_layout_problems(Layout(dp=2, ep=2), *experts_of(shape))
+    problems = ExpertParallelPlan.layout_problems(Layout(dp=2, ep=2), model_facts(shape))
     return f"no expert parallelism: {in_flags(problems[0])}" if problems else None
 
 
@@ -210,17 +215,15 @@ def flag_config(args) -> TrainConfig:
 
 def train_problems(config, layout: Layout, args) -> list[str]:
     """train.py's lines for this layout beyond its sizes: the rules of tensor and sequence parallelism, DualPipeV,
-    Mixture-of-Experts models and LoRA, asked of the same functions training.validate.resolve asks (the experts' of
-    parallel.layout, which a bare parameter count, no model, reaches too), given the config the flags stand for."""
+    Mixture-of-Experts models and LoRA, asked of the same functions training.configuration.validate.resolve asks (the
+    experts' on the layout and the model's facts, which a bare parameter count, no model, reaches too), given the
+    config the flags stand for."""
     from models.lora_rules import peft_problems
-    from parallel.dualpipev import dualpipev_problems
-    from parallel.sequence_parallel import sequence_parallel_problems
-    from parallel.tensor_parallel import tensor_parallel_problems
 
     cfg = flag_config(args)
-    problems = tensor_parallel_problems(cfg, config, layout) + sequence_parallel_problems(cfg, config, layout)
-    problems += dualpipev_problems(cfg, config, layout)
-    problems += expert_layout_problems(layout, *experts_of(shape_of(config)), cfg.peft.method, cfg.ds_config)
+    problems = TensorParallelPlan.problems(cfg, config, layout) + SequenceParallelPlan.problems(cfg, config, layout)
+    problems += DualPipeVPlan.problems(cfg, config, layout)
+    problems += ExpertParallelPlan.layout_problems(layout, model_facts(shape_of(config)), RuleSettings.of(cfg))
     return problems + (peft_problems(cfg, config, layout) if layout.lora_rank else [])
 
 

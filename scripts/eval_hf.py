@@ -14,13 +14,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from training.logs import quiet_dependencies  # noqa: E402
+from training.observation.logs import quiet_dependencies  # noqa: E402
 
 quiet_dependencies("warning")  # the known-harmless lines of its dependencies filtered, as train.py does
 
 import torch  # noqa: E402
 
-from models.hf_dir import HFDirError, load_model_and_tokenizer  # noqa: E402
+from models.files.hf_dir_checks import HFDirError, load_model_and_tokenizer  # noqa: E402
 from parallel.layout import count_arg  # noqa: E402
 
 

@@ -5,12 +5,12 @@
 # BENCH_BUDGET_S (default 400) is the benchmark's share: the shapes it does not reach are said, not run;
 # GPU_CHECK_CASES picks bench_train.py's cases (default a,b,bkl,bc,ac), GPU_CHECK_PLAN the shapes (below).
 # 1. set-up: .venv-gpu on top of a python3 whose torch sees CUDA (a CUDA torch is installed where it does
-#    not); on a machine without a package index, the wheels in .whl/ (scripts/gpu_wheels.sh, run where
+#    not); on a machine without a package index, the wheels in .whl/ (tools/gpu_wheels.sh, run where
 #    pip reaches PyPI, then carried there) are installed as they are;
 # 2. stage parity on the GPU, fp32 and bf16 (tests/test_gpu_parity.py: every family, document attention,
 #    each Liger kernel with kernels=liger, Liger's loss with loss_impl=liger), and the multi-rank tests when
 #    there are 4 GPUs or more;
-# 3. the GPU benchmark (scripts/bench_train.py, bf16, cases a: plain Hugging Face loop, ac: the same with its
+# 3. the GPU benchmark (benchmarks/bench_train.py, bf16, cases a: plain Hugging Face loop, ac: the same with its
 #    decoder layers compiled, b: train.py num_stages=1, bc: compile=true, bkl: compile=true kernels=liger
 #    loss_impl=liger, the issue's (d); bk, bc with kernels=liger alone, where GPU_CHECK_CASES names it):
 #    the llama3.2-3b shape at seq 4096 micro-batch 1 first (activation checkpointing on a card under 100 GiB),
@@ -21,10 +21,10 @@
 #    (DeepSpeed's FusedAdam against torch's fused AdamW; its CUDA op is JIT-built at start and needs nvcc),
 #    LEVERS_BUDGET_S (default 360) for the three; GPU_CHECK_LEVERS picks the cases (default b,bl,bd). About 7
 #    minutes: run it as a call of its own, `bash scripts/gpu_check.sh levers` (the set-up is done by then);
-# 4. with 2 GPUs or more, scripts/bench_layouts.py: pipe x tensor x data layouts of the same GPUs (tensor
+# 4. with 2 GPUs or more, benchmarks/bench_layouts.py: pipe x tensor x data layouts of the same GPUs (tensor
 #    parallelism's GPU rows: s/step, tokens/s, memory per rank);
 # 5. attention over packed rows, one decoder layer at 8k and 32k tokens in bf16: the dense per-document mask
-#    against attention=documents (torch's varlen flash attention), memory and time (scripts/bench_attention.py).
+#    against attention=documents (torch's varlen flash attention), memory and time (benchmarks/bench_attention.py).
 # Without a CUDA GPU it stops at once with exit code 2. What it writes: work/gpu_check.log (everything printed),
 # work/gpu_check/parity.log, work/gpu_check/bench.md (the tables, BENCHMARKS.md's source) and one bench_*.json per
 # shape (bench_levers.json for the levers), and profile_<shape>_<case>.png for the profiled train.py cases (the 3B
@@ -58,7 +58,7 @@ if [ -d "$ROOT/.whl" ] && ls "$ROOT"/.whl/liger_kernel-*.whl >/dev/null 2>&1 \
   "$PY" -m pip install -q --no-index --no-deps "$ROOT"/.whl/liger_kernel-*.whl  # a venv made before liger was carried
 fi
 if ! "$PY" -c "import deepspeed, transformers, hydra, sentencepiece" 2>/dev/null && [ -d "$ROOT/.whl" ]; then
-  "$PY" -m pip install -q --no-index --no-deps "$ROOT"/.whl/*.whl  # no package index: scripts/gpu_wheels.sh made them
+  "$PY" -m pip install -q --no-index --no-deps "$ROOT"/.whl/*.whl  # no package index: tools/gpu_wheels.sh made them
 elif ! "$PY" -c "import deepspeed, transformers, hydra, sentencepiece" 2>/dev/null; then
   "$PY" -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['dev']))" > "$VENV/pins.txt"
   "${PIP[@]}" -r "$VENV/pins.txt"
@@ -108,7 +108,7 @@ if step bench; then
     echo "[gpu_check] bench $name: $model, bf16, seq $seq, micro-batch $mbs x $micro per step, $limit s at most ${extra}"
     echo "### $name ($model, seq $seq, micro-batch $mbs x $micro per step ${extra})" >> work/gpu_check/bench.md
     # shellcheck disable=SC2086  # $extra: zero or more options
-    timeout $((limit + 30)) "$PY" scripts/bench_train.py --model "$model" --precision bf16 --seq "$seq" \
+    timeout $((limit + 30)) "$PY" benchmarks/bench_train.py --model "$model" --precision bf16 --seq "$seq" \
       --micro-batch-size "$mbs" --micro-batches "$micro" --cases "${GPU_CHECK_CASES:-a,b,bkl,bc,ac}" --rounds 1 --warmup 2 --steps 4 \
       --threads 8 --max-wait 0 --time-limit "$limit" --json "work/gpu_check/bench_$name.json" --table work/gpu_check/table.md \
       --work work/gpu_check $extra || status=1
@@ -133,7 +133,7 @@ if step levers; then  # one knob at a time against b: Liger's loss (bl), DeepSpe
   step bench || : > work/gpu_check/bench.md
   echo "[gpu_check] levers: llama3.2-1b, bf16, seq 2048, micro-batch 4 x 2 per step, ${GPU_CHECK_LEVERS:-b,bl,bd}, $levers s at most"
   echo "### levers (llama3.2-1b, seq 2048, micro-batch 4 x 2 per step)" >> work/gpu_check/bench.md
-  timeout $((levers + 30)) "$PY" scripts/bench_train.py --model llama3.2-1b --precision bf16 --seq 2048 \
+  timeout $((levers + 30)) "$PY" benchmarks/bench_train.py --model llama3.2-1b --precision bf16 --seq 2048 \
     --micro-batch-size 4 --micro-batches 2 --cases "${GPU_CHECK_LEVERS:-b,bl,bd}" --rounds 1 --warmup 2 --steps 3 \
     --threads 8 --max-wait 0 --time-limit "$levers" --json work/gpu_check/bench_levers.json \
     --table work/gpu_check/table.md --work work/gpu_check || status=1
@@ -145,7 +145,7 @@ if step moe; then  # a MoE model's GPU row (issue 44): expert parallelism needs 
   [ "$GPUS" -ge 2 ] && eps=1,2
   [ "$GPUS" -ge 4 ] && eps=1,2,4
   echo "[gpu_check] MoE: Qwen3-MoE 0.6 B (16 experts of 1024, top 2), bf16 ZeRO-1, seq 2048, expert_parallel $eps"
-  timeout 120 "$PY" scripts/bench_moe.py --gpus "$(( GPUS < 4 ? GPUS : 4 ))" --eps "$eps" --precision bf16 --ds zero1 \
+  timeout 120 "$PY" benchmarks/bench_moe.py --gpus "$(( GPUS < 4 ? GPUS : 4 ))" --eps "$eps" --precision bf16 --ds zero1 \
     --hidden 1024 --layers 8 --experts 16 --moe-intermediate 1024 --vocab 32000 --seq 2048 --grad-accum 4 --steps 6 \
     --warmup 2 --work-dir work/gpu_check/moe 2>&1 | grep -v "^\[convert\]" | tee work/gpu_check/moe.md || status=1
 fi
@@ -153,14 +153,14 @@ if step layouts && [ "$GPUS" -ge 2 ]; then  # tensor parallelism's GPU rows: pip
   n=2 layouts="2x1,1x2,1x1"
   [ "$GPUS" -ge 4 ] && n=4 layouts="4x1,2x2,1x4,1x1"
   echo "[gpu_check] layouts on $n GPUs: $layouts (bf16, 1.3 B parameters, seq 2048)"
-  timeout 300 "$PY" scripts/bench_layouts.py --gpus "$n" --layouts "$layouts" --precision bf16 --hidden-size 2048 \
+  timeout 300 "$PY" benchmarks/bench_layouts.py --gpus "$n" --layouts "$layouts" --precision bf16 --hidden-size 2048 \
     --intermediate-size 8192 --num-hidden-layers 16 --num-attention-heads 16 --num-key-value-heads 8 \
     --vocab-size 32000 --seq 2048 --global-batch 16 || status=1
 fi
 if step attention; then
   echo "[gpu_check] attention over packed rows (one layer, bf16, documents of 1024 tokens)"
-  timeout 60 "$PY" scripts/bench_attention.py --seqs 8192,32768 --dtype bf16 --hidden 1024 --heads 16 || status=1
-  timeout 60 "$PY" scripts/bench_attention.py --seqs 32768 --dtype bf16 --hidden 1024 --heads 16 --doc 8192 \
+  timeout 60 "$PY" benchmarks/bench_attention.py --seqs 8192,32768 --dtype bf16 --hidden 1024 --heads 16 || status=1
+  timeout 60 "$PY" benchmarks/bench_attention.py --seqs 32768 --dtype bf16 --hidden 1024 --heads 16 --doc 8192 \
     --window 4096 || status=1
 fi
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then  # the device tool's folder: these come back to the lead (7 files at most)

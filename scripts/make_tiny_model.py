@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.logs import quiet_dependencies  # noqa: E402
+from training.observation.logs import quiet_dependencies  # noqa: E402
 
 quiet_dependencies("warning")  # the known-harmless lines of its dependencies filtered, as train.py does
 

@@ -7,7 +7,7 @@ overall.
 OUTPUT_DIR is a train.py run trained with ``profile_steps=[first,last]`` (its traces in OUTPUT_DIR/profile).
 The bubble of a rank is the share of the step (from the first instruction any rank starts to the last any rank
 ends) it spent not computing: waiting in a send/recv (DualPipeV's commit) or between instructions
-(training/timeline.py).
+(training/observation/timeline.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from training.timeline import (  # noqa: E402
+from training.observation.timeline import (  # noqa: E402
     KINDS,
     PROFILE_DIR,
     Timeline,

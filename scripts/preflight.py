@@ -18,12 +18,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.logs import argv_log_level, quiet_dependencies  # noqa: E402
+from training.observation.logs import argv_log_level, quiet_dependencies  # noqa: E402
 
-quiet_dependencies(argv_log_level(sys.argv))  # as train.py does, before DeepSpeed is imported (training/logs.py)
+# as train.py does, before DeepSpeed is imported (training/observation/logs.py)
+quiet_dependencies(argv_log_level(sys.argv))
 
 from parallel.layout import count_arg  # noqa: E402
-from training.preflight import check  # noqa: E402
+from training.configuration.preflight import check  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,17 +17,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.logs import quiet_dependencies  # noqa: E402
+from training.observation.logs import quiet_dependencies  # noqa: E402
 
 quiet_dependencies("warning")
 
 from data.checks import data_problems  # noqa: E402
 from data.prepare import prepare  # noqa: E402
-from data.settings import data_settings, tokenizer_dir  # noqa: E402
 from data.sources import DataError  # noqa: E402
+from data.tokenize_settings import data_settings, tokenizer_dir  # noqa: E402
 from parallel.layout import count_arg  # noqa: E402
-from training.model_source import resolve_model  # noqa: E402
-from training.preflight import composed  # noqa: E402
+from training.configuration.model_source import resolve_model  # noqa: E402
+from training.configuration.preflight import composed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,11 +6,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 TORCH_VERSION=2.13.0  # the local CPU wheel; any other request pulls GBs of CUDA packages
-# One torch-extensions cache per virtualenv (train.py picks the same one, training/startup.py): torch's
+# One torch-extensions cache per virtualenv (train.py picks the same one, training/resilience/op_build_watch.py): torch's
 # default is shared by every virtualenv of the user, which then rebuild the ops in turn, and a job killed
 # mid-build there leaves a lock that hangs every later job.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
-ops() { (cd "$ROOT" && "$VENV/bin/python" -m training.startup "$1"); }
+ops() { (cd "$ROOT" && "$VENV/bin/python" -m training.resilience.op_build_watch "$1"); }
 
 # The pinned requirements, one per line, from pyproject.toml (dependencies + the dev extra).
 pins() {

@@ -1,6 +1,8 @@
-"""save_async's pieces in one process (the multi-rank runs are in tests/test_reliability.py's chain and in the
-layouts' own resume tests): the host copy, the capturing checkpoint engine, the writer thread, and the order in
-which a checkpoint becomes ``latest``."""
+"""save_async's pieces in one process: the host copy, the capturing checkpoint engine, the writer thread, and the order
+in which a checkpoint becomes ``latest``.
+
+The multi-rank runs are in tests/test_run_failures.py's chain and in the layouts' own resume tests.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from models.layer_files import checkpoint_tags, latest_tag
-from training.async_save import BackgroundWriter, CheckpointEngine, host_copy
-from training.run_checkpoints import make_latest, prune, remove_interrupted_saves, staging_dir
+from models.files.pipeline_dir import checkpoint_tags, latest_tag
+from training.checkpoints.async_save import BackgroundWriter, CheckpointEngine, host_copy
+from training.checkpoints.save_restore import make_latest, prune, remove_interrupted_saves, staging_dir
 
 
 def adamw_after_steps(steps: int) -> tuple[torch.nn.Linear, torch.optim.AdamW]:

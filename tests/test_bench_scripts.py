@@ -1,9 +1,9 @@
-"""Smoke tests of the benchmark scripts at tiny sizes (scripts/bench_train.py, bench_convert.py, bench_load.py,
-bench_lora.py, bench_dpo.py, bench_prepare.py, bench_padding.py, bench_attention.py, bench_long_context.py,
-bench_moe.py, bench_hf_start.py --save).
+"""The benchmark scripts run end to end at tiny sizes, and their arithmetic is right (the numbers themselves are in
+BENCHMARKS.md).
 
-They check that each script runs end to end and that its arithmetic is right; the numbers themselves
-are in BENCHMARKS.md. About 20 s on the 2-core CPU machine (start-up of the subprocesses, mostly).
+The scripts: benchmarks/bench_train.py, bench_convert.py, bench_load.py, bench_lora.py, bench_dpo.py,
+bench_prepare.py, bench_padding.py, bench_attention.py, bench_long_context.py, bench_moe.py, bench_hf_start.py
+--save. About 20 s on the 2-core CPU machine (start-up of the subprocesses, mostly).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import json
 
 import pytest
 
-from tests.conftest import load_entry_point, run_script
+from tests.support.scripts import load_entry_point, run_script
 
-bench_load = load_entry_point("scripts/bench_load.py")
-bench_train = load_entry_point("scripts/bench_train.py")
+bench_load = load_entry_point("benchmarks/bench_load.py")
+bench_train = load_entry_point("benchmarks/bench_train.py")
 
 TINY = [
     "--vocab-size",
@@ -90,7 +90,7 @@ def test_bench_train_plain_case_end_to_end(tmp_path):
     (--plain-trace-step) where train.py's profile_steps writes a trace, and read back as one."""
     proc = run_script(
         [
-            "scripts/bench_train.py",
+            "benchmarks/bench_train.py",
             *TINY,
             "--cases",
             "a",
@@ -113,7 +113,7 @@ def test_bench_train_plain_case_end_to_end(tmp_path):
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| a | plain HF loop"))
     assert float(row.split("|")[6]) > 0  # tokens/s
     assert "matmul peak (float32" in proc.stdout
-    from training.timeline import read_run
+    from training.observation.timeline import read_run
 
     (trace,) = read_run(str(tmp_path / "run_a" / "out"))
     assert list(trace.steps) == [2] and trace.clock == "host"  # on CPU no kernels: nothing more to read
@@ -125,7 +125,7 @@ def test_bench_convert_end_to_end(tmp_path):
     work = tmp_path / "bench"
     proc = run_script(
         [
-            "scripts/bench_convert.py",
+            "benchmarks/bench_convert.py",
             "--layers",
             "1",
             "--hidden",
@@ -157,12 +157,12 @@ def test_bench_load_reads_train_py_load_report():
 @pytest.mark.e2e
 def test_bench_convert_read_paths(tmp_path, tiny_hf):
     """--read-paths: the export's pread path, the mapping and a raw copy, each timed, on a real checkpoint."""
-    from models.hf_io import hf_to_stages
+    from models.files.hf_convert import hf_to_stages
 
     hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
     proc = run_script(
         [
-            "scripts/bench_convert.py",
+            "benchmarks/bench_convert.py",
             "--read-paths",
             str(tmp_path / "ckpt" / "global_step0"),
             "--repeats",
@@ -179,7 +179,7 @@ def test_bench_convert_read_paths(tmp_path, tiny_hf):
 
 def final_run(run_dir, peaks: list[dict] | None, states: list[dict] | None = None) -> str:
     """An output_dir whose metrics.jsonl ends with train.py's final figures (none: a run that did not finish)."""
-    from training.metrics import write_final_record
+    from training.observation.metrics import write_final_record
 
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1}) + "\n")
@@ -197,10 +197,10 @@ def test_peak_memory_is_read_from_train_py_s_final_figures_gpu_first(tmp_path):
 
 
 def test_bench_runs_read_train_py_s_final_figures(tmp_path):
-    """training/bench_runs.py's reading of train.py's final figures (metrics.jsonl's last record, as its last lines
-    print them), for scripts/bench_lora.py and scripts/bench_layouts.py (the runs themselves launch DeepSpeed: run
+    """benchmarks/harness.py's reading of train.py's final figures (metrics.jsonl's last record, as its last lines
+    print them), for benchmarks/bench_lora.py and benchmarks/bench_layouts.py (the runs themselves launch DeepSpeed: run
     the scripts for those, minutes)."""
-    from training.bench_runs import final_figures
+    from benchmarks.harness import final_figures
 
     states = [{"weights": 72.3, "grads": 0.0, "optimizer": 8.6, "total": 80.904}] * 2
     gpu = final_run(tmp_path / "gpu", [{"host": 955.4, "gpu": 9120.2}, {"host": 938.0, "gpu": 9312.0}], states)
@@ -211,7 +211,7 @@ def test_bench_runs_read_train_py_s_final_figures(tmp_path):
 
 
 def test_bench_layouts_refuses_a_layout_the_ranks_cannot_hold():
-    bench_layouts = load_entry_point("scripts/bench_layouts.py")
+    bench_layouts = load_entry_point("benchmarks/bench_layouts.py")
     args = bench_layouts.parse_args(["--gpus", "4", "--layouts", "4x1,2x2,1x1"])
     assert bench_layouts.layouts(args) == [(4, 1, 1), (2, 2, 1), (1, 1, 4)]
     for bad in ("3x1", "2x", "1x1"):  # 3 stages on 4 ranks; no tp; dp 4 does not divide a global batch of 6
@@ -224,7 +224,7 @@ def test_bench_prepare_writes_a_prepared_directory_a_run_accepts(tmp_path):
     """The start-up benchmark's synthetic corpus is what data/prepare.py writes: train.py's reader takes it."""
     from data.cache import DataSettings, TokenBlocks, build_or_reuse
 
-    bench_prepare = load_entry_point("scripts/bench_prepare.py")
+    bench_prepare = load_entry_point("benchmarks/bench_prepare.py")
     out = str(tmp_path / "prepared")
     bench_prepare.synthetic_prepared(out, tokens=64 * bench_prepare.SEQ, vocab=512)
     s = DataSettings(
@@ -237,7 +237,7 @@ def test_bench_prepare_writes_a_prepared_directory_a_run_accepts(tmp_path):
 
 
 def test_bench_padding_writes_long_tailed_sft_pairs(tmp_path):
-    bench_padding = load_entry_point("scripts/bench_padding.py")
+    bench_padding = load_entry_point("benchmarks/bench_padding.py")
     path = tmp_path / "chat.jsonl"
     bench_padding.write_chat_sft(str(path), 400, median_words=60)
     import json
@@ -248,8 +248,8 @@ def test_bench_padding_writes_long_tailed_sft_pairs(tmp_path):
 
 
 def test_bench_attention_measures_both_attentions_on_one_layer():
-    """scripts/bench_attention.py's case, in this process at a tiny size (the script runs each in a fresh one)."""
-    bench_attention = load_entry_point("scripts/bench_attention.py")
+    """benchmarks/bench_attention.py's case, in this process at a tiny size (the script runs each in a fresh one)."""
+    bench_attention = load_entry_point("benchmarks/bench_attention.py")
     spec = dict(seq=256, doc=64, window=0, hidden=32, heads=4, dtype="fp32", repeats=1, device="cpu")
     for attention in ("dense_mask", "documents"):
         for window in (0, 48):
@@ -258,7 +258,7 @@ def test_bench_attention_measures_both_attentions_on_one_layer():
 
 
 def test_bench_long_context_packs_its_documents_into_whole_rows(tmp_path):
-    bench_long_context = load_entry_point("scripts/bench_long_context.py")
+    bench_long_context = load_entry_point("benchmarks/bench_long_context.py")
     path = str(tmp_path / "docs.jsonl")
     bench_long_context.write_documents(path, rows=3, seq=512, doc=128, vocab_size=100)
     lines = open(path).read().splitlines()
@@ -268,10 +268,10 @@ def test_bench_long_context_packs_its_documents_into_whole_rows(tmp_path):
 
 
 def test_bench_schedule_counts_the_drain_inside_the_optimizer_step_as_bubble(tmp_path):
-    """Two ranks' instruction timings (training/bench_runs.profile_rank's format): rank 1 finishes its backward
+    """Two ranks' instruction timings (benchmarks/harness.profile_rank's format): rank 1 finishes its backward
     passes early and waits 0.2 s inside the optimizer step (the gradient norm crosses the stages). That wait is
     bubble; the optimizer step's own 0.1 s is not."""
-    bench = load_entry_point("scripts/bench_schedule.py")
+    bench = load_entry_point("benchmarks/bench_schedule.py")
     step = {"train_batch": [1, 2.0, 0], "_exec_optimizer_step": [1, 0.1, 0], "_exec_weight_pass": [2, 0.2, 0]}
     ranks = [
         {**step, "_exec_forward_pass": [8, 0.6, 0], "_exec_backward_pass": [8, 1.1, 0]},  # 1.9 s computing
@@ -291,8 +291,8 @@ def test_bench_schedule_counts_the_drain_inside_the_optimizer_step_as_bubble(tmp
 
 
 def test_bench_dpo_gives_sft_the_same_texts_as_rows(tmp_path):
-    """scripts/bench_dpo.py: each pair's chosen and rejected completion, in order, are the SFT rows."""
-    bench_dpo = load_entry_point("scripts/bench_dpo.py")
+    """benchmarks/bench_dpo.py: each pair's chosen and rejected completion, in order, are the SFT rows."""
+    bench_dpo = load_entry_point("benchmarks/bench_dpo.py")
     args = bench_dpo.parse_args(["--micro-batch", "2", "--completion-words", "3", "5"])
     pairs, sft = tmp_path / "pairs.jsonl", tmp_path / "sft.jsonl"
     bench_dpo.write_texts(args, str(pairs), str(sft), 6)
@@ -307,10 +307,10 @@ def test_bench_dpo_gives_sft_the_same_texts_as_rows(tmp_path):
 
 @pytest.mark.multirank  # the script launches train.py twice on 4 CPU ranks: about 75 s here
 def test_bench_moe_quick_halves_the_experts_per_rank(tmp_path):
-    """scripts/bench_moe.py --quick: a tiny Qwen3-MoE on data 2 with expert_parallel 1 and 2; one table row each, a rank
-    of the second holding half the experts (train.py's own ``experts:`` line) and fewer model-state bytes, and the
+    """benchmarks/bench_moe.py --quick: a tiny Qwen3-MoE on data 2 with expert_parallel 1 and 2; one table row each, a
+    rank of the second holding half the experts (train.py's own ``experts:`` line) and fewer model-state bytes, and the
     same loss (the same model and batches)."""
-    proc = run_script(["scripts/bench_moe.py", "--quick", "--work-dir", str(tmp_path)], timeout=400)
+    proc = run_script(["benchmarks/bench_moe.py", "--quick", "--work-dir", str(tmp_path)], timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     header = next(line for line in proc.stdout.splitlines() if line.startswith("| expert_parallel |"))
     rows = {
@@ -326,10 +326,10 @@ def test_bench_moe_quick_halves_the_experts_per_rank(tmp_path):
 
 
 def test_bench_hf_start_save_figures_take_the_slowest_rank_and_the_gap_without_a_save():
-    """scripts/bench_hf_start.py --save's arithmetic: per save the slowest rank's gap after the saving step less the
+    """benchmarks/bench_hf_start.py --save's arithmetic: per save the slowest rank's gap after the saving step less the
     median gap after a step without a save; the step after a save against the others (from step 3: step 1 compiles
     nothing here but starts everything)."""
-    bench = load_entry_point("scripts/bench_hf_start.py")
+    bench = load_entry_point("benchmarks/bench_hf_start.py")
     # two ranks, 6 steps of 1 s; gaps 0.1 s except after steps 2 (rank 1: 2.1 s) and 4 (rank 0: 1.1 s)
     gaps = {0: [0.1, 0.5, 0.1, 1.1, 0.1], 1: [0.1, 2.1, 0.1, 0.3, 0.1]}
     steps = []
@@ -349,7 +349,7 @@ def test_bench_hf_start_save_figures_take_the_slowest_rank_and_the_gap_without_a
 @pytest.mark.multirank  # train.py twice on 2 CPU ranks: about 30 s here
 def test_bench_hf_start_save_quick_measures_both_ways_of_saving(tmp_path):
     proc = run_script(
-        ["scripts/bench_hf_start.py", "--save", "--quick", "--save-steps-total", "5", "--work-dir", str(tmp_path)],
+        ["benchmarks/bench_hf_start.py", "--save", "--quick", "--save-steps-total", "5", "--work-dir", str(tmp_path)],
         timeout=400,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

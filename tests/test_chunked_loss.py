@@ -1,8 +1,10 @@
-"""The chunked LM-head loss (``loss_chunk_tokens``, models/loss.py) in one process: the loss and every
-gradient equal the logits path's (fp32, 1e-6 relative), through the stage chain too, where both also
+"""The chunked LM-head loss (``loss_chunk_tokens``, models/loss.py) computes the logits path's loss and gradients with
+several times less memory, in one process.
+
+The loss and every gradient equal the logits path's (fp32, 1e-6 relative), through the stage chain too, where both also
 equal the family's ``ForCausalLM``; bf16 computes each chunk's loss in fp32; wrong variants (a shift off
 by one, a dropped last chunk, the wrong token count) miss the tolerance by far; and the loss side's peak
-memory is several times lower (every tensor counted, scripts/bench_loss_memory.py).
+memory is several times lower (every tensor counted, benchmarks/bench_loss_memory.py).
 The 4-rank runs, chunked against unchunked, are in tests/test_sft_parity.py.
 """
 
@@ -23,10 +25,10 @@ from models.loss import (
     shifted_targets,
 )
 from models.tiny import tiny_config
-from tests.conftest import load_entry_point
+from tests.support.scripts import load_entry_point
 from tests.test_stage_parity import TOL, copy_hf_weights, module_of, parity_batch, run_chain
 
-bench = load_entry_point("scripts/bench_loss_memory.py")
+bench = load_entry_point("benchmarks/bench_loss_memory.py")
 
 REL_TOL = 1e-6  # chunked vs unchunked, fp32: loss and every gradient (relative L2 over the tensor)
 LABEL_TOKENS = 96  # of loss_batch
@@ -221,7 +223,7 @@ def test_peak_memory_of_the_loss_side_is_several_times_lower():
     """2048 tokens, hidden 64, fp32, forward + backward: the default chunk (1024) holds one [1024,V] buffer at a
     time where the logits path holds about four [2048,V] ones (logits, log-probabilities and their gradients).
     The ratio hardly depends on V (the weight's gradient, [V,64], is small beside them): V 8000 here, a quarter
-    of Llama 2's, to keep the fast tier fast (scripts/bench_loss_memory.py measures V 32000, BENCHMARKS.md)."""
+    of Llama 2's, to keep the fast tier fast (benchmarks/bench_loss_memory.py measures V 32000, BENCHMARKS.md)."""
     tokens, hidden, vocab = 2048, 64, 8000
     unchunked = bench.loss_peak_bytes(tokens, hidden, vocab, chunk=0)
     chunked = bench.loss_peak_bytes(tokens, hidden, vocab, chunk=1024)

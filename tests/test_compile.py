@@ -22,8 +22,7 @@ import torch
 from models.llama_pipe import build_sequential
 from models.tiny import tiny_config, write_uneven_sft
 from parallel.layout import Layout
-from tests.conftest import finish_deepspeed, read_metrics, start_deepspeed, train_run
-from tests.parity import (
+from tests.support.parity import (
     GLOBAL_BATCH,
     MICRO,
     PIPE,
@@ -39,10 +38,12 @@ from tests.parity import (
     train_args,
     trained_weights,
 )
+from tests.support.ranks import finish_deepspeed, start_deepspeed, train_run
+from tests.support.runs import read_metrics
 from tests.test_config import problems_of
 from tests.test_stage_parity import packed_positions, run_chain
 from training.compile import compile_problems, compile_warnings
-from training.config import DataConfig, PeftConfig, TrainConfig
+from training.configuration.schema import DataConfig, PeftConfig, TrainConfig
 
 COMPILED = dict(compile="true", activation_checkpoint_interval=1)
 

@@ -13,11 +13,23 @@ import subprocess
 import pytest
 import torch
 
-from tests.conftest import REPO, child_env, run_script
-from training import ds_json, optim
-from training.config import ConfigError, DataConfig, ModelConfig, MonitorConfig, OptimConfig, PeftConfig, TrainConfig
+from parallel.engines import DataParallelEngine, PipelineEngine
+from tests.support import REPO
+from tests.support.ranks import child_env
+from tests.support.scripts import run_script
+from training import optim
+from training.configuration import ds_json
+from training.configuration.schema import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    MonitorConfig,
+    OptimConfig,
+    PeftConfig,
+    TrainConfig,
+)
+from training.configuration.validate import resolve
 from training.optim import cpu_zero1_settings, fill_ds_config
-from training.validate import resolve
 
 
 @pytest.fixture()
@@ -432,7 +444,7 @@ def test_reference_architectures_build_through_the_same_specs(name):
 
 
 def test_every_ds_json_has_a_ds_group_entry():
-    from training.ds_json import available_ds_configs
+    from training.configuration.ds_json import available_ds_configs
 
     entries = sorted(f[:-5] for f in os.listdir(os.path.join(REPO, "conf", "ds")) if f.endswith(".yaml"))
     assert entries == available_ds_configs()
@@ -485,7 +497,7 @@ def test_checkpoint_and_a_different_architecture_conflict(good):
 
 
 def test_resume_rules(good, tmp_path, tokenizer_dir):
-    from tests.conftest import make_hf_dir
+    from tests.support.models import make_hf_dir
 
     out = tmp_path / "out"
     out.mkdir()
@@ -507,7 +519,7 @@ def test_resume_rules(good, tmp_path, tokenizer_dir):
 
 def test_resume_on_another_layout_reads_the_optimizer_states_per_parameter(good, tmp_path):
     """A stage split, engine, precision or world size other than the checkpoint's: resume reads the
-    optimizer states per parameter (training/reshard.py), whose files are checked before any process
+    optimizer states per parameter (training/checkpoints/reshard.py), whose files are checked before any process
     group starts; a changed micro-batch or grad_acc alone keeps DeepSpeed's own load."""
     out = tmp_path / "out"
     (out / "global_step4").mkdir(parents=True)
@@ -587,7 +599,7 @@ def test_resume_applies_free_and_layout_settings_as_given(good, tmp_path):
 
 
 def test_unknown_keys_are_refused_however_they_are_spelled():
-    from training.overrides import unknown_key_problems
+    from training.configuration.overrides import unknown_key_problems
 
     assert unknown_key_problems(
         {
@@ -680,8 +692,8 @@ def test_zero_plus_plus_quantized_weights_are_refused_on_cpu(good, monkeypatch):
 def test_every_ds_config_trains_or_is_refused_before_training(good, monkeypatch):
     """Each JSON in ds_configs/ is trained by tests/test_train_parity.py, or refused by validation (on the CPU, where
     the parity tests run, on any machine)."""
-    from tests.parity import TRAINED_CONFIGS
-    from training.ds_json import available_ds_configs
+    from tests.support.parity import TRAINED_CONFIGS
+    from training.configuration.ds_json import available_ds_configs
 
     monkeypatch.setattr(ds_json, "accelerator_name", lambda: "cpu")
     for name in available_ds_configs():
@@ -694,9 +706,9 @@ def test_every_ds_config_trains_or_is_refused_before_training(good, monkeypatch)
 
 def test_zero_2_and_3_choose_the_data_parallel_engine(good):
     good.num_stages, good.ds_config = 1, "zero3"
-    assert not resolve(good, 4).uses_pipeline
+    assert isinstance(resolve(good, 4).layout.engine, DataParallelEngine)
     good.ds_config = "zero1"
-    assert resolve(good, 4).uses_pipeline
+    assert isinstance(resolve(good, 4).layout.engine, PipelineEngine)
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,10 @@
-"""The values of a config are checked, not only its types, before start (training/validate.py's resolve, which the
-preflight runs): the model's own config (config.json, or model.architecture) where it changes the loss or the
-routing (models/config_rules.py), its vocabulary against its tokenizer (data/cache.py's vocab_problem), expert
-parallelism's precisions, and every float key of the training config: finite (training/float_keys.py) and in its
-range, as docs/configuration.md says it."""
+"""A config's values are checked before start, not only its types: the model's own config, its vocabulary, expert
+parallelism's precisions and every float key of the training config.
+
+Through training/configuration/validate.py's resolve, which the preflight runs: the model's own config (config.json, or
+model.architecture) where it changes the loss or the routing (models/config_rules.py), its vocabulary against its
+tokenizer (data/cache.py's vocab_problem), expert parallelism's precisions, and every float key of the training config:
+finite (training/configuration/float_keys.py) and in its range, as docs/configuration.md says it."""
 
 from __future__ import annotations
 
@@ -17,10 +19,13 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from models.families import load_config
-from models.hf_io import HFTensorSource, hf_input_problems
+from models.files.hf_convert import HFTensorSource, hf_input_problems
 from models.tiny import tiny_config
-from training.announce import model_lines, moe_line
-from training.config import (
+from tools.config_docs import render
+from training.configuration.float_keys import FLOAT_RANGES, float_leaves, range_key
+from training.configuration.model_source import resolve_model
+from training.configuration.preflight import check
+from training.configuration.schema import (
     ConfigError,
     DataConfig,
     ModelConfig,
@@ -29,11 +34,8 @@ from training.config import (
     SourceConfig,
     TrainConfig,
 )
-from training.config_docs import render
-from training.float_keys import FLOAT_RANGES, float_leaves, range_key
-from training.model_source import resolve_model
-from training.preflight import check
-from training.validate import MFU_PEAK_TFLOPS, resolve
+from training.configuration.validate import MFU_PEAK_TFLOPS, resolve
+from training.observation.announce import model_lines, moe_line
 
 NAN, INF = float("nan"), float("inf")
 
@@ -490,8 +492,8 @@ def test_every_float_key_that_is_not_finite_is_refused_once(cfg, value):
 
 
 def test_every_float_key_has_its_range_in_the_configuration_reference():
-    """Each float key of training/config.py has an entry in FLOAT_RANGES, and its line of docs/configuration.md
-    (rendered from the key's comment) states that range."""
+    """Each float key of training/configuration/schema.py has an entry in FLOAT_RANGES, and its line of
+    docs/configuration.md (rendered from the key's comment) states that range."""
     keys = {range_key(key) for key, _, _ in float_leaves(with_every_float(TrainConfig(), 1.0))}
     assert keys == set(FLOAT_RANGES)
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([\w.]+)` \|[^|]*\|[^|]*\| (.*) \|$", render(), re.M)}

@@ -10,12 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from models import layer_files
-from models.hf_io import ConversionError, hf_to_stages, save_layer_file, stages_to_hf
+from models.files import pipeline_dir
+from models.files.hf_convert import ConversionError, hf_to_stages, save_layer_file, stages_to_hf
+from models.files.pipeline_dir import CheckpointError, load_layer_file, load_stage_weights
 from models.host_memory import current_rss_mb, mapped_file_span
-from models.layer_files import CheckpointError, load_layer_file, load_stage_weights
 from models.llama_pipe import layer_file_name, spec_layout
-from tests.conftest import load_entry_point, make_hf_dir
+from tests.support.models import make_hf_dir
+from tests.support.scripts import load_entry_point
 
 convert2ckpt = load_entry_point("convert2ckpt.py")
 
@@ -221,9 +222,9 @@ def test_stage_copy_releases_the_mapped_file_as_it_goes(tmp_path, monkeypatch):
     save_layer_file({"w": torch.randn(16, 2**20)}, path)  # 64 MiB fp32
     src = load_layer_file(path)["w"]
     dst = torch.zeros(16, 2**20)  # touched: resident before the copy starts
-    monkeypatch.setattr(layer_files, "LOAD_CHUNK", 4 * 2**20)
+    monkeypatch.setattr(pipeline_dir, "LOAD_CHUNK", 4 * 2**20)
     before = current_rss_mb()
-    layer_files.copy_from_mapped(dst, src)
+    pipeline_dir.copy_from_mapped(dst, src)
     grown = current_rss_mb() - before
     assert torch.equal(dst, src)
     assert grown < 16, f"RSS grew {grown:.0f} MiB: the mapped file stayed resident (64 MiB)"

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from data.cache import DataSettings, TokenBlocks, build_or_reuse
-from data.guard import fingerprint
+from data.order_guard import fingerprint
 from data.packing import pack_rows, pad_rows
 from data.records import DataError, Example, SourceStats
 from data.render import read_examples
@@ -246,9 +246,8 @@ def test_cache_is_reused_and_rebuilt_when_the_file_or_a_setting_changes(tmp_path
     write_jsonl(tmp_path / "d.jsonl", [{"text": f"document number {i}"} for i in range(21)])
     changed, _ = build_or_reuse(path, settings(), tokenizer_dir, cache, print)
     assert len({first, other_setting, changed}) == 3
-    assert sorted(os.listdir(cache)) == sorted(
-        os.path.basename(p) for p in (first, other_setting, changed)
-    )  # no temp dirs
+    # no temp dirs
+    assert sorted(os.listdir(cache)) == sorted(os.path.basename(p) for p in (first, other_setting, changed))
 
     ds = TokenBlocks(first)
     assert len(ds) == meta["num_samples"] and isinstance(ds.arrays["input_ids"], np.memmap)

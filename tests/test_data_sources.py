@@ -1,7 +1,9 @@
-"""Data sources beyond one JSONL file (data/sources.py): parquet, arrow and JSON files read through Hugging Face
-``datasets`` (streamed), directories and globs of files, ``save_to_disk`` directories, and ``data.fields`` for
-other column names. Each source of the same rows gives the same tokenized rows as the JSONL file; bad rows are
-named by file and row; a source that cannot work is refused before anything is tokenized."""
+"""Data sources beyond one JSONL file (data/sources.py) give the JSONL file's tokenized rows, and bad ones are refused.
+
+Parquet, arrow and JSON files read through Hugging Face ``datasets`` (streamed), directories and globs of files,
+``save_to_disk`` directories, and ``data.fields`` for other column names. Each source of the same rows gives the same
+tokenized rows as the JSONL file; bad rows are named by file and row; a source that cannot work is refused before
+anything is tokenized."""
 
 from __future__ import annotations
 
@@ -147,7 +149,9 @@ def test_train_py_reads_parquet_shards_with_other_column_names(tmp_path, tiny_ck
     from datasets import Dataset
 
     from models.tiny import write_uneven_sft
-    from tests.conftest import parity_args, read_metrics, train_run
+    from tests.support.parity import parity_args
+    from tests.support.ranks import train_run
+    from tests.support.runs import read_metrics
 
     write_uneven_sft(str(tmp_path / "sft.jsonl"), 48)
     pairs = [json.loads(line) for line in open(tmp_path / "sft.jsonl")]

@@ -1,15 +1,16 @@
-"""Rules that depend on what the device can do give the same answer on every machine: each test sets the device's
-answers itself (DeepSpeed's accelerator: its name, and whether it says fp16 is supported), both ways, instead of
-assuming this machine's (a Xeon with AVX512-FP16 says yes to fp16 where another CPU says no). The same rule through
-``resolve``, on a CPU that says yes: tests/test_config.py."""
+"""Rules that depend on what the device can do (fp16) give the same answer on every machine.
+
+Each test sets the device's answers itself (DeepSpeed's accelerator: its name, and whether it says fp16 is supported),
+both ways, instead of assuming this machine's (a Xeon with AVX512-FP16 says yes to fp16 where another CPU says no). The
+same rule through ``resolve``, on a CPU that says yes: tests/test_config.py."""
 
 from __future__ import annotations
 
 import pytest
 from deepspeed.accelerator import get_accelerator
 
-from training import ds_json
-from training.ds_json import precision_problems
+from training.configuration import ds_json
+from training.configuration.ds_json import precision_problems
 
 CPU_FP16 = (
     "precision fp16 needs a CUDA GPU (on the CPU, DeepSpeed's fp16 exists only where the CPU has AVX512-FP16 and is "

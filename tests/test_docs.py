@@ -1,9 +1,10 @@
-"""docs/: the configuration reference is the generated one, and every link into docs/ resolves.
+"""docs/: the configuration reference and the test catalogue are the generated ones, and every link into docs/ resolves.
 
-docs/configuration.md is written by ``python scripts/gen_config_docs.py`` from training/config.py's
-dataclasses (defaults and per-field comments) and the conf/ groups; editing either without
-regenerating fails here. Links are checked from README.md and from every docs/*.md file: the target
-file exists and, for ``file.md#anchor``, a heading of that file has that GitHub anchor.
+docs/configuration.md is written by ``python tools/gen_config_docs.py`` from training/configuration/schema.py's
+dataclasses (defaults and per-field comments) and the conf/ groups; editing either without regenerating fails here. So
+does a test module added, removed or given another docstring without ``python tools/gen_test_catalogue.py``
+(docs/testing.md's catalogue). Links are checked from README.md and from every docs/*.md file: the target file exists
+and, for ``file.md#anchor``, a heading of that file has that GitHub anchor.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
-from training import config_docs
+from tests.support import REPO
+from tools import config_docs, gen_module_map, gen_test_catalogue
 
 DOCS = os.path.join(REPO, "docs")
 CONFIGURATION = os.path.join(DOCS, "configuration.md")
+TESTING = os.path.join(DOCS, "testing.md")
 LINKED_FROM = [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(DOCS, "*.md")))]
 
 
@@ -30,7 +32,7 @@ def rendered_alone() -> subprocess.CompletedProcess:
     """docs/configuration.md as the generator renders it in a process of its own, which then names any of torch,
     DeepSpeed or transformers it imported (it reads the source: the docs build needs none of them)."""
     code = (
-        "import sys; from training.config_docs import render; sys.stdout.write(render()); "
+        "import sys; from tools.config_docs import render; sys.stdout.write(render()); "
         "print([m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules], file=sys.stderr)"
     )
     return subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, text=True)
@@ -39,7 +41,7 @@ def rendered_alone() -> subprocess.CompletedProcess:
 def test_configuration_reference_is_not_stale(rendered_alone):
     with open(CONFIGURATION, encoding="utf-8") as f:
         current = f.read()
-    assert current == rendered_alone.stdout, "docs/configuration.md is stale: run python scripts/gen_config_docs.py"
+    assert current == rendered_alone.stdout, "docs/configuration.md is stale: run python tools/gen_config_docs.py"
 
 
 def test_every_train_config_field_is_documented():
@@ -49,7 +51,7 @@ def test_every_train_config_field_is_documented():
     assert {"num_stages", "optim.lr", "data.train_file", "monitor.csv", "model.tokenizer"} <= set(keys)
     assert len(keys) == len(set(keys))
     undocumented = [f.key for s in sections for f in s.fields if not f.doc]
-    assert not undocumented, f"fields without a comment in training/config.py: {undocumented}"
+    assert not undocumented, f"fields without a comment in training/configuration/schema.py: {undocumented}"
 
 
 def test_the_generator_reads_source_without_importing_torch_or_deepspeed(rendered_alone):
@@ -59,8 +61,8 @@ def test_the_generator_reads_source_without_importing_torch_or_deepspeed(rendere
 def test_render_follows_field_comments_defaults_enums_and_groups(tmp_path):
     """A stand-in repo: comments above and beside a field, numbers as written, an Enum, a nested
     dataclass, a default_factory, and a group entry with @package _global_."""
-    (tmp_path / "training").mkdir()
-    (tmp_path / "training" / "config.py").write_text('''
+    (tmp_path / "training" / "configuration").mkdir(parents=True)
+    (tmp_path / "training" / "configuration" / "schema.py").write_text('''
 import enum
 from dataclasses import dataclass, field
 from typing import Optional
@@ -105,6 +107,59 @@ class TrainConfig:
     assert "Inner `docs`." in text
     assert "| `zero1` (default) | Selects zero1. | `ds_config=zero1` |" in text
     assert "| `text` | Raw text. | `data.format=text`<br>`data.packing=true` |" in text
+
+
+def test_test_catalogue_is_not_stale():
+    with open(TESTING, encoding="utf-8") as f:
+        current = f.read()
+    expected = gen_test_catalogue.updated(current, gen_test_catalogue.render())
+    assert current == expected, "docs/testing.md's test catalogue is stale: run python tools/gen_test_catalogue.py"
+
+
+def test_module_map_is_not_stale():
+    """docs/architecture.md's module map: every module of the packages, entry points, scripts, benchmarks and tools,
+    with its docstring's first sentence."""
+    with open(os.path.join(REPO, gen_module_map.OUTPUT), encoding="utf-8") as f:
+        current = f.read()
+    assert current == gen_module_map.updated(current), "the module map is stale: run python tools/gen_module_map.py"
+    assert "| `training/configuration/schema.py` |" in current and "| `models/files/hf_convert.py` |" in current
+
+
+def test_module_map_refuses_a_module_without_a_docstring(tmp_path):
+    (tmp_path / "m.py").write_text("x = 1\n")
+    with pytest.raises(gen_module_map.MapError, match="m.py has no module docstring"):
+        gen_module_map.first_sentence(str(tmp_path / "m.py"))
+    (tmp_path / "d.py").write_text('"""Holds a thing, e.g. this. More words.\n\nDetail."""\n')
+    assert gen_module_map.first_sentence(str(tmp_path / "d.py")) == "Holds a thing, e.g. this."
+
+
+def test_the_catalogue_lists_every_test_module_once():
+    with open(TESTING, encoding="utf-8") as f:
+        text = f.read()
+    listed = re.findall(r"^- `tests/(test_\w+\.py)`", text, flags=re.M)
+    on_disk = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "tests", "test_*.py")))
+    assert sorted(listed) == on_disk
+
+
+def test_the_catalogue_names_a_module_in_no_area_or_without_a_docstring(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_stage_parity.py").write_text('"""Stages.\n\nMore."""\n')
+    (tmp_path / "tests" / "test_new.py").write_text("def test_x():\n    pass\n")
+    with pytest.raises(gen_test_catalogue.CatalogueError) as e:
+        gen_test_catalogue.render(str(tmp_path))
+    said = str(e.value).splitlines()
+    assert "tests/test_new.py is in no area: add it to AREAS in tools/gen_test_catalogue.py" in said
+    assert "tools/gen_test_catalogue.py lists test_families, which is not in tests/: remove it from AREAS" in said
+    assert "tests/test_new.py has no docstring: open it with one whose first sentence says what it checks" in said
+
+
+def test_a_catalogue_entry_is_the_first_paragraph_and_the_tiers_of_its_markers():
+    tree = ast.parse(
+        '"""What it\nchecks.\n\nDetails."""\nimport pytest\n\n@pytest.mark.multirank\ndef test_a(): pass\n'
+    )
+    assert gen_test_catalogue.entry("test_x", tree) == "- `tests/test_x.py` (fast, multi-rank): What it checks."
+    tree.body.insert(1, ast.parse("pytestmark = [pytest.mark.e2e]").body[0])
+    assert gen_test_catalogue.entry("test_x", tree) == "- `tests/test_x.py` (e2e): What it checks."
 
 
 def github_anchor(heading: str) -> str:
@@ -161,6 +216,6 @@ def test_link_resolves(source, target):
 
 
 def test_generator_script_is_thin():
-    with open(os.path.join(REPO, "scripts", "gen_config_docs.py")) as f:
+    with open(os.path.join(REPO, "tools", "gen_config_docs.py")) as f:
         tree = ast.parse(f.read())
     assert not [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]

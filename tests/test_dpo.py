@@ -26,13 +26,17 @@ import torch
 from safetensors.torch import load_file
 
 from data.cache import DataSettings, TokenBlocks
-from data.preference import PairBlocks
+from data.preference_pairs import PairBlocks
 from data.records import DataError, SourceStats
 from data.render import read_examples
 from data.sampling import collate_pairs
 from models.loss import IGNORE_INDEX, PreferenceLoss, sequence_logps
 from models.tiny import write_preference_pairs
-from tests.conftest import load_entry_point, make_hf_dir, parity_args, read_metrics, run_deepspeed
+from tests.support.models import make_hf_dir
+from tests.support.parity import parity_args
+from tests.support.ranks import run_deepspeed
+from tests.support.runs import read_metrics
+from tests.support.scripts import load_entry_point
 
 SEQ, MICRO, STEPS, PAIRS, GLOBAL = 64, 2, 5, 40, 8
 REL_TOL = 1e-5
@@ -283,8 +287,8 @@ def test_the_loss_and_metrics_are_trls(loss_type, smoothing):
     ],
 )
 def test_dpo_settings_are_checked_before_start(tmp_path, chat_hf, pairs_files, change, message):
-    from training.config import ConfigError, DataConfig, DPOConfig, TrainConfig
-    from training.validate import resolve
+    from training.configuration.schema import ConfigError, DataConfig, DPOConfig, TrainConfig
+    from training.configuration.validate import resolve
 
     cfg = TrainConfig(
         model_name_or_path=_converted(chat_hf, tmp_path),
@@ -300,8 +304,8 @@ def test_dpo_settings_are_checked_before_start(tmp_path, chat_hf, pairs_files, c
 
 
 def test_dpo_settings_without_dpo_are_refused(tmp_path, chat_hf, pairs_files):
-    from training.config import ConfigError, DataConfig, DPOConfig, TrainConfig
-    from training.validate import resolve
+    from training.configuration.schema import ConfigError, DataConfig, DPOConfig, TrainConfig
+    from training.configuration.validate import resolve
 
     cfg = TrainConfig(
         model_name_or_path=_converted(chat_hf, tmp_path),
@@ -314,7 +318,7 @@ def test_dpo_settings_without_dpo_are_refused(tmp_path, chat_hf, pairs_files):
 
 
 def _converted(hf_dir: str, tmp_path) -> str:
-    from models.hf_io import hf_to_stages
+    from models.files.hf_convert import hf_to_stages
 
     out = str(tmp_path / "ckpt")
     if not os.path.isdir(out):
@@ -381,7 +385,7 @@ def margin_err(record: dict, theirs: float, prefix: str = "") -> float:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory, chat_hf, pairs_files):
     """Full fine-tuning, pipe 2 x data 2, checkpoints at steps 3 and 5, eval on pairs; and DPOTrainer."""
-    from models.hf_io import hf_to_stages
+    from models.files.hf_convert import hf_to_stages
 
     root = tmp_path_factory.mktemp("dpo_full")
     ckpt, out = str(root / "ckpt"), str(root / "run")
@@ -476,7 +480,7 @@ def test_lora_trains_the_adapters_dpo_trainer_trains(tmp_path_factory, chat_hf, 
     reference is the starting model in both: TRL copies a pretrained adapter as its "ref" adapter."""
     from peft import get_peft_model_state_dict
 
-    from models.hf_io import hf_to_stages
+    from models.files.hf_convert import hf_to_stages
     from tests.test_lora import overrides, peft_settings, reference_adapter
 
     root = tmp_path_factory.mktemp("dpo_lora")

@@ -9,9 +9,10 @@ import json
 import pytest
 
 from models.families import load_config
-from models.hf_io import hf_to_stages
+from models.files.hf_convert import hf_to_stages
 from parallel.partition import stage_boundaries
-from tests.conftest import make_hf_dir, run_deepspeed
+from tests.support.models import make_hf_dir
+from tests.support.ranks import run_deepspeed
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 

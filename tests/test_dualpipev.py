@@ -22,10 +22,10 @@ import shutil
 
 import pytest
 
-from models.hf_io import hf_to_stages
+from models.files.hf_convert import hf_to_stages
 from parallel.layout import Layout
-from tests.conftest import make_hf_dir, read_metrics, train_run
-from tests.parity import (
+from tests.support.models import make_hf_dir
+from tests.support.parity import (
     GLOBAL_BATCH,
     STEPS,
     cached_rows,
@@ -37,10 +37,12 @@ from tests.parity import (
     sft_train_args,
     trained_weights,
 )
+from tests.support.ranks import train_run
+from tests.support.runs import read_metrics
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from tests.test_profile import check_profiled_run
-from training.config import ConfigError
-from training.validate import resolve
+from training.configuration.schema import ConfigError
+from training.configuration.validate import resolve
 
 REL_TOL = 1e-6
 CLIP = 0.5

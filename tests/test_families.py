@@ -1,5 +1,7 @@
-"""Mistral, Qwen2/2.5 and Qwen3 through the same stages as Llama (models/families.py), in one process:
-stage parity with each family's own ``<Family>ForCausalLM`` (logits, loss, every gradient, fp32, 1e-5),
+"""Mistral, Qwen2/2.5 and Qwen3 run through the same stages as Llama (models/families.py) and compute what their own
+``<Family>ForCausalLM`` computes, in one process.
+
+Stage parity with each family's own ``<Family>ForCausalLM`` (logits, loss, every gradient, fp32, 1e-5),
 sliding windows with and without packing, conversion both ways, the reference architectures' published
 parameter counts, and the refusal of other model types. The 4-rank runs are in test_family_training.py."""
 
@@ -13,10 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models.families import FAMILIES, UnsupportedModelError, config_from_dict, family_of, load_config
-from models.hf_io import ConversionError, expected_hf_shapes, hf_to_stages, stages_to_hf
-from models.llama_pipe import build_sequential, model_parameters
+from models.files.hf_convert import ConversionError, expected_hf_shapes, hf_to_stages, stages_to_hf
+from models.llama_pipe import DECODER_LAYER_CLASSES, NORM_CLASSES, build_sequential, model_parameters
 from models.tiny import tiny_config
-from tests.conftest import make_hf_dir
+from tests.support.models import make_hf_dir
 from tests.test_convert import assert_bit_identical, hf_tensors
 from tests.test_stage_parity import (
     TOL,
@@ -59,6 +61,8 @@ def test_family_stages_match_hf(name, packed):
 
 
 def test_each_family_builds_its_own_modules():
+    # each family's stage classes are written out in models/llama_pipe.py: a new family needs its two
+    assert DECODER_LAYER_CLASSES.keys() == NORM_CLASSES.keys() == FAMILIES.keys()
     for model_type, family in FAMILIES.items():
         funcs = build_sequential(tiny_config(model_type))
         assert isinstance(funcs[1], family.decoder_layer) and isinstance(funcs[-2], family.rms_norm)
@@ -149,8 +153,8 @@ def test_other_model_types_are_refused_naming_the_supported_ones(tmp_path, model
 
 def test_training_refuses_other_model_types_before_starting(tmp_path):
     """train.py's config check (before any process group) reports it with the other problems."""
-    from training.config import ConfigError, TrainConfig
-    from training.validate import resolve
+    from training.configuration.schema import ConfigError, TrainConfig
+    from training.configuration.validate import resolve
 
     cfg = TrainConfig(model_name_or_path=write_config(tmp_path / "ckpt", model_type="gemma"))
     cfg.output_dir = str(tmp_path / "out")
@@ -179,8 +183,8 @@ def test_reference_architectures_of_the_families(name, tmp_path, tokenizer_dir):
     """Exact published counts through the stage specs, and the planner and preflight on each entry."""
     from parallel.layout import Layout
     from parallel.partition import splitter
-    from training.model_source import model_group_config
-    from training.preflight import check
+    from training.configuration.model_source import model_group_config
+    from training.configuration.preflight import check
 
     config = model_group_config(name)
     assert config.model_type == name.split("-")[0].replace("2.5", "2")  # mistral, qwen2, qwen3

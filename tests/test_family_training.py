@@ -24,20 +24,23 @@ import pytest
 import torch
 
 from models.families import load_config
-from models.hf_io import hf_to_stages
+from models.files.hf_convert import hf_to_stages
 from models.tiny import write_uneven_sft
-from tests.conftest import make_hf_dir, parity_args, read_metrics, train_run
-from tests.parity import (
+from tests.support.models import make_hf_dir
+from tests.support.parity import (
     MICRO,
     SFT_OPTIM,
     STEPS,
     cached_rows,
     global_batches,
     max_rel_weight_diff,
+    parity_args,
     rel,
     sft_reference_run,
     trained_weights,
 )
+from tests.support.ranks import train_run
+from tests.support.runs import read_metrics
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
@@ -139,7 +142,7 @@ def test_each_run_used_the_layout_it_asked_for(runs):
     silently ignored would make the parity above prove less than it says)."""
     from parallel.layout import Layout
     from parallel.partition import stage_boundaries
-    from training.config import TrainConfig
+    from training.configuration.schema import TrainConfig
 
     for name, (model_type, _, overrides) in FAMILY_RUNS.items():
         log = (runs["root"] / f"{name}.log").read_text()

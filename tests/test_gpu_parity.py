@@ -1,5 +1,7 @@
-"""Stage parity on a CUDA GPU (scripts/gpu_check.sh runs these; skipped where there is none): the stage
-modules chained in one process compute the family's ForCausalLM logits, loss and gradients on the GPU, in
+"""Stage parity on a CUDA GPU in fp32 and bf16, Liger's kernels included (scripts/gpu_check.sh runs these; skipped
+where there is none).
+
+The stage modules chained in one process compute the family's ForCausalLM logits, loss and gradients on the GPU, in
 fp32 (TF32 off) and in bf16 (compared with the same model in bf16, so only the kernels' summation order
 differs): Llama untied and tied, and each other family with its difference (tests/test_families.py); the same
 stages with Liger's kernels (kernels=liger, models/kernels.py) against them and the reference, each kernel alone and

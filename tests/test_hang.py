@@ -1,6 +1,8 @@
-"""Hangs are named (training/hang.py): a rank asleep inside a step (tests/sleepy_rank.py) makes every rank dump
-its stacks after hang_timeout_s, rank 0 print where each rank is, and the job exit with code 78. A rank that
-is merely slow (0.3 s more per forward) is named in every step's straggler view (training/straggler.py); the
+"""Hung and slow ranks are named: a hang ends the job with every rank's stacks (exit 78), a straggler each step.
+
+Hangs (training/resilience/hang.py): a rank asleep inside a step (tests/sleepy_rank.py) makes every rank
+dump its stacks after hang_timeout_s, rank 0 print where each rank is, and the job exit with code 78. A rank that
+is merely slow (0.3 s more per forward) is named in every step's straggler view (training/observation/straggler.py); the
 same run saves on save_every_minutes's clock too."""
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ import time
 import pytest
 
 from models.tiny import write_random_tokens
-from tests.conftest import read_metrics, run_deepspeed
-from tests.parity import SEQ, train_args
-from training import hang
-from training.hang import HANG_EXIT_CODE, HangWatch, where
+from tests.support.parity import SEQ, train_args
+from tests.support.ranks import run_deepspeed
+from tests.support.runs import read_metrics
+from training.resilience import hang
+from training.resilience.hang import HANG_EXIT_CODE, HangWatch, where
 
 DUMP = """rank 2, step 3, 5 s into it
 Thread 0x00007f (most recent call first):

@@ -1,10 +1,10 @@
 """The helper tools refuse what train.py refuses, in train.py's words, and print no dependency noise.
 
 Layouts: scripts/estimate_memory.py and preflight share ``parallel.layout.layout_problems`` with train.py's
-``training.config.resolve``; each case compares the script's line with resolve's line for the same layout (in
-estimate_memory.py's flags: its ``in_flags``).
+``training.configuration.schema.resolve``; each case compares the script's line with resolve's line for the same layout
+(in estimate_memory.py's flags: its ``in_flags``).
 Counts that train.py has no knob for are refused by argparse. The subprocesses (3) check what only a fresh
-process shows: the dependency lines filtered at start (training/logs.py).
+process shows: the dependency lines filtered at start (training/observation/logs.py).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import sys
 import pytest
 
 from parallel.layout import Layout, layout_problems
-from tests.conftest import REPO, load_entry_point, run_script
+from tests.support import REPO
+from tests.support.scripts import load_entry_point, run_script
 from tests.test_config import good  # noqa: F401 (a fixture)
-from training.config import ConfigError, TrainConfig
-from training.preflight import check
-from training.validate import resolve
+from training.configuration.preflight import check
+from training.configuration.schema import ConfigError, TrainConfig
+from training.configuration.validate import resolve
 
-# Known-harmless dependency lines that no entry point may print (training/logs.py filters them).
+# Known-harmless dependency lines that no entry point may print (training/observation/logs.py filters them).
 NOISE = ("Setting accelerator to CPU", "gemm_4bit_forward", "an autograd kernel was not registered")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -227,7 +228,7 @@ def test_convert2ckpt_prints_its_error_and_no_dependency_noise(tmp_path):
 BROADCAST = """
 import os, sys, warnings
 sys.path.insert(0, {repo!r})
-from training.logs import quiet_dependencies
+from training.observation.logs import quiet_dependencies
 quiet_dependencies(sys.argv[1])
 import torch, torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
@@ -242,7 +243,7 @@ dist.destroy_process_group()
 
 @pytest.mark.e2e  # a script in a subprocess
 def test_the_tied_weight_broadcast_warning_is_filtered_unless_log_level_info():
-    from training.ports import free_port
+    from training.resilience.ports import free_port
 
     script = BROADCAST.format(repo=REPO)
     runs = {

@@ -1,4 +1,4 @@
-"""model_name_or_path=HF_DIR: train.py starts straight from a Hugging Face directory (models/hf_start.py).
+"""model_name_or_path=HF_DIR: train.py starts straight from a Hugging Face directory (models/hf_stage.py).
 
 Fast: what the converter refuses is refused before the start with its message (and for ``.bin`` weights the
 command that converts them); each rank reads only its stage's tensors (its tensor-parallel piece, its experts), from
@@ -20,19 +20,22 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from models import hf_start, layer_files
 from models.families import load_config
-from models.hf_io import HFTensorSource, hf_to_stages
-from models.hf_start import load_stage_from_hf, stage_files
+from models.files import hf_stage, pipeline_dir
+from models.files.hf_convert import HFTensorSource, hf_to_stages
+from models.files.hf_stage import load_stage_from_hf, stage_files
+from models.files.pipeline_dir import load_layer_file, load_stage_weights
 from models.host_memory import current_rss_mb
-from models.layer_files import load_layer_file, load_stage_weights
 from models.llama_pipe import layer_file_name, spec_layout
 from models.tiny import save_random_model, tiny_config
-from tests.conftest import load_entry_point, make_hf_dir, read_metrics, train_run
-from tests.parity import PIPE, train_args
+from tests.support.models import make_hf_dir
+from tests.support.parity import PIPE, train_args
+from tests.support.ranks import train_run
+from tests.support.runs import read_metrics
+from tests.support.scripts import load_entry_point
 from tests.test_convert import _FakeStage, corrupt, hf_tensors
-from training.config import ConfigError, DataConfig, PeftConfig, TrainConfig
-from training.validate import resolve
+from training.configuration.schema import ConfigError, DataConfig, PeftConfig, TrainConfig
+from training.configuration.validate import resolve
 
 SHARD = "100KB"  # the tiny model (~0.5 MB in fp32) in several shards, a decoder layer spread over two at most
 
@@ -252,9 +255,9 @@ def test_loading_holds_the_stage_not_the_shard(tmp_path, monkeypatch):
     stage = _FakeStage(config, [0])
     for p in stage.forward_funcs[0].parameters():
         p.data.fill_(1.0)  # resident before the load starts
-    monkeypatch.setattr(layer_files, "LOAD_CHUNK", 4 * 2**20)
-    rss, copy = [], hf_start.copy_from_mapped
-    monkeypatch.setattr(hf_start, "copy_from_mapped", lambda dst, src: (copy(dst, src), rss.append(current_rss_mb())))
+    monkeypatch.setattr(pipeline_dir, "LOAD_CHUNK", 4 * 2**20)
+    rss, copy = [], hf_stage.copy_from_mapped
+    monkeypatch.setattr(hf_stage, "copy_from_mapped", lambda dst, src: (copy(dst, src), rss.append(current_rss_mb())))
     before = current_rss_mb()
     load_stage_from_hf(stage, config, hf)
     grown = max(rss) - before

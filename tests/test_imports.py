@@ -2,10 +2,11 @@
 modules, and no module importing a layer above its own. Imports inside functions and under ``if TYPE_CHECKING``
 count as any other: a circle hidden in a function is still a circle.
 
-The layers, lowest first (docs: the house style): ``models/`` (Hugging Face modules as stages) <- ``parallel/`` (the
-layout and each axis) <- ``data/`` and ``training/`` (training may read data, data never training) <- the entry
-points (``train.py``, ``convert2ckpt.py``, ``scripts/*``), which nothing imports <- ``tests/``, which may import
-anything.
+The layers, lowest first (docs/architecture.md draws them): ``models/`` (Hugging Face modules as stages) <-
+``parallel/`` (the layout, the engines and each axis) <- ``data/`` and ``training/`` (training may read data, data
+never training) <- the entry points (``train.py``, ``convert2ckpt.py``, ``scripts/*``), which nothing imports. Beside
+them the developers' layers: ``tools/`` (the rank launcher, the docs generators) may import the packages, and
+``benchmarks/`` the packages and ``tools/``. ``tests/`` may import anything.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIPPED_DIRS = {"work", "outputs", "__pycache__"}  # besides hidden directories and virtualenvs (.venv*)
 PACKAGES = ("models", "parallel", "data", "training")
-ENTRY, TESTS = "entry point", "tests"
+ENTRY, TOOLS, BENCHMARKS, TESTS = "entry point", "tools", "benchmarks", "tests"
 # Which layers each layer may import (its own included).
 MAY_IMPORT = {
     "models": {"models"},
@@ -27,7 +28,9 @@ MAY_IMPORT = {
     "data": {"models", "parallel", "data"},
     "training": {"models", "parallel", "data", "training"},
     ENTRY: set(PACKAGES),
-    TESTS: {*PACKAGES, ENTRY, TESTS},
+    TOOLS: {*PACKAGES, TOOLS},
+    BENCHMARKS: {*PACKAGES, TOOLS, BENCHMARKS},
+    TESTS: {*PACKAGES, ENTRY, TOOLS, BENCHMARKS, TESTS},
 }
 
 
@@ -45,7 +48,7 @@ def project_modules(root: str = REPO) -> dict[str, str]:
 
 def layer(module: str) -> str:
     top = module.split(".")[0]
-    return top if top in PACKAGES else TESTS if top == "tests" else ENTRY
+    return top if top in (*PACKAGES, TOOLS, BENCHMARKS, TESTS) else ENTRY
 
 
 def imported_names(node: ast.AST, package: str) -> list[str]:
@@ -187,8 +190,8 @@ def test_the_graph_is_read(project):
     """The parse finds the project (so that the checks below cannot pass on an empty graph)."""
     modules, graph = project
     assert {"train", "convert2ckpt", "scripts.preflight", "models.llama_pipe", "parallel.layout"} <= set(modules)
-    assert {layer(m) for m in modules} == {*PACKAGES, ENTRY, TESTS}
-    assert "parallel.layout" in graph["training.config"]  # a top-level import
+    assert {layer(m) for m in modules} == {*PACKAGES, ENTRY, TOOLS, BENCHMARKS, TESTS}
+    assert "parallel.layout" in graph["training.configuration.schema"]  # a top-level import
     assert not any(m.startswith((".venv", "work.")) for m in modules)
     assert sum(len(edges) for edges in graph.values()) > 300
 

@@ -1,8 +1,10 @@
-"""kernels=liger (models/kernels.py) where no GPU is: refused before start with the reasons, and the wiring of
-apply_kernels checked with stand-ins for Liger's helpers that compute what Hugging Face's modules compute and count
-their calls (the real kernels' numbers are tests/test_gpu_parity.py's, on a GPU). The same for loss_impl=liger (Liger's
-fused linear cross entropy on the last stage, models/loss.py), with a stand-in for Liger's function that checks what
-it is handed, and for adamw_impl (training/optim.py: which AdamW DeepSpeed builds)."""
+"""Liger's kernels and loss (kernels=liger, loss_impl=liger) and adamw_impl where no GPU is: refusals and wiring.
+
+kernels=liger (models/kernels.py) is refused before start with the reasons, and the wiring of apply_kernels checked with
+stand-ins for Liger's helpers that compute what Hugging Face's modules compute and count their calls (the real kernels'
+numbers are tests/test_gpu_parity.py's, on a GPU). The same for loss_impl=liger (Liger's fused linear cross entropy on
+the last stage, models/loss.py), with a stand-in for Liger's function that checks what it is handed, and for adamw_impl
+(training/optim.py: which AdamW DeepSpeed builds)."""
 
 from __future__ import annotations
 
@@ -20,10 +22,12 @@ from models.kernels import apply_kernels, kernel_problems, loss_impl_problems
 from models.llama_pipe import DecoderLayerPipe, build_sequential
 from models.loss import IGNORE_INDEX, CausalLMLoss, LossSplit, PreferenceLoss, sequence_logps, shifted_targets
 from models.tiny import tiny_config
+from parallel.engines import DataParallelEngine
 from parallel.layout import Layout
+from parallel.tensor_parallel import TensorParallelPlan
 from tests.test_config import problems_of
 from tests.test_stage_parity import module_of, run_chain
-from training.config import DataConfig, TrainConfig
+from training.configuration.schema import DataConfig, TrainConfig
 
 
 def test_liger_is_refused_without_cuda_or_the_package_and_for_families_it_does_not_cover():
@@ -130,16 +134,25 @@ def test_rebound_rope_survives_torch_compile_across_layers(dynamo_without_guard_
 
 
 def test_loss_impl_liger_is_refused_where_it_cannot_run_every_reason_at_once():
-    assert (
-        loss_impl_problems("chunked", 0, tensor_parallel=2, pipeline_engine=False, cuda=False, importable=False) == []
-    )
+    data_parallel = Layout(stages=1, dp=2, zero=2).engine
+    assert isinstance(data_parallel, DataParallelEngine)
+    assert loss_impl_problems("chunked", 0, data_parallel, cuda=False, importable=False) == []
     assert loss_impl_problems("liger", 1024, cuda=True, importable=True) == []
-    found = loss_impl_problems("liger", 0, tensor_parallel=2, pipeline_engine=False, cuda=False, importable=False)
-    assert len(found) == 5 and all(p.startswith("loss_impl=liger") for p in found)
+    assert loss_impl_problems("liger", 1024, Layout(stages=2, dp=1).engine, cuda=True, importable=True) == []
+    found = loss_impl_problems("liger", 0, data_parallel, cuda=False, importable=False)
+    assert len(found) == 4 and all(p.startswith("loss_impl=liger") for p in found)
     assert "need a CUDA GPU" in found[0] and "pip install liger-kernel==" in found[1]
     assert "set loss_impl=chunked" in found[0] and "set loss_impl=chunked" in found[1]
     assert "loss_chunk_tokens=0: set loss_chunk_tokens > 0" in found[2]
-    assert "tensor_parallel 2" in found[3] and "ZeRO 2/3 (DeepSpeed's data-parallel engine)" in found[4]
+    assert "ZeRO 2/3 (DeepSpeed's data-parallel engine)" in found[3]
+    # a head split by vocabulary: tensor parallelism's own rule
+    tp2 = Layout(stages=2, dp=1, tp=2, loss_chunk=1024)
+    assert TensorParallelPlan.problems(TrainConfig(loss_impl="liger", loss_chunk_tokens=1024), None, tp2) == [
+        "loss_impl=liger with tensor_parallel 2: the LM head is split by vocabulary, and Liger's fused linear cross "
+        "entropy needs each row's logits over the whole vocabulary on one rank (the chunked loss all-reduces them per "
+        "chunk): set loss_impl=chunked (the chunked loss, the same numbers), or tensor_parallel=1"
+    ]
+    assert TensorParallelPlan.problems(TrainConfig(loss_chunk_tokens=1024), None, tp2) == []
 
 
 def test_train_config_with_loss_impl_liger_is_refused_on_this_machine(tmp_path, tiny_hf):
@@ -301,7 +314,7 @@ def test_the_stage_build_gives_the_loss_the_layouts_loss_impl(tmp_path, stand_in
 
 def test_adamw_impl_picks_the_optimizer_deepspeed_builds(monkeypatch, tmp_path, tiny_hf):
     from training import optim
-    from training.validate import resolve
+    from training.configuration.validate import resolve
 
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")

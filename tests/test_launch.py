@@ -1,4 +1,4 @@
-"""training/launch.py: ranks forked from the fork server behave as fresh ``python -u script`` processes."""
+"""tools/launch.py: ranks forked from the fork server behave as fresh ``python -u script`` processes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import time
 
 import pytest
 
-from tests.conftest import LAUNCHER, REPO, child_env, run_script
-from training.launch import IMPORT_TIME_PREFIXES, Launcher, RankJob, imported_modules
+from tests.support import REPO
+from tests.support.ranks import LAUNCHER, child_env
+from tests.support.scripts import run_script
+from tools.launch import IMPORT_TIME_PREFIXES, Launcher, RankJob, imported_modules
 
 pytestmark = pytest.mark.e2e  # starts the fork server (the imports of train.py: seconds)
 

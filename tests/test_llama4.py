@@ -1,10 +1,12 @@
-"""Llama 4's text model (``llama4_text``, models/families.py) in one process: the stages (Hugging Face's own
-``Llama4TextDecoderLayer``) chained against ``Llama4ForCausalLM`` (logits, loss, every gradient, fp32, TOL) with both
-attention settings, packed and not; the routed layers Hugging Face builds; what the tolerance would catch (no shared
-expert, full attention instead of chunked, no temperature tuning); the conversion both ways. The tiny config
-(models/tiny.py) makes every difference of Llama 4 visible in 40 tokens: chunks of 8, temperature tuning from
-position 7, routed layers 1 and 3 (top 1 of 4 experts and a shared expert), layer 3 without RoPE and with full
-attention. The 2-rank training run is in tests/test_llama4_training.py.
+"""Llama 4's text model (``llama4_text``, models/families.py) through the stages computes what ``Llama4ForCausalLM``
+computes, in one process.
+
+The stages (Hugging Face's own ``Llama4TextDecoderLayer``) chained against ``Llama4ForCausalLM`` (logits, loss, every
+gradient, fp32, TOL) with both attention settings, packed and not; the routed layers Hugging Face builds; what the
+tolerance would catch (no shared expert, full attention instead of chunked, no temperature tuning); the conversion both
+ways. The tiny config (models/tiny.py) makes every difference of Llama 4 visible in 40 tokens: chunks of 8, temperature
+tuning from position 7, routed layers 1 and 3 (top 1 of 4 experts and a shared expert), layer 3 without RoPE and with
+full attention. The 2-rank training run is in tests/test_llama4_training.py.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from transformers import AutoModelForCausalLM
 from transformers.models.llama4.modeling_llama4 import Llama4ForCausalLM, Llama4TextExperts, Llama4TextMoe
 
 from models.families import family_of, load_config, moe_spec
-from models.hf_io import hf_to_stages, stages_to_hf
-from models.layer_files import load_layer_file, read_tag
+from models.files.hf_convert import hf_to_stages, stages_to_hf
+from models.files.pipeline_dir import load_layer_file, read_tag
 from models.llama_pipe import (
     ATTENTION_IMPLEMENTATIONS,
     build_sequential,
@@ -27,7 +29,7 @@ from models.llama_pipe import (
 )
 from models.loss import causal_lm_loss
 from models.tiny import tiny_config
-from tests.conftest import make_hf_dir
+from tests.support.models import make_hf_dir
 from tests.test_convert import assert_bit_identical, hf_tensors
 from tests.test_stage_parity import (
     TOL,

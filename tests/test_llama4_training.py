@@ -1,7 +1,9 @@
-"""deepspeed train.py trains Llama 4's text model exactly as Hugging Face would: pipe 2 x data 1 on 2 CPU ranks, five
-fp32 steps (two runs: the per-document attention with ZeRO-1; the dense mask with ZeRO-0 and activation
-checkpointing), against a single-process ``Llama4ForCausalLM`` + torch AdamW loop over the same global batches (packed
-SFT rows of 128 tokens, micro-batches of one row, the step's loss normalised as Trainer does: ``num_items_in_batch``).
+"""deepspeed train.py trains Llama 4's text model exactly as Hugging Face would.
+
+Pipe 2 x data 1 on 2 CPU ranks, five fp32 steps (two runs: the per-document attention with ZeRO-1; the dense mask with
+ZeRO-0 and activation checkpointing), against a single-process ``Llama4ForCausalLM`` + torch AdamW loop over the same
+global batches (packed SFT rows of 128 tokens, micro-batches of one row, the step's loss normalised as Trainer does:
+``num_items_in_batch``).
 
 The tiny config (models/tiny.py) puts each of Llama 4's differences on the run: chunks of 8 positions on layers 0-2,
 layer 3 without RoPE with temperature tuning from position 7, routed layers 1 and 3 (one on each stage, top 1 of 4
@@ -18,12 +20,14 @@ from transformers import AutoModelForCausalLM
 
 from data.sampling import MicroBatchIterator
 from models.families import load_config
-from models.hf_io import hf_to_stages
+from models.files.hf_convert import hf_to_stages
 from models.loss import label_tokens
 from models.tiny import write_uneven_sft
-from tests.conftest import make_hf_dir, parity_args, read_metrics, train_run
-from tests.parity import SFT_OPTIM, STEPS, cached_rows, max_rel_weight_diff, rel, trained_weights
-from training.config import OptimConfig, TrainConfig
+from tests.support.models import make_hf_dir
+from tests.support.parity import SFT_OPTIM, STEPS, cached_rows, max_rel_weight_diff, parity_args, rel, trained_weights
+from tests.support.ranks import train_run
+from tests.support.runs import read_metrics
+from training.configuration.schema import OptimConfig, TrainConfig
 from training.optim import lr_lambda, param_groups
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
@@ -87,10 +91,20 @@ def run(tmp_path_factory, tokenizer_dir):
     hf_dir = make_hf_dir(root, tokenizer_dir, "llama4-hf", model_type="llama4_text")
     hf_to_stages(hf_dir, str(root / "llama4-ckpt"))
     for name, overrides in RUNS.items():
+        # fmt: skip
         args = parity_args(
-            str(root / "llama4-ckpt"), data, str(root / name), SEQ, MICRO, STEPS, OPTIM, num_stages=2,
-            gradient_accumulation_steps=GAS, partition_method="uniform", **overrides,
-        )  # fmt: skip
+            str(root / "llama4-ckpt"),
+            data,
+            str(root / name),
+            SEQ,
+            MICRO,
+            STEPS,
+            OPTIM,
+            num_stages=2,
+            gradient_accumulation_steps=GAS,
+            partition_method="uniform",
+            **overrides,
+        )
         train_run(root, name, 2, args + ["data.format=sft", "data.packing=true"])
     steps = computed_batches(cached_rows(str(root / "cache"), data))
     return {"root": root, "hf": hf_dir, "steps": steps, "ref": reference_run(hf_dir, steps)}

@@ -24,18 +24,20 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
-from models.hf_io import hf_to_stages
-from models.layer_files import local_modules
+from models.files.hf_convert import hf_to_stages
+from models.files.peft_adapter import adapter_key, file_sha256, spec_key
+from models.files.pipeline_dir import local_modules
 from models.llama_pipe import LlamaStack, spec_layout
 from models.lora import apply_lora, lora_config, trainable_state
-from models.lora_files import adapter_key, file_sha256, spec_key
 from models.tiny import save_random_model, tiny_config, write_random_tokens
-from tests.conftest import load_entry_point, read_metrics, run_deepspeed
-from tests.parity import MICRO, NUM_SAMPLES, REL_TOL, SEQ, STEPS, reference_run, rel, train_args
+from tests.support.parity import MICRO, NUM_SAMPLES, REL_TOL, SEQ, STEPS, reference_run, rel, train_args
+from tests.support.ranks import run_deepspeed
+from tests.support.runs import read_metrics
+from tests.support.scripts import load_entry_point
 from tests.test_config import problems_of
-from training.config import DataConfig, PeftConfig, TrainConfig
-from training.reshard import SavedOptimizerState
-from training.validate import resolve
+from training.checkpoints.reshard import SavedOptimizerState
+from training.configuration.schema import DataConfig, PeftConfig, TrainConfig
+from training.configuration.validate import resolve
 
 LORA = dict(r=4, alpha=8.0)  # the runs' adapters; dropout 0 (the reference draws no masks)
 DUALPIPEV_PIPE2 = {"pipeline_schedule": "dualpipev", "gradient_accumulation_steps": 4, "data.pad_to_multiple_of": 0}

@@ -1,6 +1,7 @@
-"""Every launch of ranks takes a master port that is free, or the one the user gave (MASTER_PORT), and says which:
-on a shared machine another job may hold 29500, the port DeepSpeed's launcher takes unless told
-(training/ports.py; scripts/demo.sh, scripts/multinode/, training/launch.py's ``deepspeed_command``)."""
+"""Every launch of ranks takes a master port that is free, or the one the user gave (MASTER_PORT), and says which.
+
+On a shared machine another job may hold 29500, the port DeepSpeed's launcher takes unless told
+(training/resilience/ports.py; scripts/demo.sh, scripts/multinode/, tools/launch.py's ``deepspeed_command``)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO, child_env, remove_shm_leftovers
+from tests.support import REPO
+from tests.support.ranks import child_env
 from tests.test_multinode import FAKE_SCONTROL, FAKE_SRUN, LAUNCH, SBATCH, STUB_LAUNCHER, write_executable
-from training.launch import deepspeed_command
-from training.ports import PortError, master_port
+from tools.launch import deepspeed_command, remove_shm_leftovers
+from training.resilience.ports import PortError, master_port
 
 DEFAULT_PORT = 29500  # DeepSpeed's launcher's (and torch's) when no port is given
 FREE_LINE = r"\[{who}\] master port (\d+) \(free on this machine; MASTER_PORT=PORT chooses one\)"
@@ -63,18 +65,18 @@ def test_a_given_master_port_held_here_is_refused_at_once(default_port_taken):
     assert str(e.value) == (
         f"MASTER_PORT={DEFAULT_PORT} is in use on 127.0.0.1 (another process holds it), so rank 0 could not serve the "
         "rendezvous there: unset MASTER_PORT to take a free port, or set it to one free here (`python -m "
-        "training.ports` prints one)"
+        "training.resilience.ports` prints one)"
     )
     assert master_port({"MASTER_PORT": str(DEFAULT_PORT)}, host="192.0.2.1") == (DEFAULT_PORT, "from MASTER_PORT")
 
 
 def test_every_launch_passes_a_port():
     """DeepSpeed's launcher ignores MASTER_PORT: each launch in the shell scripts passes --master_port, the port
-    from training/ports.py; deepspeed_command without a port passes a free one."""
+    from training/resilience/ports.py; deepspeed_command without a port passes a free one."""
     for script in SHELL_LAUNCHERS:
         with open(os.path.join(REPO, script)) as f:
             text = f.read()
-        assert "--master_port" in text and "-m training.ports --who" in text, script
+        assert "--master_port" in text and "-m training.resilience.ports --who" in text, script
     cmd = deepspeed_command(2, "train.py", [])
     port = int(cmd[cmd.index("--master_port") + 1])
     assert port != DEFAULT_PORT and is_free(port)
@@ -161,5 +163,5 @@ def test_multinode_scripts_choose_a_port_on_node_0_or_ask_for_one(tmp_path):
     proc = subprocess.run(["bash", LAUNCH], env={**env, "NODE_RANK": "1"}, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr == (
         "launch_hostfile.sh: error: NODE_RANK=1 without MASTER_PORT: set MASTER_PORT, the same on every node, to a "
-        "port free on MASTER_ADDR gpu-a01 (`.venv/bin/python -m training.ports` run there prints one)\n"
+        "port free on MASTER_ADDR gpu-a01 (`.venv/bin/python -m training.resilience.ports` run there prints one)\n"
     )

@@ -7,7 +7,8 @@ import torch
 
 from parallel.layout import Layout
 from parallel.memory_plan import GB, estimate, fitting
-from tests.conftest import REPO, run_script
+from tests.support import REPO
+from tests.support.scripts import run_script
 
 
 def states_gb(psi: float, **layout) -> float:
@@ -123,7 +124,7 @@ def test_census_counts_each_storage_once_by_role():
     """Weights, gradients and Adam moments of a small module; views into one flat buffer count once."""
     from torch import nn
 
-    from training.memory_census import census
+    from training.observation.memory_census import census
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32, bias=False), nn.Linear(32, 8, bias=False))  # 2048 + 256 fp32 weights
@@ -144,7 +145,7 @@ def test_per_stage_estimates_sum_to_the_split_and_the_most_loaded_is_estimate():
     from models.llama_pipe import model_parameters
     from parallel.memory_plan import shape_of, stage_estimates
     from parallel.partition import splitter
-    from training.model_source import model_group_config
+    from training.configuration.model_source import model_group_config
 
     config = model_group_config("llama3-8b")
     for method in ("compute", "parameters", "memory", "uniform"):
@@ -238,7 +239,7 @@ def test_backward_holds_one_gradient_of_the_largest_parameter_more():
 def test_the_pipeline_keeps_the_previous_micro_batchs_logits():
     """Without chunking, the last stage of a pipeline also holds the previous micro-batch's logits (its
     outputs, kept by DeepSpeed until the next forward replaces them): 20 bytes per logit in fp32,
-    measured by scripts/bench_stage_memory.py."""
+    measured by benchmarks/bench_stage_memory.py."""
     from parallel.memory_plan import Shape, loss_bytes
 
     shape = Shape(hidden=256, ffn=688, layers=4, heads=4, kv_heads=2, vocab=128256)
@@ -252,7 +253,7 @@ def test_the_pipeline_keeps_the_previous_micro_batchs_logits():
 def test_live_tensor_bytes_counts_what_is_allocated_inside_and_alive():
     """New storages count from their creation until freed; views and in-place updates of tensors made
     before do not count; the peak is the largest total alive at once."""
-    from training.memory_census import LiveTensorBytes
+    from training.observation.memory_census import LiveTensorBytes
 
     weight = torch.randn(256, 256)  # 256 KiB, made before: not counted
     with LiveTensorBytes() as counter:
@@ -268,15 +269,17 @@ def test_live_tensor_bytes_counts_what_is_allocated_inside_and_alive():
     assert view.shape == (10, 256) and c.shape == a.shape
 
 
-@pytest.mark.parametrize("saved", ["results/stage_memory.json", "results/stage_memory_zero1.json"])
+@pytest.mark.parametrize(
+    "saved", ["benchmarks/results/stage_memory.json", "benchmarks/results/stage_memory_zero1.json"]
+)
 def test_planner_predicts_every_measured_stage_within_20_percent(saved, capsys):
-    """The per-stage measurements of BENCHMARKS.md (scripts/bench_stage_memory.py on CPU ranks: model
+    """The per-stage measurements of BENCHMARKS.md (benchmarks/bench_stage_memory.py on CPU ranks: model
     states by the census, each step's peak by counting its tensors), predicted again by today's planner:
     a planner change that drifts from what ranks hold fails here. The planner of 71d7c7c predicted an
     embedding-only ZeRO-1 stage's step peak at 0.33 of its measurement."""
-    from tests.conftest import load_entry_point
+    from tests.support.scripts import load_entry_point
 
-    bench = load_entry_point("scripts/bench_stage_memory.py")
+    bench = load_entry_point("benchmarks/bench_stage_memory.py")
     assert bench.main(["--replan", f"{REPO}/{saved}"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     ratios = [(float(r[7]), float(r[10])) for r in rows[1:]]  # model states, step peak: predicted / measured
@@ -343,7 +346,7 @@ def test_fit_search_tries_sequence_parallelism_where_ulysses_allows_it():
     first listed); only sp values Ulysses allows, never with ZeRO 2/3 (the data-parallel engine)."""
     from parallel.memory_plan import SEQUENCE_PARALLEL_SIZES, layouts_for, sequence_parallel_fits, shape_of
     from parallel.partition import splitter
-    from training.model_source import model_group_config
+    from training.configuration.model_source import model_group_config
 
     config = model_group_config("llama3-8b")
     shape = shape_of(config)
@@ -366,7 +369,7 @@ def test_fit_search_tries_sequence_parallelism_where_ulysses_allows_it():
 
 
 def test_estimate_memory_shows_sequence_parallelism_and_its_all_to_all(capsys):
-    from tests.conftest import load_entry_point
+    from tests.support.scripts import load_entry_point
 
     script = load_entry_point("scripts/estimate_memory.py")
     script.main(["--model", "llama3-8b", "--sp", "2", "--dp", "2", "--zero", "1", "--seq-len", "32768"])

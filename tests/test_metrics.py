@@ -9,7 +9,14 @@ import torch
 
 from models.llama_pipe import flops_per_token
 from models.tiny import tiny_config
-from training.metrics import PEAK_TFLOPS, StepLogger, device_peak_tflops, mfu, read_final_record, write_final_record
+from training.observation.metrics import (
+    PEAK_TFLOPS,
+    StepLogger,
+    device_peak_tflops,
+    mfu,
+    read_final_record,
+    write_final_record,
+)
 
 
 def test_mfu_is_model_flops_per_second_over_the_peak():

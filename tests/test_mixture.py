@@ -1,7 +1,9 @@
-"""Weighted mixtures of sources (data.sources, data/mixture.py): each epoch draws every source its weight's share,
-evenly through the epoch, each source from its own seeded stream; deterministic and resumable; refusals before
-start; through train.py (pipe 2 x data 2): tokens per source in metrics.jsonl, an eval loss per eval source, and
-a run resumed mid-epoch continues exactly."""
+"""Weighted mixtures of sources (data.sources, data/mixture.py) give each source its share, deterministically and
+resumably, in one process and through train.py.
+
+Each epoch draws every source its weight's share, evenly through the epoch, each source from its own seeded stream;
+deterministic and resumable; refusals before start; through train.py (pipe 2 x data 2): tokens per source in
+metrics.jsonl, an eval loss per eval source, and a run resumed mid-epoch continues exactly."""
 
 from __future__ import annotations
 
@@ -13,12 +15,12 @@ import shutil
 import numpy as np
 import pytest
 
-from data.guard import fingerprint
 from data.mixture import MixtureDataset, interleave, shares
+from data.order_guard import fingerprint
 from data.sampling import MicroBatchIterator
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from tests.test_data import varied_blocks, write_jsonl
-from training.config import SourceConfig
+from training.configuration.schema import SourceConfig
 
 
 def test_shares_are_exact_and_spread_evenly():
@@ -102,7 +104,9 @@ def test_every_mixture_problem_is_named_before_start(good, tmp_path):  # noqa: F
 @pytest.mark.multirank
 def test_train_py_draws_a_mixture_reports_each_source_and_resumes_exactly(tmp_path, tiny_ckpt):
     from models.tiny import write_random_tokens
-    from tests.conftest import parity_args, read_metrics, train_run
+    from tests.support.parity import parity_args
+    from tests.support.ranks import train_run
+    from tests.support.runs import read_metrics
 
     for name, n, seed in (("code", 24, 1), ("web", 40, 2), ("eval_code", 8, 3), ("eval_web", 8, 4)):
         write_random_tokens(str(tmp_path / f"{name}.jsonl"), n, 32, vocab_size=512, seed=seed)

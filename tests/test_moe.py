@@ -12,13 +12,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from models.families import family_of, load_config, moe_spec
-from models.hf_io import ConversionError, hf_to_stages, stages_to_hf
-from models.layer_files import load_layer_file, read_tag
+from models.files.hf_convert import ConversionError, hf_to_stages, stages_to_hf
+from models.files.pipeline_dir import load_layer_file, read_tag
 from models.llama_pipe import build_sequential, layer_file_name
 from models.loss import CausalLMLoss
 from models.router_loss import RouterLoss
 from models.tiny import tiny_config
-from tests.conftest import make_hf_dir
+from tests.support.models import make_hf_dir
 from tests.test_convert import assert_bit_identical, hf_tensors
 from tests.test_stage_parity import TOL, copy_hf_weights, module_of, parity_batch, run_chain
 

@@ -19,8 +19,10 @@ from models.llama_pipe import (
     spec_weights,
 )
 from models.moe_counts import active_parameters, experts_per_token, moe_shape, parameter_split
-from parallel.expert_parallel import expert_parallel_problems
-from parallel.layout import Layout, expert_layout_problems
+from parallel.axis import ModelFacts
+from parallel.engines import PipelineEngine
+from parallel.expert_parallel import ExpertParallelPlan
+from parallel.layout import Layout
 from parallel.memory_plan import (
     Shape,
     estimate,
@@ -34,8 +36,9 @@ from parallel.memory_plan import (
     shape_of,
 )
 from parallel.partition import splitter
-from tests.conftest import REPO, load_entry_point
-from training.config import TrainConfig
+from tests.support import REPO
+from tests.support.scripts import load_entry_point
+from training.configuration.schema import TrainConfig
 
 # conf/model entry: (published total, published active parameters), from the model cards.
 PUBLISHED = {
@@ -175,23 +178,26 @@ def test_routed_activations_and_the_all_to_all():
 
 def test_expert_parallelism_must_divide_the_data_axis_and_the_experts():
     fp32 = Layout(dtype="fp32")
-    moe = ("mixtral", 8)
-    assert not expert_layout_problems(dataclasses.replace(fp32, dp=8, ep=8), *moe)
+    moe = ModelFacts(model_type="mixtral", num_experts=8)
+    assert not ExpertParallelPlan.layout_problems(dataclasses.replace(fp32, dp=8, ep=8), moe)
     assert (
         "must divide the data-parallel degree 4"
-        in expert_layout_problems(dataclasses.replace(fp32, dp=4, ep=8), *moe)[0]
+        in ExpertParallelPlan.layout_problems(dataclasses.replace(fp32, dp=4, ep=8), moe)[0]
     )
     assert (
         "must divide the 8 experts of each MoE layer: use one of [1, 2, 4, 8]"
-        in expert_layout_problems(dataclasses.replace(fp32, dp=6, ep=3), *moe)[0]
+        in ExpertParallelPlan.layout_problems(dataclasses.replace(fp32, dp=6, ep=3), moe)[0]
     )
-    assert "dense model" in expert_layout_problems(Layout(dp=4, ep=2), None, 0)[0]
-    assert "model_type llama, which has no experts" in expert_layout_problems(Layout(dp=4, ep=2), "llama", 0)[0]
-    assert not expert_layout_problems(Layout(dp=4, ep=2))  # no model known: nothing to check but ep >= 1
-    assert expert_layout_problems(Layout(ep=0)) == ["expert_parallel 0 must be >= 1 (1: every rank holds every expert)"]
-    assert not expert_layout_problems(Layout(dp=4, ep=2, zero=1), *moe)  # bf16 at ZeRO-1: DeepSpeed's MoE groups
+    dense, llama = ModelFacts(num_experts=0), ModelFacts(model_type="llama", num_experts=0)
+    assert "dense model" in ExpertParallelPlan.layout_problems(Layout(dp=4, ep=2), dense)[0]
+    assert "model_type llama, which has no experts" in ExpertParallelPlan.layout_problems(Layout(dp=4, ep=2), llama)[0]
+    assert not ExpertParallelPlan.layout_problems(Layout(dp=4, ep=2))  # no model known: nothing to check but ep >= 1
+    assert ExpertParallelPlan.layout_problems(Layout(ep=0)) == [
+        "expert_parallel 0 must be >= 1 (1: every rank holds every expert)"
+    ]
+    assert not ExpertParallelPlan.layout_problems(Layout(dp=4, ep=2, zero=1), moe)  # bf16 at ZeRO-1: DeepSpeed's groups
     offloaded = Layout(dp=4, ep=2, zero=1, offload_optimizer=True)
-    assert "with the optimizer offloaded (ds=zero1)" in expert_layout_problems(offloaded, *moe)[0]
+    assert "with the optimizer offloaded (ds=zero1)" in ExpertParallelPlan.layout_problems(offloaded, moe)[0]
 
 
 # train.py's MoE rules, each a layout the planner must not propose: (Layout changes, a word of the line).
@@ -208,11 +214,11 @@ REFUSED_WITH_EXPERTS = [
 
 @pytest.mark.parametrize("changes, line", REFUSED_WITH_EXPERTS, ids=[c[1][:40] for c in REFUSED_WITH_EXPERTS])
 def test_train_py_and_the_planner_refuse_a_moe_layout_with_one_rule(changes, line):
-    """parallel.expert_parallel.expert_parallel_problems (train.py's validation) says the lines of
-    parallel.layout.expert_layout_problems with the config's settings, and the fit search proposes none of these."""
+    """parallel.expert_parallel.ExpertParallelPlan.problems (train.py's validation) says the lines of its
+    layout_problems with the config's settings, and the fit search proposes none of these."""
     config, shape = mixtral()
     layout = dataclasses.replace(Layout(dtype="fp32"), **changes)
-    ours = expert_layout_problems(layout, "mixtral", 8)
+    ours = ExpertParallelPlan.layout_problems(layout, ModelFacts(model_type="mixtral", num_experts=8))
     assert any(line in p for p in ours), ours
     cfg = TrainConfig(
         num_stages=layout.stages,
@@ -223,7 +229,7 @@ def test_train_py_and_the_planner_refuse_a_moe_layout_with_one_rule(changes, lin
         pipeline_schedule=layout.schedule,
     )
     cfg.peft.method = "lora" if layout.lora_rank else "none"
-    assert expert_parallel_problems(cfg, config, layout) == ours
+    assert ExpertParallelPlan.problems(cfg, config, layout) == ours
     assert layout not in set(
         layouts_for(
             8,
@@ -252,7 +258,8 @@ def test_the_fit_search_proposes_only_layouts_train_py_runs_for_a_moe_model():
         found = fitting(split, shape, 16, 80, 32, 1, 2048, 16, dtype, 1024, schedules=("1f1b", "dualpipev"))
         assert found
         for layout, _ in found:
-            assert layout.tp == layout.sp == 1 and layout.schedule == "1f1b" and layout.uses_pipeline, layout
+            assert layout.tp == layout.sp == 1 and layout.schedule == "1f1b", layout
+            assert isinstance(layout.engine, PipelineEngine), layout
             assert layout.ep == 1 or not layout.offload_optimizer, layout
         assert {layout.ep for layout, _ in found} == {1, 2, 4, 8}, dtype
 
@@ -359,13 +366,15 @@ def test_llama4_computes_every_expert_for_every_token():
     assert "16 per MoE layer on 48 layers, top 1 (each token runs all 16)" in line
     assert (
         "expert_parallel 2 with llama4_text"
-        in expert_layout_problems(Layout(dp=2, ep=2, dtype="fp32"), "llama4_text", 16)[0]
+        in ExpertParallelPlan.layout_problems(
+            Layout(dp=2, ep=2, dtype="fp32"), ModelFacts(model_type="llama4_text", num_experts=16)
+        )[0]
     )
 
 
 def test_preflight_prints_the_experts_of_a_moe_model(tmp_path, tokenizer_dir):
-    """training/preflight.py: train.py's validation, the planner's table and its expert report."""
-    from training.preflight import check
+    """training/configuration/preflight.py: train.py's validation, the planner's table and its expert report."""
+    from training.configuration.preflight import check
 
     data = tmp_path / "train.jsonl"
     data.write_text('{"text": "a"}\n')
@@ -378,7 +387,7 @@ def test_preflight_prints_the_experts_of_a_moe_model(tmp_path, tokenizer_dir):
 
 
 def test_the_fit_search_refuses_expert_parallelism_in_fp16_as_train_py_does():
-    """train.py refuses expert_parallel > 1 in fp16 (parallel.layout.expert_layout_problems, one rule for both): the
+    """train.py refuses expert_parallel > 1 in fp16 (ExpertParallelPlan.layout_problems, one rule for both): the
     search proposes none; with ep 2 only, it returns nothing and train.py's line, not a layout."""
     config, shape = mixtral()
     split = splitter(config, None)
@@ -392,7 +401,7 @@ def test_the_fit_search_refuses_expert_parallelism_in_fp16_as_train_py_does():
         "scaling); set precision=bf16 (or fp32), or expert_parallel=1"
     ]
     cfg = TrainConfig(precision="fp16", expert_parallel=2)  # train.py's own check says the same line
-    assert refusals[0] in expert_parallel_problems(cfg, config, Layout(stages=2, dp=4, ep=2, dtype="fp16"))
+    assert refusals[0] in ExpertParallelPlan.problems(cfg, config, Layout(stages=2, dp=4, ep=2, dtype="fp16"))
 
 
 def test_estimate_memory_lists_no_layout_for_flags_train_py_refuses_and_says_its_rule(capsys):

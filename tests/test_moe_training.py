@@ -1,8 +1,10 @@
-"""deepspeed train.py trains Mixture-of-Experts models exactly as Hugging Face would: pipe 2 x data 2 on 4 CPU ranks,
-five fp32 steps, against a single-process ``<Family>ForCausalLM(output_router_logits=True)`` + torch AdamW loop over
-the same global batches, micro-batches of one row (so the reference's router loss is per row, as the run's is per
-micro-batch). The step's loss: the cross entropy normalised as Trainer does (``num_items_in_batch``) +
-router_aux_loss_coef x the mean over the step's micro-batches of each one's load-balancing loss over every MoE layer.
+"""deepspeed train.py trains Mixture-of-Experts models exactly as Hugging Face would, with expert parallelism.
+
+Pipe 2 x data 2 on 4 CPU ranks, five fp32 steps, against a single-process
+``<Family>ForCausalLM(output_router_logits=True)`` + torch AdamW loop over the same global batches, micro-batches of one
+row (so the reference's router loss is per row, as the run's is per micro-batch). The step's loss: the cross entropy
+normalised as Trainer does (``num_items_in_batch``) + router_aux_loss_coef x the mean over the step's micro-batches of
+each one's load-balancing loss over every MoE layer.
 
 - qwen3_moe: a dense first layer (mlp_only_layers), the routed layers on both stages; expert_parallel 2, ZeRO-0;
              an eval set; resumed from step 3 on its layout and on one stage without expert parallelism.
@@ -22,22 +24,25 @@ from transformers import AutoModelForCausalLM
 
 from data.sampling import MicroBatchIterator
 from models.families import load_config, moe_spec
-from models.hf_io import hf_to_stages, stages_to_hf
-from models.layer_files import load_deepspeed_file
+from models.files.hf_convert import hf_to_stages, stages_to_hf
+from models.files.pipeline_dir import load_deepspeed_file
 from models.loss import label_tokens
 from models.router_loss import RouterStats, load_balancing_loss
 from models.tiny import write_uneven_sft
-from tests.conftest import make_hf_dir, parity_args, read_metrics, train_run
-from tests.parity import (
+from tests.support.models import make_hf_dir
+from tests.support.parity import (
     SFT_OPTIM,
     STEPS,
     cached_rows,
     hf_forward,
     max_rel_weight_diff,
+    parity_args,
     rel,
     trained_weights,
 )
-from training.config import OptimConfig, TrainConfig
+from tests.support.ranks import train_run
+from tests.support.runs import read_metrics
+from training.configuration.schema import OptimConfig, TrainConfig
 from training.optim import lr_lambda, param_groups
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
@@ -327,7 +332,7 @@ def test_export_after_training_equals_the_reference_model(runs, tmp_path):
 def test_each_rank_saves_only_its_experts_moments(runs, tmp_path):
     """expert_parallel 2: DeepSpeed's engine file of each stage holds data-parallel rank 0's experts' Adam moments, the
     other expert rank's are in a file of its own (no rank gathers them); a checkpoint missing one is refused whole."""
-    from training.reshard import SavedOptimizerState
+    from training.checkpoints.reshard import SavedOptimizerState
 
     tag = runs["root"] / "qwen3_moe" / "global_step3"
     engine = load_deepspeed_file(str(tag / "mp_rank_01_model_states.pt"))["optimizer"]["state"]
@@ -346,7 +351,7 @@ def test_zero1_expert_states_reshard_to_the_portable_form(runs, tmp_path):
     """convert2ckpt.py --reshard of the expert_parallel 2 ZeRO-1 checkpoint: every expert's states joined from
     DeepSpeed's MoE parameter groups (each expert slot's partitions), the same in the portable form; the experts of
     the two slots differ (a join that took one slot twice would not)."""
-    from training.reshard import SavedOptimizerState, reshard
+    from training.checkpoints.reshard import SavedOptimizerState, reshard
 
     tag = runs["root"] / "mixtral_zero1" / "global_step3"
     saved = SavedOptimizerState(str(tag))

@@ -28,12 +28,15 @@ import time
 
 import pytest
 
-from models.layer_files import load_layer_file, read_tag
-from tests.conftest import RANK_ENV, REPO, free_port, read_metrics
-from tests.parity import OPTIM as PARITY_OPTIM
-from tests.parity import PIPE, STEPS
-from tests.parity import train_args as parity_train_args
-from training.launch import remove_shm_leftovers
+from models.files.pipeline_dir import load_layer_file, read_tag
+from tests.support import REPO
+from tests.support.parity import OPTIM as PARITY_OPTIM
+from tests.support.parity import PIPE, STEPS
+from tests.support.parity import train_args as parity_train_args
+from tests.support.ranks import RANK_ENV
+from tests.support.runs import read_metrics
+from tools.launch import remove_shm_leftovers
+from training.resilience.ports import free_port
 
 LAUNCH = os.path.join(REPO, "scripts", "multinode", "launch_hostfile.sh")
 SBATCH = os.path.join(REPO, "scripts", "multinode", "train_slurm.sbatch")

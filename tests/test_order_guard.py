@@ -1,5 +1,5 @@
-"""Real 4-rank runs (pipe 2 x data 2) of raw text with packing and shuffling: the first and last stage
-load the same micro-batches; a run whose last stage reads another order is stopped by the guard."""
+"""The order guard: in real 4-rank runs (pipe 2 x data 2) of raw text with packing and shuffling, the first and last
+stage load the same micro-batches; a run whose last stage reads another order is stopped by the guard."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import re
 import pytest
 
 from models.tiny import corpus_documents
-from tests.conftest import read_metrics, run_deepspeed
+from tests.support.ranks import run_deepspeed
+from tests.support.runs import read_metrics
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 

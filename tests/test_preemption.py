@@ -1,4 +1,5 @@
-"""Preemption and time-based checkpoints (training/preemption.py).
+"""A preempted job (a stop signal) saves after its step and resumes bit for bit, and checkpoints follow the clock too
+(training/resilience/preemption.py).
 
 Fast tier: a rank's handlers (first signal: stop after the step; a second signal or the grace running out:
 exit 76 at once; after the checkpoint: exit 75), the per-step agreement (signalled ranks, rank 0's
@@ -25,18 +26,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models.layer_files import load_layer_file, read_tag
+from models.files.pipeline_dir import load_layer_file, read_tag
 from models.tiny import write_random_tokens
-from tests.conftest import REPO, child_env, free_port, read_metrics, run_deepspeed, wait_for_first_step
-from tests.parity import SEQ, train_args
+from tests.support import REPO
+from tests.support.parity import SEQ, train_args
+from tests.support.ranks import child_env, run_deepspeed, wait_for_first_step
+from tests.support.runs import read_metrics
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from tests.test_tracking import assert_holds_metrics
-from training.launch import deepspeed_command
-from training.preemption import PREEMPTED_EXIT_CODE, UNSAVED_EXIT_CODE, StopAndSave
+from tools.launch import deepspeed_command
+from training.resilience.ports import free_port
+from training.resilience.preemption import PREEMPTED_EXIT_CODE, UNSAVED_EXIT_CODE, StopAndSave
 
 
 def handler_process(script: str) -> subprocess.CompletedProcess:
-    code = "import os, signal, time\nfrom training.preemption import StopAndSave\n" + script
+    code = "import os, signal, time\nfrom training.resilience.preemption import StopAndSave\n" + script
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
 
 

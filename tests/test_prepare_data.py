@@ -1,4 +1,7 @@
-"""Offline tokenization (scripts/prepare_data.py, data/prepare.py): a source cut into pieces that do not depend on
+"""Offline tokenization (scripts/prepare_data.py, data/prepare.py) writes the in-job cache's rows, whatever the number
+of workers, and a run reads them as they are.
+
+A source is cut into pieces that do not depend on
 the number of workers, tokenized by worker processes into cache-format shards; the same rows with 1 and 2 workers
 and as the in-job cache (unpacked); bad lines named by their line in the whole file; a training run reads the
 shards as they are and refuses them when they were made with other settings or another tokenizer."""
@@ -15,7 +18,7 @@ import pytest
 from data import prepare as prep
 from data.cache import TokenBlocks, build_or_reuse
 from data.sources import DataError
-from tests.conftest import load_entry_point
+from tests.support.scripts import load_entry_point
 from tests.test_data import settings, write_jsonl
 
 
@@ -91,7 +94,9 @@ def test_prepare_data_then_train_on_it(tmp_path, tiny_ckpt):
     """The script with train.py's overrides and 2 workers, then train.py on its output (pipe 2): it reads the
     shards without tokenizing, and trains the same losses as on the in-job cache of the same file."""
     from models.tiny import write_text_corpus
-    from tests.conftest import parity_args, read_metrics, train_run
+    from tests.support.parity import parity_args
+    from tests.support.ranks import train_run
+    from tests.support.runs import read_metrics
 
     corpus = str(tmp_path / "corpus.jsonl")
     write_text_corpus(corpus)

@@ -1,5 +1,6 @@
 """profile_steps: per-rank torch.profiler traces with every pipeline instruction a named range
-(training/profiling.py), read back and drawn one step at a time (training/timeline.py, scripts/plot_timeline.py).
+(training/observation/profiling.py), read back and drawn one step at a time (training/observation/timeline.py,
+scripts/plot_timeline.py).
 
 Fast tier: the timeline and bubble of a small synthetic two-rank trace, computed by hand (the ranks' clocks
 aligned on their base times, or on their steps; a GPU trace's device ranges preferred); each wrong input named by
@@ -25,12 +26,14 @@ import pytest
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
+from models.tiny import write_random_tokens
 from parallel.dualpipev import LlamaDualPipeVEngine, ZeroBubbleDualPipeVSchedule
-from tests.conftest import load_entry_point, run_script, train_run, write_random_tokens
+from tests.support.ranks import train_run
+from tests.support.scripts import load_entry_point, run_script
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
-from training.profiling import InstructionNames, engine_instructions, instrument
-from training.timeline import INSTRUCTION_KINDS, TraceError, read_run, step_timeline
-from training.validate import resolve
+from training.configuration.validate import resolve
+from training.observation.profiling import InstructionNames, engine_instructions, instrument
+from training.observation.timeline import INSTRUCTION_KINDS, TraceError, read_run, step_timeline
 
 BASE_NS = 1_790_000_000_000_000_000
 
@@ -217,7 +220,7 @@ def plot(argv, capsys) -> tuple[int, str, str]:
 
 
 def test_a_plain_loop_s_gpu_trace_says_where_its_time_went_without_a_picture(tmp_path, capsys):
-    """A trace with steps and kernels but no pipeline instruction (scripts/bench_train.py --plain-trace-step, the
+    """A trace with steps and kernels but no pipeline instruction (benchmarks/bench_train.py --plain-trace-step, the
     plain Hugging Face loop's): plot_timeline.py prints the kernel summary instead of failing."""
     events = [e for e in gpu_step_events() if e["cat"] not in ("user_annotation", "gpu_user_annotation")]
     events += [e for e in gpu_step_events() if e["name"].startswith("train step")]
@@ -423,6 +426,6 @@ def profiled_1f1b(tmp_path_factory, tiny_ckpt):
 def test_a_1f1b_run_profiles_its_steps_and_draws_one(profiled_1f1b):
     out, log = profiled_1f1b
     assert f"profile of steps 2..3 written per rank to {out}/profile" in log
-    assert "USDT" not in log  # torch's profiler_start/stop line on every rank: filtered (training/logs.py)
+    assert "USDT" not in log  # torch's profiler_start/stop line on every rank: filtered (training/observation/logs.py)
     report = check_profiled_run(out, ranks=2, steps=(2, 3), micro_batches=4, dualpipev=False)
     print(report)

@@ -5,7 +5,7 @@ Commands are the lines of ```bash blocks (backslash continuations joined, commen
 Here:
 - ``convert2ckpt.py`` commands run on the tiny model (paths replaced, flags kept);
 - training commands (``deepspeed ... train.py``, ``sbatch .../train_slurm.sbatch``,
-  ``.../launch_hostfile.sh``) have their overrides checked by the preflight (``training/preflight.py``,
+  ``.../launch_hostfile.sh``) have their overrides checked by the preflight (``training/configuration/preflight.py``,
   what ``scripts/preflight.py`` runs) for their world size: every key, value and cross-field rule, as
   train.py checks them before starting;
 - ``preflight.py``, ``estimate_memory.py`` and ``train.py --cfg job`` run as written, and where the
@@ -24,8 +24,10 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, child_env, run_script
-from training.model_source import model_group_config
+from tests.support import REPO
+from tests.support.ranks import child_env
+from tests.support.scripts import run_script
+from training.configuration.model_source import model_group_config
 
 README = os.path.join(REPO, "README.md")
 DOC_FILES = [README, *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]  # every file whose commands are checked
@@ -114,7 +116,8 @@ def stage(tmp_path_factory, tiny_hf, tokenizer_dir):
 @pytest.fixture(scope="module")
 def lora_run(run_a) -> str:
     """A LoRA run of 2 steps on run A's model (pipe 2, 2 ranks): what docs/lora.md's exports read."""
-    from tests.conftest import loop_args, run_deepspeed
+    from tests.support.ranks import run_deepspeed
+    from tests.support.runs import loop_args
 
     root = run_a[0]
     out = root / "lora-readme"
@@ -161,7 +164,7 @@ def adapter_for(words: list[str], stage: dict) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from models.lora import lora_config
-    from training.config import PeftConfig
+    from training.configuration.schema import PeftConfig
 
     dotlist = [w[5:] for w in words if w.startswith("peft.") and not w.startswith("peft.init_from")]
     settings = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PeftConfig), OmegaConf.from_dotlist(dotlist)))
@@ -181,9 +184,9 @@ def run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess
 
 
 def preflight(world_size: int, overrides: list[str], stage: dict) -> subprocess.CompletedProcess:
-    """The preflight in this process (training/preflight.py's check(), which scripts/preflight.py runs; the
-    CLI is run once in test_preflight_cli)."""
-    from training.preflight import check
+    """The preflight in this process (training/configuration/preflight.py's check(), which scripts/preflight.py runs;
+    the CLI is run once in test_preflight_cli)."""
+    from training.configuration.preflight import check
 
     argv = ["scripts/preflight.py", "--world-size", str(world_size), *substitute_overrides(overrides, stage)]
     try:
@@ -251,6 +254,16 @@ def test_readme_has_the_two_commands_first():
     assert [c for c, _ in commands[:2]] == ["bash scripts/demo.sh", "bash scripts/test.sh"]
     with open(os.path.join(REPO, ".ci", "run")) as f:
         assert "bash scripts/test.sh" in f.read()
+
+
+def test_readme_folder_table_names_every_script():
+    """The "Where things live" row of scripts/ names every script a user runs (the table is written by hand)."""
+    with open(README) as f:
+        row = next(line for line in f if line.startswith("| `scripts/` |"))
+    named = set(re.findall(r"`([\w./-]+\.(?:py|sh))`", row))
+    on_disk = {f for f in os.listdir(os.path.join(REPO, "scripts")) if f.endswith((".py", ".sh"))}
+    missing, extra = sorted(on_disk - named), sorted(named - on_disk)
+    assert not missing and not extra, f"README's scripts/ row: missing {missing}, extra {extra}"
 
 
 COMMANDS = readme_commands()

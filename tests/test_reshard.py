@@ -1,8 +1,8 @@
-"""Resume on another layout (training/reshard.py), 4 CPU ranks, fp32, shuffle on.
+"""A checkpoint resumed on another layout (training/checkpoints/reshard.py) trains what the run trained on its own.
 
-Run A (conftest) trains 8 steps on pipe 2 x data 2 (ZeRO-1), saving every 2. Each other layout resumes A's
-step-4 checkpoint with the same global batch (grad_acc makes up for dp) and must train steps 5-8 as A did:
-losses within 1e-6 relative, final weights within 1e-6. Wrong optimizer state shows far beyond that: the
+On 4 CPU ranks, fp32, shuffle on, run A (conftest) trains 8 steps on pipe 2 x data 2 (ZeRO-1), saving every 2. Each
+other layout resumes A's step-4 checkpoint with the same global batch (grad_acc makes up for dp) and must train steps
+5-8 as A did: losses within 1e-6 relative, final weights within 1e-6. Wrong optimizer state shows far beyond that: the
 same resume with Adam's moments left at zero is 3.2e-3 off at step 6 (measured).
 """
 
@@ -15,8 +15,10 @@ import shutil
 import pytest
 import torch
 
-from models.layer_files import load_layer_file
-from tests.conftest import load_entry_point, loop_args, read_metrics, run_deepspeed
+from models.files.pipeline_dir import load_layer_file
+from tests.support.ranks import run_deepspeed
+from tests.support.runs import loop_args, read_metrics
+from tests.support.scripts import load_entry_point
 
 pytestmark = pytest.mark.multirank
 
@@ -101,7 +103,7 @@ def test_portable_checkpoint_resumes_with_another_partition(root):
     stages (compute: specs 0..2 | 3..6, uniform: 0..3 | 4..6)."""
     from safetensors import safe_open
 
-    from training.reshard import SavedOptimizerState
+    from training.checkpoints.reshard import SavedOptimizerState
 
     portable = root / "portable"
     assert (
@@ -134,10 +136,10 @@ def test_a_changed_global_batch_continues_at_the_next_unseen_sample(root):
 
 def test_an_incomplete_or_tampered_checkpoint_is_refused_before_training(root):
     """Checked by the validation train.py runs on every rank before any process group starts
-    (``training.config.resolve``, here through the preflight's ``check`` in this process): every problem
+    (``training.configuration.schema.resolve``, here through the preflight's ``check`` in this process): every problem
     in one message, nothing written, the malicious file never run."""
-    from tests.test_reliability import _Payload
-    from training.preflight import check
+    from tests.test_run_failures import _Payload
+    from training.configuration.preflight import check
 
     out = checkpoint_at(root / "A", root / "refused", "global_step4")
     tag_dir = out / "global_step4"

@@ -1,4 +1,7 @@
-"""training/run_lock.py: one run per output_dir (issue 14, point 2). Fast: small heartbeat and stale times."""
+"""training/resilience/run_lock.py: one run per output_dir.
+
+Fast: small heartbeat and stale times.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ import uuid
 
 import pytest
 
-from training import run_lock
-from training.run_lock import LOCK_NAME, RunLock, RunLockedError
+from training.resilience import run_lock
+from training.resilience.run_lock import LOCK_NAME, RunLock, RunLockedError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = socket.gethostname()
@@ -23,7 +26,7 @@ HOST = socket.gethostname()
 # on stdin, then says whether it lost it.
 HOLDER = """
 import sys
-from training.run_lock import RunLock
+from training.resilience.run_lock import RunLock
 lock = RunLock(sys.argv[1], heartbeat_s=0.05, stale_after_s=5.0)
 lock.acquire()
 print(lock.run_id, flush=True)

@@ -139,7 +139,7 @@ def test_dualpipev_memory_boundaries_balance_the_ranks():
     and no single boundary move lowers it."""
     from models.llama_pipe import spec_layout
     from parallel.partition import memory_boundaries, stage_boundaries
-    from training.model_source import model_group_config
+    from training.configuration.model_source import model_group_config
 
     config = model_group_config("llama3-8b")
     layout = Layout(stages=2, grad_accum=4, seq_len=4096, loss_chunk=1024, schedule="dualpipev")
@@ -156,7 +156,7 @@ def test_dualpipev_memory_boundaries_balance_the_ranks():
 
 
 def test_estimate_memory_reports_the_schedule_and_refuses_what_train_py_refuses(capsys):
-    from tests.conftest import load_entry_point
+    from tests.support.scripts import load_entry_point
 
     script = load_entry_point("scripts/estimate_memory.py")
     script.main(["--model", "llama3-8b", "--stages", "2", "--grad-accum", "8", "--schedule", "both"])

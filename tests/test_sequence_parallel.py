@@ -23,13 +23,13 @@ import dataclasses
 import pytest
 import torch
 
-from models.hf_io import hf_to_stages
+from models.files.hf_convert import hf_to_stages
 from models.llama_pipe import build_sequential
 from models.loss import CausalLMLoss, causal_lm_loss, label_tokens
 from models.tiny import tiny_config, write_uneven_sft
 from parallel.layout import Layout, layout_problems
-from tests.conftest import make_hf_dir, read_metrics, train_run
-from tests.parity import (
+from tests.support.models import make_hf_dir
+from tests.support.parity import (
     GLOBAL_BATCH,
     STEPS,
     cached_rows,
@@ -41,9 +41,11 @@ from tests.parity import (
     sft_train_args,
     trained_weights,
 )
+from tests.support.ranks import train_run
+from tests.support.runs import read_metrics
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from tests.test_stage_parity import copy_hf_weights, module_of, run_chain
-from training.config import PeftConfig
+from training.configuration.schema import PeftConfig
 
 REL_TOL = 1e-6
 
@@ -77,9 +79,8 @@ def test_document_attention_equals_the_dense_mask(model_type, overrides):
     weights = AutoModelForCausalLM.from_config(config).state_dict()
     seq = 40
     input_ids = torch.randint(3, config.vocab_size, (3, seq))
-    position_ids = torch.stack(
-        [torch.arange(seq), packed_positions(seq, [7, 19, 1]), packed_positions(seq, [25])]
-    )  # [3,S]: one document; four (one of a single token); two
+    # [3,S]: one document; four (one of a single token); two
+    position_ids = torch.stack([torch.arange(seq), packed_positions(seq, [7, 19, 1]), packed_positions(seq, [25])])
     labels = input_ids.clone()
     dense = chain_outputs(config, "sdpa", weights, input_ids, position_ids, labels)
     documents = chain_outputs(config, "sdpa_documents", weights, input_ids, position_ids, labels)
@@ -157,7 +158,7 @@ def test_what_sequence_parallelism_does_not_run_with_is_refused(good, change, me
 
 
 def test_fewer_kv_heads_per_rank_than_sequence_ranks_are_replicated(good):  # noqa: F811
-    from training.validate import resolve
+    from training.configuration.validate import resolve
 
     cfg = dataclasses.replace(good, sequence_parallel=2, num_stages=1, tensor_parallel=2, loss_chunk_tokens=16)
     assert resolve(cfg, 8).layout.axes() == "pipe 1 x tensor 2 x sequence 2 x data 2"  # 1 KV head per TP rank

@@ -19,8 +19,7 @@ import pytest
 
 from models.loss import label_tokens
 from models.tiny import write_uneven_sft
-from tests.conftest import read_metrics, train_run
-from tests.parity import (
+from tests.support.parity import (
     GLOBAL_BATCH,
     REL_TOL,
     SFT_SEQ,
@@ -34,6 +33,8 @@ from tests.parity import (
     sft_train_args,
     trained_weights,
 )
+from tests.support.ranks import train_run
+from tests.support.runs import read_metrics
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 

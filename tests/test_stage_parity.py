@@ -154,7 +154,7 @@ def test_spec_layout_prefixes_and_files():
 
 
 def test_stage_boundaries_by_compute_and_by_parameters():
-    # The benchmark's shape (scripts/bench_train.py): 8 layers, vocabulary 8192, hidden 512. By
+    # The benchmark's shape (benchmarks/bench_train.py): 8 layers, vocabulary 8192, hidden 512. By
     # parameters the 4.2 M-parameter embedding counts as much as a layer's matmuls; by compute it
     # weighs nothing, so the first stage takes one more layer.
     config = tiny_config(
@@ -184,7 +184,7 @@ def test_parameter_counts_tied_head_counted_once_in_the_model():
 
 
 def test_train_config_default_partition_is_the_planners():
-    from training.config import TrainConfig
+    from training.configuration.schema import TrainConfig
 
     assert TrainConfig().partition_method == DEFAULT_PARTITION_METHOD
 

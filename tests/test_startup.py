@@ -1,5 +1,5 @@
-"""training/startup.py: the per-virtualenv torch-extensions cache, stale op-build locks, the start-up watchdog;
-and training/distributed.exit_finished_run, how a finished rank ends.
+"""training/resilience/op_build_watch.py: the per-virtualenv torch-extensions cache, stale op-build locks, the start-up
+watchdog; and training/resilience/all_ranks.exit_finished_run, how a finished rank ends.
 
 Unit tier (seconds): fake extension directories and tiny watchdog timeouts; every watchdog that may fire
 runs in a subprocess, since firing ends the process.
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from training.startup import StartupWatchdog, stale_build_locks, use_venv_extensions_dir
+from training.resilience.op_build_watch import StartupWatchdog, stale_build_locks, use_venv_extensions_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +88,10 @@ def test_process_working_in_the_build_directory_keeps_the_lock_live(tmp_path):
 
 
 def run_watchdog(script: str, ext_dir: str, timeout_s: float = 30) -> tuple[subprocess.CompletedProcess, float]:
-    code = "import os, sys, time\nfrom training.startup import StartupWatchdog\nEXT = os.environ['EXT']\n"
+    code = (
+        "import os, sys, time\nfrom training.resilience.op_build_watch import StartupWatchdog\n"
+        "EXT = os.environ['EXT']\n"
+    )
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-c", code + textwrap.dedent(script)],
@@ -187,7 +190,7 @@ def test_a_finished_run_exits_0_after_its_atexit_hooks_without_the_interpreter_t
     runs now and then): a caller's atexit hook still runs, buffered output is flushed, nothing after the call."""
     code = """
         import atexit, sys
-        from training.distributed import exit_finished_run
+        from training.resilience.all_ranks import exit_finished_run
         atexit.register(print, "hook ran")  # unflushed: exit_finished_run flushes
         sys.stdout.write("buffered, no newline")
         exit_finished_run()

@@ -23,12 +23,12 @@ import pytest
 import torch
 
 from models.families import family_of, load_config
-from models.hf_io import hf_to_stages
-from models.tiny import tiny_config
+from models.files.hf_convert import hf_to_stages
+from models.tiny import tiny_config, write_random_tokens
 from parallel.layout import Layout, layout_problems
 from parallel.tensor_parallel import model_problems
-from tests.conftest import load_entry_point, make_hf_dir, read_metrics, train_run, write_random_tokens
-from tests.parity import (
+from tests.support.models import make_hf_dir
+from tests.support.parity import (
     MICRO,
     NUM_SAMPLES,
     OPTIM,
@@ -40,9 +40,12 @@ from tests.parity import (
     rel,
     train_args,
 )
+from tests.support.ranks import train_run
+from tests.support.runs import read_metrics
+from tests.support.scripts import load_entry_point
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from tests.test_convert import hf_tensors
-from training.config import PeftConfig
+from training.configuration.schema import PeftConfig
 
 
 def test_sizes_tp_must_divide_are_named_with_the_values_that_work():
@@ -89,7 +92,7 @@ def test_what_tensor_parallelism_does_not_run_with_is_refused(good, change, mess
 
 
 def test_tensor_parallel_wider_than_a_node_is_warned(good, monkeypatch):  # noqa: F811
-    from training.validate import resolve
+    from training.configuration.validate import resolve
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     cfg = dataclasses.replace(good, tensor_parallel=2, num_stages=1)
@@ -103,23 +106,25 @@ def test_tensor_parallel_wider_than_a_node_is_warned(good, monkeypatch):  # noqa
 
 def test_the_order_guard_compares_tensor_parallel_peers(monkeypatch):
     """Every reading rank of the first and last stage (their TP peers too) is compared with the first."""
-    from data import guard
+    from data import order_guard
 
     def exchange(fingerprints: list[list[str]]) -> None:
         ranks = [(0, stage, rank, fp) for rank, (stage, fp) in enumerate(zip((0, 0, 1, 1), fingerprints))]
-        monkeypatch.setattr(guard.dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), ranks))
+        monkeypatch.setattr(
+            order_guard.dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), ranks)
+        )
 
-    monkeypatch.setattr(guard.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(guard.dist, "get_world_size", lambda: 4)
-    checker = guard.OrderGuard(None, 2, num_stages=2, pipeline=0, stage=0, tensor_parallel=2)
+    monkeypatch.setattr(order_guard.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(order_guard.dist, "get_world_size", lambda: 4)
+    checker = order_guard.OrderGuard(None, 2, num_stages=2, pipeline=0, stage=0, tensor_parallel=2)
     exchange([["a", "b"]] * 4)
     checker.after_step(1)
     assert checker.compared == 2  # micro-batches, first stage against last, not per peer
     exchange([["c", "d"], ["c", "x"], ["c", "d"], ["c", "d"]])
-    with pytest.raises(guard.OrderMismatchError, match=r"micro-batch 1: first stage \(rank 0\) loaded d, first "):
+    with pytest.raises(order_guard.OrderMismatchError, match=r"micro-batch 1: first stage \(rank 0\) loaded d, first "):
         checker.after_step(2)
-    assert guard.OrderGuard(None, 2, num_stages=1, pipeline=0, stage=0, tensor_parallel=2).enabled
-    assert not guard.OrderGuard(None, 2, num_stages=1, pipeline=0, stage=0).enabled
+    assert order_guard.OrderGuard(None, 2, num_stages=1, pipeline=0, stage=0, tensor_parallel=2).enabled
+    assert not order_guard.OrderGuard(None, 2, num_stages=1, pipeline=0, stage=0).enabled
 
 
 def test_a_tensor_parallel_rank_initialises_its_piece_of_the_unsplit_draw():
@@ -127,7 +132,7 @@ def test_a_tensor_parallel_rank_initialises_its_piece_of_the_unsplit_draw():
     DeepSpeed's split linears are initialised like nn.Linear, and the padding row is zero in its slice."""
     from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode
 
-    from models.layer_files import tp_piece
+    from models.files.pipeline_dir import tp_piece
     from models.llama_pipe import EmbeddingPipe, decoder_layer_class, init_weights_
     from parallel.tensor_parallel import COLUMN, ROW, mark_split
 
@@ -222,9 +227,10 @@ def tp_runs(tmp_path_factory, tiny_hf, tiny_tied_hf, tiny_ckpt, tiny_tied_ckpt, 
             precision="bf16",
         ),
     }
+    # no TP: what resumes onto tensor_parallel=2 below
     runs["pipe2_dp2"] = launch(
         "pipe2_dp2", 4, num_stages=2, gradient_accumulation_steps=2, ds_config="zero1", save_steps=3, save_async="true"
-    )  # no TP: what resumes onto tensor_parallel=2 below
+    )
     for t in FAMILY_RUNS:
         runs[t] = launch(
             t, 4, f"ckpt_{t}", num_stages=2, tensor_parallel=2, gradient_accumulation_steps=4, ds_config="zero1"

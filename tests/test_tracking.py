@@ -1,7 +1,8 @@
-"""Weights & Biases (monitor.wandb, training/tracking.py), offline: what the run directory holds is read back
-from W&B's own transaction log (its records, in LevelDB's log format) and compared with metrics.jsonl. The
-multi-rank check (a stopped and resumed pipe 2 x data 2 run, one W&B run across both) is in
-tests/test_preemption.py."""
+"""Weights & Biases (monitor.wandb, training/observation/tracking.py), offline, records what metrics.jsonl holds.
+
+What the run directory holds is read back from W&B's own transaction log (its records, in LevelDB's log format) and
+compared with metrics.jsonl. The multi-rank check (a stopped and resumed pipe 2 x data 2 run, one W&B run across both)
+is in tests/test_preemption.py."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import time
 import pytest
 
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
-from training.config import MonitorConfig
-from training.tracking import RUN_ID_FILE, WandbRun, flat_values
+from training.configuration.schema import MonitorConfig
+from training.observation.tracking import RUN_ID_FILE, WandbRun, flat_values
 
 BLOCK = 32768  # LevelDB log blocks; each record: crc32 (4), length (2), type (1: whole, 2-4: first/middle/last)
 

@@ -19,10 +19,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from models.layer_files import load_layer_file, read_tag
+from models.files.pipeline_dir import load_layer_file, read_tag
 from models.llama_pipe import layer_file_name, spec_layout
-from tests.conftest import read_metrics, run_script, train_run
-from tests.parity import (
+from tests.support.parity import (
     DATA_PARALLEL_CONFIGS,
     MICRO,
     OPTIM,
@@ -34,6 +33,9 @@ from tests.parity import (
     rel,
     train_args,
 )
+from tests.support.ranks import train_run
+from tests.support.runs import read_metrics
+from tests.support.scripts import run_script
 from tests.test_convert import hf_tensors
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks

@@ -11,10 +11,12 @@ import shutil
 import pytest
 import torch
 
-from models.hf_io import hf_to_stages
-from models.layer_files import load_layer_file
+from models.files.hf_convert import hf_to_stages
+from models.files.pipeline_dir import load_layer_file
 from models.tiny import corpus_documents
-from tests.conftest import LOOP_STEPS, loop_args, read_metrics, run_args, run_deepspeed, run_script
+from tests.support.ranks import run_deepspeed
+from tests.support.runs import LOOP_STEPS, loop_args, read_metrics, run_args
+from tests.support.scripts import run_script
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
@@ -117,7 +119,7 @@ def test_bf16_from_scratch_learns_a_small_repeated_set(tmp_path, tokenizer_dir):
 def test_activation_checkpointing_recomputes_decoder_layers(tmp_path, tiny_hf):
     """1 rank, 4 decoder layers, 2 micro-batches: 8 forwards without checkpointing, 16 with
     interval 1 (each layer again in the backward pass). Equal losses: tests/test_train_parity.py."""
-    from tests.conftest import write_random_tokens
+    from models.tiny import write_random_tokens
 
     hf_to_stages(tiny_hf, str(tmp_path / "ckpt"))
     write_random_tokens(str(tmp_path / "d.jsonl"), 8, 16, vocab_size=512)
@@ -235,7 +237,7 @@ def test_bf16_zero0_resumes_exactly_and_a_tampered_checkpoint_is_refused_unrun(t
         m["loss"] for m in read_metrics(str(tmp_path / "A"))
     ]
 
-    from tests.test_reliability import _Payload
+    from tests.test_run_failures import _Payload
 
     marker = tmp_path / "PWNED"
     tag_dir = tmp_path / "C" / "global_step2"

@@ -16,16 +16,16 @@ import re
 
 import pytest
 
-from models.hf_io import hf_to_stages
+from models.files.hf_convert import hf_to_stages
 from models.llama_pipe import model_parameters, spec_parameter_counts
 from models.tiny import save_random_model, tiny_config, write_random_tokens
-from tests.conftest import run_deepspeed
+from tests.support.ranks import run_deepspeed
 
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
 RANKS = 2
 MIB = 2**20
-# A loose bound (issue 17: the tight figure is scripts/bench_zero3_load.py's): the issue's target of
+# A loose bound (issue 17: the tight figure is benchmarks/bench_zero3_load.py's): the issue's target of
 # 1.3 x (the rank's partition + the largest layer) plus 64 MiB of allocator and framework noise. Measured
 # growth on this model: 276-351 MiB, against 392 MiB for this bound; a full copy per rank holds the whole
 # 407 MiB model (the previous path grew 425 MiB).

@@ -1,14 +1,15 @@
 """train.py's start-up phases, in the order ``main`` calls them: the process group and topology, output_dir,
 the loss, this rank's stage, its weights, LoRA, its data, the engine, and the resume onto it.
 
-Each phase that may fail on some ranks only runs under ``on_all_ranks`` (training/distributed.py), so every
+Each phase that may fail on some ranks only runs under ``on_all_ranks`` (training/resilience/all_ranks.py), so every
 rank fails alike; those that report (weights, LoRA, data) return every rank's report for the announcement
-(training/announce.py).
+(training/observation/announce.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from datetime import timedelta
@@ -19,23 +20,22 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
-from models.hf_start import is_hf_dir, load_stage_from_hf
+from models.files.hf_stage import is_hf_dir, load_stage_from_hf
+from models.files.peft_adapter import base_record, load_adapter_, load_checkpoint_adapters_
+from models.files.pipeline_dir import full_numel, is_partitioned, load_stage_weights, local_modules, stage_pieces
+from models.files.zero3_load import init_partitioned_, partition_bytes
 from models.host_memory import peak_rss_mb
 from models.kernels import apply_kernels
-from models.layer_files import full_numel, is_partitioned, load_stage_weights, local_modules, stage_pieces
-from models.llama_pipe import ATTENTION_IMPLEMENTATIONS, LlamaStack, init_weights_
+from models.llama_pipe import ATTENTION_IMPLEMENTATIONS, init_weights_
 from models.lora import apply_lora, base_numel
-from models.lora_files import base_record, load_adapter_, load_checkpoint_adapters_
 from models.loss import CausalLMLoss, PreferenceLoss
 from models.specs import spec_layout
-from models.zero3 import build_partitioned_stack, builds_partitioned, init_partitioned_, partition_bytes
 from parallel.stage import axis_plans, build_pipeline_model, pipeline_topology
-from training import run_checkpoints
+from training.checkpoints import save_restore
 from training.compile import compile_engine
-from training.config import Resolved
+from training.configuration.schema import Resolved
 from training.data_setup import RankData, prepare_rank_data
-from training.distributed import StartupError, on_all_ranks, release_cpu_comm_buffer
-from training.logs import log0
+from training.observation.logs import log0
 from training.optim import (
     apply_optim_settings,
     build_lr_scheduler,
@@ -44,10 +44,11 @@ from training.optim import (
     readable_arch_list,
     reduce_grad_norm_once_across_stages,
 )
-from training.ports import free_port
-from training.preemption import clear_stale_marker
-from training.run_lock import RunLock
-from training.startup import StartupWatchdog
+from training.resilience.all_ranks import StartupError, on_all_ranks, release_cpu_comm_buffer
+from training.resilience.op_build_watch import StartupWatchdog
+from training.resilience.ports import free_port
+from training.resilience.preemption import clear_stale_marker
+from training.resilience.run_lock import RunLock
 
 
 def init_topology(resolved: Resolved, extensions_dir: str) -> ProcessTopology:
@@ -73,7 +74,7 @@ def init_topology(resolved: Resolved, extensions_dir: str) -> ProcessTopology:
 
 
 def lock_output_dir(resolved: Resolved) -> RunLock | None:
-    """Rank 0 holds output_dir for the run's lifetime (training/run_lock.py): a second run on it stops
+    """Rank 0 holds output_dir for the run's lifetime (training/resilience/run_lock.py): a second run on it stops
     here on every rank, before it writes anything there. Returns rank 0's lock."""
     lock = RunLock(resolved.cfg.output_dir) if dist.get_rank() == 0 else None
 
@@ -92,7 +93,7 @@ def make_output_dir(output_dir: str) -> None:
     os.makedirs(output_dir, exist_ok=True)
     if dist.get_rank() == 0:
         clear_stale_marker(output_dir)
-        run_checkpoints.remove_interrupted_saves(output_dir)
+        save_restore.remove_interrupted_saves(output_dir)
 
 
 def build_loss(resolved: Resolved) -> CausalLMLoss | PreferenceLoss:
@@ -104,32 +105,30 @@ def build_loss(resolved: Resolved) -> CausalLMLoss | PreferenceLoss:
 
 
 def build_model(resolved: Resolved, topology: ProcessTopology, loss_fn: CausalLMLoss | PreferenceLoss, ds_config: dict):
-    """The pipeline module (this rank builds only its own stage's layers), or, for num_stages=1 with
-    ZeRO 2/3, every spec in one module for DeepSpeed's data-parallel engine: under ZeRO-3 (``ds_config``,
-    the run's filled DeepSpeed config) built partitioned (``deepspeed.zero.Init``, models/zero3.py), no rank
-    ever holding the whole model."""
+    """This rank's model, as the run's engine builds it (parallel/engines.py): the pipeline module (this rank builds
+    only its own stage's layers), or, for num_stages=1 with ZeRO 2/3, every spec in one module for DeepSpeed's
+    data-parallel engine, under ZeRO-3 (``ds_config``, the run's filled DeepSpeed config) built partitioned."""
     cfg = resolved.cfg
-    if not resolved.uses_pipeline:
-        stack_args = dict(
-            activation_checkpointing=cfg.activation_checkpoint_interval > 0,
-            loss_chunk_tokens=cfg.loss_chunk_tokens,
-            attention=ATTENTION_IMPLEMENTATIONS[cfg.attention],
-        )
-        if builds_partitioned(ds_config):
-            model = build_partitioned_stack(resolved.model_config, ds_config, **stack_args)
-        else:
-            model = LlamaStack(resolved.model_config, **stack_args)
-    else:
-        model = build_pipeline_model(
-            resolved.model_config,
-            topology,
-            resolved.layout,
-            loss_fn,
-            partition_method=cfg.partition_method,
-            activation_checkpoint_interval=cfg.activation_checkpoint_interval,
-            dynamic_shape=cfg.data.pad_to_multiple_of > 0,
-            attention=ATTENTION_IMPLEMENTATIONS[cfg.attention],
-        )
+    attention = ATTENTION_IMPLEMENTATIONS[cfg.attention]
+    stage = functools.partial(
+        build_pipeline_model,
+        resolved.model_config,
+        topology,
+        resolved.layout,
+        loss_fn,
+        partition_method=cfg.partition_method,
+        activation_checkpoint_interval=cfg.activation_checkpoint_interval,
+        dynamic_shape=cfg.data.pad_to_multiple_of > 0,
+        attention=attention,
+    )
+    model = resolved.layout.engine.build_model(
+        stage,
+        resolved.model_config,
+        ds_config,
+        activation_checkpointing=cfg.activation_checkpoint_interval > 0,
+        loss_chunk_tokens=cfg.loss_chunk_tokens,
+        attention=attention,
+    )
     apply_kernels([model], cfg.kernels)  # kernels=liger: Liger's forwards on this rank's decoder layers
     return model
 
@@ -164,7 +163,8 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
                 if resolved.resume_tag and not resolved.lora
                 else (cfg.model_name_or_path, None)
             )
-            if tag is None and is_hf_dir(ckpt_dir):  # read as it is, this stage's tensors only (models/hf_start.py)
+            # read as it is, this stage's tensors only (models/files/hf_stage.py)
+            if tag is None and is_hf_dir(ckpt_dir):
                 report = load_stage_from_hf(model, config, ckpt_dir)
                 read = f"{len(report.files)} safetensors files of {ckpt_dir}"
             else:
@@ -190,7 +190,7 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
     return on_all_ranks("initialising stage weights", init)
 
 
-def adapt(model, resolved: Resolved) -> list[str]:
+def add_lora(model, resolved: Resolved) -> list[str]:
     """LoRA (peft.method=lora): this stage's base frozen, PEFT's LoRA layers injected into its decoder
     layers (models/lora.py), started from peft.init_from's adapter when given. Returns every rank's line."""
     cfg = resolved.cfg
@@ -244,7 +244,7 @@ def build_engine(resolved: Resolved, model, ds_config: dict, total_steps: int):
     for plan in plans:
         plan.adopt_engine(engine)  # DualPipeV: DeepSpeed's engine made LlamaDualPipeVEngine (parallel/dualpipev.py)
     compile_engine(engine, resolved.cfg.compile)  # compile=true: each layer of the stage torch.compile'd
-    run_checkpoints.load_without_pickles(engine)
+    save_restore.load_without_pickles(engine)
     return engine
 
 
@@ -258,25 +258,25 @@ def resume_or_start(resolved: Resolved, engine, data: RankData, total_steps: int
     if resolved.reshard:
         log0(
             f"resume: {resolved.resume_tag} was saved on another layout ({resolved.reshard}): its optimizer states "
-            "are read per parameter (training/reshard.py)"
+            "are read per parameter (training/checkpoints/reshard.py)"
         )
         start = time.time()
         on_all_ranks(
             "reading optimizer states per parameter",
-            lambda: local.update(state=run_checkpoints.restore_resharded(resolved, engine, data.iterator, total_steps)),
+            lambda: local.update(state=save_restore.restore_resharded(resolved, engine, data.iterator, total_steps)),
         )
         step = local["state"]["step"]
         log0(f"resume: optimizer states of every parameter set in {time.time() - start:.1f} s")
     else:
         # every rank's problems with the checkpoint's files, said once for the job (a file may be checked by two)
-        shares = on_all_ranks("checking the checkpoint", lambda: run_checkpoints.checkpoint_problems(resolved, engine))
+        shares = on_all_ranks("checking the checkpoint", lambda: save_restore.checkpoint_problems(resolved, engine))
         problems = [problem for share in shares for problem in share]
         if problems:
-            raise StartupError(run_checkpoints.cannot_resume(resolved.cfg.output_dir, resolved.resume_tag, problems))
+            raise StartupError(save_restore.cannot_resume(resolved.cfg.output_dir, resolved.resume_tag, problems))
         on_all_ranks(
-            "reading trainer state", lambda: local.update(state=run_checkpoints.read_trainer_state(resolved, engine))
+            "reading trainer state", lambda: local.update(state=save_restore.read_trainer_state(resolved, engine))
         )
-        step = run_checkpoints.restore(resolved, engine, data.iterator, local["state"])
+        step = save_restore.restore(resolved, engine, data.iterator, local["state"])
     saved_batch = local["state"].get("global_batch", resolved.layout.global_batch)
     if saved_batch != resolved.layout.global_batch:
         log0(

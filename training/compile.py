@@ -45,8 +45,8 @@ RECOMPILE_LIMIT = 64
 
 
 def compile_problems(cfg, model_config, layout: Layout) -> list[str]:
-    """What ``compile=true`` does not run with (cfg: training.config.TrainConfig), each with what to use instead;
-    [] when compile is off."""
+    """What ``compile=true`` does not run with (cfg: training.configuration.schema.TrainConfig), each with what to use
+    instead; [] when compile is off."""
     if not cfg.compile:
         return []
     off = "or set compile=false"
@@ -82,12 +82,11 @@ def compile_problems(cfg, model_config, layout: Layout) -> list[str]:
             "per expert, data-dependent shapes) and expert parallelism's all-to-all are not checked compiled: set "
             "compile=false (the dense families llama, mistral, qwen2, qwen3 compile)"
         )
-    if not layout.uses_pipeline:
-        problems.append(
-            f"compile=true with ZeRO-{layout.zero} and num_stages=1 (DeepSpeed's data-parallel engine): its "
-            "parameter and gradient partitioning hooks are not checked compiled: use ds=zero1 (or zero0; "
-            f"num_stages=1 then runs the pipeline engine), {off}"
-        )
+    problems += layout.engine.pipeline_only(
+        f"compile=true with ZeRO-{layout.zero} and num_stages=1 (DeepSpeed's data-parallel engine): its "
+        "parameter and gradient partitioning hooks are not checked compiled: use ds=zero1 (or zero0; "
+        f"num_stages=1 then runs the pipeline engine), {off}"
+    )
     return problems
 
 

@@ -18,16 +18,16 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from data.cache import TokenBlocks, build_or_reuse
-from data.guard import FingerprintingIterator, OrderGuard
 from data.mixture import MixtureDataset
-from data.preference import PairBlocks, identical_pairs_report
+from data.order_guard import FingerprintingIterator, OrderGuard
+from data.preference_pairs import PairBlocks, identical_pairs_report
 from data.sampling import MicroBatchIterator, PlaceholderDataset
-from data.settings import data_settings, tokenizer_dir
 from data.sources import DataError
+from data.tokenize_settings import data_settings, tokenizer_dir
 from parallel.dualpipev import short_eval_problem
 from parallel.layout import Layout
-from training.config import TrainConfig
-from training.distributed import on_all_ranks
+from training.configuration.schema import TrainConfig
+from training.resilience.all_ranks import on_all_ranks
 
 EVAL_SPLIT_SEED = 1234  # fixed, so the eval split does not move when the training seed changes
 
@@ -110,7 +110,7 @@ def eval_sources(cfg: TrainConfig) -> list[tuple[str, str, str | None]]:
 
 
 def open_blocks(cfg: TrainConfig, entry: str) -> Dataset:
-    """A cache entry's samples: its rows, or with train_objective=dpo its pairs of rows (data/preference.py)."""
+    """A cache entry's samples: its rows, or with train_objective=dpo its pairs of rows (data/preference_pairs.py)."""
     rows = TokenBlocks(entry)
     return PairBlocks(rows) if cfg.data.format == "dpo" else rows
 

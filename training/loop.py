@@ -16,27 +16,28 @@ from models.host_memory import peak_rss_mb
 from models.llama_pipe import flops_per_token
 from models.loss import CausalLMLoss
 from parallel.stage import axis_plans
-from training import run_checkpoints
-from training.async_save import BackgroundWriter
+from training.checkpoints import save_restore
+from training.checkpoints.async_save import BackgroundWriter
 from training.compile import CompileLog
-from training.config import Resolved
+from training.configuration.schema import Resolved
+from training.configuration.step_range import planned_steps, resumed_step, step_setting_problems
 from training.data_setup import RankData
-from training.distributed import StartupError, TrainingStopped, on_all_ranks
-from training.hang import HangWatch
-from training.logs import log0
-from training.memory_census import CensusAtStep, StepPeak
-from training.metrics import StepLogger, device_peak_tflops, write_final_record
-from training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Preempted, StopAndSave
-from training.profiling import StepProfiler
+from training.observation.logs import log0
+from training.observation.memory_census import CensusAtStep, StepPeak
+from training.observation.metrics import StepLogger, device_peak_tflops, write_final_record
+from training.observation.profiling import StepProfiler
+from training.observation.straggler import ComputeClock
+from training.resilience.all_ranks import StartupError, TrainingStopped, on_all_ranks
+from training.resilience.hang import HangWatch
+from training.resilience.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Preempted, StopAndSave
 from training.step import eval_label_count, evaluate, objective_metrics, train_step
-from training.step_range import planned_steps, resumed_step, step_setting_problems
-from training.straggler import ComputeClock
 
 
 def plan_steps(resolved: Resolved, data: RankData) -> tuple[int, float]:
     """(optimizer steps to train, steps per epoch): max_steps, or num_epochs passes, whichever is first. Where
     num_epochs decides, the settings that name steps are checked here, against the steps the data gives (with
-    max_steps alone, training.validate.resolve checked them): every rank alike, a problem raised on all of them."""
+    max_steps alone, training.configuration.validate.resolve checked them): every rank alike, a problem raised on all of
+    them."""
     cfg = resolved.cfg
     steps, steps_per_epoch = planned_steps(cfg, resolved.dp, len(data.train), resumed_step(resolved.resume_tag))
     if cfg.num_epochs:
@@ -76,7 +77,8 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
         get_accelerator().current_device_name(),
         cfg.output_dir,
     )
-    clock = ComputeClock() if resolved.uses_pipeline else None  # the straggler view (training/straggler.py)
+    # the straggler view (training/observation/straggler.py): the compute instructions of the schedule timed
+    clock = ComputeClock() if resolved.layout.engine.runs_instructions else None
     watch = HangWatch(cfg.output_dir, dist.get_rank(), dist.get_world_size(), cfg.hang_timeout_s, cfg.hang_action)
     census = CensusAtStep(engine)  # model-state bytes per rank, measured before the second optimizer step
     step_peak = StepPeak(start_step + 2, cfg.count_step_memory)  # what the second step allocates beyond the states
@@ -111,9 +113,9 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             fields = compiled.after_step(step)  # compile=true: recompiles, compile seconds
             logger.log(step, loss, lr, norm, *counts[:3], counts[3:], compute=compute, extra=extra, fields=fields)
             nonfinite = not math.isfinite(loss) or engine.skipped_steps > skipped_before  # the same on every rank
-            with watch.saving():  # a hang exit (training/hang.py) waits for the save
+            with watch.saving():  # a hang exit (training/resilience/hang.py) waits for the save
                 if writer.tag is not None and (not writing or nonfinite):  # every rank's files of it written
-                    last_saved = run_checkpoints.step_of(run_checkpoints.publish(resolved, writer))
+                    last_saved = save_restore.step_of(save_restore.publish(resolved, writer))
             check_finite(resolved, step, loss, engine.skipped_steps > skipped_before, last_saved, skipped)
             # the checkpoint first: an eval that fails (or a signal during it) never costs the steps trained
             with watch.saving():
@@ -126,7 +128,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             if stop:  # after a stop signal, the step's eval done: a resume starts at the next step
                 raise Preempted(stop)
         if writer.tag is not None:  # save_final=false: the last background save, published before the run ends
-            last_saved = run_checkpoints.step_of(run_checkpoints.publish(resolved, writer, "the run ends"))
+            last_saved = save_restore.step_of(save_restore.publish(resolved, writer, "the run ends"))
     finally:  # a stop signal (Preempted) or a failure: the W&B run and metrics.jsonl are closed too
         profiler.close()  # a run ended before profile_steps' last: the trace of the steps profiled
         logger.close()
@@ -152,17 +154,17 @@ def save_if_due(
     writer: BackgroundWriter,
 ) -> str | None:
     """Save after ``step`` when save_steps, the end (save_final), save_every_minutes or a stop signal says so (the
-    ranks agreed on the last two after the step, training/preemption.py); with save_async, in the background unless
-    it is the last step's or a signal's. Returns None when nothing was saved; else, after a signal before the last
-    step, the line the job stops with (the caller raises it), or ""."""
+    ranks agreed on the last two after the step, training/resilience/preemption.py); with save_async, in the background
+    unless it is the last step's or a signal's. Returns None when nothing was saved; else, after a signal before the
+    last step, the line the job stops with (the caller raises it), or ""."""
     cfg = resolved.cfg
     at_end = step == total_steps and cfg.save_final
     if not ((cfg.save_steps and step % cfg.save_steps == 0) or at_end or clock_due or signalled):
         return None
     start = time.time()
     background = cfg.save_async and step < total_steps and not signalled
-    stopper.saving(run_checkpoints.tag_for(step))  # a second signal from here on asks whether it is complete
-    tag = run_checkpoints.save(resolved, engine, step, data.iterator, writer, background)
+    stopper.saving(save_restore.tag_for(step))  # a second signal from here on asks whether it is complete
+    tag = save_restore.save(resolved, engine, step, data.iterator, writer, background)
     why = f", {cfg.save_every_minutes:g} minutes since the last" if clock_due else ""
     if background:
         stopper.snapshot_taken()
@@ -172,7 +174,7 @@ def save_if_due(
         )
         return ""
     stopper.saved()
-    run_checkpoints.log_saved(resolved, tag, why)
+    save_restore.log_saved(resolved, tag, why)
     if signalled and step < total_steps:  # in the last step: the run is complete, exit 0
         return (
             f"stop signal ({'/'.join(STOP_SIGNALS)}) on rank(s) {signalled}: checkpoint {tag} saved after step {step} "
@@ -185,7 +187,7 @@ def save_if_due(
 def tracking_run(resolved: Resolved, axes: dict):
     """Rank 0's W&B run (monitor.wandb): the resolved config and the parallel axes' sizes (as "layout") as its
     config."""
-    from training.tracking import WandbRun
+    from training.observation.tracking import WandbRun
 
     config = OmegaConf.to_container(OmegaConf.structured(resolved.cfg))
     return WandbRun(resolved.cfg.monitor, resolved.cfg.output_dir, {**config, "layout": axes})
@@ -219,7 +221,7 @@ def check_finite(
         )
         return
     if last_saved is not None:
-        last = f"{os.path.join(cfg.output_dir, run_checkpoints.tag_for(last_saved))} (resume=auto continues from it)"
+        last = f"{os.path.join(cfg.output_dir, save_restore.tag_for(last_saved))} (resume=auto continues from it)"
     else:
         last = f"none in {cfg.output_dir} (start again from {cfg.model_name_or_path or 'scratch'})"
     if update_skipped:
@@ -242,7 +244,7 @@ def check_finite(
 def report_final_figures(resolved: Resolved, census: CensusAtStep, step_peak: StepPeak, step: int) -> None:
     """The run's last lines, per rank: peak memory, the model states (where the census ran) and the second step's
     peak (count_step_memory, or a GPU); the same figures, unrounded, as metrics.jsonl's last record (kind "final",
-    training/metrics.py), for benchmarks and tests to read as numbers."""
+    training/observation/metrics.py), for benchmarks and tests to read as numbers."""
     peaks = on_all_ranks("reporting memory", peak_memory_mib)
     log0("peak memory per rank (MiB): " + ", ".join(f"rank {r} {peak_memory_text(p)}" for r, p in enumerate(peaks)))
     figures: dict = {"peak_memory_mib": peaks}

@@ -13,13 +13,13 @@ from deepspeed.git_version_info import installed_ops
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from torch import nn
 
-from models.layer_files import full_shape
+from models.files.pipeline_dir import full_shape
 from models.llama_pipe import model_parameters
 from parallel.memory_plan import reduce_bucket_elements
 from parallel.stage import axis_plans
-from training.config import Resolved, TrainConfig
-from training.ds_json import accelerator_name
-from training.logs import log0
+from training.configuration.ds_json import accelerator_name
+from training.configuration.schema import Resolved, TrainConfig
+from training.observation.logs import log0
 
 # DeepSpeed prints its own step line every steps_per_print steps; train.py logs its own line instead.
 DS_STEPS_PER_PRINT = 2**31 - 1
@@ -77,7 +77,7 @@ def adamw_problems(adamw_impl: str, accelerator: str | None = None) -> list[str]
     machine its op is JIT-built at start unless DeepSpeed was installed with it, which needs the CUDA toolkit
     (torch finds no CUDA_HOME: no nvcc). On CPU DeepSpeed builds its C++ FusedAdam (about a minute on 2 cores,
     once per virtualenv), which matched torch's fused AdamW to 7e-7 over 5 fp32 steps. ``accelerator``: DeepSpeed's
-    (training.ds_json.accelerator_name) unless given."""
+    (training.configuration.ds_json.accelerator_name) unless given."""
     if adamw_impl != "deepspeed" or (accelerator or accelerator_name()) != "cuda":
         return []
     from torch.utils.cpp_extension import CUDA_HOME  # imports setuptools: only where it is asked
@@ -161,7 +161,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ``decay`` marks the group (ZeRO flattens the parameters, so their shapes cannot tell it later): it is
     saved with the optimizer state, and a resume that changes optim.weight_decay sets only those groups.
     """
-    # full_shape: a parameter partitioned at build (ZeRO-3, models/zero3.py) holds an empty 1-D placeholder.
+    # full_shape: a parameter partitioned at build (ZeRO-3, models/files/zero3_load.py) holds an empty 1-D placeholder.
     decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) < 2]
     groups = [

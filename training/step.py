@@ -1,5 +1,6 @@
-"""One optimizer step and one eval pass, with their arithmetic: who counts the global batch's tokens, the
-loss normalisation those counts give, and the means over ranks (training/loop.py runs them)."""
+"""One optimizer step and one eval pass, with their arithmetic: the global batch's token counts (each rank the run's
+engine says counts, parallel/engines.py) and the loss normalisation they give; the engine runs the passes
+(training/loop.py calls these)."""
 
 from __future__ import annotations
 
@@ -11,22 +12,11 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from models.loss import CausalLMLoss, label_tokens
-from training.config import Resolved
+from training.configuration.schema import Resolved
 from training.data_setup import EvalSet, RankData
-from training.distributed import TrainingStopped, counted_sum
-from training.metrics import StepLogger
-from training.preference import step_metrics
-
-
-def counts_tokens(resolved: Resolved, engine) -> bool:
-    """Whether this rank counts its micro-batches' tokens: the stage holding the labels (the last; the first
-    pipeline rank with DualPipeV), of its tensor-parallel and sequence-parallel peers (which hold the same
-    micro-batch) the first; or every rank of the data-parallel engine. Their sum over all ranks covers the
-    global batch once."""
-    if not resolved.uses_pipeline:
-        return True
-    grid = engine.grid
-    return resolved.layout.counts_labels(engine.stage_id, grid.get_data_parallel_rank(), grid.get_slice_parallel_rank())
+from training.dpo import step_metrics
+from training.observation.metrics import StepLogger
+from training.resilience.all_ranks import TrainingStopped, counted_sum
 
 
 def global_sum(*values: int) -> list[int]:
@@ -63,7 +53,7 @@ def train_step(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss
     """
     gas = resolved.cfg.gradient_accumulation_steps
     batches, counts = None, [0] * (3 + len(data.sources))
-    if counts_tokens(resolved, engine):
+    if resolved.layout.engine.counts_labels(engine):
         before, by_source = data.iterator.tokens_read, dict(data.iterator.tokens_by_source)
         batches = [next(data.iterator) for _ in range(gas)]
         counts[:3] = (
@@ -75,22 +65,14 @@ def train_step(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss
             counts[3 + i] = data.iterator.tokens_by_source.get(i, 0) - by_source.get(i, 0)
     counts = global_sum(*counts)
     normalise_loss(resolved, loss_fn, gas, counts[1])
-    if resolved.uses_pipeline:
-        loss = engine.train_batch(data_iter=iter(batches) if batches is not None else data.iterator).item()
-        return loss, counts
-    losses = []
-    for (input_ids, position_ids), labels in batches:
-        loss = loss_fn(engine(input_ids, position_ids), labels)
-        engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
-        engine.step()  # applies the optimizer at the accumulation boundary only
-        losses.append(loss.detach())
-    return mean_over_ranks(torch.stack(losses).mean()), counts
+    micro_batches = iter(batches) if batches is not None else data.iterator
+    return resolved.layout.engine.train_batch(engine, micro_batches, loss_fn), counts
 
 
 def eval_label_count(resolved: Resolved, engine, data: RankData, evaluation: EvalSet) -> int:
     """Label tokens of the whole eval set (every rank's shard): the eval loss's denominator."""
     local = 0
-    if counts_tokens(resolved, engine):
+    if resolved.layout.engine.counts_labels(engine):
         batches = itertools.islice(data.eval_iterator(evaluation), evaluation.batches)
         local = sum(label_tokens(labels) for _, labels in batches)
     return global_sum(local)[0]
@@ -110,15 +92,7 @@ def evaluate(
     the loss is the mean over every label token of the set."""
     start, n = time.time(), evaluation.batches
     normalise_loss(resolved, loss_fn, n, label_count)
-    if resolved.uses_pipeline:
-        loss = engine.eval_batch(data_iter=data.eval_iterator(evaluation), num_micro_batches=n).item()
-    else:
-        engine.eval()
-        with torch.no_grad():
-            batches = itertools.islice(data.eval_iterator(evaluation), n)
-            losses = [loss_fn(engine(ids, pos), labels) for (ids, pos), labels in batches]
-        engine.train()
-        loss = mean_over_ranks(torch.stack(losses).mean())
+    loss = resolved.layout.engine.eval_batch(engine, data.eval_iterator(evaluation), n, loss_fn)
     logger.log_eval(
         step, loss, time.time() - start, evaluation.name, objective_metrics(resolved, engine, loss_fn, "eval_")
     )
@@ -128,9 +102,9 @@ def objective_metrics(resolved: Resolved, engine, loss_fn, prefix: str = "") -> 
     """The objective's own figures since the last call, for the progress line and metrics.jsonl (a collective on every
     rank when there are any): DPO's rewards and log-probabilities, or a MoE model's router loss and expert load."""
     if resolved.cfg.train_objective == "dpo":
-        return step_metrics(loss_fn, counts_tokens(resolved, engine), prefix=prefix)
+        return step_metrics(loss_fn, resolved.layout.engine.counts_labels(engine), prefix=prefix)
     if getattr(loss_fn, "router", None) is not None:  # every rank's loss has it (parallel.stage.attach_router_loss)
-        return router_metrics(loss_fn, counts_tokens(resolved, engine), prefix)
+        return router_metrics(loss_fn, resolved.layout.engine.counts_labels(engine), prefix)
     return None
 
 
@@ -146,10 +120,3 @@ def router_metrics(loss_fn: CausalLMLoss, counts: bool, prefix: str = "") -> dic
         f"{prefix}router_loss": stats[0].item() / stats[1].item() if stats[1] else float("nan"),
         f"{prefix}expert_load_max": (tokens.max() / tokens.mean()).item() if tokens.sum() else float("nan"),
     }
-
-
-def mean_over_ranks(value: torch.Tensor) -> float:
-    """The mean of a scalar over all ranks (data-parallel engine: every rank is a replica)."""
-    value = value.detach().clone()
-    dist.all_reduce(value)
-    return value.item() / dist.get_world_size()

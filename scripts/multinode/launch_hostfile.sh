@@ -30,10 +30,10 @@ NODE_RANK="${NODE_RANK:-}"
 # when MASTER_ADDR is this machine and one command launches every node (not 29500, torch's default, which another
 # job may hold); every node launched on its own must be given the same one.
 if [ -z "${MASTER_PORT:-}" ] && [ -n "$NODE_RANK" ]; then
-  echo "launch_hostfile.sh: error: NODE_RANK=$NODE_RANK without MASTER_PORT: set MASTER_PORT, the same on every node, to a port free on MASTER_ADDR $MASTER_ADDR (\`.venv/bin/python -m training.ports\` run there prints one)" >&2
+  echo "launch_hostfile.sh: error: NODE_RANK=$NODE_RANK without MASTER_PORT: set MASTER_PORT, the same on every node, to a port free on MASTER_ADDR $MASTER_ADDR (\`.venv/bin/python -m training.resilience.ports\` run there prints one)" >&2
   exit 2
 fi
-MASTER_PORT="$(.venv/bin/python -m training.ports --who launch_hostfile --host "$MASTER_ADDR")"
+MASTER_PORT="$(.venv/bin/python -m training.resilience.ports --who launch_hostfile --host "$MASTER_ADDR")"
 # The DeepSpeed launcher (the project's venv; the same path must exist on every node).
 DEEPSPEED="${DEEPSPEED:-.venv/bin/deepspeed}"
 

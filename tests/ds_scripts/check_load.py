@@ -20,7 +20,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E4
 from safetensors.torch import load_file  # noqa: E402
 
 from models.families import load_config  # noqa: E402
-from models.layer_files import load_stage_weights, local_modules  # noqa: E402
+from models.files.pipeline_dir import load_stage_weights, local_modules  # noqa: E402
 from models.llama_pipe import spec_layout  # noqa: E402
 from parallel.stage import build_pipeline_model  # noqa: E402
 

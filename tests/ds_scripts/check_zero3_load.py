@@ -24,10 +24,10 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from models.layer_files import is_partitioned, load_layer_file, local_modules, read_tag  # noqa: E402
+from models.files.pipeline_dir import is_partitioned, load_layer_file, local_modules, read_tag  # noqa: E402
+from models.files.zero3_load import build_partitioned_stack, init_partitioned_  # noqa: E402
 from models.llama_pipe import LlamaStack, init_weights_, layer_file_name, spec_layout  # noqa: E402
 from models.tiny import tiny_config  # noqa: E402
-from models.zero3 import build_partitioned_stack, init_partitioned_  # noqa: E402
 
 
 def gathered_states(model):

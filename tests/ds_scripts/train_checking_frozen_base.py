@@ -16,16 +16,16 @@ import train  # noqa: E402  (first: it filters known-harmless output before deep
 # isort: split
 import torch  # noqa: E402
 
-from models.layer_files import load_layer_file, local_modules, read_tag  # noqa: E402
+from models.files.pipeline_dir import load_layer_file, local_modules, read_tag  # noqa: E402
 from models.llama_pipe import layer_file_name, spec_layout  # noqa: E402
 
 seen = {}
-adapt = train.adapt
+add_lora = train.add_lora
 
 
-def recording_adapt(model, resolved):
+def recording_add_lora(model, resolved):
     seen.update(model=model, resolved=resolved)
-    return adapt(model, resolved)
+    return add_lora(model, resolved)
 
 
 def check() -> None:
@@ -48,6 +48,6 @@ def check() -> None:
     print(f"FROZEN_BASE rank {os.environ.get('RANK')}: {equal} equal, {len(differ)} differ {differ}", flush=True)
 
 
-train.adapt = recording_adapt
+train.add_lora = recording_add_lora
 atexit.register(check)
 train.main()

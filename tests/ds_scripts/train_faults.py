@@ -56,7 +56,9 @@ nan_steps = {int(s) for s in os.environ.get("FAULT_NAN_AT_STEPS", "").split(",")
 
 if crash and crash[1] == RANK:
     _save = torch.save
-    tag_dir = f"{os.sep}.global_step{crash[0]}.partial{os.sep}"  # where a save writes (training/run_checkpoints.py)
+    tag_dir = (
+        f"{os.sep}.global_step{crash[0]}.partial{os.sep}"  # where a save writes (training/checkpoints/save_restore.py)
+    )
 
     def save_then_die(obj, f, *args, **kwargs):
         _save(obj, f, *args, **kwargs)
@@ -68,9 +70,9 @@ if crash and crash[1] == RANK:
     torch.save = save_then_die
 
 if slow and slow[1] == RANK:
-    import training.async_save  # noqa: E402
+    import training.checkpoints.async_save  # noqa: E402
 
-    _write_file = training.async_save.write_file
+    _write_file = training.checkpoints.async_save.write_file
     slow_dir = f"{os.sep}.global_step{slow[0]}.partial{os.sep}"
     announced = []
 
@@ -81,7 +83,7 @@ if slow and slow[1] == RANK:
             time.sleep(slow[2])
         _write_file(engine, path, obj)
 
-    training.async_save.write_file = slow_write_file
+    training.checkpoints.async_save.write_file = slow_write_file
 
 disk_full = os.environ.get("FAULT_DISK_FULL", "").split(":")
 if disk_full[0] and str(RANK) in disk_full[0].split("+"):

@@ -1,0 +1,395 @@
+"""``resolve``: every rule of a training config checked before any process group starts, all problems reported
+at once, each with the numbers involved and the knob to change. The rules live beside what they protect (the
+layout's in parallel/layout.py, each axis's in its parallel/ module, the data's in data/checks.py, the DeepSpeed
+JSON's in training/configuration/ds_json.py, resuming's in training/configuration/resume_rules.py); this module collects
+them and holds the ones of the config as a whole: ranges, the objective, and settings that cannot act where they are
+set."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import fields
+
+from data.checks import data_problems, default_packing
+from data.order_guard import ORDER_CHECK_RULE
+from data.tokenize_settings import prepared_problems, vocab_problems
+from models.files.pipeline_dir import tags_newer_than_latest
+from models.kernels import kernel_problems, loss_impl_problems
+from models.lora_rules import peft_change_problems, peft_problems
+from parallel.axes import AXES
+from parallel.layout import Layout, layout_problems
+from parallel.partition import frozen_stage_problems
+from training.compile import compile_problems, compile_warnings
+from training.configuration.ds_json import ds_json_conflicts, load_ds_json, precision_problems
+from training.configuration.float_keys import nonfinite_problems
+from training.configuration.model_source import input_checkpoint_problems, resolve_model
+from training.configuration.output_checks import disk_problems, output_dir_problems
+from training.configuration.resume_rules import ACCEPTABLE_CHANGES, RESUME_KEY_CLASSES, find_resume, reshard_reason
+from training.configuration.schema import ConfigError, DPOConfig, PeftConfig, Resolved, TrainConfig, dotted, plain
+from training.configuration.step_range import known_steps, step_setting_problems
+from training.observation.profiling import profile_problems
+from training.observation.tracking import wandb_problems
+from training.optim import adamw_problems
+from training.resilience.run_lock import RunLock
+
+HANG_TIMEOUT_MIN_S = 5.0  # hang_timeout_s below this (other than 0) is refused: see resolve's range checks
+SEED_MAX = 2**63 - 1  # seed: numpy takes no negative seed, torch.Generator.manual_seed none past int64
+# mfu_peak_tflops other than 0 (the known-GPU table): one device's peak TFLOP/s, from a CPU core's to past any GPU's
+MFU_PEAK_TFLOPS = (0.01, 100_000.0)
+
+
+def adapt_defaults(cfg: TrainConfig, given: set[str] | None) -> list[str]:
+    """Defaults the user left that a feature they set cannot run with, changed in ``cfg`` to values it runs with
+    (each axis's ``defaults``, parallel/axis.py): one line each, for the start-up log. Only a value the user left
+    adapts; one they set (an override naming it, or a value other than the default) stays, and the rule beside the
+    feature refuses it."""
+    now, default = dataclasses.asdict(cfg), dataclasses.asdict(TrainConfig())
+
+    def is_set(key: str) -> bool:
+        return key in (given or ()) or plain(dotted(now, key)) != plain(dotted(default, key))
+
+    lines, adapted = [], set()
+    for key, value, why in [one for axis in AXES for one in axis.defaults(cfg, is_set)]:
+        if key in adapted:  # two axes the rules refuse together: the first's value stands
+            continue
+        adapted.add(key)
+        *path, name = key.split(".")
+        node = cfg
+        for part in path:
+            node = getattr(node, part)
+        lines.append(f"{key} {getattr(node, name)} -> {value} (the default; {why}): set {key} to choose")
+        setattr(node, name, value)
+    return lines
+
+
+def resolve(
+    cfg: TrainConfig,
+    world_size: int,
+    problems: list[str] | None = None,
+    given: set[str] | None = None,
+    count_data: bool = False,
+) -> Resolved:
+    """Check every cross-field rule; raise :class:`ConfigError` listing all problems together (with
+    ``problems`` found before, such as unknown keys). ``given``: the keys the user set (their overrides), so that
+    a default they left adapts to the features they set (:func:`adapt_defaults`, which changes ``cfg``).
+    ``count_data`` (the preflight): count already tokenized training data, so that the settings naming steps are
+    checked against num_epochs' steps too (training/configuration/step_range.py; train.py checks them once its data is
+    built)."""
+    adapted = adapt_defaults(cfg, given)
+    in_use = RunLock(cfg.output_dir).holder()  # acquired after the process group starts; said here first
+    problems, warnings = ([in_use] if in_use else []) + list(problems or []), []
+    nonfinite, cfg = nonfinite_problems(cfg)  # the rules below see finite numbers (the defaults in place of the rest)
+    problems += nonfinite
+    model_config, model_problems = resolve_model(cfg)
+    problems += model_problems + input_checkpoint_problems(cfg, model_config)
+    resume_tag, resume_changes_, resume_problems = find_resume(cfg, model_config)
+    problems += resume_problems
+    reshard = ""
+    if resume_tag and not resume_problems:
+        reshard, reshard_problems = reshard_reason(cfg, resume_tag, resume_changes_, world_size, model_config)
+        problems += reshard_problems
+    ds_json, ds_problem = load_ds_json(cfg.ds_config)
+    if ds_problem:
+        problems.append(ds_problem)
+
+    # The layout's rules (sizes, stages, ZeRO stage, offload, partition method) live beside the Layout, shared
+    # with preflight and scripts/estimate_memory.py.
+    layout = Layout.of(cfg, world_size, ds_json or {})
+    num_layers = model_config.num_hidden_layers if model_config is not None else None
+    problems += layout_problems(layout, world_size, cfg.partition_method, num_layers)
+    for name, minimum in (
+        ("max_steps", 0),
+        ("num_epochs", 0),
+        ("activation_checkpoint_interval", 0),
+        ("log_steps", 1),
+        ("eval_steps", 0),
+        ("save_steps", 0),
+        ("save_total_limit", 0),
+        ("save_every_minutes", 0),
+        ("dist_timeout_s", 1),
+        ("preempt_grace_s", 1),
+        ("hang_timeout_s", 0),
+    ):
+        if getattr(cfg, name) < minimum:
+            problems.append(f"{name} {getattr(cfg, name)} is out of range: set {name} >= {minimum}")
+    # A bound below a few seconds names healthy steps hung (the first step alone warms up for seconds; the watchdog
+    # looks every 0.5 s) and its exit lands anywhere, e.g. in the middle of the run's work.
+    if 0 < cfg.hang_timeout_s < HANG_TIMEOUT_MIN_S:
+        problems.append(
+            f"hang_timeout_s {cfg.hang_timeout_s:g} is too small to mean a hang: set hang_timeout_s >= "
+            f"{HANG_TIMEOUT_MIN_S:g} (seconds one training step may run), or 0 = automatic (20 x the median step "
+            "so far, at least 600 s)"
+        )
+    low, high = MFU_PEAK_TFLOPS
+    if cfg.mfu_peak_tflops and not low <= cfg.mfu_peak_tflops <= high:
+        problems.append(
+            f"mfu_peak_tflops {cfg.mfu_peak_tflops:g} is not one device's peak TFLOP/s: set it in [{low:g}, {high:g}] "
+            "(989 for an H100's or H200's bf16), or 0 for the known-GPU table"
+        )
+    if cfg.startup_timeout_s < 0:
+        problems.append(f"startup_timeout_s {cfg.startup_timeout_s} < 0: set it >= 0 (0 = no limit)")
+    if not 0 <= cfg.seed <= SEED_MAX:  # numpy's default_rng takes no negative seed, torch's Generator none past int64
+        problems.append(f"seed {cfg.seed} is out of range: set seed in [0, 2**63 - 1] (e.g. 42)")
+    if cfg.optim.warmup_steps < 0:
+        problems.append(
+            f"optim.warmup_steps {cfg.optim.warmup_steps} is out of range: set optim.warmup_steps >= 0 (0 = no warm-up)"
+        )
+    unknown_classes = sorted(set(cfg.resume_allow_changes) - set(ACCEPTABLE_CHANGES))
+    if unknown_classes:
+        problems.append(
+            f"resume_allow_changes {unknown_classes} unknown: choose from {list(ACCEPTABLE_CHANGES)} "
+            f"({', '.join(RESUME_KEY_CLASSES['layout'])} may change on resume without it)"
+        )
+    if model_config is not None and cfg.data.max_seq_length > model_config.max_position_embeddings:
+        rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+        kind = rope.get("rope_type", "default")
+        scaling = (
+            "no rope scaling"
+            if kind == "default"
+            else f"rope scaling {kind}: " + ", ".join(f"{k}={v}" for k, v in rope.items() if k != "rope_type")
+        )
+        warnings.append(
+            f"data.max_seq_length {cfg.data.max_seq_length} > max_position_embeddings "
+            f"{model_config.max_position_embeddings} of the model ({scaling}): positions past "
+            f"{model_config.max_position_embeddings} were never trained; lower data.max_seq_length unless "
+            f"this run is meant to extend the context"
+        )
+    problems += precision_problems(cfg.precision)
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        problems.append(
+            f"optim.betas {list(cfg.optim.betas)} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]"
+        )
+    if cfg.optim.weight_decay < 0:
+        problems.append(f"optim.weight_decay {cfg.optim.weight_decay} < 0: set it >= 0")
+    if cfg.optim.eps <= 0:  # AdamW divides by sqrt(v) + eps: 0 / 0 where a gradient and its moments are 0
+        problems.append(
+            f"optim.eps {cfg.optim.eps:g} <= 0: AdamW divides each update by sqrt(v) + eps, which is 0 (a NaN update) "
+            "wherever a weight's gradients have been 0; set it in (0, 1) (AdamW's 1e-8)"
+        )
+    elif cfg.optim.eps >= 1:  # 1e8 for 1e-8: the update shrinks by that much
+        problems.append(f"optim.eps {cfg.optim.eps:g} >= 1 swamps every update: set it in (0, 1) (AdamW's 1e-8)")
+    lr_valid = 0 < cfg.optim.lr <= 1  # else its own line, and no rule measures another key against it
+    if cfg.optim.lr > 1:
+        problems.append(f"optim.lr {cfg.optim.lr:g} > 1 is no AdamW learning rate: set it in (0, 1] (1e-5 to 1e-3)")
+    elif cfg.optim.lr < 0:
+        problems.append(
+            f"optim.lr {cfg.optim.lr:g} < 0 climbs the loss instead of descending it: set it in (0, 1] (1e-5 to 1e-3)"
+        )
+    elif lr_valid and cfg.optim.lr * cfg.optim.weight_decay >= 1:
+        problems.append(
+            f"optim.weight_decay {cfg.optim.weight_decay:g} x optim.lr {cfg.optim.lr:g} >= 1: decoupled weight decay "
+            "multiplies each weight by 1 - lr x weight_decay every step, which zeroes or flips it; set "
+            f"optim.weight_decay < {1 / cfg.optim.lr:g} (0.01 to 0.1 are common)"
+        )
+    if cfg.optim.max_grad_norm < 0:
+        problems.append(f"optim.max_grad_norm {cfg.optim.max_grad_norm} < 0: set it >= 0 (0 = no clipping)")
+    if cfg.optim.min_lr < 0 or (lr_valid and cfg.optim.min_lr > cfg.optim.lr):
+        problems.append(f"optim.min_lr {cfg.optim.min_lr} must be in [0, optim.lr={cfg.optim.lr}]")
+    if cfg.monitor.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        problems.append("monitor.tensorboard=true needs the tensorboard package: pip install tensorboard")
+    if cfg.monitor.wandb and importlib.util.find_spec("wandb") is None:
+        problems.append("monitor.wandb=true needs the wandb package: pip install wandb==0.31.0")
+    elif cfg.monitor.wandb and int(os.environ.get("RANK", "0")) == 0:  # the rank that logs (train.py's tracking_run)
+        problems += wandb_problems(cfg.output_dir)
+    problems += data_problems(cfg) + prepared_problems(cfg, model_config) + vocab_problems(cfg, model_config)
+    problems += objective_problems(cfg, layout)
+    if cfg.min_free_disk_gb < 0 and cfg.min_free_disk_gb != -1:
+        problems.append(
+            f"min_free_disk_gb {cfg.min_free_disk_gb} < 0: set it to -1 (one checkpoint's estimated size), 0 (no "
+            "check) or a size in GB"
+        )
+    output_problems = output_dir_problems(cfg)
+    problems += output_problems
+    if not output_problems and ds_json is not None:
+        disk, disk_warnings = disk_problems(cfg, model_config, layout.engine.weight_copies, world_size)
+        problems += disk
+        warnings += disk_warnings
+    warnings += (
+        [
+            f"{cfg.output_dir}/{tag} is not a complete checkpoint (newer than the one `latest` names: a save "
+            f"was interrupted): not resumed from; it is replaced or removed when this run saves"
+            for tag in tags_newer_than_latest(cfg.output_dir)
+        ]
+        if not resume_problems
+        else []
+    )
+    for axis in AXES:
+        problems += axis.problems(cfg, model_config, layout, ds_json)
+    problems += profile_problems(cfg.profile_steps)
+    steps = known_steps(cfg, layout.dp, None if resume_problems else resume_tag, model_config, count_data)
+    if steps is not None:  # else train.py checks them once num_epochs' steps are known (training/loop.py)
+        step_problems, step_warnings = step_setting_problems(cfg, steps)
+        problems += step_problems
+        warnings += step_warnings
+    problems += kernel_problems(cfg.kernels, model_config)
+    problems += loss_impl_problems(cfg.loss_impl, cfg.loss_chunk_tokens, layout.engine)
+    problems += adamw_problems(cfg.adamw_impl)
+    problems += compile_problems(cfg, model_config, layout)
+    warnings += compile_warnings(cfg, layout)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    for axis in AXES:
+        warnings += axis.warnings(layout, local_world_size)
+    inert, harmless = inert_settings(cfg, layout)
+    problems += inert + noop_value_problems(cfg)
+    warnings += harmless
+
+    if layout.dp and ds_json is not None:
+        problems += ds_json_conflicts(cfg, ds_json, layout)
+    problems += peft_change_problems(cfg, resume_changes_)
+    if cfg.peft.method != "none":
+        peft = peft_problems(cfg, model_config, layout)
+        if model_config is not None and layout.stages >= 1 and not peft:
+            peft = frozen_stage_problems(cfg, model_config, layout)  # where the split leaves a stage nothing to train
+        problems += peft
+    if problems:
+        # dict.fromkeys: a rule two checks share (layout_problems and ds_json_conflicts or data_problems) said once
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(dict.fromkeys(problems)))
+    return Resolved(cfg, layout, ds_json, model_config, warnings, resume_tag, resume_changes_, reshard, adapted)
+
+
+def objective_problems(cfg: TrainConfig, layout: Layout) -> list[str]:
+    """train_objective=dpo: its data, its settings and what it does not run with."""
+    problems, dpo = [], cfg.train_objective == "dpo"
+    if dpo != (cfg.data.format == "dpo"):
+        problems.append(
+            f"train_objective={cfg.train_objective} with data.format={cfg.data.format}: preference pairs train with "
+            "the DPO loss and nothing else does; use data=dpo (it sets both), or set both to sft"
+        )
+    for key in ("sources", "eval_sources"):  # the same rule for each source's own format
+        for i, source in enumerate(getattr(cfg.data, key)):
+            if source.format == "dpo" and not dpo:
+                problems.append(
+                    f"data.{key}[{i}] ({source.path}) has format dpo, and train_objective is {cfg.train_objective}: "
+                    "its preference pairs would train as two SFT rows each (the rejected completion a target); drop "
+                    f"the source from the mixture, or train on it alone (data=dpo data.train_file={source.path})"
+                )
+    if not dpo:
+        return problems
+    if cfg.data.packing:
+        problems.append("data.packing=true with train_objective=dpo: each pair's rows stand alone; drop data.packing")
+    if cfg.data.sources or cfg.data.eval_sources:
+        problems.append(
+            "data.sources/eval_sources with train_objective=dpo: the reference pass covers one source; use "
+            "data.train_file (and data.eval_file or data.eval_fraction)"
+        )
+    for axis in AXES:
+        problems += axis.objective_problems(layout, cfg.train_objective)
+    if not cfg.dpo.beta > 0:
+        problems.append(f"dpo.beta {cfg.dpo.beta} must be > 0 (TRL's default: 0.1)")
+    if not 0 <= cfg.dpo.label_smoothing < 0.5:
+        problems.append(f"dpo.label_smoothing {cfg.dpo.label_smoothing} must be in [0, 0.5)")
+    elif cfg.dpo.label_smoothing and cfg.dpo.loss_type != "sigmoid":
+        problems.append(
+            f"dpo.label_smoothing {cfg.dpo.label_smoothing} smooths the sigmoid loss, and dpo.loss_type is "
+            f"{cfg.dpo.loss_type}: drop dpo.label_smoothing or set dpo.loss_type=sigmoid"
+        )
+    return problems
+
+
+# Settings that act only in some configurations: (keys, whether they act in ``cfg``, why not and the fix).
+# A key set away from its default where it cannot act is refused before start: the user believes in a
+# setting they would not get (QLoRA settings without peft.method=lora train the full model, or run out of
+# memory, with no word).
+INERT_RULES = (
+    (
+        tuple(f"peft.{f.name}" for f in fields(PeftConfig) if f.name != "method"),
+        lambda cfg, layout: cfg.peft.method != "none",
+        "LoRA settings, but LoRA is off (peft.method=none): add peft.method=lora, or drop them",
+    ),
+    (
+        tuple(f"dpo.{f.name}" for f in fields(DPOConfig)),
+        lambda cfg, layout: cfg.train_objective == "dpo",
+        "DPO settings, but train_objective is sft: use data=dpo (preference pairs, train_objective=dpo), or drop them",
+    ),
+    (
+        ("loss_normalization",),
+        lambda cfg, layout: cfg.train_objective == "sft",
+        "normalises the next-token loss over label tokens; DPO's loss is the mean over the global batch's pairs "
+        "(TRL's): drop loss_normalization",
+    ),
+    (
+        ("optim.min_lr",),
+        lambda cfg, layout: cfg.optim.scheduler != "constant",
+        "where linear and cosine decay end, but the constant schedule stays at optim.lr: set "
+        "optim.scheduler=linear or cosine, or drop it",
+    ),
+    (
+        ("model.tokenizer",),
+        lambda cfg, layout: not cfg.model_name_or_path,
+        "for training from scratch, but the tokenizer in model_name_or_path is the one used: drop model.tokenizer "
+        "(or copy that tokenizer into the checkpoint)",
+    ),
+    (
+        ("eval_steps",),
+        lambda cfg, layout: bool(cfg.data.eval_file or cfg.data.eval_fraction or cfg.data.eval_sources),
+        "evaluation needs eval data, and there is none: set data.eval_file, data.eval_fraction or data.eval_sources, "
+        "or drop eval_steps",
+    ),
+    (
+        ("resume_allow_changes",),
+        lambda cfg, layout: cfg.resume != "never",
+        "applies when a run is resumed, but resume=never never resumes: drop one of them",
+    ),
+)
+
+
+# Harmless where they cannot act (a check or a report with nothing to do): one warning line each.
+HARMLESS_RULES = (
+    # data.group_by_length: one rule per reason it cannot act, exclusive, so that one line says the first (a layout
+    # that feeds rows whole: its axis's own rule, harmless_settings in parallel.axes.AXES)
+    (
+        ("data.group_by_length",),
+        lambda cfg, layout: layout.feeds_rows_whole or not default_packing(cfg.data),
+        "groups rows of similar length, but packed rows are all data.max_seq_length long (it only reorders the "
+        "samples): drop data.group_by_length, or set data.packing=false",
+    ),
+    (
+        ("data.group_by_length",),
+        lambda cfg, layout: cfg.data.pad_to_multiple_of > 0 or layout.feeds_rows_whole or default_packing(cfg.data),
+        "groups rows of similar length so micro-batches are cut short, but data.pad_to_multiple_of=0 feeds every "
+        "row whole (it only reorders the samples): set data.pad_to_multiple_of=8",
+    ),
+    (
+        ("save_async",),
+        lambda cfg, layout: bool(cfg.save_steps or cfg.save_every_minutes),
+        "writes checkpoints in the background while training goes on, but with save_steps=0 and "
+        "save_every_minutes=0 only the last step's is saved, and that one is written at once: set save_steps or "
+        "save_every_minutes",
+    ),
+    (
+        ("save_final",),
+        lambda cfg, layout: bool(cfg.save_steps or cfg.save_every_minutes),
+        "saves no checkpoint after the last step, and with save_steps=0 and save_every_minutes=0 none at all (a stop "
+        "signal's aside): the trained weights are gone when the run ends; set save_steps, or drop save_final",
+    ),
+    ORDER_CHECK_RULE,
+)
+
+
+def inert_settings(cfg: TrainConfig, layout: Layout) -> tuple[list[str], list[str]]:
+    """(problems, warnings): settings given a non-default value where they cannot take effect."""
+    now, default = dataclasses.asdict(cfg), dataclasses.asdict(TrainConfig())
+    out = []
+    harmless = HARMLESS_RULES + tuple(rule for axis in AXES if axis.used(layout) for rule in axis.harmless_settings)
+    for rules in (INERT_RULES, harmless):
+        found = []
+        for keys, acts, why in rules:
+            given = [k for k in keys if plain(dotted(now, k)) != plain(dotted(default, k))]
+            if given and not acts(cfg, layout):
+                found.append(", ".join(f"{k}={plain(dotted(now, k))}" for k in given) + f": {why}")
+        out.append(found)
+    return out[0], out[1]
+
+
+def noop_value_problems(cfg: TrainConfig) -> list[str]:
+    """Values that would make the whole run train nothing, refused rather than run for nothing (peft.alpha 0:
+    models.lora_rules.peft_problems)."""
+    problems = []
+    if cfg.optim.lr == 0:  # below 0: resolve's range line
+        problems.append(
+            f"optim.lr {cfg.optim.lr} trains nothing: set optim.lr > 0 (to load and evaluate without training, "
+            "set max_steps=0)"
+        )
+    return problems
