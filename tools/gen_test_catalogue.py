@@ -52,6 +52,7 @@ AREAS = {
         "test_adamw_impl",
     ],
     "Parallel layouts and schedules": [
+        "test_axis_contract",
         "test_tensor_parallel",
         "test_sequence_parallel",
         "test_dualpipev",
