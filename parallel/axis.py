@@ -16,7 +16,8 @@ each collector asks every axis in one loop over ``AXES``:
 - ``harmless_settings``: settings that cannot act where the axis is used (a warning each, validate's
   ``inert_settings``);
 - ``warnings(layout, local_world_size)``, ``defaults(cfg, is_set)`` (defaults the axis cannot run with, adapted:
-  validate's ``adapt_defaults``) and ``objective_problems(layout, train_objective)`` (validate's objective rules).
+  validate's ``adapt_defaults``), ``objective_problems(layout, train_objective)`` (validate's objective rules) and
+  ``compile_problems(layout)`` (what ``compile=true`` does not run with, training/compile.py).
 
 ``parallel.stage.axis_plans(layout)`` builds the plans a layout uses, and their steps run in this order:
 
@@ -147,6 +148,11 @@ class AxisPlan:
     def defaults(cfg, is_set) -> list[tuple[str, object, str]]:
         """The defaults the axis cannot run with: (key, the value it runs with, why) for each such key ``is_set``
         says the user left (cfg: training.configuration.schema.TrainConfig)."""
+        return []
+
+    @staticmethod
+    def compile_problems(layout: Layout) -> list[str]:
+        """What ``compile=true`` does not run with on this axis (training/compile.py asks when compile is on)."""
         return []
 
     @staticmethod

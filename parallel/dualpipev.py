@@ -287,6 +287,20 @@ class DualPipeVPlan(AxisPlan):
         return problems
 
     @staticmethod
+    def compile_problems(layout: Layout) -> list[str]:
+        return (
+            [
+                "compile=true with pipeline_schedule=dualpipev: DualPipeV's zero bubble queues each linear layer's "
+                "weight gradient from inside its backward for a later pass (parallel/dualpipev.py), a side effect "
+                "torch.compile does not trace: every linear layer breaks the graph and runs eagerly (14 graphs and 17 "
+                "breaks per decoder layer), so compiling buys nothing there: set pipeline_schedule=1f1b, or set "
+                "compile=false"
+            ]
+            if layout.schedule == "dualpipev"
+            else []
+        )
+
+    @staticmethod
     def warnings(layout: Layout, local_world_size: int) -> list[str]:
         """1F1B with fewer micro-batches than stages: most of each step is the pipeline's bubble."""
         k, micro_batches = layout.stages, layout.grad_accum

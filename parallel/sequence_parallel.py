@@ -189,6 +189,18 @@ class SequenceParallelPlan(AxisPlan):
         return adapted
 
     @staticmethod
+    def compile_problems(layout: Layout) -> list[str]:
+        return (
+            [
+                f"compile=true with sequence_parallel {layout.sp}: Ulysses' all-to-all around each attention is not "
+                "checked compiled: set sequence_parallel=1 (shorter data.max_seq_length or more stages), or set "
+                "compile=false"
+            ]
+            if layout.sp > 1
+            else []
+        )
+
+    @staticmethod
     def objective_problems(layout: Layout, train_objective: str) -> list[str]:
         """train_objective=dpo: a sequence's log-probability is one sum."""
         if layout.sp <= 1 or train_objective != "dpo":

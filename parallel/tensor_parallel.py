@@ -337,6 +337,18 @@ class TensorParallelPlan(AxisPlan):
         )
 
     @staticmethod
+    def compile_problems(layout: Layout) -> list[str]:
+        return (
+            [
+                f"compile=true with tensor_parallel {layout.tp}: DeepSpeed's tensor-parallel layers all-reduce inside "
+                "their forward and backward, and compiled they are not checked against the unsplit model: set "
+                "tensor_parallel=1 (more stages or data parallelism instead), or set compile=false"
+            ]
+            if layout.tp > 1
+            else []
+        )
+
+    @staticmethod
     def warnings(layout: Layout, local_world_size: int) -> list[str]:
         """tensor_parallel wider than a node (``local_world_size`` ranks per node, 0 unknown): its all-reduces,
         two per layer and micro-batch each way, would cross the network between nodes."""

@@ -1,6 +1,6 @@
 """The axis contract: a plan put in ``AXES`` is asked by every collector with no other change (validation's problems,
-warnings, adapted defaults, objective and harmless-setting rules; the planner's refusals; the stage's plans), and the
-collectors themselves name no axis.
+warnings, adapted defaults, objective, compile and harmless-setting rules; the planner's refusals; the stage's
+plans), and the collectors themselves name no axis.
 
 A toy axis, used on layouts of three stages, stands in for a new one; ``AXES`` is patched where each collector reads
 it, which is what an entry in parallel/axes.py gives them all.
@@ -18,6 +18,7 @@ from parallel import memory_plan, stage
 from parallel.axes import AXES
 from parallel.axis import AxisPlan, ModelFacts, RuleSettings
 from parallel.layout import Layout
+from training import compile as compile_rules
 from training.configuration import validate
 from training.configuration.schema import ConfigError, DataConfig, TrainConfig
 from training.configuration.validate import resolve
@@ -47,13 +48,17 @@ class ToyPlan(AxisPlan):
         return [] if cfg.num_stages != 3 or is_set("optim.warmup_steps") else [("optim.warmup_steps", 1, "toy")]
 
     @staticmethod
+    def compile_problems(layout: Layout) -> list[str]:
+        return ["toy_parallel: not compiled"] if layout.stages == 3 else []
+
+    @staticmethod
     def objective_problems(layout: Layout, train_objective: str) -> list[str]:
         return ["toy_parallel: no dpo"] if layout.stages == 3 and train_objective == "dpo" else []
 
 
 @pytest.fixture()
 def toy_axis(monkeypatch):
-    for module in (validate, memory_plan, stage):
+    for module in (validate, memory_plan, stage, compile_rules):
         monkeypatch.setattr(module, "AXES", (*AXES, ToyPlan))
 
 
@@ -74,6 +79,10 @@ def test_validation_asks_a_new_axis_every_rule(tmp_path, tiny_hf, toy_axis):
     with pytest.raises(ConfigError) as err:
         resolve(config(tmp_path, tiny_hf, micro_batch_size=3), world_size=3)
     assert REFUSED in str(err.value)
+    with pytest.raises(ConfigError, match="toy_parallel: not compiled"):
+        resolve(config(tmp_path, tiny_hf, compile=True), world_size=3)
+    with pytest.raises(ConfigError, match="toy_parallel: no dpo"):
+        resolve(config(tmp_path, tiny_hf, train_objective="dpo"), world_size=3)
 
 
 def test_without_the_entry_nothing_asks_it(tmp_path, tiny_hf):
@@ -93,9 +102,10 @@ AXIS_WORDS = re.compile(r"(?:tensor(?!board)|sequence|expert|dualpipe|schedule|\
 
 
 def test_the_collectors_name_no_axis():
-    """validate.py's code (comments and strings dropped; monitor.tensorboard and optim.scheduler are not axes) and the
-    planner's refusals name no axis: each loops over AXES."""
-    code = re.sub(r"#[^\n]*|\"\"\".*?\"\"\"|\"[^\"\n]*\"", "", inspect.getsource(validate), flags=re.DOTALL)
+    """validate.py's code and compile's refusals (comments and strings dropped; monitor.tensorboard and
+    optim.scheduler are not axes) and the planner's refusals name no axis: each loops over AXES."""
+    source = inspect.getsource(validate) + inspect.getsource(compile_rules.compile_problems)
+    code = re.sub(r"#[^\n]*|\"\"\".*?\"\"\"|\"[^\"\n]*\"", "", source, flags=re.DOTALL)
     assert not AXIS_WORDS.findall(code.replace("optim.scheduler", "")), AXIS_WORDS.findall(code)
     refusals = inspect.getsource(memory_plan.refusals_of).split('"""')[-1]
     assert not AXIS_WORDS.search(refusals), refusals

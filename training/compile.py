@@ -30,6 +30,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from models.families import moe_spec
+from parallel.axes import AXES
 from parallel.layout import Layout
 
 # More micro-batch lengths than this: a warning with their number (dynamo's default recompile limit; torch marks the
@@ -51,25 +52,8 @@ def compile_problems(cfg, model_config, layout: Layout) -> list[str]:
         return []
     off = "or set compile=false"
     problems = []
-    if layout.tp > 1:
-        problems.append(
-            f"compile=true with tensor_parallel {layout.tp}: DeepSpeed's tensor-parallel layers all-reduce inside "
-            "their forward and backward, and compiled they are not checked against the unsplit model: set "
-            f"tensor_parallel=1 (more stages or data parallelism instead), {off}"
-        )
-    if layout.sp > 1:
-        problems.append(
-            f"compile=true with sequence_parallel {layout.sp}: Ulysses' all-to-all around each attention is not "
-            f"checked compiled: set sequence_parallel=1 (shorter data.max_seq_length or more stages), {off}"
-        )
-    if layout.schedule == "dualpipev":
-        problems.append(
-            "compile=true with pipeline_schedule=dualpipev: DualPipeV's zero bubble queues each linear layer's "
-            "weight gradient from inside its backward for a later pass (parallel/dualpipev.py), a side effect "
-            "torch.compile does not trace: every linear layer breaks the graph and runs eagerly (14 graphs and 17 "
-            "breaks per decoder layer), so compiling buys nothing there: set pipeline_schedule=1f1b, "
-            f"{off}"
-        )
+    for axis in AXES:  # what each parallel axis does not run compiled
+        problems += axis.compile_problems(layout)
     if cfg.peft.method != "none":
         problems.append(
             f"compile=true with peft.method={cfg.peft.method}: PEFT's adapter layers are not checked compiled: "
