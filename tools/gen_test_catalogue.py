@@ -51,6 +51,11 @@ AREAS = {
         "test_compile",
         "test_adamw_impl",
     ],
+    "Online RL (GRPO): the building blocks against Hugging Face and TRL": [
+        "test_generation",
+        "test_grpo_loss",
+        "test_rewards",
+    ],
     "Parallel layouts and schedules": [
         "test_axis_contract",
         "test_tensor_parallel",

@@ -1,0 +1,380 @@
+"""Generation stage by stage over the pipeline's own modules, each stage keeping the KV cache of its decoder layers.
+
+A stage is a contiguous slice of the spec list (models/llama_pipe.py's ``build_specs``): maybe the embedding, some
+decoder layers, maybe the final norm and the LM head. :class:`StageGenerator` runs one stage's share of a prefill and
+of each one-token decode step, calling the Hugging Face decoder layers as ``<Family>Model.forward`` does for
+generation: the stage's own ``DynamicCache`` (built from the config, so a sliding or chunked layer keeps only its
+window), one mask per attention type from transformers' mask functions sized against the stage's first layer of that
+type, rotary embeddings from ``position_ids``. No stage holds another's weights or cache.
+
+:func:`generate` chains the stages in one process and picks the tokens as Hugging Face's ``generate`` does for a
+decoder-only model: left padding with a 2D attention mask (dropped when no row is padded), positions counted from the
+mask, greedy argmax or sampling after transformers' own temperature, top-k and top-p processors in its order, one
+``torch.multinomial`` draw for every row each step, finished rows fed the padding token until every row is done. A
+multi-rank version replaces this driver only. Per decode step, what crosses:
+
+    stage k -> stage k+1   hidden [B,1,H] (the prefill: [B,S,H], S the padded prompt length; after the final norm,
+                           whichever stage holds it: [B,1,H], only the last position)
+    last -> first stage    next tokens [B] int64 (and whether every row has finished)
+    every stage            attention_mask [B,S+t] (None without padding) and position_ids [B,1] int64, which each
+                           rank can derive from the prompt lengths and the step count alone
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from models.attention import DOCUMENT_ATTENTION
+from models.families import attention_type
+from models.files.pipeline_dir import split_of
+from models.llama_pipe import (
+    MASK_FUNCTIONS,
+    DecoderLayerPipe,
+    EmbeddingPipe,
+    LMHeadPipe,
+    NormPipe,
+    tied_lm_head_chunked_forward,
+    tied_lm_head_forward,
+)
+
+# The attention function of a generation step: the stages' default one (per-document, from position_ids) takes no
+# mask, and a KV cache with left padding needs one.
+GENERATION_ATTENTION = "sdpa"
+_TIED_HEADS = (tied_lm_head_forward, tied_lm_head_chunked_forward)
+_ORDER = {"embed": 0, "decoder": 1, "norm": 2, "head": 3}
+
+
+def spec_kind(func: nn.Module | partial) -> str | None:
+    """``embed``, ``decoder``, ``norm`` or ``head`` for a built spec (a tied head is a partial over the embedding),
+    None for anything else."""
+    if isinstance(func, partial) and func.func in _TIED_HEADS and isinstance(func.args[0], EmbeddingPipe):
+        return "head"
+    for kind, cls in (("embed", EmbeddingPipe), ("decoder", DecoderLayerPipe), ("norm", NormPipe)):
+        if isinstance(func, cls):
+            return kind
+    return "head" if isinstance(func, LMHeadPipe) else None
+
+
+class StageGenerator:
+    """One stage's share of generation: its modules (a contiguous slice of the spec list) and the KV cache of its
+    decoder layers only (:meth:`reset` starts a new one).
+
+    :meth:`step` takes token ids [B,T] int64 on the stage with the embedding, else the previous stage's hidden
+    states, with the 2D ``attention_mask`` [B,past+T] (None: no padding) and ``position_ids`` [B,T]; T is the padded
+    prompt length in the prefill, 1 in a decode step. It returns hidden [B,T,H], or from the final norm on only the
+    last position: hidden [B,1,H], or the next-token logits [B,V] fp32 on the stage with the LM head. The modules run
+    in the mode they are in (as Hugging Face's ``generate`` leaves the model's); the caller picks eval or train.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module | partial]):
+        problems = stage_problems(modules)
+        if problems:
+            raise ValueError("\n".join(problems))
+        kinds = [spec_kind(m) for m in modules]
+        self.embedding = modules[0] if kinds[0] == "embed" else None
+        self.layers = [m for m, k in zip(modules, kinds) if k == "decoder"]
+        self.norm = next((m for m, k in zip(modules, kinds) if k == "norm"), None)
+        self.head = next((m for m, k in zip(modules, kinds) if k == "head"), None)
+        self.config = self.layers[0].self_attn.config if self.layers else None
+        # The mask of each attention type is sized against the stage's first layer of that type, as the model's
+        # forward sizes it against the model's first (every layer of a type has seen the same tokens).
+        self.mask_layers: dict[str, int] = {}
+        for layer in self.layers:
+            self.mask_layers.setdefault(
+                attention_type(self.config, layer.self_attn.layer_idx), layer.self_attn.layer_idx
+            )
+        self.cache: DynamicCache | None = None
+        self.reset()
+
+    @property
+    def device(self) -> torch.device:
+        """Where this stage's weights are (and its inputs go)."""
+        first = next((m for m in (self.embedding, *self.layers, self.norm) if m is not None), None)
+        return next(first.parameters()).device if first is not None else _head_weight(self.head).device
+
+    def reset(self) -> None:
+        """Forget the cached keys and values: the next step is a prefill. The cache has an entry per decoder layer of
+        the model (transformers indexes it by layer), those of other stages empty: no memory."""
+        self.cache = DynamicCache(config=self.config) if self.layers else None
+
+    def step(
+        self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = nn.Embedding.forward(self.embedding, inputs) if self.embedding is not None else inputs  # [B,T,H]
+        if self.layers:
+            with _dense_attention(self.config):
+                hidden = self._layers(hidden, attention_mask, position_ids)
+        if self.norm is not None or self.head is not None:
+            hidden = hidden[:, -1:]  # [B,1,H]: only the last position's logits are needed
+        if self.norm is not None:
+            hidden = super(NormPipe, self.norm).forward(hidden)  # the family's RMSNorm
+        if self.head is None:
+            return hidden
+        return F.linear(hidden[:, -1], _head_weight(self.head)).float()  # [B,V] fp32, as generate casts them
+
+    def _layers(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor):
+        masks = {  # built before any layer adds this step's keys, as the model's forward builds them
+            kind: MASK_FUNCTIONS[kind](
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                past_key_values=self.cache,
+                position_ids=position_ids,
+                layer_idx=layer_idx,
+            )
+            for kind, layer_idx in self.mask_layers.items()
+        }
+        cos_sin = self.layers[0].rotary_emb(hidden, position_ids)  # the same for every layer, as the model's
+        for layer in self.layers:
+            hidden = super(DecoderLayerPipe, layer).forward(  # the family's Hugging Face decoder layer
+                hidden,
+                attention_mask=masks[attention_type(self.config, layer.self_attn.layer_idx)],
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+                position_embeddings=cos_sin,
+            )
+            layer._router_logits = None  # the router loss's hook keeps them: nothing to train on here
+        return hidden
+
+
+def stage_problems(modules: Sequence[nn.Module | partial]) -> list[str]:
+    """Why ``modules`` are not one stage's contiguous slice of the spec list, one line each (empty: they are)."""
+    if not modules:
+        return ["a generation stage needs at least one module of the spec list"]
+    kinds = [spec_kind(m) for m in modules]
+    problems = [
+        f"stage module {i} ({type(m).__name__}) is not a spec of models/llama_pipe.py's build_specs "
+        "(embedding, decoder layer, norm, LM head)"
+        for i, (m, k) in enumerate(zip(modules, kinds))
+        if k is None
+    ]
+    known = [(i, k) for i, k in enumerate(kinds) if k is not None]
+    for (_, a), (j, b) in zip(known, known[1:]):
+        if _ORDER[b] < _ORDER[a] or (b == a and a != "decoder"):
+            problems.append(f"stage module {j} ({b}) follows a {a}: the modules are not in the spec list's order")
+    for i, (m, k) in enumerate(zip(modules, kinds)):
+        module = m.args[0] if isinstance(m, partial) else m
+        pieces = any(split_of(p) or hasattr(p, "ds_id") for p in module.parameters())
+        if k is not None and (module._forward_pre_hooks or pieces):
+            problems.append(
+                f"stage module {i} ({type(module).__name__}) is split by tensor, expert or sequence parallelism or "
+                "ZeRO-3: generation runs whole modules only"
+            )
+    layers = [m.self_attn.layer_idx for m, k in zip(modules, kinds) if k == "decoder"]
+    if layers and layers != list(range(layers[0], layers[0] + len(layers))):
+        problems.append(f"the decoder layers {layers} are not consecutive")
+    return problems
+
+
+def _head_weight(head: nn.Module | partial) -> torch.Tensor:
+    """The LM head's [V,H] weight: its own, or the embedding's when tied (built chunked or not)."""
+    return head.args[0].weight if isinstance(head, partial) else head.weight
+
+
+@contextmanager
+def _dense_attention(config):
+    """The stage's layers attend with transformers' ``sdpa`` and its masks for the step, if they were built with the
+    per-document attention (which takes no mask); their config is shared, so it is put back after."""
+    before = config._attn_implementation
+    if before == DOCUMENT_ATTENTION:
+        config._attn_implementation = GENERATION_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One row's generated ids (its EOS included if produced, nothing after it) and whether max_new_tokens cut it."""
+
+    ids: list[int]
+    truncated: bool
+
+
+def sampling_processors(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
+    """transformers' own logits processors of sampling, in the order ``generate`` applies them (temperature, top-k,
+    top-p), each only where ``generate`` adds it."""
+    processors = LogitsProcessorList()
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k != 0:
+        processors.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return processors
+
+
+def generation_problems(
+    prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, top_k: int
+) -> list[str]:
+    """Every argument :func:`generate` cannot take, one line each with the value to change."""
+    problems = []
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        problems.append("generate: every prompt needs at least one token (an empty prompt or no prompts given)")
+    if max_new_tokens < 1:
+        problems.append(f"generate: max_new_tokens is {max_new_tokens}; set it to 1 or more")
+    if not temperature > 0:
+        problems.append(f"generate: temperature is {temperature}; set it above 0 (or do_sample=False for greedy)")
+    if not 0 < top_p <= 1:
+        problems.append(f"generate: top_p is {top_p}; set it in (0, 1] (1: off)")
+    if top_k < 0:
+        problems.append(f"generate: top_k is {top_k}; set it to 0 (off) or more")
+    return problems
+
+
+def chain_problems(units: list[StageGenerator]) -> list[str]:
+    """Why the stages do not make the whole spec list in order (embedding first, every decoder layer once, the
+    head last), one line each."""
+    problems = []
+    if units[0].embedding is None:
+        problems.append("generate: the first stage must start with the embedding (spec 0)")
+    if units[-1].head is None:
+        problems.append("generate: the last stage must end with the LM head (the last spec)")
+    for i, unit in enumerate(units):
+        if i > 0 and unit.embedding is not None:
+            problems.append(f"generate: stage {i} holds the embedding, which only the first stage may")
+        if i < len(units) - 1 and unit.head is not None:
+            problems.append(f"generate: stage {i} holds the LM head, which only the last stage may")
+    layers = [layer.self_attn.layer_idx for unit in units for layer in unit.layers]
+    config = next((unit.config for unit in units if unit.config is not None), None)
+    expected = list(range(config.num_hidden_layers)) if config is not None else []
+    if layers != expected:
+        problems.append(f"generate: the stages hold the decoder layers {layers}, not each of {expected} once in order")
+    return problems
+
+
+def left_padded(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B,S], attention_mask [B,S]) int64, the prompts right-aligned as a decoder-only model's batch."""
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for row, prompt in enumerate(prompt_ids):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B,S] positions counting each row's real tokens from 0, padding at 0: ``generate``'s rule."""
+    return (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+
+
+def next_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B,1]: each row's position after the last of ``position_ids`` [B,T], as ``generate`` advances them."""
+    return position_ids[:, -1:] + 1
+
+
+def run_stages(
+    units: list[StageGenerator], inputs: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """One prefill or decode step through every stage in turn: token ids in, next-token logits [B,V] fp32 out (what
+    a multi-rank version sends and receives instead)."""
+    x = inputs
+    for unit in units:
+        device = unit.device
+        mask = attention_mask.to(device) if attention_mask is not None else None
+        x = unit.step(x.to(device), mask, position_ids.to(device))
+    return x
+
+
+@torch.no_grad()
+def generate(
+    stages: list[Sequence[nn.Module | partial]],
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    eos_token_id: int | list[int],
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+    pad_token_id: int | None = None,
+) -> list[Completion]:
+    """Completions of ``prompt_ids`` through ``stages`` (each a list of one stage's modules, together the whole spec
+    list in order), as ``<Family>ForCausalLM.generate`` makes them with the same arguments (module docstring).
+
+    ``do_sample``: draw from the probabilities after ``temperature``, ``top_k`` (0: off) and ``top_p`` (1: off) with
+    ``generator`` (None: torch's global generator, as ``generate`` draws), else greedy. ``eos_token_id``: one id or
+    several; ``pad_token_id``: what left-pads the prompts and feeds finished rows (None: the first EOS id, as
+    ``generate`` falls back to).
+    """
+    problems = generation_problems(prompt_ids, max_new_tokens, temperature, top_p, top_k)
+    stage_lines = [
+        f"generate: stage {i}: {line}" for i, modules in enumerate(stages) for line in stage_problems(modules)
+    ]
+    units = [StageGenerator(modules) for modules in stages] if stages and not stage_lines else []
+    problems += stage_lines or (chain_problems(units) if units else ["generate: no stages given"])
+    if problems:
+        raise ValueError("\n".join(problems))
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long)
+    pad = int(eos[0]) if pad_token_id is None else pad_token_id
+    processors = sampling_processors(temperature, top_k, top_p) if do_sample else None
+    ids, mask = left_padded(prompt_ids, pad)
+    positions = positions_from_mask(mask)
+    mask = None if bool(mask.all()) else mask  # generate drops a mask without padding
+    for unit in units:
+        unit.reset()
+    finished = torch.zeros(len(prompt_ids), dtype=torch.bool)
+    tokens = []
+    inputs = ids
+    for _ in range(max_new_tokens):
+        logits = run_stages(units, inputs, mask, positions)  # [B,V] fp32, on the last stage's device
+        chosen = pick_tokens(logits, ids, tokens, processors, generator).cpu()
+        chosen = torch.where(finished, torch.tensor(pad), chosen)  # [B]
+        tokens.append(chosen)
+        finished |= torch.isin(chosen, eos)
+        if bool(finished.all()):
+            break
+        inputs = chosen[:, None]  # [B,1]: one token per row, the cache holds the rest
+        positions = next_positions(positions)  # [B,1]
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+    for unit in units:
+        unit.reset()  # the caches are freed with the generation
+    return completions(torch.stack(tokens, dim=1), eos)
+
+
+def pick_tokens(
+    logits: torch.Tensor,
+    prompt: torch.Tensor,
+    tokens: list[torch.Tensor],
+    processors: LogitsProcessorList | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """The next token of every row [B] int64: argmax of ``logits`` [B,V] (``processors`` None), else one draw per
+    row from the processed probabilities (the processors see the ids so far, as in ``generate``)."""
+    if processors is None:
+        return logits.argmax(dim=-1)
+    if generator is not None and generator.device != logits.device:
+        raise ValueError(
+            f"generate: the generator is on {generator.device}, the logits on {logits.device}: "
+            "make the generator on the last stage's device"
+        )
+    so_far = torch.cat([prompt, *(t[:, None] for t in tokens)], dim=1).to(logits.device)  # [B,S+t]
+    probs = torch.softmax(processors(so_far, logits), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+
+
+def completions(tokens: torch.Tensor, eos: torch.Tensor) -> list[Completion]:
+    """Each row of ``tokens`` [B,N] cut after its first EOS; truncated where it has none."""
+    out = []
+    for row in tokens.tolist():
+        ends = [i for i, t in enumerate(row) if t in eos.tolist()]
+        out.append(Completion(row[: ends[0] + 1], False) if ends else Completion(row, True))
+    return out
