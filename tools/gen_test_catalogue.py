@@ -53,6 +53,7 @@ AREAS = {
     ],
     "Online RL (GRPO): the building blocks against Hugging Face and TRL": [
         "test_generation",
+        "test_pipeline_generation",
         "test_grpo_loss",
         "test_rewards",
     ],

@@ -1,0 +1,95 @@
+"""Run as `deepspeed --num_gpus N tests/ds_scripts/generate_on_stages.py OUT_JSON CASES_JSON`.
+
+CASES_JSON: a list of cases, each {"name", "ckpt": a converted directory, "hf": its Hugging Face directory (the
+config), "stages", "partition": the partition_method, "replicas": one {"prompts", "greedy_eos", "sampled_eos"} per
+data-parallel replica, "max_new_tokens", "seed", "sampling": {temperature, top_k, top_p}}. For each case every rank
+builds its stage of a pipe x data topology (train.py's build_pipeline_model, its layer files loaded with
+load_stage_weights) and calls parallel.pipeline_generation.generate_on_stages with its replica's prompts, greedy and
+then sampled with a torch.Generator seeded ``seed``. Each rank writes OUT_JSON.<rank>: {name: {"stage", "replica",
+"specs", "greedy": [[ids, truncated], ...], "sampled": [...]}}.
+"""
+
+import json
+import os
+import sys
+
+sys.argv = [a for a in sys.argv if not a.startswith("--local_rank")]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology  # noqa: E402
+
+from models.families import load_config  # noqa: E402
+from models.files.pipeline_dir import load_stage_weights  # noqa: E402
+from parallel.layout import Layout  # noqa: E402
+from parallel.pipeline_generation import generate_on_stages  # noqa: E402
+from parallel.stage import build_pipeline_model, pipeline_topology  # noqa: E402
+
+out_path, cases_path = sys.argv[1], sys.argv[2]
+with open(cases_path) as f:
+    cases = json.load(f)
+deepspeed.init_distributed()
+rank, world = dist.get_rank(), dist.get_world_size()
+
+
+def rows(completions) -> list:
+    return [[c.ids, c.truncated] for c in completions]
+
+
+results = {}
+for case in cases:
+    config = load_config(case["hf"])
+    topology = PipeDataParallelTopology(num_pp=case["stages"], num_dp=world // case["stages"])
+    model = build_pipeline_model(config, topology, partition_method=case["partition"])
+    load_stage_weights(model, config, case["ckpt"])
+    model.eval()
+    replica = model._grid.data_parallel_id
+    mine = case["replicas"][replica]
+    greedy = generate_on_stages(model, mine["prompts"], case["max_new_tokens"], mine["greedy_eos"])
+    generator = torch.Generator().manual_seed(case["seed"])
+    sampled = generate_on_stages(
+        model,
+        mine["prompts"],
+        case["max_new_tokens"],
+        mine["sampled_eos"],
+        do_sample=True,
+        generator=generator,
+        **case["sampling"],
+    )
+    results[case["name"]] = {
+        "stage": model.stage_id,
+        "replica": replica,
+        "specs": list(range(model._local_start, model._local_stop)),
+        "greedy": rows(greedy),
+        "sampled": rows(sampled),
+    }
+
+
+def refusal(model, *args, **kwargs) -> str:
+    try:
+        generate_on_stages(model, *args, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return "not refused"
+
+
+if world == 4:  # what is refused, the same message on every rank of a pipeline
+    config = load_config(cases[0]["hf"])
+    model = build_pipeline_model(config, PipeDataParallelTopology(num_pp=2, num_dp=2))
+    prompts = cases[0]["replicas"][0]["prompts"]
+    refused = {
+        "other_prompts": refusal(model, prompts[::-1] if model.stage_id == 1 else prompts, 4, 2),
+        "no_tokens": refusal(model, prompts, 0, 2, temperature=0.0, do_sample=True),
+    }
+    for name, layout in {
+        "dualpipev": Layout(stages=2, dp=2, schedule="dualpipev"),
+        "tensor_parallel": Layout(stages=2, tp=2),
+    }.items():
+        refused[name] = refusal(build_pipeline_model(config, pipeline_topology(layout), layout), prompts, 4, 2)
+    results["refused"] = refused
+with open(f"{out_path}.{rank}", "w") as f:
+    json.dump(results, f)
+dist.barrier()
+dist.destroy_process_group()
