@@ -29,6 +29,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from models.loss import IGNORE_INDEX, LossSplit, head_impl, head_losses, shifted_targets
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL's advantage divisor: std + 1e-4
@@ -205,3 +207,154 @@ def _nan_extreme(x: torch.Tensor, reduce) -> torch.Tensor:
     """TRL's ``nanmin`` / ``nanmax``: NaN rows (no active token) are skipped; all NaN gives NaN."""
     kept = x[~torch.isnan(x)]
     return reduce(kept) if kept.numel() else torch.tensor(math.nan, dtype=x.dtype)
+
+
+# The per-micro-batch sums GRPOLoss.stats holds, in this order (kl is 0 with beta 0; the last two are the micro-batch's
+# extremes over its sequences, NaN when none has a completion token)
+GRPO_METRICS = (
+    "tokens",
+    "kl",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+)
+_SUMMED = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+class GRPOLoss:
+    """The pipeline's ``loss_fn`` for GRPO on the last stage: :func:`grpo_loss` of a micro-batch of completions.
+
+    ``outputs``: the chunked head's (hidden [B,S,H], weight [V,H]) (``chunk_tokens`` = loss_chunk_tokens > 0; logits
+    are refused). ``labels``: ``(labels [B,S] int64, advantages [B], old [B,S], reference [B,S])``: ``labels`` holds
+    each row's prompt + completion token ids with ``IGNORE_INDEX`` on the prompt and the padding (position t predicts
+    labels[t + 1], as :func:`models.loss.shifted_targets`); ``old`` and ``reference`` are per-token log-probabilities
+    in the same layout (the value at a completion token's own position; the rest is ignored), each an empty tensor
+    when unused: ``old`` with num_iterations 1 (the detached policy's), ``reference`` with beta 0.
+
+    Log-probabilities are taken at ``temperature``: logits / T = (hidden / T) @ weight^T, so the hidden states are
+    divided before the head (no [V,H] copy), through :func:`models.loss.head_losses` (chunked or Liger,
+    vocabulary-parallel under :class:`models.loss.LossSplit`'s ``tensor_parallel``). Each row's completion tokens are
+    packed left into [B,T] (T the longest completion of the micro-batch) with their mask.
+
+    Normalisation over a step: TRL divides grpo / bnpo / dr_grpo by the accumulation steps itself and dapo by its
+    per-window normaliser, and DDP averages gradients over processes. DeepSpeed divides every micro-batch's loss by
+    its ``gradient_accumulation_steps`` and averages over the data-parallel ranks, the same mean over ranks. So this
+    loss is TRL's micro-batch loss times ``micro_batches`` (DeepSpeed's division undoes the factor): grpo_loss with
+    ``gradient_accumulation_steps=1``, and dapo's normaliser divided by ``micro_batches``.
+    :meth:`set_step_normalizer` takes TRL's figures before each step: dapo's divisor of this rank's window
+    (:func:`dapo_normalizer` of the generation batch's active tokens over all ranks) and DeepSpeed's micro-batches.
+
+    ``stats``: one row per micro-batch since :meth:`take_stats`, :data:`GRPO_METRICS`: its completion tokens, the
+    token sums of kl and the clip indicators, and its per-sequence clip extremes. TRL logs each micro-batch's figure
+    over all ranks (sums and tokens summed, extremes min / max over ranks), averaged over the micro-batches. With
+    ``recording`` a list, the loss records each micro-batch's per-token log-probabilities [B,S] (the labels' layout,
+    0 off the completion) instead: the old and reference passes.
+    """
+
+    def __init__(
+        self,
+        chunk_tokens: int,
+        *,
+        temperature: float = 1.0,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        loss_type: str = "dapo",
+        max_completion_length: int | None = None,
+        impl: str = "chunked",
+    ) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(
+                f"GRPOLoss takes (hidden, weight) from the chunked head: build the model and the loss with "
+                f"loss_chunk_tokens > 0, not {chunk_tokens}"
+            )
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        _check(loss_type, "token", 0.0, None, max_completion_length, 1.0)
+        self.chunk_tokens, self.temperature = chunk_tokens, temperature
+        self.epsilon, self.epsilon_high, self.beta = epsilon, epsilon_high, beta
+        self.loss_type, self.max_completion_length = loss_type, max_completion_length
+        self.impl = head_impl(impl, chunk_tokens)
+        self.split_over(LossSplit())  # its seq_slice unused: sequence parallelism is not supported here
+        self.normalizer, self.micro_batches = None, 1
+        self.recording: list | None = None
+        self.stats: list[torch.Tensor] = []
+
+    def split_over(self, split: LossSplit) -> None:
+        """Compute this rank's share of the loss (``LossSplit``), as ``CausalLMLoss.split_over``."""
+        self.tensor_parallel, self.seq_slice = split.tensor_parallel, split.seq_slice
+
+    def set_step_normalizer(self, normalizer, micro_batches: int) -> None:
+        """Before a step: TRL's dapo divisor of this rank's accumulation window (unused by the other loss types) and
+        the micro-batches DeepSpeed divides each loss by (its gradient_accumulation_steps)."""
+        self.normalizer = None if normalizer is None else torch.as_tensor(normalizer, dtype=torch.float32)
+        self.micro_batches = micro_batches
+
+    def take_stats(self) -> torch.Tensor:
+        """[micro-batches, len(GRPO_METRICS)] fp64 of the micro-batches since the last call."""
+        stats, self.stats = self.stats, []
+        return torch.stack(stats) if stats else torch.zeros(0, len(GRPO_METRICS), dtype=torch.float64)
+
+    def token_logps(self, outputs, labels: torch.Tensor):
+        """(per-token log-probabilities [M] fp32, their rows [M], their label positions [M]) of the completion tokens
+        at ``temperature``, in row order."""
+        if isinstance(outputs, torch.Tensor):
+            raise ValueError("GRPOLoss takes the chunked head's (hidden, weight): build with loss_chunk_tokens > 0")
+        hidden, weight = outputs
+        seq = labels.shape[1]
+        hidden = hidden.reshape(-1, hidden.size(-1))  # [B*S,H]
+        if self.temperature != 1.0:
+            hidden = hidden / self.temperature  # logits / T, without a copy of the [V,H] head
+        targets = shifted_targets(labels)  # [B*S]
+        flat = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M]
+        losses = head_losses(
+            hidden, weight, flat, targets[flat], self.chunk_tokens, self.tensor_parallel, self.impl, "none"
+        )  # [M] fp32 cross entropy = -logp
+        return -losses, flat // seq, flat % seq + 1
+
+    def __call__(self, outputs, labels: tuple) -> torch.Tensor:
+        labels, advantages, old, reference = labels
+        logps, row, pos = self.token_logps(outputs, labels)  # [M] each
+        if self.recording is not None:
+            full = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)  # [B,S]
+            self.recording.append(full.index_put((row, pos), logps.detach()).cpu())
+            return logps.detach().sum() * 0.0
+        batch = labels.shape[0]
+        counts = torch.bincount(row, minlength=batch)  # [B] completion tokens per row
+        col = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]  # [M] index in its row
+        width = int(counts.max()) if batch else 0
+
+        def packed(values: torch.Tensor) -> torch.Tensor:  # [M] -> [B,T], 0 off the completion
+            return torch.zeros(batch, width, dtype=values.dtype, device=values.device).index_put((row, col), values)
+
+        mask = packed(torch.ones_like(logps))
+        old_logps = packed(old[row, pos].float()) if old.numel() else None
+        ref_logps = packed(reference[row, pos].float()) if reference.numel() else None
+        if self.loss_type == "dapo" and self.normalizer is None:
+            raise RuntimeError("GRPOLoss with loss_type=dapo needs set_step_normalizer before the step")
+        normalizer = None if self.normalizer is None else self.normalizer.to(logps.device) / self.micro_batches
+        loss, metrics = grpo_loss(
+            packed(logps),
+            advantages.to(logps.device, torch.float32),
+            mask,
+            old_per_token_logps=old_logps,
+            ref_per_token_logps=ref_logps,
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            beta=self.beta,
+            loss_type=self.loss_type,
+            max_completion_length=self.max_completion_length,
+            normalizer=normalizer,
+            gradient_accumulation_steps=1,  # DeepSpeed divides by the micro-batches (see the class docstring)
+        )
+        self._record_stats(metrics, mask)
+        return loss
+
+    def _record_stats(self, metrics: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
+        tokens = mask.sum()
+        zero = torch.zeros((), device=mask.device)
+        row = [tokens] + [metrics.get(name, zero) * tokens for name in _SUMMED]
+        row += [metrics["clip_ratio/low_min"].to(mask.device), metrics["clip_ratio/high_max"].to(mask.device)]
+        self.stats.append(torch.stack(row).double().cpu())  # one transfer off the device

@@ -55,6 +55,7 @@ AREAS = {
         "test_generation",
         "test_pipeline_generation",
         "test_grpo_loss",
+        "test_grpo_stage_loss",
         "test_rewards",
     ],
     "Parallel layouts and schedules": [
