@@ -9,9 +9,13 @@ type, rotary embeddings from ``position_ids``. No stage holds another's weights 
 
 :func:`generate` chains the stages in one process and picks the tokens as Hugging Face's ``generate`` does for a
 decoder-only model: left padding with a 2D attention mask (dropped when no row is padded), positions counted from the
-mask, greedy argmax or sampling after transformers' own temperature, top-k and top-p processors in its order, one
-``torch.multinomial`` draw for every row each step, finished rows fed the padding token until every row is done. A
-multi-rank version replaces this driver only. Per decode step, what crosses:
+mask, greedy argmax or sampling after transformers' own temperature, top-k and top-p processors in its order, finished
+rows fed the padding token until every row is done. The rows may run in ``micro_batches`` chunks (row slices of the
+padded batch, each with its own KV cache on each stage), step by step in chunk order; a chunk whose rows have all
+finished is left out. Sampling makes ``torch.multinomial``'s draw for the whole batch: one ``exponential_`` fill
+[B,V] from the generator per step (drawn at the step's first chunk), each row's token the argmax of its
+probabilities over its noise; that is how ``multinomial`` draws one sample, so the tokens are ``generate``'s and do
+not depend on the chunking. A multi-rank version replaces this driver only. Per decode step, what crosses:
 
     stage k -> stage k+1   hidden [B,1,H] (the prefill: [B,S,H], S the padded prompt length; after the final norm,
                            whichever stage holds it: [B,1,H], only the last position)
@@ -97,6 +101,7 @@ class StageGenerator:
             self.mask_layers.setdefault(
                 attention_type(self.config, layer.self_attn.layer_idx), layer.self_attn.layer_idx
             )
+        self.caches: list[DynamicCache | None] = []
         self.cache: DynamicCache | None = None
         self.reset()
 
@@ -106,10 +111,16 @@ class StageGenerator:
         first = next((m for m in (self.embedding, *self.layers, self.norm) if m is not None), None)
         return next(first.parameters()).device if first is not None else _head_weight(self.head).device
 
-    def reset(self) -> None:
-        """Forget the cached keys and values: the next step is a prefill. The cache has an entry per decoder layer of
-        the model (transformers indexes it by layer), those of other stages empty: no memory."""
-        self.cache = DynamicCache(config=self.config) if self.layers else None
+    def reset(self, chunks: int = 1) -> None:
+        """Forget the cached keys and values: one new cache per chunk of rows, the first selected, the next step of
+        each a prefill. A cache has an entry per decoder layer of the model (transformers indexes it by layer), those
+        of other stages empty: no memory."""
+        self.caches = [DynamicCache(config=self.config) if self.layers else None for _ in range(chunks)]
+        self.cache = self.caches[0]
+
+    def select(self, chunk: int) -> None:
+        """The next :meth:`step` runs chunk ``chunk``'s rows, against its cache."""
+        self.cache = self.caches[chunk]
 
     def step(
         self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
@@ -221,7 +232,12 @@ def sampling_processors(temperature: float, top_k: int, top_p: float) -> LogitsP
 
 
 def generation_problems(
-    prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, top_k: int
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    micro_batches: int = 1,
 ) -> list[str]:
     """Every argument :func:`generate` cannot take, one line each with the value to change."""
     problems = []
@@ -235,6 +251,8 @@ def generation_problems(
         problems.append(f"generate: top_p is {top_p}; set it in (0, 1] (1: off)")
     if top_k < 0:
         problems.append(f"generate: top_k is {top_k}; set it to 0 (off) or more")
+    if micro_batches < 1:
+        problems.append(f"generate: micro_batches is {micro_batches}; set it to 1 or more")
     return problems
 
 
@@ -305,6 +323,7 @@ def generate(
     top_k: int = 0,
     generator: torch.Generator | None = None,
     pad_token_id: int | None = None,
+    micro_batches: int = 1,
 ) -> list[Completion]:
     """Completions of ``prompt_ids`` through ``stages`` (each a list of one stage's modules, together the whole spec
     list in order), as ``<Family>ForCausalLM.generate`` makes them with the same arguments (module docstring).
@@ -312,9 +331,10 @@ def generate(
     ``do_sample``: draw from the probabilities after ``temperature``, ``top_k`` (0: off) and ``top_p`` (1: off) with
     ``generator`` (None: torch's global generator, as ``generate`` draws), else greedy. ``eos_token_id``: one id or
     several; ``pad_token_id``: what left-pads the prompts and feeds finished rows (None: the first EOS id, as
-    ``generate`` falls back to).
+    ``generate`` falls back to). ``micro_batches``: how many chunks the rows run in (capped at the batch size); the
+    completions are the same for any.
     """
-    problems = generation_problems(prompt_ids, max_new_tokens, temperature, top_p, top_k)
+    problems = generation_problems(prompt_ids, max_new_tokens, temperature, top_p, top_k, micro_batches)
     stage_lines = [
         f"generate: stage {i}: {line}" for i, modules in enumerate(stages) for line in stage_problems(modules)
     ]
@@ -322,53 +342,107 @@ def generate(
     problems += stage_lines or (chain_problems(units) if units else ["generate: no stages given"])
     if problems:
         raise ValueError("\n".join(problems))
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long)
-    pad = int(eos[0]) if pad_token_id is None else pad_token_id
-    processors = sampling_processors(temperature, top_k, top_p) if do_sample else None
-    ids, mask = left_padded(prompt_ids, pad)
-    positions = positions_from_mask(mask)
-    mask = None if bool(mask.all()) else mask  # generate drops a mask without padding
+    batch = Batch(prompt_ids, eos_token_id, pad_token_id, micro_batches)
+    picker = TokenPicker(sampling_processors(temperature, top_k, top_p) if do_sample else None, generator, batch)
     for unit in units:
-        unit.reset()
-    finished = torch.zeros(len(prompt_ids), dtype=torch.bool)
-    tokens = []
-    inputs = ids
+        unit.reset(len(batch.chunks))
     for _ in range(max_new_tokens):
-        logits = run_stages(units, inputs, mask, positions)  # [B,V] fp32, on the last stage's device
-        chosen = pick_tokens(logits, ids, tokens, processors, generator).cpu()
-        chosen = torch.where(finished, torch.tensor(pad), chosen)  # [B]
-        tokens.append(chosen)
-        finished |= torch.isin(chosen, eos)
-        if bool(finished.all()):
+        live = [j for j, chunk in enumerate(batch.chunks) if not chunk.done(max_new_tokens)]
+        if not live:
             break
-        inputs = chosen[:, None]  # [B,1]: one token per row, the cache holds the rest
-        positions = next_positions(positions)  # [B,1]
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        for j in live:
+            chunk = batch.chunks[j]
+            for unit in units:
+                unit.select(j)
+            logits = run_stages(units, chunk.inputs, chunk.mask, chunk.positions)  # [b,V] fp32, the last device's
+            chunk.take(picker(logits, chunk).cpu())
     for unit in units:
         unit.reset()  # the caches are freed with the generation
-    return completions(torch.stack(tokens, dim=1), eos)
+    return batch.completions()
 
 
-def pick_tokens(
-    logits: torch.Tensor,
-    prompt: torch.Tensor,
-    tokens: list[torch.Tensor],
-    processors: LogitsProcessorList | None,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """The next token of every row [B] int64: argmax of ``logits`` [B,V] (``processors`` None), else one draw per
-    row from the processed probabilities (the processors see the ids so far, as in ``generate``)."""
-    if processors is None:
-        return logits.argmax(dim=-1)
-    if generator is not None and generator.device != logits.device:
+class Chunk:
+    """One micro-batch: the rows ``rows`` of the left-padded batch, the inputs, mask (None: no padding anywhere in the
+    batch) and positions of its next step, the tokens picked so far [b] each and which rows have finished."""
+
+    def __init__(self, rows: range, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, batch):
+        self.rows, self.batch = rows, batch
+        self.prompt = ids[rows.start : rows.stop]  # [b,S]
+        self.inputs = self.prompt
+        self.mask = mask[rows.start : rows.stop] if mask is not None else None
+        self.positions = positions[rows.start : rows.stop]
+        self.tokens: list[torch.Tensor] = []
+        self.finished = torch.zeros(len(rows), dtype=torch.bool)
+
+    @property
+    def step(self) -> int:
+        """How many tokens each row has: the step that runs next."""
+        return len(self.tokens)
+
+    def done(self, max_new_tokens: int) -> bool:
+        return self.step == max_new_tokens or bool(self.finished.all())
+
+    def take(self, chosen: torch.Tensor) -> None:
+        """Keep the step's tokens [b] (a finished row's become the padding token) and make the next step's inputs."""
+        chosen = torch.where(self.finished, torch.tensor(self.batch.pad), chosen)
+        self.tokens.append(chosen)
+        self.finished |= torch.isin(chosen, self.batch.eos)
+        self.inputs = chosen[:, None]  # [b,1]: one token per row, the cache holds the rest
+        self.positions = next_positions(self.positions)  # [b,1]
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+
+
+class Batch:
+    """The prompts left-padded as ``generate`` pads them (positions from the mask, the mask dropped without padding),
+    cut into ``micro_batches`` chunks of consecutive rows (capped at the batch size, sizes differing by one at
+    most)."""
+
+    def __init__(self, prompt_ids: list[list[int]], eos_token_id, pad_token_id: int | None, micro_batches: int):
+        self.eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        self.pad = int(self.eos[0]) if pad_token_id is None else pad_token_id
+        ids, mask = left_padded(prompt_ids, self.pad)
+        positions = positions_from_mask(mask)
+        mask = None if bool(mask.all()) else mask  # generate drops a mask without padding
+        self.size, self.width = ids.shape
+        count = min(micro_batches, self.size)
+        bounds = [self.size * i // count for i in range(count + 1)]
+        self.chunks = [Chunk(range(a, b), ids, mask, positions, self) for a, b in zip(bounds, bounds[1:])]
+
+    def completions(self) -> list[Completion]:
+        return [c for chunk in self.chunks for c in completions(torch.stack(chunk.tokens, dim=1), self.eos)]
+
+
+class TokenPicker:
+    """Each chunk's next tokens [b] from its logits [b,V]: the argmax (``processors`` None), else the draw of
+    ``torch.multinomial(probs, 1, generator)`` over the whole batch, made per chunk: one ``exponential_`` fill
+    [B,V] per step (at the step's first chunk: the chunks must come step by step), each row the argmax of its
+    probabilities over its noise, as ``multinomial`` draws one sample."""
+
+    def __init__(self, processors: LogitsProcessorList | None, generator: torch.Generator | None, batch: Batch):
+        self.processors, self.generator, self.batch = processors, generator, batch
+        self.noise: torch.Tensor | None = None
+        self.noise_step = -1
+
+    def __call__(self, logits: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        if self.processors is None:
+            return logits.argmax(dim=-1)
+        if chunk.step != self.noise_step:
+            self.noise = step_noise((self.batch.size, logits.shape[-1]), logits.device, self.generator)
+            self.noise_step = chunk.step
+        so_far = torch.cat([chunk.prompt, *(t[:, None] for t in chunk.tokens)], dim=1).to(logits.device)  # [b,S+t]
+        probs = torch.softmax(self.processors(so_far, logits), dim=-1)
+        return (probs / self.noise[chunk.rows.start : chunk.rows.stop]).argmax(dim=-1)
+
+
+def step_noise(shape: tuple[int, int], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """The Exp(1) noise [B,V] fp32 that ``torch.multinomial`` draws for one sample per row of [B,V] probabilities."""
+    if generator is not None and generator.device != device:
         raise ValueError(
-            f"generate: the generator is on {generator.device}, the logits on {logits.device}: "
+            f"generate: the generator is on {generator.device}, the logits on {device}: "
             "make the generator on the last stage's device"
         )
-    so_far = torch.cat([prompt, *(t[:, None] for t in tokens)], dim=1).to(logits.device)  # [B,S+t]
-    probs = torch.softmax(processors(so_far, logits), dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    return torch.empty(shape, dtype=torch.float32, device=device).exponential_(1, generator=generator)
 
 
 def completions(tokens: torch.Tensor, eos: torch.Tensor) -> list[Completion]:

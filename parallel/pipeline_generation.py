@@ -2,20 +2,29 @@
 :class:`StageGenerator` over the ``PipelineModule``'s local modules), each data-parallel replica its own prompts.
 
 Every rank of a pipeline calls :func:`generate_on_stages` with the same arguments; each rank derives the padded
-prompts, the attention mask and the positions of every step from the prompt lengths alone. What crosses, in the
-ranks of this rank's pipeline only (DeepSpeed's grid: ``stage_to_global`` and the pipe group):
+prompts, the attention mask and the positions of every step from the prompt lengths alone. The rows run in
+``micro_batches`` chunks (models/generation.py's ``Batch``: row slices of the padded batch, each with its own KV cache
+on each stage), several in flight so that every stage works. The schedule, which every rank computes alike from what
+it has received (so all agree by construction), runs in ticks; at tick ``t``:
 
-    prefill        stage k -> k+1   ``send``/``recv`` of hidden [B,S,H] (S the padded prompt length), or [B,1,H]
-                                    from the stage holding the final norm on
-    decode step    stage k -> k+1   ``send``/``recv`` of hidden [B,1,H]
-    every step     last -> all      ``broadcast`` over the pipe group of the next tokens [B] int64, which the first
-                                    stage feeds next; every rank keeps them, so each knows when every row has
-                                    finished and ends with the same completions
+    stage 0 starts the chunk whose turn it is (round robin over the chunks not done, in row order) once that
+    chunk's previous tokens are in; if they are not, it idles (a bubble: fewer chunks than stages, or some done);
+    stage k runs what stage 0 started at tick ``t - k``; the last stage's chunk has its tokens picked at once
 
-The hidden states travel in the stages' weight dtype. The last stage picks the tokens, so a sampling
-``generator`` is used there only (a seeded one on the other ranks is left untouched). The schedule runs one batch
-at a time: while a stage works on a step the others wait; several micro-batches in flight (as training's schedule
-keeps them) is not done yet.
+so the chunks come to the last stage step by step, in row order within a step (sampling's draw order: models/
+generation.py's ``TokenPicker``), and with as many chunks as stages no stage waits. What crosses, in the ranks of
+this rank's pipeline only (DeepSpeed's grid: ``stage_to_global`` and the pipe group), per tick and rank in this order:
+
+    recv     stage k-1 -> k   hidden [b,S,H] of the chunk's prefill (S the padded prompt length) or [b,1,H] of a
+                              decode step (from the stage holding the final norm on: [b,1,H]); b the chunk's rows
+    broadcast  last -> all    if the last stage ran a chunk: its next tokens [b] int64, over the pipe group; every
+                              rank keeps them (the first stage feeds them next; each knows which rows have finished)
+    send     stage k -> k+1   what this stage computed this tick
+
+Blocking ``send``/``recv`` pair across ticks (sent at the end of tick ``t``, received at the start of ``t + 1``), and
+every rank makes the same broadcasts in the same order, so gloo's blocking calls cannot deadlock. The hidden states
+travel in the stages' weight dtype. The last stage picks the tokens, so a sampling ``generator`` is used there only
+(a seeded one on the other ranks is left untouched).
 """
 
 from __future__ import annotations
@@ -29,14 +38,11 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 from models.files.pipeline_dir import stage_pieces
 from models.generation import (
+    Batch,
     Completion,
     StageGenerator,
-    completions,
+    TokenPicker,
     generation_problems,
-    left_padded,
-    next_positions,
-    pick_tokens,
-    positions_from_mask,
     sampling_processors,
     stage_problems,
 )
@@ -93,6 +99,7 @@ class Request:
     top_p: float
     top_k: int
     pad_token_id: int | None
+    micro_batches: int
 
 
 @torch.no_grad()
@@ -107,14 +114,19 @@ def generate_on_stages(
     top_k: int = 0,
     generator: torch.Generator | None = None,
     pad_token_id: int | None = None,
+    micro_batches: int | None = None,
 ) -> list[Completion]:
     """The completions of ``prompt_ids`` that models.generation.generate makes with the same arguments, returned on
     every rank of this rank's pipeline; each rank of the pipeline calls it with the same ``prompt_ids`` (those of
     its data-parallel replica) and arguments. ``generator``: the last stage's (the one that samples; module
-    docstring). The modules run in the mode they are in. Problems on any rank of the pipeline are raised on all of
-    them, together.
+    docstring). ``micro_batches``: how many chunks of rows are in flight (None: the number of stages; capped at the
+    batch size); the completions are the same for any. The modules run in the mode they are in. Problems on any rank
+    of the pipeline are raised on all of them, together.
     """
-    request = Request(prompt_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, top_k, pad_token_id)
+    chunks = model.num_stages if micro_batches is None else micro_batches
+    request = Request(
+        prompt_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, top_k, pad_token_id, chunks
+    )
     problems = pipeline_problems(model)
     unit = StageGenerator(stage_modules(model)) if not problems else None
     if unit is not None and model.stage_id == model.num_stages - 1 and do_sample and generator is not None:
@@ -157,58 +169,89 @@ def agreed_problems(gathered: list, num_layers: int) -> list[str]:
         if request != first
     ]
     return problems + generation_problems(
-        first.prompt_ids, first.max_new_tokens, first.temperature, first.top_p, first.top_k
+        first.prompt_ids, first.max_new_tokens, first.temperature, first.top_p, first.top_k, first.micro_batches
     )
 
 
 def _generate(
     model: PipelineModule, unit: StageGenerator, request: Request, generator: torch.Generator | None
 ) -> list[Completion]:
-    """models.generation.generate's loop, this rank's stage only, the hidden states and tokens sent as the module
-    docstring says."""
+    """models.generation.generate's loop, this rank's stage only, the chunks in flight and the hidden states and
+    tokens sent as the module docstring's schedule says."""
     stage, last, grid = model.stage_id, model.num_stages - 1, model._grid
     previous = grid.stage_to_global(stage - 1) if stage > 0 else None
     following = grid.stage_to_global(stage + 1) if stage < last else None
     sampler, group = grid.stage_to_global(last), grid.get_pipe_parallel_group()
-    device, dtype = unit.device, weight_dtype(unit)
-    eos_ids = request.eos_token_id
-    eos = torch.tensor([eos_ids] if isinstance(eos_ids, int) else list(eos_ids), dtype=torch.long)
-    pad = int(eos[0]) if request.pad_token_id is None else request.pad_token_id
+    device, dtype, hidden_size = unit.device, weight_dtype(unit), model._llama_config.hidden_size
+    batch = Batch(request.prompt_ids, request.eos_token_id, request.pad_token_id, request.micro_batches)
     processors = sampling_processors(request.temperature, request.top_k, request.top_p) if request.do_sample else None
-    ids, mask = left_padded(request.prompt_ids, pad)
-    positions = positions_from_mask(mask)
-    mask = None if bool(mask.all()) else mask  # generate drops a mask without padding
-    batch, hidden_size = len(request.prompt_ids), model._llama_config.hidden_size
+    picker = TokenPicker(processors, generator, batch)  # used on the last stage only
     # The previous stage sends one position once it has applied the final norm: a stage with neither decoder layers
     # nor the norm holds the head alone, right after the norm's stage.
     after_norm = not unit.layers and unit.norm is None
-    unit.reset()
-    finished = torch.zeros(batch, dtype=torch.bool)
-    tokens = []
-    inputs = ids
-    for _ in range(request.max_new_tokens):
-        if previous is not None:
-            width = 1 if after_norm else positions.shape[1]
-            inputs = torch.empty(batch, width, hidden_size, dtype=dtype, device=device)
-            dist.recv(inputs, src=previous)
-        out = unit.step(inputs.to(device), mask.to(device) if mask is not None else None, positions.to(device))
-        if following is not None:
+    unit.reset(len(batch.chunks))
+    schedule = Schedule(batch.chunks, request.max_new_tokens)
+    while schedule.running():
+        schedule.tick()
+        mine, out = schedule.at(stage), None
+        if mine is not None:
+            chunk = batch.chunks[mine]
+            inputs = chunk.inputs
+            if previous is not None:
+                width = 1 if after_norm or chunk.step > 0 else batch.width
+                inputs = torch.empty(len(chunk.rows), width, hidden_size, dtype=dtype, device=device)
+                dist.recv(inputs, src=previous)
+            unit.select(mine)
+            mask = chunk.mask.to(device) if chunk.mask is not None else None
+            out = unit.step(inputs.to(device), mask, chunk.positions.to(device))
+        ending = schedule.at(last)
+        if ending is not None:
+            chunk = batch.chunks[ending]
+            tokens = picker(out, chunk) if following is None else torch.empty(len(chunk.rows), dtype=torch.long)
+            tokens = tokens.to(device)
+            dist.broadcast(tokens, src=sampler, group=group)  # [b] int64: the chunk's next inputs, every rank's
+            schedule.land(ending, tokens.cpu())
+        if out is not None and following is not None:
             dist.send(out.to(dtype).contiguous(), dst=following)  # the dtype the next stage receives in
-            chosen = torch.empty(batch, dtype=torch.long, device=device)
-        else:
-            chosen = pick_tokens(out, ids, tokens, processors, generator)
-            chosen = torch.where(finished.to(device), torch.tensor(pad, device=device), chosen)
-        dist.broadcast(chosen, src=sampler, group=group)  # [B] int64: the first stage's next inputs, every rank's
-        chosen = chosen.cpu()
-        tokens.append(chosen)
-        finished |= torch.isin(chosen, eos)
-        if bool(finished.all()):
-            break
-        inputs = chosen[:, None]  # [B,1]: one token per row, the cache holds the rest
-        positions = next_positions(positions)  # [B,1]
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
-    return completions(torch.stack(tokens, dim=1), eos)
+    return batch.completions()
+
+
+class Schedule:
+    """The module docstring's ticks over ``chunks`` (models/generation.py's ``Chunk``), kept alike on every rank of
+    the pipeline: :meth:`tick` makes stage 0's choice, :meth:`at` tells what a stage runs in the tick,
+    :meth:`land` takes a chunk's tokens from the last stage."""
+
+    def __init__(self, chunks: list, max_new_tokens: int):
+        self.chunks, self.max_new_tokens = chunks, max_new_tokens
+        self.started: list[int | None] = []  # per tick, the chunk stage 0 started (None: it idled)
+        self.in_flight: set[int] = set()
+        self.turn = 0
+
+    def running(self) -> bool:
+        return not all(chunk.done(self.max_new_tokens) for chunk in self.chunks)
+
+    def tick(self) -> None:
+        """Stage 0 starts the chunk whose turn it is (the first not done from ``turn`` on, round robin) if its
+        previous tokens are in, else idles."""
+        count = len(self.chunks)
+        turns = (j % count for j in range(self.turn, self.turn + count))
+        chosen = next(j for j in turns if not self.chunks[j].done(self.max_new_tokens))
+        if chosen in self.in_flight:
+            self.started.append(None)
+            return
+        self.started.append(chosen)
+        self.in_flight.add(chosen)
+        self.turn = chosen + 1
+
+    def at(self, stage: int) -> int | None:
+        """The chunk stage ``stage`` runs in this tick: what stage 0 started ``stage`` ticks ago (None: none)."""
+        tick = len(self.started) - 1 - stage
+        return self.started[tick] if tick >= 0 else None
+
+    def land(self, chunk: int, tokens) -> None:
+        """The chunk's next tokens [b], picked on the last stage in this tick."""
+        self.chunks[chunk].take(tokens)
+        self.in_flight.discard(chunk)
 
 
 def weight_dtype(unit: StageGenerator) -> torch.dtype:

@@ -95,6 +95,7 @@ def test_many_micro_batch_lengths_warn_with_their_number():
     assert "up to 64 lengths" in warning and "raise data.pad_to_multiple_of" in warning
 
 
+@pytest.mark.slow
 def test_packed_rows_of_another_document_layout_reuse_the_compiled_graphs(dynamo_without_guard_timing):
     """The per-document attention finds documents with data-dependent Python: compiled, it runs eagerly between
     the layer's graphs, so another packing of the rows neither recompiles nor changes a number."""
@@ -119,6 +120,7 @@ def test_packed_rows_of_another_document_layout_reuse_the_compiled_graphs(dynamo
     assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs, (graphs, counters["stats"])
 
 
+@pytest.mark.slow
 def test_a_layer_over_whole_rows_compiles_into_one_graph(dynamo_without_guard_timing):
     """Rows of one document each (unpacked data): the layer asks the host first and the causal SDPA call is traced
     into the layer's graph, one graph as the plain loop's compiled layer has, the same numbers as eager. Packed rows
@@ -234,6 +236,7 @@ def test_compile_time_is_said_once_and_recompiles_are_counted(runs):
     )
 
 
+@pytest.mark.slow
 def test_dualpipev_deferred_weight_gradients_break_the_graph_at_every_linear_layer(dynamo_without_guard_timing):
     """Why compile=true refuses DualPipeV: its linear layers queue their weight gradients from inside their backward,
     which dynamo does not trace, so every one of them breaks the graph and runs eagerly (the gradients stay right)."""

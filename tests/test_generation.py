@@ -5,7 +5,8 @@ Prompts of different lengths in one left-padded batch, some rows stopping at EOS
 into 2 and 3 stages (the norm with the head, or the head alone), for llama, qwen2 (tied), qwen3 with sliding layers,
 mistral with a window shorter than the prompts, qwen3_moe, mixtral and llama4_text (chunked attention). Each decode
 step feeds one token per row and the caches grow by one; right padding, no mask, decode positions that stop
-advancing, a window ignored or the sampling processors in another order each break the equality.
+advancing, a window ignored or the sampling processors in another order each break the equality. The rows run in
+chunks (micro-batches) make the same tokens, greedy and sampled; a draw per chunk instead of one per step breaks that.
 """
 
 from __future__ import annotations
@@ -87,11 +88,11 @@ def eos_for_some_rows(completions: list[Completion]) -> int:
     return next(t for t in completions[0].ids[2:] if t not in last)
 
 
-def ours(stages, prompts, eos, seed: int | None = None, **sampling) -> list[Completion]:
+def ours(stages, prompts, eos, seed: int | None = None, micro_batches: int = 1, **sampling) -> list[Completion]:
     if seed is None:
-        return generate(stages, prompts, MAX_NEW, eos)
+        return generate(stages, prompts, MAX_NEW, eos, micro_batches=micro_batches)
     g = torch.Generator().manual_seed(seed)
-    return generate(stages, prompts, MAX_NEW, eos, do_sample=True, generator=g, **sampling)
+    return generate(stages, prompts, MAX_NEW, eos, True, generator=g, micro_batches=micro_batches, **sampling)
 
 
 def assert_equals_hf(hf, funcs, splits: list[list[int]], seed: int | None, prompts=PROMPTS) -> list[Completion]:
@@ -104,7 +105,12 @@ def assert_equals_hf(hf, funcs, splits: list[list[int]], seed: int | None, promp
     return ref
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+FAST_FAMILIES = ("llama", "mistral_window")  # the fast tier's; the sweep over the others is slow (a second or more)
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST_FAMILIES else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES]
+)
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_stage_generation_equals_hf_generate(name, sampled):
     model_type, overrides = FAMILIES[name]
@@ -199,6 +205,42 @@ def test_a_wrong_treatment_breaks_the_equality(name, monkeypatch):
     assert ours(stages_of(funcs, SPLITS["norm_with_head"]), PROMPTS, eos, seed, **sampling) != ref
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_chunked_generation_equals_unchunked(sampled, monkeypatch):
+    """The rows in 2, 3, 4 or (capped) 9 chunks, each with its own caches, make the one-chunk completions token for
+    token; a chunk whose rows have all finished runs no more steps (one row per chunk: a row's steps are its
+    tokens)."""
+    _, funcs = pair("llama")
+    stages = stages_of(funcs, SPLITS["head_alone"])
+    seed, sampling = (0, SAMPLING) if sampled else (None, {})
+    eos = eos_for_some_rows(ours(stages, PROMPTS, 2, seed, **sampling))
+    ref = ours(stages, PROMPTS, eos, seed, **sampling)
+    assert {c.truncated for c in ref} == {True, False}
+    steps = []
+    run = generation.run_stages
+    monkeypatch.setattr(generation, "run_stages", lambda units, x, *rest: steps.append(len(x)) or run(units, x, *rest))
+    for micro_batches in (2, 3, 4, 9):
+        steps.clear()
+        assert ours(stages, PROMPTS, eos, seed, micro_batches, **sampling) == ref, micro_batches
+    assert len(steps) == sum(len(c.ids) for c in ref) and set(steps) == {1}  # 9 capped at 4: one row per chunk
+
+
+def test_one_draw_per_chunk_breaks_the_chunked_equality(monkeypatch):
+    """A fresh multinomial draw per chunk (not one for the whole batch each step) changes the sampled tokens."""
+    _, funcs = pair("llama")
+    stages = stages_of(funcs, SPLITS["head_alone"])
+    ref = ours(stages, PROMPTS, 2, 0, **SAMPLING)
+    pick = generation.TokenPicker.__call__
+
+    def per_chunk(picker, logits, chunk):
+        picker.noise_step = -1
+        return pick(picker, logits, chunk)
+
+    monkeypatch.setattr(generation.TokenPicker, "__call__", per_chunk)
+    assert ours(stages, PROMPTS, 2, 0, **SAMPLING) == ref  # one chunk: the same draws
+    assert ours(stages, PROMPTS, 2, 0, 2, **SAMPLING) != ref
+
+
 def test_stages_that_are_not_the_spec_list_are_refused():
     _, funcs = pair("llama")
     with pytest.raises(ValueError) as e:
@@ -214,13 +256,16 @@ def test_stages_that_are_not_the_spec_list_are_refused():
         "the decoder layers [1, 0] are not consecutive",
     ]
     with pytest.raises(ValueError) as e:
-        generate([funcs[3:], funcs[:3]], [[]], 0, 2, do_sample=True, temperature=0.0, top_p=1.5, top_k=-1)
+        generate(
+            [funcs[3:], funcs[:3]], [[]], 0, 2, do_sample=True, temperature=0.0, top_p=1.5, top_k=-1, micro_batches=0
+        )
     assert str(e.value).splitlines() == [
         "generate: every prompt needs at least one token (an empty prompt or no prompts given)",
         "generate: max_new_tokens is 0; set it to 1 or more",
         "generate: temperature is 0.0; set it above 0 (or do_sample=False for greedy)",
         "generate: top_p is 1.5; set it in (0, 1] (1: off)",
         "generate: top_k is -1; set it to 0 (off) or more",
+        "generate: micro_batches is 0; set it to 1 or more",
         "generate: the first stage must start with the embedding (spec 0)",
         "generate: the last stage must end with the LM head (the last spec)",
         "generate: stage 0 holds the LM head, which only the last stage may",

@@ -245,6 +245,7 @@ def _loss_gap(ours, trl) -> float:
     return max(_rel(a[0], b[0]) for a, b in zip(ours["steps"], trl["steps"], strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_steps_equal_trl(tiny_hf, trl_run, case):
     trl, trl_weights = trl_run(case)
@@ -282,6 +283,7 @@ WRONG = {  # what a plausible slip changes -> the case it is shown on
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong", list(WRONG))
 def test_a_slip_breaks_the_tolerance(tiny_hf, trl_run, wrong):
     change, case = WRONG[wrong]

@@ -5,8 +5,9 @@ in one process (sampled, the same seed), token for token.
 CPU ranks, fp32, layer files converted from a tiny random model and loaded per stage as train.py loads them: llama
 and qwen3_moe on pipe 2 x data 2, each data-parallel replica with its own prompts of different lengths (some rows
 stopping at EOS, others at max_new_tokens), and llama with a tied head on pipe 3 x data 1 (the head alone on the
-last stage, sent one position by the norm's stage). Prompts that differ between the stages, bad arguments, DualPipeV's
-two pieces per rank and tensor parallelism are refused on every rank of the pipeline.
+last stage, sent one position by the norm's stage); with the default micro-batches (one per stage) and with 1, 2 and
+3 chunks of rows in flight, all alike. Prompts that differ between the stages, bad arguments, DualPipeV's two pieces
+per rank and tensor parallelism are refused on every rank of the pipeline.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tests.test_stage_parity import copy_hf_weights
 pytestmark = pytest.mark.multirank  # starts DeepSpeed ranks
 
 SEED = 3
+MICRO_BATCHES = [1, 2, 3]
 REPLICA_PROMPTS = [  # one list per data-parallel replica: different lengths within each, different batches
     [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [30, 31, 32, 33, 34, 35], [40, 41, 42, 43]],
     [[50, 51, 52, 53, 54], [60, 61], [70, 71, 72, 73, 74, 75, 76, 77]],
@@ -91,6 +93,7 @@ def runs(tmp_path_factory):
                     max_new_tokens=MAX_NEW,
                     seed=SEED,
                     sampling=SAMPLING,
+                    micro_batches=MICRO_BATCHES,
                     replicas=[
                         dict(prompts=p, greedy_eos=r["greedy_eos"], sampled_eos=r["sampled_eos"])
                         for p, r in zip(REPLICA_PROMPTS, replicas)
@@ -132,6 +135,19 @@ def test_every_rank_makes_the_one_process_completions(runs, name, mode):
             stage = rank["stage"]
             assert rank["specs"] == list(range(*ref["bounds"][stage : stage + 2]))  # the split of the reference
             assert completions_of(rank[mode]) == ref[mode], (name, mode, replica, stage)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_chunks_in_flight_make_the_same_completions(runs, name):
+    """1, 2 or 3 micro-batches in flight (3 for the 3 rows of the second replica: one each): the completions of the
+    one-process generation, greedy and sampled, on every rank."""
+    refs, ranks = runs[name]
+    for rank in ranks:
+        ref = refs[rank["replica"]]
+        assert sorted(rank["chunked"]) == [str(m) for m in MICRO_BATCHES]
+        for micro_batches, made in rank["chunked"].items():
+            for mode in ("greedy", "sampled"):
+                assert completions_of(made[mode]) == ref[mode], (name, mode, micro_batches, rank["stage"])
 
 
 def test_what_cannot_generate_is_refused_on_every_rank_of_the_pipeline(runs):

@@ -125,6 +125,7 @@ def columns_of(inputs: list[dict]) -> dict[str, list]:
     return {key: [x[key] for x in inputs] for key in inputs[0] if key != "prompt"}
 
 
+@pytest.mark.slow
 def test_rewards_equal_trl_calculate_rewards(trl_run):
     trainer, rewards, module = trl_run
     inputs = rows(3, GENERATIONS)
@@ -143,6 +144,7 @@ def test_rewards_equal_trl_calculate_rewards(trl_run):
     assert rewards.names == trainer.reward_func_names == ["format_reward", "answer_reward", "judge_reward"]
 
 
+@pytest.mark.slow
 def test_metrics_equal_trl_logged_metrics(trl_run):
     """One generation batch through TRL's _generate_and_score_completions: our metrics of the same call equal the
     ones it logs; weights of 1, a biased std or unscorable rows counted as 0 each visibly break the equality."""
@@ -252,6 +254,7 @@ def test_two_functions_of_one_name_refused(rewards_dir):
     ]
 
 
+@pytest.mark.slow
 def test_trl_refuses_what_loading_refuses(trl_run, rewards_dir):
     """TRL's own call fails on a function without **kwargs and on a wrong count, as our checks say."""
     trainer, _, _ = trl_run

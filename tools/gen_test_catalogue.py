@@ -54,9 +54,11 @@ AREAS = {
     "Online RL (GRPO): the building blocks against Hugging Face and TRL": [
         "test_generation",
         "test_pipeline_generation",
+        "test_generation_memory",
         "test_grpo_loss",
         "test_grpo_stage_loss",
         "test_rewards",
+        "test_grpo_prompts",
     ],
     "Parallel layouts and schedules": [
         "test_axis_contract",
@@ -124,8 +126,8 @@ AREAS = {
         "test_imports",
     ],
 }
-# Markers a test may carry (pyproject.toml), as the catalogue names them; "fast" is the tier without multirank and e2e.
-TIERS = {"multirank": "multi-rank", "e2e": "e2e", "gpu": "GPU"}
+# Markers a test may carry (pyproject.toml), as the catalogue names them; "fast" is the tier without the others.
+TIERS = {"multirank": "multi-rank", "e2e": "e2e", "slow": "slow", "gpu": "GPU"}
 
 
 class CatalogueError(SectionError):

@@ -2,11 +2,12 @@
 
 CASES_JSON: a list of cases, each {"name", "ckpt": a converted directory, "hf": its Hugging Face directory (the
 config), "stages", "partition": the partition_method, "replicas": one {"prompts", "greedy_eos", "sampled_eos"} per
-data-parallel replica, "max_new_tokens", "seed", "sampling": {temperature, top_k, top_p}}. For each case every rank
-builds its stage of a pipe x data topology (train.py's build_pipeline_model, its layer files loaded with
-load_stage_weights) and calls parallel.pipeline_generation.generate_on_stages with its replica's prompts, greedy and
-then sampled with a torch.Generator seeded ``seed``. Each rank writes OUT_JSON.<rank>: {name: {"stage", "replica",
-"specs", "greedy": [[ids, truncated], ...], "sampled": [...]}}.
+data-parallel replica, "max_new_tokens", "seed", "sampling": {temperature, top_k, top_p}, "micro_batches": a list}.
+For each case every rank builds its stage of a pipe x data topology (train.py's build_pipeline_model, its layer files
+loaded with load_stage_weights) and calls parallel.pipeline_generation.generate_on_stages with its replica's prompts,
+greedy and then sampled with a torch.Generator seeded ``seed``, with the default micro_batches and then each of the
+list. Each rank writes OUT_JSON.<rank>: {name: {"stage", "replica", "specs", "greedy": [[ids, truncated], ...],
+"sampled": [...], "chunked": {micro_batches: {"greedy": ..., "sampled": ...}}}}.
 """
 
 import json
@@ -47,23 +48,36 @@ for case in cases:
     model.eval()
     replica = model._grid.data_parallel_id
     mine = case["replicas"][replica]
-    greedy = generate_on_stages(model, mine["prompts"], case["max_new_tokens"], mine["greedy_eos"])
-    generator = torch.Generator().manual_seed(case["seed"])
-    sampled = generate_on_stages(
-        model,
-        mine["prompts"],
-        case["max_new_tokens"],
-        mine["sampled_eos"],
-        do_sample=True,
-        generator=generator,
-        **case["sampling"],
-    )
+
+    def greedy(micro_batches=None):
+        return rows(
+            generate_on_stages(
+                model, mine["prompts"], case["max_new_tokens"], mine["greedy_eos"], micro_batches=micro_batches
+            )
+        )
+
+    def sampled(micro_batches=None):
+        generator = torch.Generator().manual_seed(case["seed"])
+        return rows(
+            generate_on_stages(
+                model,
+                mine["prompts"],
+                case["max_new_tokens"],
+                mine["sampled_eos"],
+                do_sample=True,
+                generator=generator,
+                micro_batches=micro_batches,
+                **case["sampling"],
+            )
+        )
+
     results[case["name"]] = {
         "stage": model.stage_id,
         "replica": replica,
         "specs": list(range(model._local_start, model._local_stop)),
-        "greedy": rows(greedy),
-        "sampled": rows(sampled),
+        "greedy": greedy(),
+        "sampled": sampled(),
+        "chunked": {m: {"greedy": greedy(m), "sampled": sampled(m)} for m in case["micro_batches"]},
     }
 
 
