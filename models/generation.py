@@ -22,6 +22,11 @@ not depend on the chunking. A multi-rank version replaces this driver only. Per 
     last -> first stage    next tokens [B] int64 (and whether every row has finished)
     every stage            attention_mask [B,S+t] (None without padding) and position_ids [B,1] int64, which each
                            rank can derive from the prompt lengths and the step count alone
+
+A stage split by tensor parallelism (parallel/tensor_parallel.py; :class:`StageGenerator` given its group) runs
+its pieces as training does: every rank of the group takes the same inputs, the split layers all-reduce inside their
+forward, each rank caches its own KV heads (kv_heads / tp), the embedding sums the ranks' vocabulary slices, and the
+head's slices of the logits are gathered over the group in vocab order, so every rank has the whole [B,V].
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
@@ -84,8 +90,8 @@ class StageGenerator:
     in the mode they are in (as Hugging Face's ``generate`` leaves the model's); the caller picks eval or train.
     """
 
-    def __init__(self, modules: Sequence[nn.Module | partial]):
-        problems = stage_problems(modules)
+    def __init__(self, modules: Sequence[nn.Module | partial], tp_group=None):
+        problems = stage_problems(modules, tensor_parallel=tp_group is not None)
         if problems:
             raise ValueError("\n".join(problems))
         kinds = [spec_kind(m) for m in modules]
@@ -93,6 +99,7 @@ class StageGenerator:
         self.layers = [m for m, k in zip(modules, kinds) if k == "decoder"]
         self.norm = next((m for m, k in zip(modules, kinds) if k == "norm"), None)
         self.head = next((m for m, k in zip(modules, kinds) if k == "head"), None)
+        self.tp_group = tp_group  # the stage's tensor-parallel group (None: whole modules)
         self.config = self.layers[0].self_attn.config if self.layers else None
         # The mask of each attention type is sized against the stage's first layer of that type, as the model's
         # forward sizes it against the model's first (every layer of a type has seen the same tokens).
@@ -125,7 +132,7 @@ class StageGenerator:
     def step(
         self, inputs: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        hidden = nn.Embedding.forward(self.embedding, inputs) if self.embedding is not None else inputs  # [B,T,H]
+        hidden = self._embed(inputs) if self.embedding is not None else inputs  # [B,T,H]
         if self.layers:
             with _dense_attention(self.config):
                 hidden = self._layers(hidden, attention_mask, position_ids)
@@ -135,7 +142,29 @@ class StageGenerator:
             hidden = super(NormPipe, self.norm).forward(hidden)  # the family's RMSNorm
         if self.head is None:
             return hidden
-        return F.linear(hidden[:, -1], _head_weight(self.head)).float()  # [B,V] fp32, as generate casts them
+        logits = F.linear(hidden[:, -1], _head_weight(self.head)).float()  # [B,V] fp32, as generate casts them
+        return self._whole_vocabulary(logits)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B,T,H] of the token ids; split by vocabulary, each rank looks up the ids of its slice (the others
+        zero) and the group sums them, as parallel/tensor_parallel.py's VocabEmbedding does in training."""
+        weight = self.embedding.weight
+        if self.tp_group is None:
+            return nn.Embedding.forward(self.embedding, ids)
+        start = weight.tp_split[1] * weight.shape[0]
+        outside = (ids < start) | (ids >= start + weight.shape[0])  # [B,T] bool
+        hidden = F.embedding((ids - start).masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0.0)
+        dist.all_reduce(hidden, group=self.tp_group)
+        return hidden
+
+    def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B,V]: a head split by vocabulary gives each rank its slice [B,V/tp], gathered over the group in vocab
+        order (slice r on rank r), so that every rank picks the same tokens from the whole logits."""
+        if self.tp_group is None:
+            return logits
+        slices = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.tp_group))]
+        dist.all_gather(slices, logits.contiguous(), group=self.tp_group)
+        return torch.cat(slices, dim=-1)
 
     def _layers(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor):
         masks = {  # built before any layer adds this step's keys, as the model's forward builds them
@@ -163,8 +192,10 @@ class StageGenerator:
         return hidden
 
 
-def stage_problems(modules: Sequence[nn.Module | partial]) -> list[str]:
-    """Why ``modules`` are not one stage's contiguous slice of the spec list, one line each (empty: they are)."""
+def stage_problems(modules: Sequence[nn.Module | partial], tensor_parallel: bool = False) -> list[str]:
+    """Why ``modules`` are not one stage's contiguous slice of the spec list, one line each (empty: they are).
+    ``tensor_parallel``: pieces of parallel/tensor_parallel.py's split (``tp_split``, the vocabulary-parallel
+    embedding's hooks) are fine, which :class:`StageGenerator` given the group runs as training does."""
     if not modules:
         return ["a generation stage needs at least one module of the spec list"]
     kinds = [spec_kind(m) for m in modules]
@@ -180,8 +211,9 @@ def stage_problems(modules: Sequence[nn.Module | partial]) -> list[str]:
             problems.append(f"stage module {j} ({b}) follows a {a}: the modules are not in the spec list's order")
     for i, (m, k) in enumerate(zip(modules, kinds)):
         module = m.args[0] if isinstance(m, partial) else m
-        pieces = any(split_of(p) or hasattr(p, "ds_id") for p in module.parameters())
-        if k is not None and (module._forward_pre_hooks or pieces):
+        pieces = any(_foreign_piece(p, tensor_parallel) for p in module.parameters())
+        hooks = [h for h in module._forward_pre_hooks.values() if not (tensor_parallel and _vocab_split_hook(h))]
+        if k is not None and (hooks or pieces):
             problems.append(
                 f"stage module {i} ({type(module).__name__}) is split by tensor, expert or sequence parallelism or "
                 "ZeRO-3: generation runs whole modules only"
@@ -190,6 +222,20 @@ def stage_problems(modules: Sequence[nn.Module | partial]) -> list[str]:
     if layers and layers != list(range(layers[0], layers[0] + len(layers))):
         problems.append(f"the decoder layers {layers} are not consecutive")
     return problems
+
+
+def _foreign_piece(p: torch.Tensor, tensor_parallel: bool) -> bool:
+    """A parameter this rank holds a piece of that generation cannot run (``tensor_parallel``: a tensor-parallel
+    piece can): an expert-parallel or tensor-parallel split, a ZeRO-3 partition."""
+    if tensor_parallel and hasattr(p, "tp_split"):
+        return False
+    return split_of(p) is not None or hasattr(p, "ds_id")
+
+
+def _vocab_split_hook(hook) -> bool:
+    """The vocabulary-parallel embedding's pre-hook (parallel/tensor_parallel.py's VocabEmbedding; told by name, as
+    models/ does not import parallel/): :class:`StageGenerator` looks up the ids of the slice itself."""
+    return getattr(hook, "__qualname__", "").startswith("VocabEmbedding.split.")
 
 
 def _head_weight(head: nn.Module | partial) -> torch.Tensor:

@@ -25,6 +25,14 @@ Blocking ``send``/``recv`` pair across ticks (sent at the end of tick ``t``, rec
 every rank makes the same broadcasts in the same order, so gloo's blocking calls cannot deadlock. The hidden states
 travel in the stages' weight dtype. The last stage picks the tokens, so a sampling ``generator`` is used there only
 (a seeded one on the other ranks is left untouched).
+
+With tensor parallelism inside the stages (the topology's model axis), each TP rank index makes its own pipeline:
+DeepSpeed's pipe groups and ``stage_to_global`` keep this rank's model coordinate, so TP rank i of stage k sends its
+hidden states (replicated within the group) to TP rank i of stage k+1 and broadcasts tokens over its own pipe group.
+Every rank of a stage's TP group runs the same step on the same inputs (models/generation.py's ``StageGenerator``
+given the group: the layers all-reduce inside, the head's vocabulary slices are gathered), and each TP rank of the
+last stage picks the tokens from the same whole logits with its own generator: the caller seeds them alike, so
+every TP rank draws the same noise and the completions do not depend on tp.
 """
 
 from __future__ import annotations
@@ -60,13 +68,14 @@ def pipeline_problems(model: PipelineModule) -> list[str]:
             "generate_on_stages: this rank holds two pieces of the model (DualPipeV's layout): generation runs "
             "one stage per rank; set pipeline_schedule to 1f1b"
         ]
+    lines = stage_problems(stage_modules(model), tensor_parallel=tp_group(model) is not None)
+    return [f"generate_on_stages: stage {model.stage_id}: {line}" for line in lines]
+
+
+def tp_group(model: PipelineModule):
+    """This rank's tensor-parallel group (the topology's model axis), None without one."""
     grid = model._grid
-    if grid.model_parallel_size > 1:
-        return [
-            f"generate_on_stages: the topology has a model axis of {grid.model_parallel_size} (tensor "
-            "parallelism): generation runs whole modules only; set tensor_parallel to 1"
-        ]
-    return [f"generate_on_stages: stage {model.stage_id}: {line}" for line in stage_problems(stage_modules(model))]
+    return grid.get_slice_parallel_group() if grid.get_slice_parallel_world_size() > 1 else None
 
 
 def chain_problems_of(units_kinds: list[tuple[bool, list[int], bool]], num_layers: int) -> list[str]:
@@ -118,17 +127,18 @@ def generate_on_stages(
 ) -> list[Completion]:
     """The completions of ``prompt_ids`` that models.generation.generate makes with the same arguments, returned on
     every rank of this rank's pipeline; each rank of the pipeline calls it with the same ``prompt_ids`` (those of
-    its data-parallel replica) and arguments. ``generator``: the last stage's (the one that samples; module
-    docstring). ``micro_batches``: how many chunks of rows are in flight (None: the number of stages; capped at the
-    batch size); the completions are the same for any. The modules run in the mode they are in. Problems on any rank
-    of the pipeline are raised on all of them, together.
+    its data-parallel replica) and arguments. ``generator``: the last stage's (the one that samples; with tensor
+    parallelism each TP rank's there, seeded alike; module docstring). ``micro_batches``: how many chunks of rows
+    are in flight (None: the number of stages; capped at the batch size); the completions are the same for any. The
+    modules run in the mode they are in. Problems on any rank of the pipeline (and of its TP peers) are raised on all
+    of them, together.
     """
     chunks = model.num_stages if micro_batches is None else micro_batches
     request = Request(
         prompt_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, top_k, pad_token_id, chunks
     )
     problems = pipeline_problems(model)
-    unit = StageGenerator(stage_modules(model)) if not problems else None
+    unit = StageGenerator(stage_modules(model), tp_group(model)) if not problems else None
     if unit is not None and model.stage_id == model.num_stages - 1 and do_sample and generator is not None:
         if generator.device != unit.device:
             problems.append(
@@ -140,6 +150,12 @@ def generate_on_stages(
         gathered, (problems, stage_kinds(unit), request), group=model._grid.get_pipe_parallel_group()
     )
     problems = agreed_problems(gathered, model._llama_config.num_hidden_layers)
+    if tp_group(model) is not None:  # the tensor-parallel peers' (other pipelines') problems and requests too
+        peers: list = [None] * model._grid.get_slice_parallel_world_size()
+        dist.all_gather_object(peers, (problems, request), group=tp_group(model))
+        problems = list(dict.fromkeys(line for lines, _ in peers for line in lines))
+        if any(other != request for _, other in peers):
+            problems.append("generate_on_stages: the tensor-parallel peers were called with other prompts or arguments")
     if problems:
         raise ValueError("\n".join(problems))
     try:

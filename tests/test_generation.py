@@ -7,6 +7,8 @@ mistral with a window shorter than the prompts, qwen3_moe, mixtral and llama4_te
 step feeds one token per row and the caches grow by one; right padding, no mask, decode positions that stop
 advancing, a window ignored or the sampling processors in another order each break the equality. The rows run in
 chunks (micro-batches) make the same tokens, greedy and sampled; a draw per chunk instead of one per step breaks that.
+Modules split by a parallel axis are refused, tensor-parallel pieces passing only for a stage told so (the
+pipeline's, which runs them with the group).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from models.generation import Completion, StageGenerator, generate
 from models.llama_pipe import build_sequential
 from models.tiny import tiny_config
 from parallel.partition import stage_boundaries
+from parallel.tensor_parallel import VocabEmbedding
 from tests.test_stage_parity import copy_hf_weights
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [30, 31, 32, 33, 34, 35], [40, 41, 42, 43]]
@@ -286,6 +289,25 @@ def test_modules_split_by_a_parallel_axis_are_refused():
         f"generate: stage 0: stage module {i} ({name}) is split by tensor, expert or sequence parallelism or ZeRO-3: "
         "generation runs whole modules only"
         for i, name in ((0, "EmbeddingPipe"), (2, "LlamaDecoderLayerPipe"))
+    ]
+
+
+def test_tensor_parallel_pieces_pass_only_for_a_stage_told_so():
+    """parallel/tensor_parallel.py's pieces (``tp_split``, the vocabulary-parallel embedding's hooks) pass with
+    ``tensor_parallel`` (the pipeline's StageGenerator runs them with the group); an expert-parallel piece, a
+    ZeRO-3 partition or another hook is still refused."""
+    _, funcs = pair("llama")
+    VocabEmbedding.split(funcs[0], None, 0, 2)
+    funcs[2].mlp.down_proj.weight.tp_split = (1, 0, 2)
+    assert generation.stage_problems(funcs[:3], tensor_parallel=True) == []
+    assert len(generation.stage_problems(funcs[:3])) == 2  # the one-process generate refuses them
+    funcs[1].mlp.up_proj.weight.ep_split = (0, 0, 2)
+    funcs[2].input_layernorm.weight.ds_id = 7
+    funcs[3].register_forward_pre_hook(lambda module, args: None)
+    assert generation.stage_problems(funcs[:4], tensor_parallel=True) == [
+        f"stage module {i} ({name}) is split by tensor, expert or sequence parallelism or ZeRO-3: "
+        "generation runs whole modules only"
+        for i, name in ((1, "LlamaDecoderLayerPipe"), (2, "LlamaDecoderLayerPipe"), (3, "LlamaDecoderLayerPipe"))
     ]
 
 

@@ -6,8 +6,9 @@ CPU ranks, fp32, layer files converted from a tiny random model and loaded per s
 and qwen3_moe on pipe 2 x data 2, each data-parallel replica with its own prompts of different lengths (some rows
 stopping at EOS, others at max_new_tokens), and llama with a tied head on pipe 3 x data 1 (the head alone on the
 last stage, sent one position by the norm's stage); with the default micro-batches (one per stage) and with 1, 2 and
-3 chunks of rows in flight, all alike. Prompts that differ between the stages, bad arguments, DualPipeV's two pieces
-per rank and tensor parallelism are refused on every rank of the pipeline.
+3 chunks of rows in flight, all alike; llama on pipe 2 x tensor 2 (data 1, in the 4-rank launch), every TP rank of
+every stage alike. Prompts that differ between the stages, bad arguments and DualPipeV's two pieces per rank are
+refused on every rank of the pipeline.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def runs(tmp_path_factory):
             out[name] = (refs[name], [rank[name] for rank in per_rank])
         if ranks == 4:
             out["refused"] = [rank["refused"] for rank in per_rank]
+            out["tensor_parallel"] = (refs["llama"][0], [rank["tensor_parallel"] for rank in per_rank])
     return out
 
 
@@ -160,7 +162,19 @@ def test_what_cannot_generate_is_refused_on_every_rank_of_the_pipeline(runs):
         "generate: temperature is 0.0; set it above 0 (or do_sample=False for greedy)",
         "dualpipev": "generate_on_stages: this rank holds two pieces of the model (DualPipeV's layout): generation "
         "runs one stage per rank; set pipeline_schedule to 1f1b",
-        "tensor_parallel": "generate_on_stages: the topology has a model axis of 2 (tensor parallelism): "
-        "generation runs whole modules only; set tensor_parallel to 1",
     }.items():
         assert [rank[case] for rank in refused] == [message] * 4, case
+
+
+def test_tensor_parallel_stages_make_the_one_process_completions(runs):
+    """pipe 2 x tensor 2 (data 1): every rank, both TP ranks of each stage, makes the llama case's first replica's
+    completions (Hugging Face's greedy, the one-process sampled with the same seed), with every micro_batches."""
+    ref, ranks = runs["tensor_parallel"]
+    assert sorted((r["stage"], r["tp_rank"]) for r in ranks) == [(s, t) for s in range(2) for t in range(2)]
+    for rank in ranks:
+        stage = rank["stage"]
+        assert rank["specs"] == list(range(*ref["bounds"][stage : stage + 2]))
+        for mode in ("greedy", "sampled"):
+            assert completions_of(rank[mode]) == ref[mode], (mode, stage, rank["tp_rank"])
+            for micro_batches, made in rank["chunked"].items():
+                assert completions_of(made[mode]) == ref[mode], (mode, micro_batches, stage, rank["tp_rank"])

@@ -7,7 +7,9 @@ For each case every rank builds its stage of a pipe x data topology (train.py's 
 loaded with load_stage_weights) and calls parallel.pipeline_generation.generate_on_stages with its replica's prompts,
 greedy and then sampled with a torch.Generator seeded ``seed``, with the default micro_batches and then each of the
 list. Each rank writes OUT_JSON.<rank>: {name: {"stage", "replica", "specs", "greedy": [[ids, truncated], ...],
-"sampled": [...], "chunked": {micro_batches: {"greedy": ..., "sampled": ...}}}}.
+"sampled": [...], "chunked": {micro_batches: {"greedy": ..., "sampled": ...}}}}. On 4 ranks also "refused" (the
+refusals' messages) and "tensor_parallel": the first case on pipe 2 x tensor 2 with its first replica's prompts (the
+same keys, and "tp_rank").
 """
 
 import json
@@ -39,15 +41,8 @@ def rows(completions) -> list:
     return [[c.ids, c.truncated] for c in completions]
 
 
-results = {}
-for case in cases:
-    config = load_config(case["hf"])
-    topology = PipeDataParallelTopology(num_pp=case["stages"], num_dp=world // case["stages"])
-    model = build_pipeline_model(config, topology, partition_method=case["partition"])
-    load_stage_weights(model, config, case["ckpt"])
-    model.eval()
-    replica = model._grid.data_parallel_id
-    mine = case["replicas"][replica]
+def run_case(model, case, mine) -> dict:
+    """This rank's completions of its replica's prompts ``mine``: greedy, sampled, and each micro_batches."""
 
     def greedy(micro_batches=None):
         return rows(
@@ -71,14 +66,24 @@ for case in cases:
             )
         )
 
-    results[case["name"]] = {
+    return {
         "stage": model.stage_id,
-        "replica": replica,
+        "replica": model._grid.data_parallel_id,
         "specs": list(range(model._local_start, model._local_stop)),
         "greedy": greedy(),
         "sampled": sampled(),
         "chunked": {m: {"greedy": greedy(m), "sampled": sampled(m)} for m in case["micro_batches"]},
     }
+
+
+results = {}
+for case in cases:
+    config = load_config(case["hf"])
+    topology = PipeDataParallelTopology(num_pp=case["stages"], num_dp=world // case["stages"])
+    model = build_pipeline_model(config, topology, partition_method=case["partition"])
+    load_stage_weights(model, config, case["ckpt"])
+    model.eval()
+    results[case["name"]] = run_case(model, case, case["replicas"][model._grid.data_parallel_id])
 
 
 def refusal(model, *args, **kwargs) -> str:
@@ -97,12 +102,17 @@ if world == 4:  # what is refused, the same message on every rank of a pipeline
         "other_prompts": refusal(model, prompts[::-1] if model.stage_id == 1 else prompts, 4, 2),
         "no_tokens": refusal(model, prompts, 0, 2, temperature=0.0, do_sample=True),
     }
-    for name, layout in {
-        "dualpipev": Layout(stages=2, dp=2, schedule="dualpipev"),
-        "tensor_parallel": Layout(stages=2, tp=2),
-    }.items():
-        refused[name] = refusal(build_pipeline_model(config, pipeline_topology(layout), layout), prompts, 4, 2)
+    layout = Layout(stages=2, dp=2, schedule="dualpipev")
+    refused["dualpipev"] = refusal(build_pipeline_model(config, pipeline_topology(layout), layout), prompts, 4, 2)
     results["refused"] = refused
+    # pipe 2 x tensor 2, data 1: the first case's model and first replica's prompts, on every rank
+    layout = Layout(stages=2, tp=2)
+    model = build_pipeline_model(config, pipeline_topology(layout), layout, partition_method=cases[0]["partition"])
+    load_stage_weights(model, config, cases[0]["ckpt"])
+    model.eval()
+    results["tensor_parallel"] = run_case(model, cases[0], cases[0]["replicas"][0]) | {
+        "tp_rank": model._grid.get_slice_parallel_rank()
+    }
 with open(f"{out_path}.{rank}", "w") as f:
     json.dump(results, f)
 dist.barrier()
