@@ -16,11 +16,18 @@ import torch.distributed as dist
 
 from data.sampling import Batch
 
+
+def has_peers(num_stages: int, tensor_parallel: int) -> bool:
+    """Whether some ranks read the same micro-batches for the guard to compare: the first and last stage, a stage's
+    tensor-parallel peers (one stage on one rank reads inputs and labels together)."""
+    return num_stages > 1 or tensor_parallel > 1
+
+
 # data.order_check_steps where no two ranks read the same micro-batches: harmless, one warning (training's
 # inert_settings: keys, whether they act on a layout, why).
 ORDER_CHECK_RULE = (
     ("data.order_check_steps",),
-    lambda cfg, layout: layout.order_check_compares,
+    lambda cfg, layout: has_peers(layout.stages, layout.tp),
     "the order check compares the batches of the first and last stages (and their tensor-parallel peers); with "
     "one stage and one rank per layer it has nothing to compare",
 )
@@ -88,8 +95,7 @@ class OrderGuard:
     ):
         self.iterator, self.check_steps, self.num_stages = iterator, check_steps, num_stages
         self.pipeline, self.stage = pipeline, stage
-        # One stage on one rank reads inputs and labels together: nothing to compare.
-        self.enabled = check_steps > 0 and (num_stages > 1 or tensor_parallel > 1)
+        self.enabled = check_steps > 0 and has_peers(num_stages, tensor_parallel)
         self.compared = 0  # micro-batches compared so far, over all pipelines
         self.last_step = check_steps  # the last step compared (``resumed_after``)
         if iterator is not None:

@@ -52,7 +52,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from parallel.layout import Layout
-from parallel.memory_plan import Shape, elem_bytes
+from parallel.memory_plan import Shape, elem_bytes, frozen_weight_bytes, local_params
 
 
 def cache_windows(config) -> tuple[int | None, ...]:
@@ -175,9 +175,7 @@ def reference_weight_bytes(psi: float, layout: Layout, shape: Shape | None, laye
     1/ep of its routed experts, as ``parallel.memory_plan.stage_estimate`` counts a frozen base."""
     if beta == 0 or layout.lora_rank:
         return 0.0
-    psi = psi / layout.tp
-    experts = min(psi, shape.stage_experts(layers) / layout.tp) if shape is not None and layers is not None else 0.0
-    return elem_bytes(layout) * (psi - experts + experts / layout.ep)
+    return frozen_weight_bytes(*local_params(psi, layout, shape, layers), layout)
 
 
 @dataclass(frozen=True)

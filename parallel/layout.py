@@ -188,12 +188,6 @@ class Layout:
         return self.schedule == "dualpipev"
 
     @property
-    def order_check_compares(self) -> bool:
-        """Some ranks read the same micro-batches for data.order_check_steps to compare: the first and last stage,
-        a stage's tensor-parallel peers (data/order_guard.py)."""
-        return self.stages > 1 or self.tp > 1
-
-    @property
     def engine(self) -> PipelineEngine | DataParallelEngine:
         """The DeepSpeed engine this layout runs on (parallel/engines.py), which says what differs between the two."""
         return engine_for(self)

@@ -238,6 +238,20 @@ def replica_state_bytes(psi: float, layout: Layout, nd: float) -> tuple[float, f
     return params, grads, optim, host
 
 
+def local_params(psi: float, layout: Layout, shape: Shape | None, layers: int | None) -> tuple[float, float]:
+    """(parameters, routed-expert parameters) of a stage's ``psi`` parameters and ``layers`` decoder layers on one of
+    its tensor-parallel ranks, before expert parallelism divides the experts."""
+    psi = psi / layout.tp
+    experts = min(psi, shape.stage_experts(layers) / layout.tp) if shape is not None and layers is not None else 0.0
+    return psi, experts
+
+
+def frozen_weight_bytes(psi: float, experts: float, layout: Layout) -> float:
+    """Bytes of frozen weights (no gradient, no optimizer state) held per GPU: :func:`local_params`' ``psi``, its
+    routed ``experts`` divided over ``layout.ep``, in the training precision."""
+    return elem_bytes(layout) * (psi - experts + experts / layout.ep)
+
+
 def elem_bytes(layout: Layout) -> int:
     """Bytes of one activation element: fp32, or 16-bit in mixed precision."""
     return 4 if layout.dtype == "fp32" else 2
@@ -428,12 +442,11 @@ def stage_estimate(
     DualPipeV: ``psi`` is the rank's two pieces' parameters, ``layers`` one count per piece."""
     pieces = layers if isinstance(layers, list) else None
     layers = sum(pieces) if pieces is not None else layers
-    psi = psi / layout.tp
-    experts = min(psi, shape.stage_experts(layers) / layout.tp) if shape is not None and layers is not None else 0.0
+    psi, experts = local_params(psi, layout, shape, layers)
     trained, frozen_bytes, trained_experts = psi, 0.0, experts
     if layout.lora_rank and shape is not None and layers is not None:
         trained, trained_experts = float(layers * shape.lora_params_per_layer(layout.lora_rank, layout.lora_targets)), 0
-        frozen_bytes = (4 if layout.dtype == "fp32" else 2) * (psi - experts + experts / layout.ep)
+        frozen_bytes = frozen_weight_bytes(psi, experts, layout)
         if layout.nf4:  # the decoder's linear weights in 4 bits plus an fp32 absmax per block of 64
             linear = layers * shape.linear_params_per_layer()
             frozen_bytes -= ((4 if layout.dtype == "fp32" else 2) - NF4_BYTES) * linear
