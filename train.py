@@ -52,6 +52,7 @@ from training.configuration.overrides import given_keys, override_key_problems, 
 from training.configuration.schema import ConfigError, Resolved, TrainConfig, register_configs  # noqa: E402
 from training.configuration.validate import resolve  # noqa: E402
 from training.dpo import prepare_reference  # noqa: E402
+from training.grpo import keep_reference  # noqa: E402
 from training.loop import check_axes_at_end, plan_steps, train  # noqa: E402
 from training.observation.announce import announce  # noqa: E402
 from training.observation.logs import log0  # noqa: E402
@@ -133,6 +134,7 @@ def main(dict_cfg: DictConfig) -> None:
         data, data_reports = build_data(resolved, topology)
         total_steps, steps_per_epoch = plan_steps(resolved, data)
         engine = build_engine(resolved, model, ds_config, total_steps)
+        keep_reference(resolved, engine, data)  # grpo.beta > 0: the starting weights, before a resume replaces them
         start_step = resume_or_start(resolved, engine, data, total_steps)
         announce(
             resolved, engine, init_reports, lora_reports, data_reports, data, start_step, total_steps, steps_per_epoch

@@ -129,6 +129,7 @@ FORMAT_FIELDS = {
     "text": ("text",),
     "sft": ("prompt", "messages", "conversations"),
     "dpo": ("chosen",),
+    "grpo": ("prompt",),  # text or messages; the other columns go to the reward functions (data/prompts.py)
 }
 
 
@@ -182,7 +183,12 @@ def _check_columns(
 
 
 # The fields each format reads from a row (sft: those of the row's layout, :func:`_missing_named_fields`).
-FORMAT_READS = {"tokens": ("input_ids",), "text": ("text",), "dpo": ("prompt", "chosen", "rejected")}
+FORMAT_READS = {
+    "tokens": ("input_ids",),
+    "text": ("text",),
+    "dpo": ("prompt", "chosen", "rejected"),
+    "grpo": ("prompt",),
+}
 
 
 def _missing_named_fields(columns: list[str], fmt: str, rename: dict[str, str]) -> list[tuple[str, str]]:

@@ -214,13 +214,37 @@ def _nan_extreme(x: torch.Tensor, reduce) -> torch.Tensor:
 GRPO_METRICS = (
     "tokens",
     "kl",
+    "entropy",
     "clip_ratio/low_mean",
     "clip_ratio/high_mean",
     "clip_ratio/region_mean",
     "clip_ratio/low_min",
     "clip_ratio/high_max",
 )
-_SUMMED = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+_SUMMED = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@torch.no_grad()
+def head_entropies(
+    hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, chunk_tokens: int, tensor_parallel=None
+) -> torch.Tensor:
+    """The entropy [M] fp32 of softmax(hidden[rows] @ weight^T) (TRL's logged ``entropy``; ``hidden`` already
+    divided by the temperature), ``chunk_tokens`` rows at a time: log Z - E[logit]. ``tensor_parallel`` (group,
+    first vocabulary id): ``weight`` is this rank's vocabulary slice; the max, Z and sum p x logit are all-reduced."""
+    group = tensor_parallel[0] if tensor_parallel else None
+    out = []
+    for start in range(0, rows.numel(), chunk_tokens):
+        logits = (hidden[rows[start : start + chunk_tokens]] @ weight.t()).float()  # [c,V] (or this rank's slice)
+        top = logits.max(dim=-1).values  # [c]
+        if group is not None:
+            torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        e = (logits - top.unsqueeze(1)).exp()  # [c,V]
+        z, s = e.sum(-1), (e * logits).sum(-1)  # [c] each
+        if group is not None:
+            torch.distributed.all_reduce(z, group=group)
+            torch.distributed.all_reduce(s, group=group)
+        out.append(top + z.log() - s / z)
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
 
 
 class GRPOLoss:
@@ -281,6 +305,11 @@ class GRPOLoss:
         self.normalizer, self.micro_batches = None, 1
         self.recording: list | None = None
         self.stats: list[torch.Tensor] = []
+        self.router = None  # parallel/stage.py's attach_router_loss (a RouterLoss)
+
+    def compute_head_with(self, impl: str) -> None:
+        """Per-token log-probabilities by the chunked loss or Liger's (``loss_impl``), as the other losses."""
+        self.impl = head_impl(impl, self.chunk_tokens)
 
     def split_over(self, split: LossSplit) -> None:
         """Compute this rank's share of the loss (``LossSplit``), as ``CausalLMLoss.split_over``."""
@@ -297,9 +326,9 @@ class GRPOLoss:
         stats, self.stats = self.stats, []
         return torch.stack(stats) if stats else torch.zeros(0, len(GRPO_METRICS), dtype=torch.float64)
 
-    def token_logps(self, outputs, labels: torch.Tensor):
-        """(per-token log-probabilities [M] fp32, their rows [M], their label positions [M]) of the completion tokens
-        at ``temperature``, in row order."""
+    def token_logps(self, outputs, labels: torch.Tensor, entropy: bool = False):
+        """(per-token log-probabilities [M] fp32, their rows [M], their label positions [M], entropies [M] fp32 of
+        the tempered distributions or None) of the completion tokens at ``temperature``, in row order."""
         if isinstance(outputs, torch.Tensor):
             raise ValueError("GRPOLoss takes the chunked head's (hidden, weight): build with loss_chunk_tokens > 0")
         hidden, weight = outputs
@@ -312,11 +341,14 @@ class GRPOLoss:
         losses = head_losses(
             hidden, weight, flat, targets[flat], self.chunk_tokens, self.tensor_parallel, self.impl, "none"
         )  # [M] fp32 cross entropy = -logp
-        return -losses, flat // seq, flat % seq + 1
+        entropies = head_entropies(hidden, weight, flat, self.chunk_tokens, self.tensor_parallel) if entropy else None
+        return -losses, flat // seq, flat % seq + 1, entropies
 
     def __call__(self, outputs, labels: tuple) -> torch.Tensor:
         labels, advantages, old, reference = labels
-        logps, row, pos = self.token_logps(outputs, labels)  # [M] each
+        # a MoE model with output_router_logits: its load-balancing loss over the rows, as CausalLMLoss adds it
+        router_loss = self.router.take() if self.router is not None else None
+        logps, row, pos, entropies = self.token_logps(outputs, labels, self.recording is None)  # [M] each
         if self.recording is not None:
             full = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)  # [B,S]
             self.recording.append(full.index_put((row, pos), logps.detach()).cpu())
@@ -339,6 +371,7 @@ class GRPOLoss:
             packed(logps),
             advantages.to(logps.device, torch.float32),
             mask,
+            entropies=packed(entropies),
             old_per_token_logps=old_logps,
             ref_per_token_logps=ref_logps,
             epsilon=self.epsilon,
@@ -350,6 +383,8 @@ class GRPOLoss:
             gradient_accumulation_steps=1,  # DeepSpeed divides by the micro-batches (see the class docstring)
         )
         self._record_stats(metrics, mask)
+        if router_loss is not None and self.router.training:
+            loss = loss + self.router.coef * router_loss
         return loss
 
     def _record_stats(self, metrics: dict[str, torch.Tensor], mask: torch.Tensor) -> None:

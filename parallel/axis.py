@@ -157,7 +157,7 @@ class AxisPlan:
 
     @staticmethod
     def objective_problems(layout: Layout, train_objective: str) -> list[str]:
-        """What the axis does not run with under ``train_objective`` (asked for train_objective=dpo)."""
+        """What the axis does not run with under ``train_objective`` (asked for train_objective=dpo and grpo)."""
         return []
 
     def before_build(self, config, topology, attention: str) -> str:

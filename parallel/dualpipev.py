@@ -287,6 +287,17 @@ class DualPipeVPlan(AxisPlan):
         return problems
 
     @staticmethod
+    def objective_problems(layout: Layout, train_objective: str) -> list[str]:
+        """train_objective=grpo: generation runs stage after stage down the 1F1B pipeline."""
+        if layout.schedule != "dualpipev" or train_objective != "grpo":
+            return []
+        return [
+            "pipeline_schedule=dualpipev with train_objective=grpo: generation runs stage after stage down the "
+            "pipeline (parallel/pipeline_generation.py), not round DualPipeV's V of two pieces per rank; set "
+            "pipeline_schedule=1f1b"
+        ]
+
+    @staticmethod
     def compile_problems(layout: Layout) -> list[str]:
         return (
             [

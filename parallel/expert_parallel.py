@@ -311,6 +311,16 @@ class ExpertParallelPlan(AxisPlan):
         return layout.ep > 1
 
     @staticmethod
+    def objective_problems(layout: Layout, train_objective: str) -> list[str]:
+        """train_objective=grpo: generation on the stages is built for ranks that hold every expert."""
+        if layout.ep <= 1 or train_objective != "grpo":
+            return []
+        return [
+            f"expert_parallel {layout.ep} with train_objective=grpo is not supported yet: generation on the pipeline's "
+            "stages (parallel/pipeline_generation.py) is built for ranks that hold every expert; set expert_parallel=1"
+        ]
+
+    @staticmethod
     def layout_problems(
         layout: Layout, model: ModelFacts = ModelFacts(), settings: RuleSettings = RuleSettings()
     ) -> list[str]:

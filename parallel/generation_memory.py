@@ -41,10 +41,17 @@ Between stages, in the prefill: hidden [R, S, H] in the dtype, the one a stage r
 Reference model (TRL's ``beta`` > 0: the KL term's frozen reference): a copy of the stage's weights in the training
 precision, on the ranks the trained ones are (1/tp of them, 1/ep of the routed experts), as the planner counts a
 frozen base; none under LoRA, where the base without its adapters is the reference (:func:`reference_weight_bytes`).
+
+In the planner (:func:`with_generation`, for a layout with ``Layout.generation``): each data-parallel rank generates
+its micro_batch_size x gradient_accumulation_steps rows of a step in one call, prompts of up to
+data.max_seq_length - grpo.max_completion_length tokens. The generation and the training step never meet (the cache
+is freed before the step), so a stage's estimate holds the larger of the two beside the weights, optimizer states and
+reference weights, which are resident in both (``Estimate.total``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,7 +59,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from parallel.layout import Layout
-from parallel.memory_plan import Shape, elem_bytes, frozen_weight_bytes, local_params
+from parallel.memory_plan import Estimate, Shape, elem_bytes, frozen_weight_bytes, local_params, stage_estimates
 
 
 def cache_windows(config) -> tuple[int | None, ...]:
@@ -189,9 +196,15 @@ class GenerationBytes:
     reference: float  # the frozen reference weights (reference_weight_bytes)
 
     @property
+    def transient(self) -> int:
+        """What the generation holds while it runs, freed before the training step: an upper bound (the prefill's
+        masks and hidden states and a decode step's logits do not meet)."""
+        return self.kv_cache + self.masks + self.hidden + self.logits
+
+    @property
     def total(self) -> float:
-        """Their sum: an upper bound (the prefill's masks and hidden states and a decode step's logits do not meet)."""
-        return self.kv_cache + self.masks + self.hidden + self.logits + self.reference
+        """The transient bytes and the reference weights."""
+        return self.transient + self.reference
 
 
 def stage_generation_bytes(
@@ -224,3 +237,78 @@ def stage_generation_bytes(
         logits_bytes(shape, rows, elem, do_sample, temperature, top_k, top_p, micro_batches) if last else 0,
         reference_weight_bytes(stage_params[stage], layout, shape, layers_per_stage[stage], beta),
     )
+
+
+def prompt_tokens(layout: Layout) -> int:
+    """The most tokens of a prompt in ``layout.generation``: data.max_seq_length - grpo.max_completion_length."""
+    return layout.seq_len - layout.generation.completion_len
+
+
+def generation_chunks(layout: Layout) -> int:
+    """The chunks of rows ``layout.generation`` runs in flight: grpo.generation_micro_batches, 0 = one per stage."""
+    return layout.generation.chunks or layout.stages
+
+
+def layout_generation_bytes(
+    shape: Shape,
+    layout: Layout,
+    windows: Sequence[int | None] | None,
+    stage_params: Sequence[float],
+    layers_per_stage: Sequence[int],
+    stage: int,
+) -> GenerationBytes:
+    """:func:`stage_generation_bytes` of the generation ``layout.generation`` describes: a data-parallel rank's
+    ``Layout.rank_batch`` rows, prompts padded to seq_len - completion_len, in its chunks (0: one per stage)."""
+    g = layout.generation
+    return stage_generation_bytes(
+        shape,
+        layout,
+        windows,
+        stage_params,
+        layers_per_stage,
+        stage,
+        layout.rank_batch,
+        prompt_tokens(layout),
+        g.completion_len,
+        g.beta,
+        True,  # GRPO samples (grpo.temperature > 0)
+        g.temperature,
+        g.top_k,
+        g.top_p,
+        generation_chunks(layout),
+    )
+
+
+def with_generation(
+    estimates: Sequence[Estimate],
+    stage_params: Sequence[float],
+    layout: Layout,
+    shape: Shape | None,
+    stage_layers: Sequence[int] | None,
+    windows: Sequence[int | None] | None = None,
+) -> list[Estimate]:
+    """``parallel.memory_plan.stage_estimates``' ``estimates`` with each stage's generation and reference weights
+    (:func:`layout_generation_bytes`), for a layout with ``Layout.generation``; unchanged without. ``windows``:
+    :func:`cache_windows` of the model (None: every layer full)."""
+    if layout.generation is None:
+        return list(estimates)
+    if shape is None or stage_layers is None:
+        raise ValueError("the generation's KV cache is counted from the model's shape: give the model, not a count")
+    if layout.schedule == "dualpipev":  # the axis refuses it with train_objective=grpo (parallel/dualpipev.py)
+        raise ValueError("generation runs on 1F1B stages, not on DualPipeV's pieces: set pipeline_schedule=1f1b")
+    out = []
+    for e in estimates:
+        g = layout_generation_bytes(shape, layout, windows, stage_params, stage_layers, e.stage)
+        out.append(dataclasses.replace(e, generation=g.transient, kv_cache=g.kv_cache, reference=g.reference))
+    return out
+
+
+def generation_plan(windows: Sequence[int | None] | None = None):
+    """``parallel.memory_plan.fitting``'s ``plan``: each layout's stage estimates with its generation
+    (:func:`with_generation`; ``windows``: :func:`cache_windows`)."""
+
+    def plan(stage_params, layout: Layout, shape: Shape | None, stage_layers) -> list[Estimate]:
+        estimates = stage_estimates(stage_params, layout, shape, stage_layers)
+        return with_generation(estimates, stage_params, layout, shape, stage_layers, windows)
+
+    return plan

@@ -50,6 +50,19 @@ def offloads(zero: dict) -> tuple[bool, bool]:
 
 
 @dataclass(frozen=True)
+class GenerationBatch:
+    """What a train_objective=grpo step generates on each data-parallel rank before it trains (grpo.*): the planner
+    counts its KV cache and logits (parallel/generation_memory.py)."""
+
+    completion_len: int  # grpo.max_completion_length; the prompts take up to seq_len - completion_len
+    chunks: int = 0  # grpo.generation_micro_batches: chunks of rows in flight; 0 = one per stage
+    temperature: float = 1.0  # grpo.temperature, top_k and top_p: what the sampling's temporaries are
+    top_k: int = 0
+    top_p: float = 1.0
+    beta: float = 0.0  # grpo.beta: > 0 keeps the reference weights beside the trained ones for the whole run
+
+
+@dataclass(frozen=True)
 class Layout:
     """One way to run the job: pipe x tensor x sequence x data over ``stages * tp * sp * dp`` ranks, and what
     each step holds.
@@ -81,6 +94,7 @@ class Layout:
     # parallel/memory_plan.py passes by position.
     loss_impl: str = "chunked"
     save_async: bool = False  # save_async: each rank holds a host copy of its checkpoint files while they are written
+    generation: GenerationBatch | None = None  # train_objective=grpo: each step's generation; None otherwise
 
     @classmethod
     def of(cls, cfg, world_size: int, ds_json: dict) -> Layout:
@@ -111,6 +125,7 @@ class Layout:
             ep=cfg.expert_parallel,
             schedule=cfg.pipeline_schedule,
             rows_per_sample=2 if cfg.train_objective == "dpo" else 1,
+            generation=generation_batch(cfg.grpo) if cfg.train_objective == "grpo" else None,
         )
 
     @property
@@ -128,9 +143,14 @@ class Layout:
         return self.global_batch * self.sp
 
     @property
+    def rank_batch(self) -> int:
+        """Samples per optimizer step on one data-parallel rank: what a GRPO step generates there in one call."""
+        return self.micro_batch * self.grad_accum
+
+    @property
     def global_batch(self) -> int:
         """Samples per optimizer step over all data-parallel ranks."""
-        return self.micro_batch * self.grad_accum * self.dp
+        return self.rank_batch * self.dp
 
     @property
     def tokens_per_step(self) -> int:
@@ -220,6 +240,11 @@ class Layout:
             f"{', act. ckpt' if self.checkpointing else ''}{chunk}, {self.dtype}"
             + (f", {'QLoRA (NF4)' if self.nf4 else 'LoRA'} r={self.lora_rank}" if self.lora_rank else "")
         )
+
+
+def generation_batch(g) -> GenerationBatch:
+    """The :class:`GenerationBatch` of a config's ``grpo`` section (training/configuration/schema.py's GRPOConfig)."""
+    return GenerationBatch(g.max_completion_length, g.generation_micro_batches, g.temperature, g.top_k, g.top_p, g.beta)
 
 
 def layout_problems(layout: Layout, world_size: int, partition_method: str, num_layers: int | None = None) -> list[str]:

@@ -93,6 +93,12 @@ ZeRO stage; the layouts the search proposes are those train.py runs (parallel/ex
 ``ExpertParallelPlan.layout_problems``): a MoE model on the pipeline engine without tensor or sequence parallelism
 or DualPipeV, and ep > 1 neither in fp16 nor with the optimizer offloaded in this version.
 
+GRPO (``Layout.generation``, train_objective=grpo): each step first generates its completions on the stages, then
+trains on them; the generation's KV cache, logits and sampling temporaries are freed before the training step, so a
+stage holds the larger of the two beside its weights and optimizer states, and with grpo.beta > 0 the reference
+weights for the whole run (``Estimate.total``; the generation's bytes: parallel/generation_memory.py, which adds
+them to these estimates).
+
 Backward also computes each parameter's gradient into a new tensor before adding it to the accumulated
 one (every micro-batch after the first): one parameter's gradient more, at a time. On the first and the
 last stage that is the [V,H] embedding or LM head, as large as a loss chunk at a 128k vocabulary
@@ -109,7 +115,7 @@ from models.lora_rules import peft_layout_problems
 from models.moe_counts import MoEShape, moe_shape
 from parallel.axes import AXES
 from parallel.axis import ModelFacts
-from parallel.layout import Layout, layout_problems, tp_dividing
+from parallel.layout import GenerationBatch, Layout, layout_problems, tp_dividing
 from parallel.schedule_sim import simulated
 from parallel.sequence_parallel import SequenceParallelPlan
 
@@ -200,14 +206,26 @@ class Estimate:
     parameters: float = 0.0  # the stage's parameter count
     experts: float = 0.0  # of those, routed-expert parameters held per GPU (the stage's / ep)
     snapshot: float = 0.0  # save_async: the host copy of what the rank writes at a save (per rank; host memory)
+    # train_objective=grpo (parallel/generation_memory.py): the generation's peak, its KV cache of it, and the
+    # reference weights (grpo.beta > 0), resident the whole run
+    generation: float = 0.0
+    kv_cache: float = 0.0
+    reference: float = 0.0
 
     @property
     def model_states(self) -> float:
         return self.params + self.grads + self.optimizer
 
     @property
+    def training(self) -> float:
+        """What the training step holds beyond the resident weights, states and bucket."""
+        return (self.activations or 0.0) + self.loss + self.grad_temp
+
+    @property
     def total(self) -> float:
-        return self.model_states + self.buffers + (self.activations or 0.0) + self.loss + self.grad_temp
+        """The resident bytes and the larger of the training step's and the generation's: GRPO generates before the
+        step and frees the KV cache first (parallel/pipeline_generation.py), so the two never meet."""
+        return self.model_states + self.buffers + self.reference + max(self.training, self.generation)
 
 
 def model_state_bytes(psi: float, layout: Layout, experts: float = 0.0) -> tuple[float, float, float, float]:
@@ -528,13 +546,15 @@ def layouts_for(
     zero_values: tuple[int, ...] = (0, 1, 2, 3),
     offload_values: tuple[str, ...] = OFFLOADS,
     refusals: list[str] | None = None,
+    generation: GenerationBatch | None = None,
 ):
     """Every layout worth trying on ``gpus`` GPUs that train.py runs (:func:`refusals_of`: the rules its validation
     asks), cheapest in communication and compute first; with ``lora`` (rank, target modules, nf4) LoRA layouts;
     each pipeline with every schedule of ``schedules`` that train.py runs it with (DualPipeV: 2 stages or
     more, grad_accum >= 2 x stages, 2 x stages <= num_layers, no tensor or sequence parallelism); each ZeRO stage
     of ``zero_values`` and offload of ``offload_values`` (none, optimizer, params). ``refusals``: train.py's lines
-    for the layouts it refuses that break the fewest of its rules are added to it (each line once).
+    for the layouts it refuses that break the fewest of its rules are added to it (each line once). ``generation``:
+    train_objective=grpo's (``Layout.generation``), whose rules the layouts keep.
 
     Order: no offload before optimizer offload before parameter offload; no activation checkpointing
     before checkpointing (sequence parallelism saves the recomputation: its all-to-alls move less than tensor
@@ -570,6 +590,7 @@ def layouts_for(
                 sp=sp,
                 ep=ep,
                 schedule=schedule,
+                generation=generation,
             )
             problems = refusals_of(layout, gpus, num_layers, shape)
             if problems:
@@ -587,11 +608,16 @@ def refusals_of(layout: Layout, gpus: int, num_layers: int | None, shape: Shape 
     """train.py's lines refusing ``layout`` on ``gpus`` GPUs ([]: it runs it): the rules
     ``training.configuration.validate.resolve`` asks, on the layout alone (parallel/layout.py: its sizes, ZeRO stage and
     offload; each axis's ``layout_problems``, with the model's facts from ``shape``: parallel.axes.AXES), rows fed
-    whole; LoRA's on the pipeline engine (models.lora_rules.peft_layout_problems)."""
+    whole; LoRA's on the pipeline engine (models.lora_rules.peft_layout_problems); with ``Layout.generation``,
+    train_objective=grpo's on the layout (the pipeline engine, each axis's ``objective_problems``)."""
     problems = layout_problems(layout, gpus, "compute", num_layers)
     model = model_facts(shape, num_layers)
     for axis in AXES:
         problems += axis.layout_problems(layout, model)
+    if layout.generation is not None:
+        problems += layout.engine.needs_pipeline("train_objective=grpo")
+        for axis in AXES:
+            problems += axis.objective_problems(layout, "grpo")
     return problems + peft_layout_problems(layout)
 
 
@@ -672,6 +698,8 @@ def fitting(
     zero_values: tuple[int, ...] = (0, 1, 2, 3),
     offload_values: tuple[str, ...] = OFFLOADS,
     refusals: list[str] | None = None,
+    generation: GenerationBatch | None = None,
+    plan=None,
 ) -> list[tuple[Layout, Estimate]]:
     """Layouts whose most loaded GPU fits ``gpu_mem_gb``, cheapest first (see layouts_for).
 
@@ -679,8 +707,11 @@ def fitting(
     sequence parallelism tried (1: none); ``schedules``: the pipeline schedules tried; ``ep_values``: the expert
     parallelism tried (None: every one the model allows, :func:`expert_parallel_sizes`); ``zero_values`` and
     ``offload_values``: the ZeRO stages and offloads tried. ``refusals``, where train.py refuses every layout tried:
-    filled with its lines for them (left empty where it runs any, whether or not it fits).
+    filled with its lines for them (left empty where it runs any, whether or not it fits). ``generation``: each
+    layout's (train_objective=grpo, ``layouts_for``); ``plan(params, layout, shape, layers)``: the per-stage estimates
+    (None: :func:`stage_estimates`; one that adds the generation: parallel.generation_memory.with_generation).
     """
+    plan = plan or stage_estimates
     lines: list[str] = []
     out = []
     tp_values = tensor_parallel_sizes(shape)
@@ -701,12 +732,13 @@ def fitting(
         zero_values,
         offload_values,
         lines,
+        generation,
     )
     if refusals is not None and not tried:
         refusals += lines
     for layout in tried:
         params, layers = split(layout)
-        e = estimate(params, layout, shape, layers)
+        e = max(plan(params, layout, shape, layers), key=lambda s: s.total)
         if e.total <= gpu_mem_gb * GB:
             out.append((layout, e))
     return out
@@ -735,11 +767,14 @@ def stage_table(estimates: list[Estimate], stage_layers: list[int] | None, layou
     most loaded stage marked: what scripts/estimate_memory.py and scripts/preflight.py print (g.tmp:
     gradient temporaries, :attr:`Estimate.grad_temp`; experts, for a MoE model: the routed-expert parameters each
     GPU of the stage holds, of its params). With a DualPipeV ``layout`` a row is a pipeline rank and its layers are
-    those of its two pieces (``stage_layers``: per piece)."""
+    those of its two pieces (``stage_layers``: per piece). train_objective=grpo adds gen (the generation's peak,
+    which the training step's does not meet: the total counts the larger) and ref (the reference weights, with
+    grpo.beta > 0)."""
     host, experts = any(e.host + e.snapshot for e in estimates), any(e.experts for e in estimates)
+    grpo = any(e.generation + e.reference for e in estimates)
     head = f"{'stage':>5} {'params':>8}" + (f" {'experts':>8}" if experts else "")
     head += f" {'layers':>6} {'weights':>8} {'grads':>7} {'optim':>7} {'acts':>7} {'loss':>6}"
-    head += f" {'g.tmp':>6}"
+    head += f" {'g.tmp':>6}" + (f" {'gen':>6} {'ref':>6}" if grpo else "")
     head += f" {'bucket':>6} {'total':>7}" + (f" {'host':>7}" if host else "")
     rows = [head + "  (params in B, memory in GB)"]
     worst = max(estimates, key=lambda e: e.total)
@@ -750,6 +785,7 @@ def stage_table(estimates: list[Estimate], stage_layers: list[int] | None, layou
         row = f"{e.stage:>5} {e.parameters / 1e9:>8.3f}" + (f" {e.experts / 1e9:>8.3f}" if experts else "")
         row += f" {layers:>6} {e.params / GB:>8.2f} {e.grads / GB:>7.2f}"
         row += f" {e.optimizer / GB:>7.2f} {acts:>7} {e.loss / GB:>6.2f} {e.grad_temp / GB:>6.2f}"
+        row += f" {e.generation / GB:>6.2f} {e.reference / GB:>6.2f}" if grpo else ""
         row += f" {e.buffers / GB:>6.2f} {e.total / GB:>7.2f}"
         row += (f" {(e.host + e.snapshot) / GB:>7.2f}" if host else "") + ("  <- most loaded" if e is worst else "")
         rows.append(row)

@@ -202,13 +202,20 @@ class SequenceParallelPlan(AxisPlan):
 
     @staticmethod
     def objective_problems(layout: Layout, train_objective: str) -> list[str]:
-        """train_objective=dpo: a sequence's log-probability is one sum."""
-        if layout.sp <= 1 or train_objective != "dpo":
+        """train_objective=dpo: a sequence's log-probability is one sum; grpo: generation keeps whole sequences."""
+        if layout.sp <= 1:
             return []
-        return [
-            f"sequence_parallel {layout.sp} with train_objective=dpo: DPO sums each sequence's log-probabilities, "
-            "which sequence parallelism splits over ranks; set sequence_parallel=1"
-        ]
+        if train_objective == "dpo":
+            return [
+                f"sequence_parallel {layout.sp} with train_objective=dpo: DPO sums each sequence's log-probabilities, "
+                "which sequence parallelism splits over ranks; set sequence_parallel=1"
+            ]
+        if train_objective == "grpo":
+            return [
+                f"sequence_parallel {layout.sp} with train_objective=grpo: generation runs each stage on whole "
+                "sequences, one token at a time, not on slices split over ranks; set sequence_parallel=1"
+            ]
+        return []
 
     def before_build(self, config, topology, attention: str) -> str:
         # the groups before the stage's own (every rank creates groups in the same order)

@@ -9,9 +9,13 @@
     python scripts/estimate_memory.py --model llama3-8b --stages 4 --grad-accum 16 --schedule both
     python scripts/estimate_memory.py --model qwen3-30b-a3b --gpus 8 --gpu-mem 80 --dtype fp32   # tries --ep too
     python scripts/estimate_memory.py --model mixtral-8x7b --stages 2 --dp 4 --ep 4 --zero 0 --dtype fp32
+    python scripts/estimate_memory.py --model llama3-8b --stages 2 --dp 4 --zero 1 --seq-len 1536 --grad-accum 16 \\
+        --loss-chunk-tokens 1024 --grpo-completion-length 1024 --grpo-beta 0.04       # train_objective=grpo
 
 --model is a conf/model name, a Hugging Face config.json (or its directory), or a parameter count
-(model states only: activations need an architecture).
+(model states only: activations need an architecture). --grpo-completion-length counts train_objective=grpo: each
+data-parallel rank's micro x grad_acc rows generated before the step, their KV cache and logits (the larger of the
+generation and the training step), and with --grpo-beta > 0 the reference weights.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from training.observation.logs import quiet_dependencies  # noqa: E402
 quiet_dependencies("warning")  # before models.llama_pipe imports DeepSpeed (training/observation/logs.py)
 
 from models.peft_targets import DECODER_LINEARS  # noqa: E402
+from parallel.axes import AXES  # noqa: E402
 from parallel.axis import RuleSettings  # noqa: E402
 from parallel.dualpipev import DualPipeVPlan  # noqa: E402
 from parallel.expert_parallel import ExpertParallelPlan  # noqa: E402
-from parallel.layout import Layout, count_arg, layout_problems  # noqa: E402
+from parallel.generation_memory import cache_windows, generation_plan, prompt_tokens  # noqa: E402
+from parallel.layout import GenerationBatch, Layout, count_arg, layout_problems  # noqa: E402
 from parallel.memory_plan import (  # noqa: E402
     GB,
     OFFLOADS,
@@ -45,7 +51,6 @@ from parallel.memory_plan import (  # noqa: E402
     schedule_report,
     sequence_report,
     shape_of,
-    stage_estimates,
     stage_table,
 )
 from parallel.partition import DEFAULT_PARTITION_METHOD, splitter  # noqa: E402
@@ -85,7 +90,7 @@ def load_model(spec: str):
 def report(config, total, layout: Layout, method: str) -> None:
     split = splitter(config, total, method)
     params, layers = split(layout)
-    stages = stage_estimates(params, layout, shape_of(config), layers)
+    stages = generation_plan(windows_of(config, layout))(params, layout, shape_of(config), layers)
     e = max(stages, key=lambda s: s.total)
     print(f"layout: {layout.describe()}")
     pieces = f" ({layout.pieces} pieces, two per rank)" if layout.pieces != layout.stages else ""
@@ -101,6 +106,15 @@ def report(config, total, layout: Layout, method: str) -> None:
         print(f"most loaded GPU: stage {e.stage}, {e.total / GB:.2f} GB")
     if e.host:
         print(f"host memory per rank (offloaded states, not in the GPU totals): up to {e.host / GB:.2f} GB")
+    g = layout.generation
+    if g is not None:
+        print(
+            f"generation (--grpo-completion-length): {layout.rank_batch} rows per data-parallel rank, prompts of up to "
+            f"{prompt_tokens(layout)} + {g.completion_len} tokens; on stage "
+            f"{e.stage} its KV cache {e.kv_cache / GB:.2f} GB of {e.generation / GB:.2f} GB (gen), beside the training "
+            f"step's {e.training / GB:.2f} GB: the larger counts; reference weights {e.reference / GB:.2f} GB (ref, "
+            "--grpo-beta > 0)"
+        )
     shape = shape_of(config)
     for line in schedule_report(split, layout, shape) + sequence_report(layout, shape, layers):
         print(line)
@@ -130,6 +144,8 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
         (args.zero,) if args.zero is not None else {"optimizer": (1, 2, 3), "params": (3,)}.get(args.offload, range(4)),
         OFFLOADS if args.offload is None else (args.offload,),
         refusals,
+        generation(args),
+        generation_plan(windows_of(config, Layout(generation=generation(args)))),
     )
     # train.py refuses every layout of these flags (of the ZeRO stages that run the offload): its lines, the same as
     # for one layout, not a call for GPUs
@@ -187,6 +203,26 @@ def lora(args) -> tuple[int, tuple[str, ...], bool]:
     return (args.lora_rank, targets, args.nf4)
 
 
+def generation(args) -> GenerationBatch | None:
+    """train_objective=grpo's generation of --grpo-completion-length, --grpo-beta, --grpo-generation-micro-batches
+    (None: another objective)."""
+    if not args.grpo_completion_length:
+        return None
+    if not args.model_config_given:
+        raise SystemExit("--grpo-completion-length needs an architecture (a conf/model name or a config.json)")
+    if args.grpo_completion_length >= args.seq_len:
+        raise SystemExit(
+            f"--grpo-completion-length {args.grpo_completion_length} leaves no token of --seq-len {args.seq_len} for "
+            "the prompt: raise --seq-len or lower --grpo-completion-length"
+        )
+    return GenerationBatch(args.grpo_completion_length, args.grpo_generation_micro_batches, beta=args.grpo_beta)
+
+
+def windows_of(config, layout: Layout):
+    """The model's cache windows where ``layout`` generates (parallel.generation_memory.cache_windows)."""
+    return cache_windows(config) if layout.generation is not None else None
+
+
 def schedules(args) -> tuple[str, ...]:
     """The pipeline schedules of --schedule."""
     return ("1f1b", "dualpipev") if args.schedule == "both" else (args.schedule,)
@@ -224,6 +260,9 @@ def train_problems(config, layout: Layout, args) -> list[str]:
     problems = TensorParallelPlan.problems(cfg, config, layout) + SequenceParallelPlan.problems(cfg, config, layout)
     problems += DualPipeVPlan.problems(cfg, config, layout)
     problems += ExpertParallelPlan.layout_problems(layout, model_facts(shape_of(config)), RuleSettings.of(cfg))
+    if layout.generation is not None:  # train_objective=grpo's rules on the layout, as the fit search asks them
+        problems += layout.engine.needs_pipeline("train_objective=grpo", cfg.ds_config)
+        problems += [p for axis in AXES for p in axis.objective_problems(layout, "grpo")]
     return problems + (peft_problems(cfg, config, layout) if layout.lora_rank else [])
 
 
@@ -245,6 +284,7 @@ SETTINGS = (
     (r"peft\.method=lora", "--lora-rank"),
     (r"full training \(peft\.method=none\)", "full training (no --lora-rank)"),
     (r"precision=(\w+)", r"--dtype \1"),
+    (r"train_objective=grpo", "--grpo-completion-length"),
 )
 FLAGS = {
     "data.max_seq_length": "--seq-len",
@@ -354,6 +394,24 @@ def main(argv: list[str] | None = None) -> None:
         default="1f1b",
         help="train.py's pipeline_schedule; both: each (with --gpus, the search tries both)",
     )
+    p.add_argument(
+        "--grpo-completion-length",
+        type=count_arg(0),
+        default=0,
+        help="train_objective=grpo's grpo.max_completion_length: count each step's generation (0: another objective)",
+    )
+    p.add_argument(
+        "--grpo-beta",
+        type=count_arg(0, float, maximum=1e6),
+        default=0.0,
+        help="with --grpo-completion-length: grpo.beta; > 0 counts the reference weights",
+    )
+    p.add_argument(
+        "--grpo-generation-micro-batches",
+        type=count_arg(0),
+        default=0,
+        help="with --grpo-completion-length: grpo.generation_micro_batches (0: one chunk of rows per stage)",
+    )
     p.add_argument("--gpus", type=count_arg(1), help="with --gpu-mem: list the layouts that fit")
     p.add_argument("--gpu-mem", type=count_arg(0, float, strict=True, maximum=GPU_MEM_MAX_GB), help="GB per GPU")
     p.add_argument("--top", type=count_arg(1), default=10, help="how many fitting layouts to list")
@@ -388,6 +446,7 @@ def main(argv: list[str] | None = None) -> None:
         sp=1 if fit else args.sp,  # --gpus: and every sequence_parallel (parallel.memory_plan.SEQUENCE_PARALLEL_SIZES)
         ep=args.ep or 1,  # --gpus without --ep: every expert_parallel the model allows
         save_async=args.save_async,
+        generation=generation(args),
     )
     refuse(layout_problems(layout, layout.world_size, args.partition_method, num_layers))
     if fit:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command to run on a GPU machine, about 9 minutes on one H100/H200 from a bare machine (parity and bench):
-#   bash scripts/gpu_check.sh [parity] [bench] [levers] [moe] [layouts] [attention]    (no step named: parity bench)
+#   bash scripts/gpu_check.sh [parity] [bench] [levers] [moe] [layouts] [attention] [grpo] (no step named: parity bench)
 # Every step is bounded (`timeout`, and bench_train.py's --time-limit), the most important numbers first;
 # BENCH_BUDGET_S (default 400) is the benchmark's share: the shapes it does not reach are said, not run;
 # GPU_CHECK_CASES picks bench_train.py's cases (default a,b,bkl,bc,ac), GPU_CHECK_PLAN the shapes (below).
@@ -25,6 +25,8 @@
 #    parallelism's GPU rows: s/step, tokens/s, memory per rank);
 # 5. attention over packed rows, one decoder layer at 8k and 32k tokens in bf16: the dense per-document mask
 #    against attention=documents (torch's varlen flash attention), memory and time (benchmarks/bench_attention.py).
+# 6. grpo: train.py's GRPO (generation on the pipeline's stages) against TRL's GRPOTrainer, the tiny model
+#    (benchmarks/bench_grpo.py; pipe 2 x data 1 or 2 where there are 2 or 4 GPUs, else one stage).
 # Without a CUDA GPU it stops at once with exit code 2. What it writes: work/gpu_check.log (everything printed),
 # work/gpu_check/parity.log, work/gpu_check/bench.md (the tables, BENCHMARKS.md's source) and one bench_*.json per
 # shape (bench_levers.json for the levers), and profile_<shape>_<case>.png for the profiled train.py cases (the 3B
@@ -163,6 +165,8 @@ if step attention; then
   timeout 60 "$PY" benchmarks/bench_attention.py --seqs 32768 --dtype bf16 --hidden 1024 --heads 16 --doc 8192 \
     --window 4096 || status=1
 fi
+if step grpo; then s=$(( GPUS >= 2 ? 2 : 1 )); timeout 300 "$PY" benchmarks/bench_grpo.py --stages "$s" \
+  --gpus "$(( GPUS >= 4 ? 4 : s ))" --work-dir work/gpu_check/grpo || status=1; fi
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then  # the device tool's folder: these come back to the lead (7 files at most)
   n=0  # the tool brings back 8 files at most: the most useful first
   for f in work/gpu_check/bench.md "$LOG" work/gpu_check/parity.log work/gpu_check/profile_*.png \

@@ -3,7 +3,7 @@ BENCHMARKS.md).
 
 The scripts: benchmarks/bench_train.py, bench_convert.py, bench_load.py, bench_lora.py, bench_dpo.py,
 bench_prepare.py, bench_padding.py, bench_attention.py, bench_long_context.py, bench_moe.py, bench_hf_start.py
---save. About 20 s on the 2-core CPU machine (start-up of the subprocesses, mostly).
+--save, bench_grpo.py. About 20 s on the 2-core CPU machine (start-up of the subprocesses, mostly).
 """
 
 from __future__ import annotations
@@ -359,3 +359,34 @@ def test_bench_hf_start_save_quick_measures_both_ways_of_saving(tmp_path):
     for row in rows.values():
         assert float(row[0]) > 0 and len(row[1].split("(")[1].split(",")) == 2  # MiB; saves at steps 2 and 4
         assert len(row[4].split(",")) == 2  # peak RSS of each of the 2 ranks
+
+
+def test_bench_grpo_figures_count_the_completions_real_tokens():
+    """benchmarks/bench_grpo.py's arithmetic: generated tokens are the mean length x the step's completions, over the
+    generation seconds; the medians are per step."""
+    bench = load_entry_point("benchmarks/bench_grpo.py")
+    steps = [
+        {"step_s": 1.0, "generation_s": 0.5, "completions/mean_length": 16.0},
+        {"step_s": 2.0, "generation_s": 0.25, "completions/mean_length": 15.0},
+        {"step_s": 3.0, "generation_s": 1.0, "completions/mean_length": 16.0},
+    ]
+    figures = bench.step_figures(steps, rows=8)
+    assert figures["step_s"] == 2.0 and figures["generation_s"] == 0.5 and figures["length"] == 16.0
+    assert figures["tokens_s"] == pytest.approx(256.0)  # per step 256, 480, 128 tokens/s
+    assert figures["ms_per_token"] == pytest.approx(1e3 / 256)
+
+
+@pytest.mark.multirank  # train.py twice on 4 CPU ranks and TRL once: about 70 s here
+def test_bench_grpo_quick_compares_the_pipeline_with_trl(tmp_path):
+    """benchmarks/bench_grpo.py --quick: one row for the pipeline and one for TRL, generation tokens/s and step time
+    above 0, completions of at most their limit, and a cost row per completion length."""
+    proc = run_script(["benchmarks/bench_grpo.py", "--quick", "--work-dir", str(tmp_path)], timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    lines = proc.stdout.splitlines()
+    setups = [r.split("|")[1:-1] for r in lines if r.startswith(("| train.py, pipe 2 x data 2 |", "| TRL generate |"))]
+    assert len(setups) == 2, proc.stdout
+    for row in setups:
+        assert float(row[1]) > 0 and float(row[3]) > 0 and 0 < float(row[4]) <= 8, proc.stdout
+    assert len(setups[0][5].split(",")) in (1, 4) and len(setups[1][5].split(",")) == 1  # per rank (once if equal)
+    costs = {int(r.split("|")[1]): r.split("|")[2:-1] for r in lines if r.startswith(("| 8 |", "| 16 |"))}
+    assert sorted(costs) == [8, 16] and all(0 < float(c[0]) <= n and float(c[2]) > 0 for n, c in costs.items())

@@ -202,7 +202,7 @@ def test_typed_choices_are_checked_by_hydra_with_the_valid_values():
         ("precision=fp8", "[fp32, bf16, fp16]"),
         ("optim.scheduler=step", "[constant, linear, cosine]"),
         ("loss_normalization=sample", "[tokens, micro_batch]"),
-        ("data.format=csv", "[tokens, text, sft, dpo]"),
+        ("data.format=csv", "[tokens, text, sft, dpo, grpo]"),
         ("pipeline_schedule=gpipe", "[1f1b, dualpipev]"),
         ("partition_method=profile", "[parameters, compute, memory, uniform, type:DecoderLayerPipe]"),
     ):

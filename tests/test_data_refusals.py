@@ -142,8 +142,8 @@ def test_a_typo_inside_a_source_names_the_key_and_a_sources_keys():
         ["data.eval_sources=[a.jsonl, {path: b.jsonl, format: sfft, weight: abc}]", "data.sources={path: c}"]
     ) == [
         f"data.eval_sources[0] 'a.jsonl' is not a source: write it as {{path: a.jsonl}} ({KEYS})",
-        "data.eval_sources[1] format 'sfft': set one of tokens, text, sft, dpo, or leave it out (the source then has "
-        "data.format)",
+        "data.eval_sources[1] format 'sfft': set one of tokens, text, sft, dpo, grpo, or leave it out (the source then "
+        "has data.format)",
         "data.eval_sources[1] weight 'abc' is not a number: set e.g. weight: 3",
         f"data.sources is a list of sources, e.g. data.sources='[{{path: a.jsonl, weight: 3}}]' ({KEYS})",
     ]

@@ -6,7 +6,9 @@ Two stages of a tiny model, four left-padded prompts of up to 9 tokens, 10 token
 (GQA: 4 query, 2 KV heads), qwen3 with sliding layers (window 4), mixtral (MoE, window 5 on every layer), qwen3_moe
 and llama4_text (MoE, chunked layers of 8). A formula that caches the query heads, or ignores the windows, or the
 prompt a sliding layer holds until its first decode step, misses; so does a logits count without the sampling's
-noise or top-p's int64 indices. Also the reference weights and the hidden states sent, on examples worked by hand.
+noise or top-p's int64 indices. Also the reference weights and the hidden states sent, on examples worked by hand,
+and a train_objective=grpo layout's estimate in the planner and preflight: the larger of the training step and the
+generation beside the resident weights and the reference weights.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from parallel.generation_memory import (
     reference_weight_bytes,
     stage_generation_bytes,
     stage_layer_indices,
+    with_generation,
 )
-from parallel.layout import Layout
-from parallel.memory_plan import Shape, shape_of
+from parallel.layout import GenerationBatch, Layout
+from parallel.memory_plan import Shape, shape_of, stage_estimates, stage_table
+from training.configuration.schema import GRPOConfig, TrainConfig
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [30, 31, 32, 33, 34, 35], [40, 41, 42, 43]]
 WIDTH = max(map(len, PROMPTS))  # the prefill's padded length S
@@ -210,3 +214,125 @@ def test_a_stage_of_llama3_8b_worked_by_hand():
     first = stage_generation_bytes(shape, layout, None, params, [16, 16], 0, 64, 512, 1024, beta=0.0)
     assert (first.logits, first.reference, first.kv_cache) == (0, 0, last.kv_cache)
     assert first.total == first.kv_cache + first.masks + first.hidden
+
+
+LLAMA3_8B = Shape(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, vocab=128256, head_dim=128)
+
+
+def grpo_estimates(completion: int, beta: float, seq_len: int = 1536):
+    """(layout, per-stage estimates) of Llama 3 8B on pipe 2 x data 2, ZeRO-0, micro 1 x grad_acc 32, act. ckpt:
+    32 rows per data-parallel rank, prompts of seq_len - completion tokens."""
+    params, layers = [4.0e9, 4.0e9], [16, 16]
+    layout = Layout(
+        stages=2, dp=2, zero=0, micro_batch=1, seq_len=seq_len, grad_accum=32, checkpointing=True, loss_chunk=1024
+    )
+    layout = dataclasses.replace(layout, generation=GenerationBatch(completion, beta=beta))
+    return layout, with_generation(
+        stage_estimates(params, layout, LLAMA3_8B, layers), params, layout, LLAMA3_8B, layers
+    )
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_a_grpo_estimate_adds_the_generation_over_the_training_step_and_the_reference_weights(beta):
+    """Per stage, with_generation keeps the training estimate's resident bytes and adds the reference weights (beta
+    > 0 only) and the generation's excess over the training step, which it does not meet: here 32 rows' KV cache of
+    1536 tokens (3.2 GB a stage) exceeds 1 micro-batch's checkpointed activations."""
+    params, layers = [4.0e9, 4.0e9], [16, 16]
+    layout, planned = grpo_estimates(1024, beta)
+    training = stage_estimates(params, dataclasses.replace(layout, generation=None), LLAMA3_8B, layers)
+    for stage, (e, t) in enumerate(zip(planned, training)):
+        g = stage_generation_bytes(LLAMA3_8B, layout, None, params, layers, stage, 32, 512, 1024, beta, micro_batches=2)
+        assert (e.generation, e.kv_cache, e.reference) == (g.transient, g.kv_cache, g.reference)
+        assert e.kv_cache == 16 * 2 * 8 * 128 * 1536 * 32 * 2
+        assert e.reference == (2 * 4.0e9 if beta else 0)
+        assert e.model_states == t.model_states and e.training == t.training < e.generation
+        assert e.total == pytest.approx(t.total + (e.generation - t.training) + e.reference, rel=1e-12)
+
+
+def test_a_grpo_estimate_grows_with_the_completion_and_the_reference():
+    """The prompt budget and the completion doubled double the KV cache; beta > 0 adds exactly the reference weights;
+    where the training step is the larger, the generation adds nothing."""
+    _, short = grpo_estimates(1024, 0.04)
+    _, long = grpo_estimates(2048, 0.04, seq_len=3072)
+    _, without = grpo_estimates(1024, 0.0)
+    for s, l, w in zip(short, long, without):
+        assert l.kv_cache == 2 * s.kv_cache
+        assert s.total - w.total == pytest.approx(s.reference, rel=1e-12) and s.reference == 2 * 4.0e9
+    layout, few = grpo_estimates(8, 0.0, seq_len=16)  # 32 rows of 16 tokens: a small cache
+    training = stage_estimates([4.0e9, 4.0e9], dataclasses.replace(layout, generation=None), LLAMA3_8B, [16, 16])
+    assert [e.total for e in few] == [t.total for t in training] and all(e.generation < e.training for e in few)
+
+
+def test_the_stage_table_shows_gen_and_ref_for_grpo_alone():
+    """The planner's table has gen and ref columns for a GRPO layout, none otherwise."""
+    layout, planned = grpo_estimates(1024, 0.04)
+    head, first = stage_table(planned, [16, 16], layout)[:2]
+    assert head.split()[7:11] == ["loss", "g.tmp", "gen", "ref"]
+    assert f" {planned[0].generation / 1e9:>6.2f} {planned[0].reference / 1e9:>6.2f} " in first
+    plain = stage_estimates([4.0e9, 4.0e9], Layout(stages=2), LLAMA3_8B, [16, 16])
+    assert "gen" not in stage_table(plain, [16, 16])[0].split()
+
+
+def test_a_grpo_config_gives_its_layout_the_generation():
+    """Layout.of: grpo.* as the GenerationBatch of a train_objective=grpo config; None for another objective."""
+    g = GRPOConfig(max_completion_length=64, temperature=0.7, top_k=5, top_p=0.9, beta=0.1, generation_micro_batches=3)
+    cfg = TrainConfig(train_objective="grpo", grpo=g, micro_batch_size=2, gradient_accumulation_steps=4)
+    layout = Layout.of(cfg, 2, {})
+    assert layout.generation == GenerationBatch(64, 3, 0.7, 5, 0.9, 0.1) and layout.rank_batch == 8
+    assert Layout.of(TrainConfig(grpo=g), 2, {}).generation is None
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_preflight_names_the_generation_kv_cache_and_the_reference_weights(tmp_path, tokenizer_dir, beta):
+    """training/configuration/preflight.py on a GRPO config: the most loaded GPU's sum names the reference weights
+    and the generation's KV cache, the table has their columns, and a line says the generation batch in its knobs."""
+    from training.configuration.preflight import check
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "count to 1"}\n{"prompt": "count to 2"}\n')
+    overrides = ["model=llama3.2-1b", f"model.tokenizer={tokenizer_dir}", "model.architecture.vocab_size=512"]
+    overrides += ["data=grpo", f"data.train_file={prompts}", "data.max_seq_length=1024", "max_steps=10"]
+    overrides += ["grpo.reward_funcs=[tests.support.rewards_fixture:length_reward]", "grpo.max_completion_length=512"]
+    overrides += [f"grpo.beta={beta}", "num_stages=2", "micro_batch_size=2", "gradient_accumulation_steps=4"]
+    overrides += ["loss_chunk_tokens=1024", f"output_dir={tmp_path / 'out'}", "min_free_disk_gb=0"]
+    lines = check(4, overrides)
+    planner = next(line for line in lines if line.startswith("planner"))
+    reference = "reference weights 1.0 GB" if beta else "reference weights 0.0 GB"
+    assert reference in planner and "and the generation (KV cache " in planner, planner
+    assert "the larger of the training step (activations " in planner, planner
+    assert any(line.split()[9:11] == ["gen", "ref"] for line in lines), lines
+    generation = next(line for line in lines if line.startswith("generation (train_objective=grpo)"))
+    assert (
+        "8 rows per data-parallel rank (micro_batch_size 2 x gradient_accumulation_steps 4) in 2 chunks" in generation
+    )
+    assert (
+        "prompts of up to 512 tokens (data.max_seq_length - grpo.max_completion_length) + 512 generated" in generation
+    )
+    kept = "the reference weights (grpo.beta 0.04) stay beside the trained ones" if beta else "no reference weights"
+    assert kept in generation, generation
+
+
+def test_estimate_memory_counts_a_grpo_generation_and_fits_only_layouts_grpo_runs(capsys):
+    """scripts/estimate_memory.py --grpo-completion-length: the table's gen and ref columns, the line naming the
+    KV cache and the reference weights; the fit search counts them and proposes no layout train_objective=grpo
+    refuses (sequence or expert parallelism, DualPipeV, the data-parallel engine)."""
+    from tests.support.scripts import load_entry_point
+
+    script = load_entry_point("scripts/estimate_memory.py")
+    flags = ["--model", "llama3-8b", "--seq-len", "1536", "--grad-accum", "16", "--loss-chunk-tokens", "1024"]
+    grpo = ["--grpo-completion-length", "1024", "--grpo-beta", "0.04"]
+    script.main([*flags, *grpo, "--stages", "2", "--dp", "4", "--zero", "1"])
+    out = capsys.readouterr().out
+    assert "gen    ref bucket" in out, out
+    assert "16 rows per data-parallel rank, prompts of up to 512 + 1024 tokens; on stage 0 its KV cache 1.71 GB" in out
+    assert "reference weights 8.47 GB (ref, --grpo-beta > 0)" in out, out
+    script.main([*flags, "--stages", "2", "--dp", "4", "--zero", "1"])
+    assert "gen" not in capsys.readouterr().out.split()
+    script.main([*flags, *grpo, "--gpus", "8", "--gpu-mem", "80", "--schedule", "both", "--top", "100"])
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ") and "ZeRO" in line]
+    assert listed and not any("sequence" in line or "DualPipeV" in line or "dualpipev" in line for line in listed)
+    with pytest.raises(SystemExit) as exit_:
+        script.main([*flags, *grpo, "--schedule", "dualpipev", "--stages", "2", "--dp", "4", "--grad-accum", "8"])
+    assert exit_.value.code == 1 and "--schedule dualpipev with --grpo-completion-length:" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="leaves no token of --seq-len 1536"):
+        script.main([*flags, "--grpo-completion-length", "1536"])

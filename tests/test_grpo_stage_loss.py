@@ -43,18 +43,20 @@ def world():
             prompt = torch.randint(3, config.vocab_size, (int(torch.randint(2, 9, ())),))
             completion = torch.randint(3, config.vocab_size, (int(torch.randint(1, MAX_COMPLETION + 1, ())),))
             with torch.no_grad():
-                logps = hf_logps(hf, prompt, completion)
+                logps, _ = hf_logps(hf, prompt, completion)
             noise = 0.3 * torch.randn(2, len(completion))
             rows.append((prompt, completion, float(torch.randn(())) + 0.3, logps + noise[0], logps + noise[1]))
         micro_batches.append(rows)
     return config, hf, funcs, micro_batches
 
 
-def hf_logps(hf, prompt, completion, temperature=TEMPERATURE) -> torch.Tensor:
-    """[C]: each completion token's log-probability from the row run alone (TRL's ``logits[:, -C-1:-1]``)."""
+def hf_logps(hf, prompt, completion, temperature=TEMPERATURE) -> tuple[torch.Tensor, torch.Tensor]:
+    """([C], [C]): each completion token's log-probability and the entropy of its tempered distribution, from the
+    row run alone (TRL's ``logits[:, -C-1:-1]``)."""
     ids = torch.cat([prompt, completion])[None]
     logits = hf(input_ids=ids, use_cache=False).logits[:, len(prompt) - 1 : -1]  # [1,C,V]
-    return token_logps_and_entropy(logits, completion[None], temperature)[0][0]
+    logps, entropies = token_logps_and_entropy(logits, completion[None], temperature)
+    return logps[0], entropies[0]
 
 
 def stage_batch(rows, pad_in_mask: bool = False):
@@ -86,8 +88,9 @@ def hf_step(hf, micro_batches, loss_type, beta, with_old, temperature=TEMPERATUR
     for rows in micro_batches:
         width = max(len(c) for _, c, *_ in rows)
         mask, old, ref = (torch.zeros(len(rows), width) for _ in range(3))
-        logps = [hf_logps(hf, p, c, temperature) for p, c, *_ in rows]
-        padded = torch.stack([torch.cat([lp, lp.new_zeros(width - len(lp))]) for lp in logps])
+        both = [hf_logps(hf, p, c, temperature) for p, c, *_ in rows]
+        pad = lambda values: torch.stack([torch.cat([v, v.new_zeros(width - len(v))]) for v in values])  # noqa: E731
+        padded, entropies = pad([lp for lp, _ in both]), pad([e for _, e in both]).detach()
         for b, (_, c, _, o, r) in enumerate(rows):
             mask[b, : len(c)], old[b, : len(c)], ref[b, : len(c)] = 1, o, r
         loss, m = grpo_loss(
@@ -95,6 +98,7 @@ def hf_step(hf, micro_batches, loss_type, beta, with_old, temperature=TEMPERATUR
             torch.tensor([a for _, _, a, *_ in rows]),
             mask,
             old_per_token_logps=old if with_old else None,
+            entropies=entropies,
             ref_per_token_logps=ref if beta else None,
             beta=beta,
             loss_type=loss_type,
@@ -157,7 +161,7 @@ def test_the_step_loss_and_gradients_are_the_hf_models(world, loss_type, beta, w
     assert loss_diff < REL_TOL and grad_diff < REL_TOL, (loss_diff, grad_diff)
     assert stats.shape == (RANKS * MICRO, len(GRPO_METRICS))
     for row, (tokens, m) in zip(stats, metrics):
-        expected = [tokens] + [m.get(k, torch.tensor(0.0)) * tokens for k in GRPO_METRICS[1:5]]
+        expected = [tokens] + [m.get(k, torch.tensor(0.0)) * tokens for k in GRPO_METRICS[1:6]]
         expected += [m["clip_ratio/low_min"], m["clip_ratio/high_max"]]
         torch.testing.assert_close(row, torch.stack(expected).double(), rtol=1e-5, atol=1e-5)
     if with_old:  # the ratios moved: the clip figures are exercised, not zeros
@@ -182,7 +186,7 @@ def test_recording_returns_the_per_token_logps(world):
         (recorded,) = loss_fn.recording
         assert recorded.shape == ids.shape and len(loss_fn.stats) == 0
         for b, (p, c, *_) in enumerate(rows):
-            torch.testing.assert_close(recorded[b, len(p) : len(p) + len(c)], hf_logps(hf, p, c), rtol=0, atol=1e-5)
+            torch.testing.assert_close(recorded[b, len(p) : len(p) + len(c)], hf_logps(hf, p, c)[0], rtol=0, atol=1e-5)
             assert recorded[b, : len(p)].abs().sum() == 0 and recorded[b, len(p) + len(c) :].abs().sum() == 0
 
 

@@ -124,7 +124,7 @@ def test_wandb_is_checked_on_the_rank_that_logs_only(tiny_hf, tmp_path, tokens, 
 
 @pytest.mark.parametrize(
     "override, valid",
-    [("dpo.loss_type=hinge", "[sigmoid, ipo]"), ("data.format=chat", "[tokens, text, sft, dpo]")],
+    [("dpo.loss_type=hinge", "[sigmoid, ipo]"), ("data.format=chat", "[tokens, text, sft, dpo, grpo]")],
 )
 def test_an_invalid_choice_shows_every_valid_value(override, valid):
     """Hydra's first line alone ("Error merging override ...") was all the preflight said; train.py prints its cause."""
@@ -138,7 +138,7 @@ def test_a_sources_format_shows_every_valid_value():
     override = "data.sources=[{path:a.jsonl,format:chat}]"
     message = refusal(1, [override])
     assert message == "invalid configuration:\n  " + "\n  ".join(override_key_problems([override]))  # train.py's
-    assert "tokens, text, sft, dpo" in message
+    assert "tokens, text, sft, dpo, grpo" in message
 
 
 def test_a_model_group_name_given_as_model_name_or_path_suggests_model(tmp_path, tokens):

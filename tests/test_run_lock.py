@@ -109,6 +109,7 @@ def test_heartbeat_must_be_shorter_than_stale_time(tmp_path):
         RunLock(str(tmp_path), heartbeat_s=5.0, stale_after_s=5.0)
 
 
+@pytest.mark.slow  # a second and more: a second process holding the lock
 def test_second_run_refused_first_unaffected(tmp_path):
     out = str(tmp_path / "out")
     holder = subprocess.Popen(

@@ -76,6 +76,7 @@ def test_records_become_wandb_keys():
     assert flat_values(evaluation) == {"eval/code/eval_loss": 1.5}
 
 
+@pytest.mark.slow  # a second and more: a W&B offline run written and resumed
 def test_an_offline_run_holds_the_records_and_a_resume_continues_it(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

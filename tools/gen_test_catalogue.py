@@ -51,11 +51,14 @@ AREAS = {
         "test_compile",
         "test_adamw_impl",
     ],
-    "Online RL (GRPO): the building blocks against Hugging Face and TRL": [
+    "Online RL (GRPO) against Hugging Face and TRL": [
+        "test_grpo_training",
+        "test_grpo_learning",
         "test_generation",
         "test_pipeline_generation",
         "test_generation_memory",
         "test_grpo_loss",
+        "test_grpo_reference",
         "test_grpo_stage_loss",
         "test_rewards",
         "test_grpo_prompts",
@@ -88,6 +91,7 @@ AREAS = {
     "Configuration, planning and refusals before start": [
         "test_config",
         "test_config_values",
+        "test_grpo_config",
         "test_hydra_groups",
         "test_step_range",
         "test_adaptive_defaults",

@@ -24,6 +24,7 @@ from models.files.hf_stage import is_hf_dir, load_stage_from_hf
 from models.files.peft_adapter import base_record, load_adapter_, load_checkpoint_adapters_
 from models.files.pipeline_dir import full_numel, is_partitioned, load_stage_weights, local_modules, stage_pieces
 from models.files.zero3_load import init_partitioned_, partition_bytes
+from models.grpo import GRPOLoss
 from models.host_memory import peak_rss_mb
 from models.kernels import apply_kernels
 from models.llama_pipe import ATTENTION_IMPLEMENTATIONS, init_weights_
@@ -35,6 +36,7 @@ from training.checkpoints import save_restore
 from training.compile import compile_engine
 from training.configuration.schema import Resolved
 from training.data_setup import RankData, prepare_rank_data
+from training.grpo import grpo_rank_data
 from training.observation.logs import log0
 from training.optim import (
     apply_optim_settings,
@@ -96,11 +98,23 @@ def make_output_dir(output_dir: str) -> None:
         save_restore.remove_interrupted_saves(output_dir)
 
 
-def build_loss(resolved: Resolved) -> CausalLMLoss | PreferenceLoss:
-    """The last stage's loss: the next-token loss (train_step sets its normalisation each step), or DPO's."""
+def build_loss(resolved: Resolved) -> CausalLMLoss | PreferenceLoss | GRPOLoss:
+    """The last stage's loss: the next-token loss (train_step sets its normalisation each step), DPO's or GRPO's."""
     cfg = resolved.cfg
     if cfg.train_objective == "dpo":
         return PreferenceLoss(cfg.loss_chunk_tokens, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.label_smoothing)
+    if cfg.train_objective == "grpo":
+        g = cfg.grpo
+        return GRPOLoss(
+            cfg.loss_chunk_tokens,
+            temperature=g.temperature,
+            epsilon=g.epsilon,
+            epsilon_high=g.epsilon_high,
+            beta=g.beta,
+            loss_type=str(g.loss_type),
+            max_completion_length=g.max_completion_length,
+            impl=str(cfg.loss_impl),
+        )
     return CausalLMLoss(cfg.loss_chunk_tokens)
 
 
@@ -145,9 +159,11 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
 
     def init() -> dict:
         start, loaded_mib = time.time(), 0.0
-        if resolved.resume_tag and not resolved.reshard and not resolved.lora:
+        # grpo.beta > 0: the starting weights are the reference (training/grpo.py), a resume loads them too
+        starting = not resolved.resume_tag or (cfg.train_objective == "grpo" and cfg.grpo.beta > 0)
+        if resolved.resume_tag and not resolved.reshard and not resolved.lora and not starting:
             source = f"resuming {resolved.resume_tag}"  # DeepSpeed's load_checkpoint fills the stage
-        elif resolved.from_scratch and not resolved.resume_tag:
+        elif resolved.from_scratch and starting:
             spec_info = spec_layout(config)  # per spec: the layer file holding its weights, whose index seeds it
             for index, module in local_modules(model):
                 seed = cfg.seed + spec_info[index].file_index
@@ -160,7 +176,7 @@ def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list
             # another layout, the checkpoint's
             ckpt_dir, tag = (
                 (cfg.output_dir, resolved.resume_tag)
-                if resolved.resume_tag and not resolved.lora
+                if resolved.resume_tag and not resolved.lora and not starting
                 else (cfg.model_name_or_path, None)
             )
             # read as it is, this stage's tensors only (models/files/hf_stage.py)
@@ -220,7 +236,10 @@ def build_data(resolved: Resolved, topology: ProcessTopology) -> tuple[RankData,
     """This rank's data (who tokenizes, who reads, placeholders: training/data_setup.py) and every
     rank's data report, for the announcement."""
     coord = resolved.layout.data_coord(topology.get_coord(dist.get_rank()))
-    data = prepare_rank_data(resolved.cfg, resolved.model_config, resolved.layout, coord)
+    if resolved.cfg.train_objective == "grpo":
+        data = grpo_rank_data(resolved, coord)
+    else:
+        data = prepare_rank_data(resolved.cfg, resolved.model_config, resolved.layout, coord)
     reports = on_all_ranks("reporting data", lambda: {"role": data.role, "peak_rss_mib": peak_rss_mb()})
     return data, reports
 

@@ -22,6 +22,7 @@ from training.compile import CompileLog
 from training.configuration.schema import Resolved
 from training.configuration.step_range import planned_steps, resumed_step, step_setting_problems
 from training.data_setup import RankData
+from training.grpo import GRPOStep
 from training.observation.logs import log0
 from training.observation.memory_census import CensusAtStep, StepPeak
 from training.observation.metrics import StepLogger, device_peak_tflops, write_final_record
@@ -68,7 +69,9 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
         sources=data.sources,
         sinks=[tracking_run(resolved, axes)] if cfg.monitor.wandb and dist.get_rank() == 0 else None,
     )
-    eval_labels = [eval_label_count(resolved, engine, data, e) for e in data.evals]
+    # train_objective=grpo: generation, rewards and the update (training/grpo.py)
+    grpo = GRPOStep(resolved, engine, data.iterator, loss_fn, start_step) if cfg.train_objective == "grpo" else None
+    eval_labels = [0 if grpo else eval_label_count(resolved, engine, data, e) for e in data.evals]
     last_saved = start_step if resolved.resume_tag else None
     stopper = StopAndSave(
         cfg.save_every_minutes,
@@ -94,7 +97,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             step_peak.before(step)
             watch.step_started(step)
             with profiler.step(step):  # profile_steps: this step under torch.profiler, its trace written at the last
-                loss, counts = train_step(resolved, engine, data, loss_fn)
+                loss, counts = grpo.train_step(step) if grpo else train_step(resolved, engine, data, loss_fn)
             watch.step_ended()
             # every rank: signals, rank 0's save clock, each rank's compute seconds (one all-reduce)
             signalled, clock_due, compute, writing = stopper.after_step(clock.take() if clock else 0.0, writer.busy)
@@ -108,9 +111,11 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
                 )
             grad_norm = engine.get_global_grad_norm()  # a tensor, a float, or None when the optimizer keeps none
             norm = None if grad_norm is None else float(grad_norm)
-            extra = objective_metrics(resolved, engine, loss_fn)
+            extra, written = grpo.metrics() if grpo else (objective_metrics(resolved, engine, loss_fn), {})
             compute = compute if clock else None
             fields = compiled.after_step(step)  # compile=true: recompiles, compile seconds
+            if written:
+                fields = {**(fields or {}), **written}
             logger.log(step, loss, lr, norm, *counts[:3], counts[3:], compute=compute, extra=extra, fields=fields)
             nonfinite = not math.isfinite(loss) or engine.skipped_steps > skipped_before  # the same on every rank
             with watch.saving():  # a hang exit (training/resilience/hang.py) waits for the save
@@ -124,7 +129,10 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
                 last_saved = step
             if data.evals and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
                 for evaluation, labels in zip(data.evals, eval_labels):
-                    evaluate(resolved, engine, data, evaluation, step, logger, loss_fn, labels)
+                    if grpo:
+                        grpo.evaluate(step, evaluation, logger)
+                    else:
+                        evaluate(resolved, engine, data, evaluation, step, logger, loss_fn, labels)
             if stop:  # after a stop signal, the step's eval done: a resume starts at the next step
                 raise Preempted(stop)
         if writer.tag is not None:  # save_final=false: the last background save, published before the run ends

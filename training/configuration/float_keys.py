@@ -13,7 +13,8 @@ import re
 import typing
 
 # Every float key -> the range its rule holds it to, as the key's comment in training/configuration/schema.py says it (a
-# test checks both); a list's items and a list of sources' fields by the key without the index.
+# test checks both); a list's items and a list of sources' fields by the key without the index. An Optional[float]
+# is one (None passes); grpo.reward_weights, an optional list, is data/rewards.py's weight_problems' to check.
 FLOAT_RANGES = {
     "optim.lr": "in (0, 1]",
     "optim.betas": "in [0, 1)",
@@ -34,6 +35,11 @@ FLOAT_RANGES = {
     "peft.dropout": "in [0, 1)",
     "dpo.beta": "> 0",
     "dpo.label_smoothing": "in [0, 0.5)",
+    "grpo.temperature": "> 0",
+    "grpo.top_p": "in (0, 1]",
+    "grpo.beta": ">= 0",
+    "grpo.epsilon": "> 0",
+    "grpo.epsilon_high": ">= 0; None: = grpo.epsilon",
 }
 
 
@@ -51,7 +57,7 @@ def float_leaves(node, prefix: str = "") -> typing.Iterator[tuple[str, object, s
                     yield from float_leaves(item, f"{key}[{i}].")
                 elif typing.get_args(hint) == (float,):
                     yield f"{key}[{i}]", value, i
-        elif hint is float:
+        elif hint in (float, typing.Optional[float]):
             yield key, node, f.name
 
 

@@ -1,6 +1,6 @@
 """The keys a user set: Hydra overrides and composed config keys that TrainConfig does not have (each with the
-nearest valid key), values of a type the key does not take (each with the form it takes), and entries of a
-``data.sources`` override that are not sources."""
+nearest valid key, or why a TRL GRPOConfig setting is not here), values of a type the key does not take (each with
+the form it takes), and entries of a ``data.sources`` override that are not sources."""
 
 from __future__ import annotations
 
@@ -25,13 +25,106 @@ def given_keys(overrides: list[str]) -> set[str]:
     return {arg.split("=", 1)[0].lstrip("+~") for arg in overrides if "=" in arg}
 
 
+# TRL 1.16 GRPOConfig's settings that grpo.* does not have: grpo.<name> is refused with why, not with the nearest key
+# (a test checks each is a GRPOConfig field; trl is not imported here, it is a test-only dependency).
+_VLLM = "generation runs on the pipeline's own stages (parallel/pipeline_generation.py), not in vLLM"
+_OWN_GENERATION = "generation runs on the pipeline's own stages, each with its own KV cache (models/generation.py)"
+_SAMPLING = "sampling takes grpo.temperature, grpo.top_p and grpo.top_k only"
+_ONE_BATCH = (
+    "each step generates its own completions, the global batch (micro_batch_size x gradient_accumulation_steps x "
+    "data-parallel; TRL's default)"
+)
+_REFERENCE = "the reference of grpo.beta > 0 stays the starting weights (TRL's default)"
+_ENTROPY = "no entropy term is added to the loss (TRL's default)"
+_LOGGING = "completions are not logged as tables (metrics.jsonl has the rewards)"
+_LOSSES = "its loss type is not built (grpo.loss_type: dapo, grpo, dr_grpo or bnpo)"
+TRL_GRPO_ONLY = {
+    "learning_rate": "the learning rate is optim.lr",
+    "model_init_kwargs": "the model is loaded from model_name_or_path as the pipeline builds it",
+    "trust_remote_code": "the model is loaded from model_name_or_path as the pipeline builds it, without remote code",
+    "router_aux_loss_coef": "the router loss follows the model config's output_router_logits and router_aux_loss_coef",
+    "disable_dropout": "the model's dropout stays as its config sets it (TRL's default)",
+    "cast_lm_head_to_fp32": "the LM head runs in the run's precision (precision=fp32 for fp32)",
+    "remove_unused_columns": "every column but the prompt reaches the reward functions (TRL's default)",
+    "num_generations_eval": "evaluation generates grpo.num_generations completions per prompt",
+    "ds3_gather_for_generation": "generation runs on the pipeline engine, which has no ZeRO-3 weights to gather",
+    "shuffle_dataset": "data.shuffle shuffles the prompts (seeded with seed, a permutation per pass)",
+    "pad_to_multiple_of": "rows are padded as data.pad_to_multiple_of says",
+    "generation_batch_size": _ONE_BATCH,
+    "steps_per_generation": _ONE_BATCH,
+    "min_p": _SAMPLING,
+    "repetition_penalty": _SAMPLING,
+    "generation_kwargs": _SAMPLING,
+    "chat_template_kwargs": "conversational prompts are rendered with the chat template's defaults",
+    "cache_implementation": _OWN_GENERATION,
+    "use_transformers_continuous_batching": _OWN_GENERATION,
+    "transformers_continuous_batching_config": _OWN_GENERATION,
+    "use_transformers_paged": _OWN_GENERATION,
+    "use_vllm": _VLLM,
+    "vllm_mode": _VLLM,
+    "vllm_model_impl": _VLLM,
+    "vllm_enable_sleep_mode": _VLLM,
+    "vllm_structured_outputs_regex": _VLLM,
+    "vllm_server_base_url": _VLLM,
+    "vllm_server_host": _VLLM,
+    "vllm_server_port": _VLLM,
+    "vllm_server_timeout": _VLLM,
+    "vllm_group_port": _VLLM,
+    "vllm_gpu_memory_utilization": _VLLM,
+    "vllm_max_model_length": _VLLM,
+    "vllm_tensor_parallel_size": _VLLM,
+    "vllm_importance_sampling_correction": _VLLM,
+    "vllm_importance_sampling_mode": _VLLM,
+    "vllm_importance_sampling_clip_max": _VLLM,
+    "vllm_importance_sampling_clip_min": _VLLM,
+    "vllm_importance_sampling_cap": _VLLM,
+    "delta": "the two-sided clip of the ratio (delta) is not built",
+    "sapo_temperature_neg": _LOSSES,
+    "sapo_temperature_pos": _LOSSES,
+    "vespo_k_pos": _LOSSES,
+    "vespo_lambda_pos": _LOSSES,
+    "vespo_k_neg": _LOSSES,
+    "vespo_lambda_neg": _LOSSES,
+    "importance_sampling_level": "the ratio is taken per token (TRL's default, token); per sequence is not built",
+    "multi_objective_aggregation": "the rewards are summed, then normalised (TRL's default, sum_then_normalize)",
+    "sync_ref_model": _REFERENCE,
+    "ref_model_mixup_alpha": _REFERENCE,
+    "ref_model_sync_steps": _REFERENCE,
+    "top_entropy_quantile": "every completion token counts in the loss (TRL's default, 1.0)",
+    "entropy_coef": _ENTROPY,
+    "use_adaptive_entropy": _ENTROPY,
+    "entropy_coef_min": _ENTROPY,
+    "entropy_coef_max": _ENTROPY,
+    "entropy_coef_delta": _ENTROPY,
+    "entropy_target": _ENTROPY,
+    "max_tool_calling_iterations": "tool calls during generation are not built",
+    "off_policy_mask_threshold": "the off-policy sequence mask is not built",
+    "use_bias_correction_kl": "the KL term is always bias-corrected (TRL's default, true)",
+    "log_completions": _LOGGING,
+    "log_multimodal": _LOGGING,
+    "num_completions_to_print": _LOGGING,
+    "log_unique_prompts": _LOGGING,
+    "log_completions_hub_repo": _LOGGING,
+}
+
+
+def trl_only_problem(key: str) -> str | None:
+    """The line for ``grpo.<name>``, a TRL GRPOConfig setting this project does not have; None for any other key."""
+    section, _, name = key.partition(".")
+    if section != "grpo" or name not in TRL_GRPO_ONLY:
+        return None
+    return f"{key} is TRL GRPOConfig's setting, not supported here: {TRL_GRPO_ONLY[name]}"
+
+
 def unknown_key_problems(given: dict, schema: type | None = None, prefix: str = "") -> list[str]:
     """Keys of the composed config that TrainConfig does not have (``+key=value`` adds them past Hydra's
     own check, and OmegaConf.to_object drops them silently), each with the nearest valid key."""
     defaults = (schema or TrainConfig)()
     problems = []
     for key, value in given.items():
-        if not hasattr(defaults, key):
+        if not hasattr(defaults, key) and trl_only_problem(f"{prefix}{key}"):
+            problems.append(trl_only_problem(f"{prefix}{key}"))
+        elif not hasattr(defaults, key):
             near = difflib.get_close_matches(
                 f"{prefix}{key}", leaf_keys(dataclasses.asdict(TrainConfig())), n=1, cutoff=0.6
             )

@@ -16,6 +16,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from parallel.generation_memory import cache_windows, generation_chunks, prompt_tokens, with_generation
 from parallel.memory_plan import GB, expert_report, schedule_report, shape_of, stage_estimates, stage_table
 from parallel.partition import splitter
 from training.configuration.overrides import given_keys, override_key_problems, unknown_key_problems
@@ -81,16 +82,17 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
     split = splitter(config, None, cfg.partition_method)
     params, layers = split(layout)
     stages = stage_estimates(params, layout, shape_of(config), layers)
+    windows = cache_windows(config) if layout.generation else None
+    stages = with_generation(stages, params, layout, shape_of(config), layers, windows)
     e = max(stages, key=lambda s: s.total)
     lines.append(
         f"planner (scripts/estimate_memory.py), most loaded GPU (stage {e.stage}, {e.parameters / 1e9:.2f} B "
-        f"params): model states {e.model_states / GB:.1f} GB + activations {e.activations / GB:.1f} GB + loss "
-        f"{e.loss / GB:.1f} GB + gradient and bucket temporaries {(e.grad_temp + e.buffers) / GB:.1f} GB = "
-        f"{e.total / GB:.1f} GB"
+        f"params): {estimate_sum(e)}"
         + (f"; host {e.host / GB:.1f} GB per rank (offloaded)" if e.host else "")
         + (f"; host {e.snapshot / GB:.1f} GB per rank for save_async's copy of a checkpoint" if e.snapshot else "")
     )
     lines += ["  " + line for line in stage_table(stages, layers, layout)]
+    lines += generation_report(layout)
     lines += schedule_report(split, layout, shape_of(config))
     lines += expert_report(layout, shape_of(config), layers)  # a MoE model's experts per rank and all-to-all bytes
     if layout.lora_rank:
@@ -104,6 +106,42 @@ def check(world_size: int, overrides: list[str]) -> list[str]:
             f"(stage {full.stage}; model states {full.model_states / GB:.1f} GB against {e.model_states / GB:.1f} GB)"
         )
     return lines
+
+
+def estimate_sum(e) -> str:
+    """A stage's estimate as its sum in GB: the training step's parts, or with train_objective=grpo the resident
+    parts and the larger of the training step and the generation (``Estimate.total``)."""
+    states = f"model states {e.model_states / GB:.1f} GB"
+    acts = f"activations {e.activations / GB:.1f} GB + loss {e.loss / GB:.1f} GB"
+    if not e.generation:
+        temps = f"gradient and bucket temporaries {(e.grad_temp + e.buffers) / GB:.1f} GB"
+        return f"{states} + {acts} + {temps} = {e.total / GB:.1f} GB"
+    bucket = f" + bucket {e.buffers / GB:.1f} GB" if e.buffers else ""
+    return (
+        f"{states} + reference weights {e.reference / GB:.1f} GB{bucket} + the larger of the training step ({acts} + "
+        f"gradient temporaries {e.grad_temp / GB:.1f} GB = {e.training / GB:.1f} GB) and the generation (KV cache "
+        f"{e.kv_cache / GB:.1f} GB + logits, masks and hidden states {(e.generation - e.kv_cache) / GB:.1f} GB = "
+        f"{e.generation / GB:.1f} GB) = {e.total / GB:.1f} GB"
+    )
+
+
+def generation_report(layout) -> list[str]:
+    """What train_objective=grpo's generation holds per data-parallel rank, in the config's knobs; nothing else."""
+    g = layout.generation
+    if g is None:
+        return []
+    reference = (
+        f"the reference weights (grpo.beta {g.beta:g}) stay beside the trained ones"
+        if g.beta
+        else "no reference weights (grpo.beta 0)"
+    )
+    return [
+        f"generation (train_objective=grpo): {layout.rank_batch} rows per data-parallel rank (micro_batch_size "
+        f"{layout.micro_batch} x gradient_accumulation_steps {layout.grad_accum}) in {generation_chunks(layout)} "
+        f"chunks (grpo.generation_micro_batches), prompts of up to {prompt_tokens(layout)} tokens "
+        f"(data.max_seq_length - grpo.max_completion_length) + {g.completion_len} generated; its KV cache is freed "
+        f"before the training step, {reference}"
+    ]
 
 
 def steps_line(resolved) -> str:

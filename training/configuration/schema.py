@@ -47,16 +47,31 @@ class DataFormat(StrEnum):
     text = "text"
     sft = "sft"
     dpo = "dpo"
+    grpo = "grpo"
 
 
 class TrainObjective(StrEnum):
     sft = "sft"
     dpo = "dpo"
+    grpo = "grpo"
 
 
 class DPOLossType(StrEnum):
     sigmoid = "sigmoid"
     ipo = "ipo"
+
+
+class GRPOLossType(StrEnum):  # models/grpo.py's LOSS_TYPES
+    dapo = "dapo"
+    grpo = "grpo"
+    dr_grpo = "dr_grpo"
+    bnpo = "bnpo"
+
+
+class ScaleRewards(StrEnum):  # models/grpo.py's SCALE_REWARDS
+    group = "group"
+    batch = "batch"
+    none = "none"
 
 
 class NonfinitePolicy(StrEnum):
@@ -186,6 +201,30 @@ class DPOConfig:
 
 
 @dataclass
+class GRPOConfig:
+    """Group relative policy optimisation (train_objective=grpo): TRL 1.16 GRPOTrainer's names, defaults and loss;
+    its settings that are not here are refused by name (training/configuration/overrides.py's TRL_GRPO_ONLY)."""
+
+    num_generations: int = 8  # completions generated per prompt, >= 2; the global batch counts completions
+    max_completion_length: int = 512  # most tokens generated per completion, in [1, data.max_seq_length)
+    temperature: float = 1.0  # sampling temperature, > 0; the log-probabilities are taken at it too
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this probability, in (0, 1]; 1 = off
+    top_k: int = 0  # sample among the k most likely tokens, >= 0; 0 = off
+    beta: float = 0.0  # the KL penalty's coefficient against the starting weights, >= 0; 0 = no reference model
+    epsilon: float = 0.2  # the probability ratio's lower clip 1 - epsilon, > 0
+    epsilon_high: Optional[float] = None  # the ratio's upper clip 1 + epsilon_high, >= 0; None: = grpo.epsilon
+    # how the summed token losses are normalised: dapo (the step's completion tokens) | grpo (per-sequence means) |
+    # dr_grpo (rows x max_completion_length) | bnpo (the micro-batch's completion tokens)
+    loss_type: GRPOLossType = GRPOLossType.dapo
+    scale_rewards: ScaleRewards = ScaleRewards.group  # advantages divided by the std of: group | batch | none
+    num_iterations: int = 1  # optimizer steps per generated batch, >= 1; above 1 the ratio is to the generating weights
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length are left out of the loss
+    reward_funcs: list[str] = field(default_factory=list)  # reward functions, importable 'module:function' names
+    reward_weights: Optional[list[float]] = None  # one weight per reward function, finite; None: each 1.0
+    generation_micro_batches: int = 0  # chunks of rows in flight during generation, >= 0; 0 = the pipeline stages
+
+
+@dataclass
 class SourceConfig:
     """One source of a weighted mixture (data.sources, data.eval_sources)."""
 
@@ -202,7 +241,8 @@ class DataConfig:
     # The training data: a .jsonl file (.txt for format=text), a .parquet/.arrow/.json file, a directory of
     # such files, a glob ("shards/*.parquet"), or a directory written by datasets' save_to_disk.
     train_file: str = ""
-    # tokens: {"input_ids"} | text: {"text"} or .txt | sft: {"prompt","response"} or {"messages"} | dpo: pairs
+    # tokens: {"input_ids"} | text: {"text"} or .txt | sft: {"prompt","response"} or {"messages"} | dpo: pairs |
+    # grpo: prompts {"prompt"} (text or messages), the other columns passed to the reward functions
     format: DataFormat = DataFormat.tokens
     max_seq_length: int = 512  # tokens per sample row
     packing: Optional[bool] = None  # pack examples into rows with per-document attention; None: true for text only
@@ -210,7 +250,8 @@ class DataConfig:
     # The source's column names, where they differ from the formats' (data.text_field=content reads each
     # row's "content" as its text); a ShareGPT "conversations" column is found as it is.
     text_field: str = "text"  # format=text: the document
-    prompt_field: str = "prompt"  # format=sft: the prompt of a prompt/response pair; format=dpo: a pair's prompt
+    # format=sft: the prompt of a prompt/response pair | dpo: a pair's prompt | grpo: the prompt completions continue
+    prompt_field: str = "prompt"
     response_field: str = "response"  # format=sft: its response (trained)
     messages_field: str = "messages"  # format=sft: a chat's list of {role, content}
     input_ids_field: str = "input_ids"  # format=tokens: the token ids
@@ -288,7 +329,8 @@ class TrainConfig:
     # convention and this project's before; a micro-batch of 3 label tokens weighs as much as one of 300).
     loss_normalization: LossNormalization = LossNormalization.tokens
     # sft: next-token loss on the label tokens | dpo: preference pairs (data=dpo), the DPO loss against a
-    # reference whose log-probabilities one forward pass computes before training (training/dpo.py)
+    # reference whose log-probabilities one forward pass computes before training (training/dpo.py) | grpo: prompts
+    # (data=grpo), completions generated on the pipeline's stages, TRL's GRPO loss (training/grpo.py)
     train_objective: TrainObjective = TrainObjective.sft
     # The LM head and its cross entropy run this many tokens at a time on the last stage, so the
     # [B,S,V] logits are never held whole nor kept for backward (recomputed per chunk); 0 = off.
@@ -370,6 +412,7 @@ class TrainConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
 
 def register_configs() -> None:

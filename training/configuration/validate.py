@@ -14,6 +14,7 @@ from dataclasses import fields
 
 from data.checks import data_problems, default_packing
 from data.order_guard import ORDER_CHECK_RULE
+from data.rewards import reward_function_problems
 from data.tokenize_settings import prepared_problems, vocab_problems
 from models.files.pipeline_dir import tags_newer_than_latest
 from models.kernels import kernel_problems, loss_impl_problems
@@ -27,7 +28,16 @@ from training.configuration.float_keys import nonfinite_problems
 from training.configuration.model_source import input_checkpoint_problems, resolve_model
 from training.configuration.output_checks import disk_problems, output_dir_problems
 from training.configuration.resume_rules import ACCEPTABLE_CHANGES, RESUME_KEY_CLASSES, find_resume, reshard_reason
-from training.configuration.schema import ConfigError, DPOConfig, PeftConfig, Resolved, TrainConfig, dotted, plain
+from training.configuration.schema import (
+    ConfigError,
+    DPOConfig,
+    GRPOConfig,
+    PeftConfig,
+    Resolved,
+    TrainConfig,
+    dotted,
+    plain,
+)
 from training.configuration.step_range import known_steps, step_setting_problems
 from training.observation.profiling import profile_problems
 from training.observation.tracking import wandb_problems
@@ -250,12 +260,18 @@ def resolve(
 
 
 def objective_problems(cfg: TrainConfig, layout: Layout) -> list[str]:
-    """train_objective=dpo: its data, its settings and what it does not run with."""
-    problems, dpo = [], cfg.train_objective == "dpo"
+    """train_objective=dpo and grpo: each one's data, its settings and what it does not run with."""
+    problems, dpo, grpo = [], cfg.train_objective == "dpo", cfg.train_objective == "grpo"
     if dpo != (cfg.data.format == "dpo"):
         problems.append(
             f"train_objective={cfg.train_objective} with data.format={cfg.data.format}: preference pairs train with "
             "the DPO loss and nothing else does; use data=dpo (it sets both), or set both to sft"
+        )
+    if grpo != (cfg.data.format == "grpo"):
+        problems.append(
+            f"train_objective={cfg.train_objective} with data.format={cfg.data.format}: GRPO generates completions "
+            "for prompts (data.format=grpo) and prompts have nothing else to train on; use data=grpo (it sets "
+            "both), or set both to sft"
         )
     for key in ("sources", "eval_sources"):  # the same rule for each source's own format
         for i, source in enumerate(getattr(cfg.data, key)):
@@ -265,8 +281,26 @@ def objective_problems(cfg: TrainConfig, layout: Layout) -> list[str]:
                     "its preference pairs would train as two SFT rows each (the rejected completion a target); drop "
                     f"the source from the mixture, or train on it alone (data=dpo data.train_file={source.path})"
                 )
-    if not dpo:
+            if source.format == "grpo" and not grpo:
+                problems.append(
+                    f"data.{key}[{i}] ({source.path}) has format grpo, and train_objective is {cfg.train_objective}: "
+                    "its prompts have no completion to train on; drop the source from the mixture, or train on it "
+                    f"alone (data=grpo data.train_file={source.path})"
+                )
+    if not (dpo or grpo):
         return problems
+    if dpo:
+        problems += dpo_problems(cfg)
+    else:
+        problems += grpo_problems(cfg, layout)
+    for axis in AXES:
+        problems += axis.objective_problems(layout, cfg.train_objective)
+    return problems
+
+
+def dpo_problems(cfg: TrainConfig) -> list[str]:
+    """train_objective=dpo: its data and its settings."""
+    problems = []
     if cfg.data.packing:
         problems.append("data.packing=true with train_objective=dpo: each pair's rows stand alone; drop data.packing")
     if cfg.data.sources or cfg.data.eval_sources:
@@ -274,8 +308,6 @@ def objective_problems(cfg: TrainConfig, layout: Layout) -> list[str]:
             "data.sources/eval_sources with train_objective=dpo: the reference pass covers one source; use "
             "data.train_file (and data.eval_file or data.eval_fraction)"
         )
-    for axis in AXES:
-        problems += axis.objective_problems(layout, cfg.train_objective)
     if not cfg.dpo.beta > 0:
         problems.append(f"dpo.beta {cfg.dpo.beta} must be > 0 (TRL's default: 0.1)")
     if not 0 <= cfg.dpo.label_smoothing < 0.5:
@@ -288,7 +320,105 @@ def objective_problems(cfg: TrainConfig, layout: Layout) -> list[str]:
     return problems
 
 
-# Settings that act only in some configurations: (keys, whether they act in ``cfg``, why not and the fix).
+def grpo_problems(cfg: TrainConfig, layout: Layout) -> list[str]:
+    """train_objective=grpo: its data, what it does not run with (the axes' own rules aside) and its settings."""
+    problems = []
+    if cfg.data.packing:
+        problems.append(
+            "data.packing=true with train_objective=grpo: each prompt's completions are rows of their own; drop "
+            "data.packing"
+        )
+    if cfg.data.sources or cfg.data.eval_sources:
+        problems.append(
+            f"data.sources/eval_sources ({len(cfg.data.sources)} and {len(cfg.data.eval_sources)} sources) with "
+            "train_objective=grpo: the prompts come from one source; use data.train_file (and data.eval_file or "
+            "data.eval_fraction)"
+        )
+    if cfg.num_epochs > 0:
+        problems.append(
+            f"num_epochs {cfg.num_epochs:g} with train_objective=grpo: a GRPO run counts max_steps (each step "
+            "generates its own completions); set num_epochs=0 and max_steps"
+        )
+    problems += layout.engine.needs_pipeline("train_objective=grpo", cfg.ds_config)
+    if cfg.compile:
+        problems.append(
+            "compile=true with train_objective=grpo: generation and the GRPO loss are not built compiled; set "
+            "compile=false"
+        )
+    if cfg.data.group_by_length:
+        problems.append(
+            "data.group_by_length=true with train_objective=grpo: a step's rows are its prompts' completions, "
+            "generated in order; drop data.group_by_length"
+        )
+    if cfg.loss_chunk_tokens == 0:
+        problems.append(
+            "loss_chunk_tokens 0 with train_objective=grpo: the GRPO loss takes the chunked LM head; set "
+            "loss_chunk_tokens > 0 (e.g. 1024)"
+        )
+    return problems + grpo_setting_problems(cfg.grpo, cfg.data.max_seq_length, layout)
+
+
+def grpo_setting_problems(g: GRPOConfig, max_seq_length: int, layout: Layout) -> list[str]:
+    """grpo.*: each setting in its range (TRL's rules where it has one), the step's completions whole groups, and
+    the reward functions importable with TRL's call (data/rewards.py)."""
+    problems = []
+    if g.num_generations < 2:
+        problems.append(
+            f"grpo.num_generations {g.num_generations} must be >= 2: each completion's advantage is measured against "
+            "the other completions of its prompt (TRL's rule); set grpo.num_generations=8 (TRL's default)"
+        )
+    elif layout.global_batch and layout.global_batch % g.num_generations:
+        fits = [n for n in range(2, layout.global_batch + 1) if layout.global_batch % n == 0]
+        problems.append(
+            f"the global batch micro_batch_size {layout.micro_batch} x gradient_accumulation_steps "
+            f"{layout.grad_accum} x data-parallel {layout.dp} = {layout.global_batch} is not a multiple of "
+            f"grpo.num_generations {g.num_generations}: it is the step's completions, num_generations per prompt; "
+            f"set gradient_accumulation_steps or micro_batch_size to make it a multiple of {g.num_generations}, or "
+            f"grpo.num_generations to one of {fits[:12]}"
+        )
+    if g.max_completion_length < 1:
+        problems.append(
+            f"grpo.max_completion_length {g.max_completion_length} must be >= 1 (TRL's default: 512): the tokens "
+            "generated per completion"
+        )
+    elif g.max_completion_length >= max_seq_length:
+        problems.append(
+            f"grpo.max_completion_length {g.max_completion_length} leaves no token of data.max_seq_length "
+            f"{max_seq_length} for the prompt (its budget is max_seq_length - max_completion_length = "
+            f"{max_seq_length - g.max_completion_length}): raise data.max_seq_length above "
+            f"{g.max_completion_length}, or lower grpo.max_completion_length below {max_seq_length}"
+        )
+    for bad, line in (
+        (not g.temperature > 0, f"grpo.temperature {g.temperature:g} must be > 0 (TRL's default: 1.0)"),
+        (not 0 < g.top_p <= 1, f"grpo.top_p {g.top_p:g} must be in (0, 1] (1: off, TRL's default)"),
+        (g.top_k < 0, f"grpo.top_k {g.top_k} must be >= 0 (0: off, TRL's default)"),
+        (g.beta < 0, f"grpo.beta {g.beta:g} must be >= 0 (0: no KL penalty, TRL's default)"),
+        (not g.epsilon > 0, f"grpo.epsilon {g.epsilon:g} must be > 0 (TRL's default: 0.2)"),
+        (
+            g.epsilon_high is not None and g.epsilon_high < 0,
+            f"grpo.epsilon_high {g.epsilon_high} must be >= 0, or None (= grpo.epsilon, TRL's default)",
+        ),
+        (g.num_iterations < 1, f"grpo.num_iterations {g.num_iterations} must be >= 1 (TRL's default: 1)"),
+        (
+            g.generation_micro_batches < 0,
+            f"grpo.generation_micro_batches {g.generation_micro_batches} must be >= 0 (0: one chunk of rows per "
+            "pipeline stage)",
+        ),
+    ):
+        if bad:
+            problems.append(line)
+    return problems + reward_function_problems(list(g.reward_funcs), g.reward_weights)
+
+
+# How the losses other than the next-token one are normalised, for the loss_normalization rule below.
+OBJECTIVE_LOSS = {
+    "dpo": "DPO's loss is the mean over the global batch's pairs (TRL's)",
+    "grpo": "GRPO's loss is normalised as grpo.loss_type says (TRL's)",
+}
+
+
+# Settings that act only in some configurations: (keys, whether they act in ``cfg``, why not and the fix: a string, or a
+# function of ``cfg`` where the words name its values).
 # A key set away from its default where it cannot act is refused before start: the user believes in a
 # setting they would not get (QLoRA settings without peft.method=lora train the full model, or run out of
 # memory, with no word).
@@ -301,13 +431,26 @@ INERT_RULES = (
     (
         tuple(f"dpo.{f.name}" for f in fields(DPOConfig)),
         lambda cfg, layout: cfg.train_objective == "dpo",
-        "DPO settings, but train_objective is sft: use data=dpo (preference pairs, train_objective=dpo), or drop them",
+        lambda cfg: (
+            f"DPO settings, but train_objective is {cfg.train_objective}: use data=dpo (preference pairs, "
+            "train_objective=dpo), or drop them"
+        ),
+    ),
+    (
+        tuple(f"grpo.{f.name}" for f in fields(GRPOConfig)),
+        lambda cfg, layout: cfg.train_objective == "grpo",
+        lambda cfg: (
+            f"GRPO settings, but train_objective is {cfg.train_objective}: use data=grpo (prompts, "
+            "train_objective=grpo), or drop them"
+        ),
     ),
     (
         ("loss_normalization",),
         lambda cfg, layout: cfg.train_objective == "sft",
-        "normalises the next-token loss over label tokens; DPO's loss is the mean over the global batch's pairs "
-        "(TRL's): drop loss_normalization",
+        lambda cfg: (
+            f"normalises the next-token loss over label tokens; {OBJECTIVE_LOSS[cfg.train_objective]}: drop "
+            "loss_normalization"
+        ),
     ),
     (
         ("optim.min_lr",),
@@ -378,7 +521,8 @@ def inert_settings(cfg: TrainConfig, layout: Layout) -> tuple[list[str], list[st
         for keys, acts, why in rules:
             given = [k for k in keys if plain(dotted(now, k)) != plain(dotted(default, k))]
             if given and not acts(cfg, layout):
-                found.append(", ".join(f"{k}={plain(dotted(now, k))}" for k in given) + f": {why}")
+                words = why(cfg) if callable(why) else why
+                found.append(", ".join(f"{k}={plain(dotted(now, k))}" for k in given) + f": {words}")
         out.append(found)
     return out[0], out[1]
 

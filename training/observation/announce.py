@@ -114,6 +114,14 @@ def batch_line(resolved: Resolved) -> None:
             + (f", label smoothing {dpo.label_smoothing:g}" if dpo.label_smoothing else "")
             + ") averaged over the global batch's pairs; a sample is a pair, fed as its chosen and rejected rows"
         )
+    elif cfg.train_objective == "grpo":
+        g = cfg.grpo
+        loss = (
+            f"GRPO loss ({g.loss_type}, epsilon {g.epsilon:g}"
+            + (f"/{g.epsilon_high:g}" if g.epsilon_high is not None else "")
+            + f", beta {g.beta:g}) on completions generated on the stages: a sample is a completion, "
+            f"{g.num_generations} per prompt, at most {g.max_completion_length} tokens"
+        )
     else:
         per = "label token of the global batch" if cfg.loss_normalization == "tokens" else "micro-batch"
         loss = f"loss normalised per {per} (loss_normalization={cfg.loss_normalization})"
@@ -124,7 +132,7 @@ def data_lines(resolved: Resolved, data: RankData, start_step: int, total_steps:
     """The rows' padding (with a hint where packing or a pad multiple would save much), the samples and the steps
     to train, a mixture's sources."""
     cfg, layout = resolved.cfg, resolved.layout
-    if dist.get_rank() == 0:  # the rank that prints; a first stage, so it reads the data
+    if dist.get_rank() == 0 and cfg.train_objective != "grpo":  # the rank that prints; a first stage: it reads data
         padding = 1 - data.train.total_tokens() / (len(data.train) * layout.rows_per_sample * cfg.data.max_seq_length)
         many = not default_packing(cfg.data) and padding >= PADDING_HINT
         if cfg.data.pad_to_multiple_of:
@@ -154,7 +162,11 @@ def data_lines(resolved: Resolved, data: RankData, start_step: int, total_steps:
             f" (resumed from {resolved.resume_tag})" if start_step else ""
         )
     evals = ", ".join(f"{e.samples}{f' ({e.name})' if e.name else ''}" for e in data.evals) or "0"
-    log0(f"data: {len(data.train)} training samples ({steps_per_epoch:.1f} steps/epoch), {evals} eval samples | {plan}")
+    if cfg.train_objective == "grpo":
+        log0(f"data: {len(data.train)} prompts, {evals} eval prompts | {plan}")
+    else:
+        samples = f"{len(data.train)} training samples ({steps_per_epoch:.1f} steps/epoch), {evals} eval samples"
+        log0(f"data: {samples} | {plan}")
     if data.sources and dist.get_rank() == 0:  # a first stage: it holds the mixture
         mix = data.train
         log0(

@@ -185,14 +185,22 @@ class StepLogger:
         )
 
     def log_eval(
-        self, step: int, loss: float, seconds: float, source: str = "", extra: dict[str, float] | None = None
+        self, step: int, loss: float | None, seconds: float, source: str = "", extra: dict[str, float] | None = None
     ) -> None:
         """One eval set's loss; ``source`` names one of data.eval_sources. ``extra``: DPO's metrics (their names
-        prefixed with ``eval_``, as Trainer logs them), which replace the perplexity a DPO loss does not have."""
+        prefixed with ``eval_``, as Trainer logs them), which replace the perplexity a DPO loss does not have; GRPO's
+        rewards, without a loss (None)."""
         self.last += seconds  # eval time is not the next step's time
         if not self.active:
             return
-        record = {"kind": "eval", "step": step, "eval_loss": loss}
+        record = {"kind": "eval", "step": step} | ({} if loss is None else {"eval_loss": loss})
+        if loss is None:
+            record.update(extra or {})
+            record["eval_s"] = round(seconds, 3)
+            self._write({**record, "source": source} if source else record)
+            name = f" ({source})" if source else ""
+            print(f"eval @ step {step}{name}{_extra_line(extra)} | {seconds:.2f} s", flush=True)
+            return
         if extra:
             record.update(extra)
             ppl = ""
