@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from models.family_gpt_oss import sink_attention
+
 DOCUMENT_ATTENTION = "sdpa_documents"
 
 
@@ -192,9 +194,10 @@ def document_attention(
         raise ValueError("sdpa_documents takes the documents from position_ids; it was given a mask as well")
     seq = query.shape[2]
     window = sliding_window if sliding_window and sliding_window < seq else 0
-    if whole_rows and not window:
+    sinks = kwargs.get("s_aux")  # gpt-oss's per-head sinks [Hq] (models/family_gpt_oss.py)
+    if whole_rows and not window and sinks is None:
         return _causal(query, key, value, dropout if module.training else 0.0, scaling)
-    return attention_per_document(module, query, key, value, dropout, scaling, window, position_ids)
+    return attention_per_document(module, query, key, value, dropout, scaling, window, position_ids, sinks)
 
 
 @torch.compiler.disable
@@ -216,33 +219,23 @@ def attention_per_document(
     scaling: float | None,
     window: int,
     position_ids: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
-    """:func:`document_attention` over the documents the host finds in ``position_ids`` (``window`` 0: none)."""
+    """:func:`document_attention` over the documents the host finds in ``position_ids`` (``window`` 0: none), with
+    the attention sinks [Hq] where given."""
     batch, heads, seq, dim = query.shape
     dropout = dropout if module.training else 0.0
     if position_ids is None:
         position_ids = torch.arange(seq, device=query.device).expand(batch, seq)
     documents = find_documents(position_ids, attention_chunk(module))
     spans = documents.spans
+    if sinks is not None:
+        return sink_attention(query, key, value, sinks, spans, window, scaling, dropout), None
     if not window and documents.whole_rows:
         return _causal(query, key, value, dropout, scaling)
     varlen = _varlen(window)
     if varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout:
-        cu = documents.cu_seqlens(query.device)  # [N+1] int32
-        q = query.transpose(1, 2).reshape(batch * seq, heads, dim)  # [B*S,Hq,D]: rows end to end
-        k = key.transpose(1, 2).reshape(batch * seq, key.shape[1], dim)  # [B*S,Hkv,D]
-        v = value.transpose(1, 2).reshape(batch * seq, value.shape[1], dim)
-        params, extra = _varlen_and_parameters()[1], {}
-        if "window_size" in params:  # (left, right): (-1, 0) is causal, (W - 1, 0) a causal window of W
-            extra["window_size"] = (window - 1 if window else -1, 0)
-        else:  # torch 2.11: causal or not, no window (_varlen gave None for a window)
-            extra["is_causal"] = True
-        if "enable_gqa" in params:
-            extra["enable_gqa"] = True
-        elif k.shape[1] != heads:  # an older torch: each KV head repeated for its query heads
-            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-        out = varlen(q, k, v, cu, cu, documents.longest, documents.longest, scale=scaling, **extra)  # [B*S,Hq,D]
-        return out.reshape(batch, seq, heads, dim), None
+        return varlen_documents(varlen, query, key, value, documents, scaling, window), None
     rows = []
     for b, row in enumerate(spans):
         docs = []
@@ -258,6 +251,34 @@ def attention_per_document(
                 )
         rows.append(torch.cat(docs, dim=2))  # [1,Hq,S,D]
     return torch.cat(rows).transpose(1, 2).contiguous(), None  # [B,S,Hq,D]
+
+
+def varlen_documents(varlen, query, key, value, documents: Documents, scaling: float | None, window: int):
+    """torch's variable-length flash attention (``varlen``) over every document of the micro-batch at once: query
+    [B,Hq,S,D], key [B,Hkv,S,D], value [B,Hkv,S,Dv] -> [B,S,Hq,Dv]. The kernel takes one head size: values of
+    another (multi-head latent attention's, DeepSeek-V3) are padded with zero columns, which add nothing to the
+    output, or the queries and keys are, which add nothing to the scores (the scale stays that of D)."""
+    batch, heads, seq, dim = query.shape
+    v_dim = value.shape[-1]
+    size = max(dim, v_dim)
+    if scaling is None and size != dim:  # the kernel's default would be that of the padded size
+        scaling = dim**-0.5
+    cu = documents.cu_seqlens(query.device)  # [N+1] int32
+    q = query.transpose(1, 2).reshape(batch * seq, heads, dim)  # [B*S,Hq,D]: rows end to end
+    k = key.transpose(1, 2).reshape(batch * seq, key.shape[1], dim)  # [B*S,Hkv,D]
+    v = value.transpose(1, 2).reshape(batch * seq, value.shape[1], v_dim)  # [B*S,Hkv,Dv]
+    q, k, v = (F.pad(t, (0, size - t.shape[-1])) for t in (q, k, v))
+    params, extra = _varlen_and_parameters()[1], {}
+    if "window_size" in params:  # (left, right): (-1, 0) is causal, (W - 1, 0) a causal window of W
+        extra["window_size"] = (window - 1 if window else -1, 0)
+    else:  # torch 2.11: causal or not, no window (_varlen gave None for a window)
+        extra["is_causal"] = True
+    if "enable_gqa" in params:
+        extra["enable_gqa"] = True
+    elif k.shape[1] != heads:  # an older torch: each KV head repeated for its query heads
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    out = varlen(q, k, v, cu, cu, documents.longest, documents.longest, scale=scaling, **extra)  # [B*S,Hq,size]
+    return out[..., :v_dim].reshape(batch, seq, heads, v_dim)
 
 
 AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)

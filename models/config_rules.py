@@ -14,12 +14,25 @@ from enum import Enum
 
 from transformers import PretrainedConfig
 
+from models.family_deepseek_v3 import deepseek_v3_problems
+from models.family_gemma3 import gemma3_problems
+from models.family_qwen3_5 import MODEL_TYPES as QWEN3_5_MODEL_TYPES
+from models.family_qwen3_5 import qwen3_5_problems
+
 MOE_COUNT_KEYS = {  # model_type -> the key of its experts per MoE layer
     "qwen3_moe": "num_experts",
     "mixtral": "num_local_experts",
     "llama4_text": "num_local_experts",
+    "qwen3_5_moe_text": "num_experts",
+    "gpt_oss": "num_local_experts",
+    "deepseek_v3": "n_routed_experts",
 }
-ROUTER_LOSS_FAMILIES = ("qwen3_moe", "mixtral")  # whose ForCausalLM adds router_aux_loss_coef x the router loss
+ROUTER_LOSS_FAMILIES = (  # whose ForCausalLM adds router_aux_loss_coef x the router loss
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+    "qwen3_5_moe_text",
+)
 
 
 def _number(value) -> bool:
@@ -88,6 +101,12 @@ def model_config_problems(config: PretrainedConfig, where: str, override: bool) 
     )
     problems += _rope_problems(config, where, fix)
     model_type = config.model_type
+    if model_type == "gemma3_text":
+        problems += gemma3_problems(config, where, fix)
+    if model_type == "deepseek_v3":
+        problems += deepseek_v3_problems(config, where, fix)
+    if model_type in QWEN3_5_MODEL_TYPES:
+        problems += qwen3_5_problems(config, where, fix)
     if model_type == "llama4_text":
         chunk = config.attention_chunk_size
         need("attention_chunk_size", chunk is None or chunk >= 1, "to 1 or more tokens (8192 in Llama 4), or null")
@@ -260,7 +279,9 @@ def config_field_problems(
         )
     # head_dim unset: each head takes hidden_size / num_attention_heads dimensions (LlamaConfig asks it always)
     model_type = getattr(config_class, "model_type", None)
-    if heads and hidden and hidden % heads and (value("head_dim") is None or model_type == "llama"):
+    # (multi-head latent attention's heads take sizes of their own: qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+    mla = model_type == "deepseek_v3"
+    if heads and hidden and hidden % heads and not mla and (value("head_dim") is None or model_type == "llama"):
         problems.append(
             f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} (each head takes "
             f"hidden_size / num_attention_heads dimensions): "

@@ -20,6 +20,26 @@ code path (``models.llama_pipe``) and parity with ``<Family>ForCausalLM`` holds 
            RoPE on the ``no_rope_layers``; L2 norm of queries and keys (``use_qk_norm``); complex RoPE
            frequencies. ``Llama4ForCausalLM`` adds no router loss, whatever ``output_router_logits`` says, so
            neither do the stages (:func:`moe_spec`).
+- gemma3_text: Gemma 3's text model (``Gemma3ForCausalLM``): RMSNorms of 1 + weight before and after attention
+           and the MLP, per-head q/k norms, scores scaled by ``query_pre_attn_scalar``, sliding and full layers
+           (``layer_types``, 5:1) with a RoPE base each, embeddings times sqrt(hidden_size), tied; the differences
+           outside the decoder layer are the ``Family`` flags below (models/family_gemma3.py).
+- deepseek_v3: DeepSeek-V3 (also Kimi K2, Moonlight): multi-head latent attention (low-rank q and kv projections,
+           queries and keys of a RoPE part and a no-RoPE part, values of another head size), dense MLPs on the first
+           ``first_k_dense_replace`` layers, then a Mixture of Experts with a shared expert and sigmoid routing within
+           groups (``n_group``, ``topk_group``) biased by the buffer ``e_score_correction_bias`` (kept in the layer
+           files, never trained); ``DeepseekV3ForCausalLM`` adds no router loss. The bias update rule and the
+           sequence-wise balance loss: models/family_deepseek_v3.py.
+- qwen3_5_text / qwen3_5_moe_text: Qwen3.5's text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``): Gated
+           DeltaNet linear-attention layers (a short convolution and a recurrent state, restarted per document of a
+           packed row) and gated full-attention layers with partial RoPE, 3:1 by ``layer_types``; RMSNorms of
+           1 + weight; the MoE variant routes every layer (softmax top-k, renormalised) beside a gated shared
+           expert. Its stage hooks: models/family_qwen3_5.py.
+- gpt_oss: gpt-oss: attention with a learned sink per head (models/family_gpt_oss.py; ``attention=dense_mask`` runs
+           Hugging Face's eager attention, which has the sinks, where the others run ``sdpa``, which drops them),
+           sliding and full layers alternating (``layer_types``), q/k/v/o biases, and a Mixture of Experts on every
+           layer: a router with a bias (top-k of its logits, softmax over the k), fused experts with biases, their
+           gate and up columns interleaved, and a clamped SwiGLU. Its MXFP4 release is read dequantized to bf16.
 
 The MoE families' routers and experts are Hugging Face's own modules too (:func:`moe_spec`); the stages carry
 their routing statistics for the router loss (models/router_loss.py) and parallel/expert_parallel.py splits
@@ -35,19 +55,25 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
+from transformers.models.deepseek_v3 import modeling_deepseek_v3
+from transformers.models.gemma3 import modeling_gemma3
+from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama import modeling_llama
 from transformers.models.llama4 import modeling_llama4
 from transformers.models.mistral import modeling_mistral
 from transformers.models.mixtral import modeling_mixtral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from models.config_rules import config_field_problems, model_config_problems
+from models.family_gpt_oss import is_mxfp4, mxfp4_refusal
 
 DEFAULT_MODEL_TYPE = "llama"  # a conf/model architecture without model_type
 
@@ -64,6 +90,14 @@ class Family:
     rotary_embedding: type
     # whether its decoder layer passes position_ids on to its attention (Llama 4's keeps them: the stage hands them)
     layer_passes_positions: bool = True
+    # what attention=dense_mask runs with transformers' masks: sdpa, or eager where sdpa drops a part (gpt-oss's sinks)
+    dense_attention: str = "sdpa"
+    # Gemma's differences outside its decoder layer (models/family_gemma3.py): lookups times sqrt(hidden_size) in the
+    # weight's dtype; a rotary embedding that takes the layer's attention type (a RoPE base per type); an RMSNorm
+    # that scales by 1 + weight, so initialised to 0
+    scaled_embedding: bool = False
+    rope_per_layer_type: bool = False
+    norm_adds_one: bool = False
 
     @property
     def name(self) -> str:
@@ -99,10 +133,38 @@ FAMILIES: dict[str, Family] = {
         _family("qwen3_moe", modeling_qwen3_moe, "Qwen3Moe"),
         _family("mixtral", modeling_mixtral, "Mixtral"),
         _family("llama4_text", modeling_llama4, "Llama4Text", "Llama4ForCausalLM", layer_passes_positions=False),
+        replace(
+            _family("gemma3_text", modeling_gemma3, "Gemma3"),
+            scaled_embedding=True,
+            rope_per_layer_type=True,
+            norm_adds_one=True,
+        ),
+        _family("deepseek_v3", modeling_deepseek_v3, "DeepseekV3"),
+        Family(  # Qwen3.5's rotary embedding is its text model's: Qwen3_5TextRotaryEmbedding
+            "qwen3_5_text",
+            modeling_qwen3_5.Qwen3_5TextConfig,
+            modeling_qwen3_5.Qwen3_5ForCausalLM,
+            modeling_qwen3_5.Qwen3_5DecoderLayer,
+            modeling_qwen3_5.Qwen3_5RMSNorm,
+            modeling_qwen3_5.Qwen3_5TextRotaryEmbedding,
+            norm_adds_one=True,
+        ),
+        Family(
+            "qwen3_5_moe_text",
+            modeling_qwen3_5_moe.Qwen3_5MoeTextConfig,
+            modeling_qwen3_5_moe.Qwen3_5MoeForCausalLM,
+            modeling_qwen3_5_moe.Qwen3_5MoeDecoderLayer,
+            modeling_qwen3_5_moe.Qwen3_5MoeRMSNorm,
+            modeling_qwen3_5_moe.Qwen3_5MoeTextRotaryEmbedding,
+            norm_adds_one=True,
+        ),
+        replace(_family("gpt_oss", modeling_gpt_oss, "GptOss"), dense_attention="eager"),
     )
 }
 # Every family's RMSNorm class (the from-scratch initialisation sets their weights to 1).
 RMS_NORM_CLASSES = tuple(dict.fromkeys(f.rms_norm for f in FAMILIES.values()))
+# Those that scale by 1 + weight (Gemma): initialised to 0, as Hugging Face initialises them.
+NORM_PLUS_ONE_CLASSES = tuple(dict.fromkeys(f.rms_norm for f in FAMILIES.values() if f.norm_adds_one))
 # The MoE modules whose own parameters Hugging Face draws from N(0, initializer_range): routers and fused experts.
 MOE_NORMAL_CLASSES = (
     modeling_qwen3_moe.Qwen3MoeTopKRouter,
@@ -110,6 +172,10 @@ MOE_NORMAL_CLASSES = (
     modeling_mixtral.MixtralTopKRouter,
     modeling_mixtral.MixtralExperts,
     modeling_llama4.Llama4TextExperts,  # its router is an nn.Linear: drawn as one
+    modeling_deepseek_v3.DeepseekV3TopkRouter,  # its weight; its e_score_correction_bias buffer stays 0
+    modeling_deepseek_v3.DeepseekV3Experts,
+    modeling_qwen3_5_moe.Qwen3_5MoeTopKRouter,  # its shared expert's gate is an nn.Linear: drawn as one
+    modeling_qwen3_5_moe.Qwen3_5MoeExperts,
 )
 
 
@@ -157,9 +223,13 @@ def load_config(model_dir: str) -> PretrainedConfig:
     model_type = raw.get("model_type")
     if model_type not in FAMILIES:
         raise UnsupportedModelError(unsupported_message(model_type, path))
+    if is_mxfp4(raw) and model_type == "gpt_oss":  # its experts read dequantized (models/family_gpt_oss.py)
+        raw = {k: v for k, v in raw.items() if k != "quantization_config"}
     quantized = raw.get("quantization_config")
     if quantized:
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        if method == "mxfp4":
+            raise UnsupportedModelError(mxfp4_refusal(path, model_type))
         raise UnsupportedModelError(
             f"{path}: a quantized checkpoint (quantization_config: {method}), whose weights are not the model's "
             "own tensors: convert the unquantized model (its bf16/fp16/fp32 release); for a 4-bit base, train with "
@@ -173,12 +243,21 @@ def check_rope(config: PretrainedConfig, where: str) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
-        raise UnsupportedModelError(
-            f"{where}: rope_type {kind!r} is not one transformers {transformers_version()} knows "
-            f"(default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}): fix rope_scaling / rope_parameters there"
-        )
+    for one in per_layer_type(rope) or [rope]:
+        kind = one.get("rope_type", one.get("type", "default")) if isinstance(one, dict) else "default"
+        if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+            raise UnsupportedModelError(
+                f"{where}: rope_type {kind!r} is not one transformers {transformers_version()} knows "
+                f"(default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}): fix rope_scaling / rope_parameters there"
+            )
+
+
+def per_layer_type(rope: object) -> list[dict]:
+    """The RoPE settings of each attention type where ``rope_parameters`` holds one mapping per type (Gemma 3's
+    ``sliding_attention`` and ``full_attention``), else []."""
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        return list(rope.values())
+    return []
 
 
 def transformers_version() -> str:
@@ -306,6 +385,27 @@ def moe_spec(config: PretrainedConfig) -> MoESpec | None:
             experts_per_token=config.num_local_experts,
             router="feed_forward.router",
             experts="feed_forward.experts",
+        )
+    elif model_type == "qwen3_5_moe_text":  # Qwen3_5MoeDecoderLayer: every layer routed
+        experts, moe_layers = config.num_experts, tuple(range(config.num_hidden_layers))
+    elif model_type == "deepseek_v3":  # DeepseekV3DecoderLayer: routed from first_k_dense_replace on
+        return MoESpec(
+            num_experts=config.n_routed_experts,
+            top_k=config.num_experts_per_tok,
+            moe_layers=tuple(range(config.first_k_dense_replace, config.num_hidden_layers)),
+            router_loss=False,  # DeepseekV3ForCausalLM adds none, even with output_router_logits
+            router_aux_loss_coef=0.0,
+            experts_per_token=config.num_experts_per_tok,
+        )
+    elif model_type == "gpt_oss":  # GptOssDecoderLayer: every layer routed; its router is mlp.router
+        return MoESpec(
+            num_experts=config.num_local_experts,
+            top_k=config.num_experts_per_tok,
+            moe_layers=tuple(range(config.num_hidden_layers)),
+            router_loss=bool(getattr(config, "output_router_logits", False)),
+            router_aux_loss_coef=float(getattr(config, "router_aux_loss_coef", 0.0)),
+            experts_per_token=config.num_experts_per_tok,
+            router="mlp.router",
         )
     else:
         return None

@@ -49,7 +49,7 @@ from transformers.generation.logits_process import (
 )
 
 from models.attention import DOCUMENT_ATTENTION
-from models.families import attention_type
+from models.families import attention_type, family_of
 from models.files.pipeline_dir import split_of
 from models.llama_pipe import (
     MASK_FUNCTIONS,
@@ -61,9 +61,6 @@ from models.llama_pipe import (
     tied_lm_head_forward,
 )
 
-# The attention function of a generation step: the stages' default one (per-document, from position_ids) takes no
-# mask, and a KV cache with left padding needs one.
-GENERATION_ATTENTION = "sdpa"
 _TIED_HEADS = (tied_lm_head_forward, tied_lm_head_chunked_forward)
 _ORDER = {"embed": 0, "decoder": 1, "norm": 2, "head": 3}
 
@@ -150,12 +147,12 @@ class StageGenerator:
         zero) and the group sums them, as parallel/tensor_parallel.py's VocabEmbedding does in training."""
         weight = self.embedding.weight
         if self.tp_group is None:
-            return nn.Embedding.forward(self.embedding, ids)
+            return self.embedding.scale(nn.Embedding.forward(self.embedding, ids))  # Gemma's scaled
         start = weight.tp_split[1] * weight.shape[0]
         outside = (ids < start) | (ids >= start + weight.shape[0])  # [B,T] bool
         hidden = F.embedding((ids - start).masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0.0)
         dist.all_reduce(hidden, group=self.tp_group)
-        return hidden
+        return self.embedding.scale(hidden)
 
     def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
         """[B,V]: a head split by vocabulary gives each rank its slice [B,V/tp], gathered over the group in vocab
@@ -178,15 +175,17 @@ class StageGenerator:
             )
             for kind, layer_idx in self.mask_layers.items()
         }
-        cos_sin = self.layers[0].rotary_emb(hidden, position_ids)  # the same for every layer, as the model's
+        cos_sin = {}  # the same for every layer, as the model's (Gemma's: per attention type)
         for layer in self.layers:
+            if layer.rotary_args not in cos_sin:
+                cos_sin[layer.rotary_args] = layer.rotary_emb(hidden, position_ids, *layer.rotary_args)
             hidden = super(DecoderLayerPipe, layer).forward(  # the family's Hugging Face decoder layer
                 hidden,
                 attention_mask=masks[attention_type(self.config, layer.self_attn.layer_idx)],
                 position_ids=position_ids,
                 past_key_values=self.cache,
                 use_cache=True,
-                position_embeddings=cos_sin,
+                position_embeddings=cos_sin[layer.rotary_args],
             )
             layer._router_logits = None  # the router loss's hook keeps them: nothing to train on here
         return hidden
@@ -245,11 +244,12 @@ def _head_weight(head: nn.Module | partial) -> torch.Tensor:
 
 @contextmanager
 def _dense_attention(config):
-    """The stage's layers attend with transformers' ``sdpa`` and its masks for the step, if they were built with the
-    per-document attention (which takes no mask); their config is shared, so it is put back after."""
+    """The stage's layers attend with transformers' ``sdpa`` (the family's ``dense_attention``) and its masks for the
+    step, if they were built with the per-document attention, which takes no mask, while a KV cache with left padding
+    needs one; their config is shared, so it is put back after."""
     before = config._attn_implementation
-    if before == DOCUMENT_ATTENTION:
-        config._attn_implementation = GENERATION_ATTENTION
+    if before == DOCUMENT_ATTENTION:  # the family's dense attention where sdpa drops a part (gpt-oss: eager, sinks)
+        config._attn_implementation = family_of(config).dense_attention
     try:
         yield
     finally:

@@ -27,7 +27,20 @@ from transformers.masking_utils import (
 )
 
 from models.attention import DOCUMENT_ATTENTION, attention_chunk, rows_are_whole_documents
-from models.families import FAMILIES, MOE_NORMAL_CLASSES, RMS_NORM_CLASSES, attention_type, family_of, moe_spec
+from models.families import (
+    FAMILIES,
+    MOE_NORMAL_CLASSES,
+    NORM_PLUS_ONE_CLASSES,
+    RMS_NORM_CLASSES,
+    attention_type,
+    family_of,
+    moe_spec,
+)
+from models.family_gemma3 import scaled_lookup
+from models.family_gpt_oss import normal_parameter_names
+from models.family_qwen3_5 import INIT_CLASSES as QWEN3_5_INIT_CLASSES
+from models.family_qwen3_5 import LINEAR_ATTENTION, LinearAttentionPerDocument
+from models.family_qwen3_5 import init_module_ as qwen3_5_init_
 from models.files.pipeline_dir import tp_piece, whole_shape
 from models.router_loss import RouterStats
 from models.specs import SpecInfo, expected_state_shapes, layer_file_name, spec_layout  # noqa: F401 (read from here too)
@@ -43,9 +56,10 @@ ATTENTION_IMPLEMENTATIONS = {"documents": DOCUMENT_ATTENTION, "dense_mask": "sdp
 def prepare_config(config: PretrainedConfig, attention: str = DOCUMENT_ATTENTION) -> PretrainedConfig:
     """A copy of ``config`` with the settings every stage needs: the attention function (``attention``, a
     registered name: per-document SDPA without a mask by default, models/attention.py), no KV cache, and for a
-    MoE model the experts' kernel ``from_pretrained`` would pick."""
+    MoE model the experts' kernel ``from_pretrained`` would pick. ``sdpa`` (attention=dense_mask) becomes the
+    family's ``dense_attention`` (gpt-oss: ``eager``, which has its sinks)."""
     config = copy.deepcopy(config)
-    config._attn_implementation = attention
+    config._attn_implementation = family_of(config).dense_attention if attention == "sdpa" else attention
     config.use_cache = False
     if moe_spec(config) is not None:  # the experts' kernel from_pretrained picks by default: one grouped matmul
         config._experts_implementation = "grouped_mm"
@@ -60,15 +74,21 @@ class EmbeddingPipe(nn.Embedding):
     def __init__(self, config: PretrainedConfig):
         super().__init__(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.router_experts = router_stats_experts(config)  # > 0: the routing statistics start here
+        # Gemma's lookups are multiplied by sqrt(hidden_size) (not the tied head's weight)
+        self.embed_scale = config.hidden_size**0.5 if family_of(config).scaled_embedding else None
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor] | torch.Tensor, tied_head: bool = False) -> tuple:
         if tied_head:  # the tied LM head of the chunked loss (tied_lm_head_chunked_forward)
             return inputs, handed_out(self.weight)  # hidden [B,S,H], [V,H] (or this rank's [V/tp,H])
         input_ids, position_ids = inputs  # [B,S] int64, [B,S] int64
-        hidden = super().forward(input_ids)  # [B,S,H]
+        hidden = self.scale(super().forward(input_ids))  # [B,S,H]
         if self.router_experts:
             return hidden, position_ids, *RouterStats.initial_wire(hidden, self.router_experts)
         return hidden, position_ids
+
+    def scale(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Looked-up rows [B,S,H] as the family's embedding returns them (Gemma's scaled, the others as they are)."""
+        return hidden if self.embed_scale is None else scaled_lookup(hidden, self.embed_scale)
 
 
 def router_stats_experts(config: PretrainedConfig) -> int:
@@ -148,12 +168,15 @@ class DecoderLayerPipe(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.rotary_emb = family_of(config).rotary_embedding(config)
-        dense = config._attn_implementation == "sdpa"
-        self.make_mask = MASK_FUNCTIONS[attention_type(config, layer_idx)] if dense else None
+        # what the rotary embedding takes after the positions: Gemma's, the layer's attention type (a base per type)
+        self.rotary_args = (attention_type(config, layer_idx),) if family_of(config).rope_per_layer_type else ()
+        dense = config._attn_implementation in ("sdpa", family_of(config).dense_attention)
+        kind = attention_type(config, layer_idx)  # Qwen3.5's linear attention takes no mask (models/family_qwen3_5.py)
+        self.make_mask = MASK_FUNCTIONS[kind] if dense and kind != LINEAR_ATTENTION else None
         # The per-document attention over whole rows (not a sequence-parallel slice): this layer asks the host
         # whether the micro-batch's rows are one document each, so a compiled layer is one graph for them.
         self.ask_whole_rows = config._attn_implementation == DOCUMENT_ATTENTION
-        self.attention_chunk = attention_chunk(self.self_attn)
+        self.attention_chunk = attention_chunk(getattr(self, "self_attn", None))  # Qwen3.5's linear layers: none
         self._positions: torch.Tensor | None = None  # this forward's position_ids, for an attention not given them
         if not family_of(config).layer_passes_positions:
             self.self_attn.register_forward_pre_hook(self._hand_positions, with_kwargs=True)
@@ -177,7 +200,8 @@ class DecoderLayerPipe(nn.Module):
         whole = {}  # asked first: compiled, the rest of the layer is then one graph
         if self.ask_whole_rows:
             whole["whole_rows"] = rows_are_whole_documents(position_ids, self.attention_chunk)
-        cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B,S,head_dim] (Llama 4: complex [B,S,head_dim/2])
+        # 2 x [B,S,head_dim] (Llama 4: complex [B,S,head_dim/2])
+        cos_sin = self.rotary_emb(hidden, position_ids, *self.rotary_args)
         mask = None
         if self.make_mask is not None:
             mask = self.make_mask(  # None, or bool [B,1,S,S] (packed documents, sliding window)
@@ -276,6 +300,48 @@ class Llama4NormPipe(NormPipe, FAMILIES["llama4_text"].rms_norm):
     """NormPipe over Llama4TextRMSNorm."""
 
 
+class DeepseekV3DecoderLayerPipe(DecoderLayerPipe, FAMILIES["deepseek_v3"].decoder_layer):
+    """DecoderLayerPipe over DeepseekV3DecoderLayer."""
+
+
+class DeepseekV3NormPipe(NormPipe, FAMILIES["deepseek_v3"].rms_norm):
+    """NormPipe over DeepseekV3RMSNorm."""
+
+
+class GptOssDecoderLayerPipe(DecoderLayerPipe, FAMILIES["gpt_oss"].decoder_layer):
+    """DecoderLayerPipe over GptOssDecoderLayer."""
+
+
+class GptOssNormPipe(NormPipe, FAMILIES["gpt_oss"].rms_norm):
+    """NormPipe over GptOssRMSNorm."""
+
+
+class Gemma3DecoderLayerPipe(DecoderLayerPipe, FAMILIES["gemma3_text"].decoder_layer):
+    """DecoderLayerPipe over Gemma3DecoderLayer."""
+
+
+class Gemma3NormPipe(NormPipe, FAMILIES["gemma3_text"].rms_norm):
+    """NormPipe over Gemma3RMSNorm."""
+
+
+class Qwen3_5DecoderLayerPipe(DecoderLayerPipe, LinearAttentionPerDocument, FAMILIES["qwen3_5_text"].decoder_layer):
+    """DecoderLayerPipe over Qwen3_5DecoderLayer, its linear attention per document (models/family_qwen3_5.py)."""
+
+
+class Qwen3_5NormPipe(NormPipe, FAMILIES["qwen3_5_text"].rms_norm):
+    """NormPipe over Qwen3_5RMSNorm."""
+
+
+class Qwen3_5MoeDecoderLayerPipe(
+    DecoderLayerPipe, LinearAttentionPerDocument, FAMILIES["qwen3_5_moe_text"].decoder_layer
+):
+    """DecoderLayerPipe over Qwen3_5MoeDecoderLayer, its linear attention per document."""
+
+
+class Qwen3_5MoeNormPipe(NormPipe, FAMILIES["qwen3_5_moe_text"].rms_norm):
+    """NormPipe over Qwen3_5MoeRMSNorm."""
+
+
 # Keyed by model_type.
 DECODER_LAYER_CLASSES = {
     "llama": LlamaDecoderLayerPipe,
@@ -285,6 +351,11 @@ DECODER_LAYER_CLASSES = {
     "qwen3_moe": Qwen3MoeDecoderLayerPipe,
     "mixtral": MixtralDecoderLayerPipe,
     "llama4_text": Llama4DecoderLayerPipe,
+    "gemma3_text": Gemma3DecoderLayerPipe,
+    "deepseek_v3": DeepseekV3DecoderLayerPipe,
+    "gpt_oss": GptOssDecoderLayerPipe,
+    "qwen3_5_text": Qwen3_5DecoderLayerPipe,
+    "qwen3_5_moe_text": Qwen3_5MoeDecoderLayerPipe,
 }
 NORM_CLASSES = {
     "llama": LlamaNormPipe,
@@ -294,6 +365,11 @@ NORM_CLASSES = {
     "qwen3_moe": Qwen3MoeNormPipe,
     "mixtral": MixtralNormPipe,
     "llama4_text": Llama4NormPipe,
+    "gemma3_text": Gemma3NormPipe,
+    "deepseek_v3": DeepseekV3NormPipe,
+    "gpt_oss": GptOssNormPipe,
+    "qwen3_5_text": Qwen3_5NormPipe,
+    "qwen3_5_moe_text": Qwen3_5MoeNormPipe,
 }
 
 
@@ -401,17 +477,20 @@ def is_routed_expert(key: str) -> bool:
 def _spec_counts(config: PretrainedConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(parameters, routed-expert parameters) of every spec. Kept per config contents: the planner's search and the
     partitioner ask for the same model's counts many times, and building layers on the meta device is most of what
-    they cost: one decoder layer of each kind is built (dense or routed: every other difference between a family's
-    layers, windows, chunks, RoPE, holds no parameter)."""
+    they cost: one decoder layer of each kind is built (dense or routed, and per attention type: Qwen3.5's linear and
+    full layers hold different parameters; windows, chunks, RoPE hold none)."""
     key = config.to_json_string(use_diff=False)
     if key not in _SPEC_COUNTS:
         moe = moe_spec(config)
         routed = set(moe.moe_layers) if moe is not None else set()
         counts, by_kind = [], {}
         for info, spec in zip(spec_layout(config), build_specs(config)):
-            kind = ("decoder", info.index - 1 in routed) if info.kind == "decoder" else ("spec", info.index)
+            # a decoder layer's kind: routed or not, and its attention type (Qwen3.5's linear and full layers differ)
+            kind = ("spec", info.index)
+            if info.kind == "decoder":
+                kind = ("decoder", info.index - 1 in routed, attention_type(config, info.index - 1))
             if kind not in by_kind:
-                shapes = expected_state_shapes(spec)
+                shapes = expected_state_shapes(spec, parameters_only=True)
                 by_kind[kind] = (
                     sum(math.prod(s) for s in shapes.values()),
                     sum(math.prod(s) for k, s in shapes.items() if is_routed_expert(k)),
@@ -438,16 +517,20 @@ def flops_per_token(config: PretrainedConfig, seq: int) -> tuple[float, float]:
     spec_weights). Attention adds 12 H Q T per layer (H query heads of Q dims, T attended tokens): QK^T and AV,
     2 multiply-adds each forward, twice that backward, with no discount for the causal mask and no recomputation,
     the peers' convention (torchtitan's torchtitan/models/utils.py, quadratic_attention_flops_per_token: 12 L H Q T
-    for Llama); a layer with a sliding window or chunk attends to at most that many tokens, as there.
+    for Llama); a layer with a sliding window or chunk attends to at most that many tokens, as there. DeepSeek-V3's
+    latent attention has query/key heads of ``qk_head_dim`` and value heads of ``v_head_dim``: 6 H (Q + V) T.
     """
     n = sum(spec_weights(config, "compute"))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    qk_dim, v_dim = getattr(config, "qk_head_dim", None) or head_dim, getattr(config, "v_head_dim", None) or head_dim
     attended = 0
     for layer in range(config.num_hidden_layers):
         kind = attention_type(config, layer)
+        if kind == LINEAR_ATTENTION:  # Qwen3.5's Gated DeltaNet: linear in the tokens, its matmuls counted in N
+            continue
         span = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}.get(kind)
         attended += min(seq, getattr(config, span, None) or seq) if span else seq
-    return 6.0 * n, 12.0 * config.num_attention_heads * head_dim * attended
+    return 6.0 * n, 6.0 * config.num_attention_heads * (qk_dim + v_dim) * attended
 
 
 def spec_weights(config: PretrainedConfig, method: str) -> list[int]:
@@ -564,11 +647,18 @@ def init_weights_(module: nn.Module, config: PretrainedConfig, seed: int) -> Non
                 m.bias.zero_()
         elif isinstance(m, nn.Embedding):
             normal_(m.weight, zero_row=m.padding_idx)
+        elif isinstance(m, QWEN3_5_INIT_CLASSES):  # Qwen3.5's gated norms and Gated DeltaNet's own parameters
+            qwen3_5_init_(m, normal_, g)
         elif isinstance(m, RMS_NORM_CLASSES):
-            m.weight.fill_(1.0)
+            m.weight.fill_(0.0 if isinstance(m, NORM_PLUS_ONE_CLASSES) else 1.0)  # Gemma's: 1 + weight
         elif isinstance(m, MOE_NORMAL_CLASSES):  # fused experts [E,...] and routers [E,H], as Hugging Face's
             for p in m.parameters(recurse=False):
                 normal_(p)
+            if hasattr(m, "e_score_correction_bias"):  # DeepSeek-V3's router bias (a buffer): 0, as Hugging Face's
+                m.e_score_correction_bias.zero_()
+        elif (drawn := normal_parameter_names(m)) is not None:  # gpt-oss's experts, router and sinks
+            for name, p in m.named_parameters(recurse=False):
+                normal_(p) if name in drawn else p.zero_()
 
 
 class LlamaStack(nn.Module):

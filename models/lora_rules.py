@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from models.family_qwen3_5 import lora_problems as qwen3_5_lora_problems
 from models.files.peft_adapter import adapter_model_problems, adapter_settings_problems
 from models.peft_targets import DECODER_LINEARS, SAVABLE_MODULES
 
@@ -56,6 +57,7 @@ def peft_problems(cfg, model_config, layout) -> list[str]:
             f"peft.alpha {p.alpha:g} < 0 scales every adapter's update by a negative alpha / r: set peft.alpha > 0 "
             "(commonly 2 x peft.r)"
         )
+    problems += qwen3_5_lora_problems(getattr(model_config, "model_type", None))
     if p.r < 1:
         problems.append(f"peft.r {p.r} < 1: set the LoRA rank to 1 or more (8, 16, 64 are common)")
     if not 0 <= p.dropout < 1:

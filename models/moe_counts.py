@@ -17,6 +17,7 @@ each MoE layer's experts and all of the rest.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
@@ -31,7 +32,8 @@ from models.llama_pipe import (
 )
 from models.specs import expected_state_shapes
 
-SHARED_KEY = ".shared_expert."  # Llama 4's ``feed_forward.shared_expert.gate_proj.weight``: the shared expert's
+# A shared expert's keys: Llama 4's ``feed_forward.shared_expert.gate_proj.weight``, DeepSeek-V3's ``shared_experts.``
+SHARED_KEY = re.compile(r"\.shared_experts?\.")
 
 
 def parameter_split(config: PretrainedConfig) -> tuple[int, int]:
@@ -84,8 +86,10 @@ def moe_shape(config: PretrainedConfig) -> MoEShape | None:
     layer_spec = 1 + moe.moe_layers[0]  # spec of the first MoE decoder layer (spec_layout: decoder i is spec 1 + i)
     shapes = expected_state_shapes(build_specs(config)[layer_spec])
     largest = max(math.prod(s) for k, s in shapes.items() if is_routed_expert(k))
-    width = experts[layer_spec] // (moe.num_experts * 3 * config.hidden_size)
-    shared = sum(math.prod(s) for k, s in shapes.items() if SHARED_KEY in f".{k}") // (3 * config.hidden_size)
+    # the experts' weights, without biases (gpt-oss's, 2 I + H an expert)
+    weights = sum(math.prod(s) for k, s in shapes.items() if is_routed_expert(k) and not k.endswith("_bias"))
+    width = weights // (moe.num_experts * 3 * config.hidden_size)
+    shared = sum(math.prod(s) for k, s in shapes.items() if SHARED_KEY.search(f".{k}")) // (3 * config.hidden_size)
     return MoEShape(
         moe.num_experts,
         moe.top_k,

@@ -48,8 +48,10 @@ def spec_layout(config: PretrainedConfig) -> list[SpecInfo]:
     return layout
 
 
-def expected_state_shapes(spec: LayerSpec) -> dict[str, torch.Size]:
-    """State-dict keys and shapes of one spec's module, built on the meta device (no memory, no init)."""
+def expected_state_shapes(spec: LayerSpec, parameters_only: bool = False) -> dict[str, torch.Size]:
+    """State-dict keys and shapes of one spec's module, built on the meta device (no memory, no init);
+    ``parameters_only``: without its persistent buffers (DeepSeek-V3's router bias), as parameter counts count."""
     with torch.device("meta"):
         module = spec.build()
-    return {key: tensor.shape for key, tensor in module.state_dict().items()}
+    tensors = dict(module.named_parameters()) if parameters_only else module.state_dict()
+    return {key: tensor.shape for key, tensor in tensors.items()}

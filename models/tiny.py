@@ -22,6 +22,9 @@ from models.families import FAMILIES, family_of
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 
+GPT_OSS_YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=150000.0)
+
+
 def tiny_config(model_type: str = "llama", **overrides) -> PretrainedConfig:
     """A config of the family ``model_type`` small enough to train in seconds on one CPU core (GQA: 4
     query, 2 KV heads). The family's own defaults hold otherwise: Mistral's 4096-token sliding window
@@ -54,7 +57,47 @@ def tiny_config(model_type: str = "llama", **overrides) -> PretrainedConfig:
             attention_chunk_size=8,
             floor_scale=8,  # temperature tuning from position 7 on (8192 in Llama 4)
         )
-    if model_type in ("qwen3", "qwen3_moe", "llama4_text"):  # head_dim defaults to 128, not hidden / heads
+    elif model_type == "deepseek_v3":  # latent attention of its own head sizes; layer 0 dense, then 8 experts
+        args.update(
+            num_key_value_heads=4,  # MLA expands its latent to every head (DeepSeek-V3: 128 of 128)
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,  # != 24, the query and key head size
+            n_routed_experts=8,  # 4 groups of 2, tokens routed within the best 2 groups, 2 experts each
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            first_k_dense_replace=1,
+            num_hidden_layers=3,
+        )
+    if model_type == "gpt_oss":  # 4 experts of 48, 2 per token; layers sliding (even) and full (odd) alternating
+        args.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=8)
+        # gpt-oss's YaRN (factor 32 over 4096 positions) scaled down: 32 x 16 = max_position_embeddings
+        args["rope_parameters"] = dict(GPT_OSS_YARN, original_max_position_embeddings=16)
+    if model_type == "gemma3_text":  # sliding and full layers alternating (Gemma 3: 5 sliding, then 1 full)
+        layers = overrides.get("num_hidden_layers", args["num_hidden_layers"])
+        args.update(
+            layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(layers)],
+            sliding_window=8,  # shorter than the test sequences (4096 in Gemma 3: longer than any)
+            query_pre_attn_scalar=24,  # scores scaled by 24 ** -0.5, not head_dim's 16 ** -0.5
+        )
+    # head_dim defaults to 128 (Gemma: 256, gpt-oss: 64), not hidden / heads
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):  # layers 0-2 linear attention, 3 full (Qwen3.5's 3:1)
+        args.update(
+            head_dim=16,  # 256 in Qwen3.5; RoPE on its first quarter
+            linear_num_key_heads=2,  # Gated DeltaNet: 2 query/key heads of 16, 4 value heads of 16
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        )
+        if model_type == "qwen3_5_moe_text":  # 4 experts of 48 and a gated shared expert of 48, 2 per token
+            args.update(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=48
+            )
+    if model_type in ("qwen3", "qwen3_moe", "llama4_text", "gemma3_text", "gpt_oss"):
         args["head_dim"] = overrides.get("hidden_size", args["hidden_size"]) // overrides.get(
             "num_attention_heads", args["num_attention_heads"]
         )

@@ -46,6 +46,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from models.families import moe_spec
+from models.family_qwen3_5 import parallel_problems as qwen3_5_parallel_problems
 from models.files.pipeline_dir import local_modules
 from models.llama_pipe import LlamaPipelineModule, materialize_
 from parallel.axis import AxisPlan, ModelFacts, RuleSettings
@@ -326,9 +327,9 @@ class ExpertParallelPlan(AxisPlan):
     ) -> list[str]:
         """With the numbers and what to use instead: the pipeline engine; no tensor or sequence parallelism,
         DualPipeV, PEFT or DPO with experts; ep dividing the data-parallel degree and each MoE layer's experts, not
-        in fp16, no optimizer offload, and not with llama4_text (whose experts run every token). ``model``'s
-        ``num_experts``: 0 for a dense model, None for a model not known (only ep >= 1 is checked); its
-        ``model_type`` names the model in the lines."""
+        in fp16, no optimizer offload, and not with llama4_text (whose experts run every token) or gpt_oss (no class),
+        nor yet with deepseek_v3 (checked in one process only). ``model``'s ``num_experts``: 0 for a dense model,
+        None for a model not known (only ep >= 1 is checked); its ``model_type`` names the model in the lines."""
         ep, model_type, num_experts = layout.ep, model.model_type, model.num_experts
         if ep < 1:
             return [f"expert_parallel {ep} must be >= 1 (1: every rank holds every expert)"]
@@ -357,6 +358,7 @@ class ExpertParallelPlan(AxisPlan):
                 problems.append(f"{what} with {kind} is not supported yet: use {instead}")
         if ep == 1:
             return problems
+        problems += qwen3_5_parallel_problems(model_type, 1, 1, ep)
         if layout.dp and layout.data_axis % ep:
             problems.append(
                 f"expert_parallel {ep} must divide the data-parallel degree {layout.data_axis} (world size / "
@@ -366,6 +368,18 @@ class ExpertParallelPlan(AxisPlan):
             problems.append(
                 f"expert_parallel {ep} with llama4_text: Hugging Face's Llama 4 experts run every token through every "
                 "expert (scaled by its router score), not a dispatch to k experts; use expert_parallel=1"
+            )
+        elif model_type == "gpt_oss":
+            problems.append(
+                f"expert_parallel {ep} with gpt_oss: its experts (gate_up_proj [E,H,2I] with gate and up columns "
+                "interleaved, biases, a clamped SwiGLU) have no expert-parallel class yet (EXPERT_PARALLEL_CLASSES); "
+                "use expert_parallel=1"
+            )
+        elif model_type == "deepseek_v3":
+            problems.append(
+                f"expert_parallel {ep} with deepseek_v3 is not supported yet: its experts and their router's bias are "
+                "checked in one process only (tests/test_family_deepseek_v3.py), not split over ranks; use "
+                "expert_parallel=1"
             )
         elif num_experts % ep:
             works = [n for n in range(1, num_experts + 1) if num_experts % n == 0]

@@ -750,7 +750,7 @@ def shape_of(config) -> Shape | None:
         return None
     return Shape(
         config.hidden_size,
-        config.intermediate_size,
+        getattr(config, "intermediate_size", 0),  # none where every layer is routed (Qwen3.5 MoE)
         config.num_hidden_layers,
         config.num_attention_heads,
         config.num_key_value_heads,

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from transformers import AttentionInterface
 
 from models.attention import document_attention
+from models.family_qwen3_5 import parallel_problems as qwen3_5_parallel_problems
 from models.llama_pipe import EmbeddingPipe, tied_head_call
 from parallel.axis import AxisPlan, ModelFacts, RuleSettings
 from parallel.layout import Layout
@@ -172,6 +173,7 @@ class SequenceParallelPlan(AxisPlan):
                 f"peft.method={peft_method} with sequence_parallel {sp} is not supported yet (no parity test of the "
                 "two together): use sequence_parallel=1"
             )
+        problems += qwen3_5_parallel_problems(model.model_type, 1, sp)
         return problems + layout.engine.needs_pipeline(f"sequence_parallel {sp}", settings.ds(layout))
 
     @staticmethod

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from models.families import moe_spec
+from models.family_qwen3_5 import compile_problems as qwen3_5_compile_problems
 from parallel.axes import AXES
 from parallel.layout import Layout
 
@@ -59,6 +60,7 @@ def compile_problems(cfg, model_config, layout: Layout) -> list[str]:
             f"compile=true with peft.method={cfg.peft.method}: PEFT's adapter layers are not checked compiled: "
             f"train LoRA with compile=false, or train every weight (peft.method=none) compiled"
         )
+    problems += qwen3_5_compile_problems(getattr(model_config, "model_type", None))
     moe = moe_spec(model_config) if model_config is not None else None
     if moe is not None:
         problems.append(

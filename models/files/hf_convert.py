@@ -26,8 +26,10 @@ import torch
 from torch.utils.serialization import config as serialization_config
 from transformers import PretrainedConfig
 
-from models.families import UnsupportedModelError
+from models.families import UnsupportedModelError, family_of
 from models.families import load_config as load_family_config
+from models.family_deepseek_v3 import mtp_keys
+from models.family_gpt_oss import dequantize_mxfp4, mxfp4_tensors
 from models.files.hf_experts import EXPERTS_ON_DISK, assemble, disk_pieces
 from models.files.pipeline_dir import (
     HF_WEIGHT_NAMES,
@@ -130,6 +132,7 @@ class HFTensorSource:
         self._handles: dict[str, object] = {}  # open files: safe_open handle, or a mmap'd state dict for .bin
         self._shapes: dict[str, tuple[int, ...]] = {}
         self.key_to_file: dict[str, str] = {}
+        self._packed_file: dict[str, str] = {}  # an MXFP4 tensor's blocks and scales: their file
         shards = missing_shards(model_dir)  # else a deleted shard would show as its tensors missing
         if shards:
             raise ConversionError(shards)
@@ -155,6 +158,13 @@ class HFTensorSource:
                     for key in handle.keys():
                         self.key_to_file[key] = path
                         self._shapes[key] = tuple(handle.get_slice(key).get_shape())
+        # gpt-oss's MXFP4 experts: each blocks/scales pair shown as the tensor it stands for, read dequantized
+        self.mxfp4 = mxfp4_tensors(self._shapes)
+        for key, (blocks, scales, shape) in self.mxfp4.items():
+            self.key_to_file[key], self._shapes[key] = self.key_to_file[blocks], shape
+            for part in (blocks, scales):
+                self._packed_file[part] = self.key_to_file.pop(part)
+                del self._shapes[part]
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self._shapes[key]
@@ -172,7 +182,10 @@ class HFTensorSource:
         return line + (f" (not in {os.path.basename(self.index[0])} either)" if self.index is not None else "")
 
     def get(self, key: str) -> torch.Tensor:
-        path = self.key_to_file[key]
+        if key in self.mxfp4:
+            blocks, scales, _ = self.mxfp4[key]
+            return dequantize_mxfp4(self.get(blocks), self.get(scales))
+        path = self.key_to_file.get(key) or self._packed_file[key]
         if path not in self._handles:
             self._handles[path] = load_bin(path) if self._bin else open_safetensors(path)
         handle = self._handles[path]
@@ -183,7 +196,7 @@ class HFTensorSource:
 
     def first_rows(self, key: str, rows: int) -> torch.Tensor:
         """The first ``rows`` rows of tensor ``key``, read without the rest of it."""
-        if self._bin:
+        if self._bin or key in self.mxfp4:
             return self.get(key)[:rows]
         with open_safetensors(self.key_to_file[key]) as handle:
             return handle.get_slice(key)[:rows]
@@ -261,6 +274,14 @@ def expected_hf_shapes(config: PretrainedConfig) -> dict[int, dict[str, torch.Si
             if info.owns_file
         }
     return {index: dict(shapes) for index, shapes in _HF_SHAPES[key].items()}  # a copy: callers may change theirs
+
+
+def written_dtype(config: PretrainedConfig, hf_key: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a conversion asked for ``dtype`` writes tensor ``hf_key`` in: fp32 for the modules the family's
+    model keeps in fp32 whatever it loads in (``_keep_in_fp32_modules_strict``: DeepSeek-V3's router bias, whose
+    differences between experts a bf16 copy would round away), else ``dtype``."""
+    kept = family_of(config).causal_lm._keep_in_fp32_modules_strict or ()
+    return torch.float32 if any(name in hf_key.split(".") for name in kept) else dtype
 
 
 def hf_differences(hf_dir: str, ckpt_dir: str, tag: str, config: PretrainedConfig, limit: int = 3) -> list[str]:
@@ -426,10 +447,11 @@ def hf_input_problems(config: PretrainedConfig, source: HFTensorSource) -> list[
         if k in source.key_to_file and source.shape(k) != tuple(s)
     ]
     tied_head_key = "lm_head.weight" if config.tie_word_embeddings else None
+    left_out = set(mtp_keys(config, source.key_to_file))  # DeepSeek-V3's prediction layers, not the model's
     problems += [
         f"unexpected tensor {k!r} (shape {source.shape(k)})"
         for k in source.key_to_file
-        if k not in want and k != tied_head_key and not k.endswith(IGNORED_SUFFIXES)
+        if k not in want and k != tied_head_key and not k.endswith(IGNORED_SUFFIXES) and k not in left_out
     ]
     problems += tied_head_problems(config, source, want)
     # The hint only where the file holds experts in another layout (fused, stacked): a deleted expert is just missing.
@@ -476,6 +498,12 @@ def hf_to_stages(input_dir: str, output: str, dtype: torch.dtype | None = None, 
     problems = hf_input_problems(config, source)
     if problems:
         raise ConversionError(f"{input_dir} does not match its config.json:\n  " + "\n  ".join(problems))
+    if left_out := mtp_keys(config, source.key_to_file):
+        log(
+            f"left out: {len(left_out)} tensors of the multi-token-prediction layers (model.layers."
+            f"{config.num_hidden_layers}.* on), which {family_of(config).causal_lm.__name__} does not load; an export "
+            "will not hold them"
+        )
 
     with atomic_output(input_dir, output, overwrite, "hf-to-stages") as tmp:
         tag_dir = os.path.join(tmp, CONVERTED_TAG)
@@ -487,7 +515,7 @@ def hf_to_stages(input_dir: str, output: str, dtype: torch.dtype | None = None, 
             state = {}
             for hf_key, shape in shapes.items():
                 t = assemble(pieces[hf_key], shape, source.get)  # the tensor itself, or an expert stack
-                state[hf_key[len(prefix) :]] = t if dtype is None else t.to(dtype)
+                state[hf_key[len(prefix) :]] = t if dtype is None else t.to(written_dtype(config, hf_key, dtype))
                 del t
             save_layer_file(state, os.path.join(tag_dir, layer_file_name(index)))
             nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -610,7 +638,7 @@ def stages_to_hf(
         problems += found
         if not found:
             for local_key, t in state.items():
-                out_dtype = t.dtype if dtype is None else dtype
+                out_dtype = t.dtype if dtype is None else written_dtype(config, prefix + local_key, dtype)
                 itemsize = torch.empty((), dtype=out_dtype).element_size()
                 for disk_key, shape, select in disk_pieces(config, prefix + local_key, tuple(t.shape)):
                     nbytes = math.prod(shape) * itemsize
@@ -639,7 +667,7 @@ def stages_to_hf(
                 cache = {}  # unmaps the previous layer file before mapping the next
                 cache = {index: load_layer_file(os.path.join(tag_dir, layer_file_name(index)))}
             t = select(cache[index][hf_key[len(layout[index].hf_prefix) :]])  # one expert's rows of a stack
-            return t if dtype is None else t.to(dtype)
+            return t if dtype is None else t.to(written_dtype(config, hf_key, dtype))
 
         for n, shard in enumerate(shards, 1):
             name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"

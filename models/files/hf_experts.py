@@ -33,6 +33,8 @@ class ExpertsOnDisk:
 EXPERTS_ON_DISK = {
     "qwen3_moe": ExpertsOnDisk("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ExpertsOnDisk("block_sparse_moe", "w1", "w3", "w2"),
+    "deepseek_v3": ExpertsOnDisk("mlp", "gate_proj", "up_proj", "down_proj"),  # its gate's bias stored as it is
+    "qwen3_5_moe_text": ExpertsOnDisk("mlp", "gate_proj", "up_proj", "down_proj"),  # its shared expert as it is
 }
 
 # A stage tensor of a MoE block: layer prefix, then the block's part (gate.weight, experts.gate_up_proj, ...)

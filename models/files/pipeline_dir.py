@@ -30,6 +30,7 @@ from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from models.family_gpt_oss import is_mxfp4
 from models.host_memory import peak_rss_mb, release_mapped_pages
 from models.specs import SpecInfo, expected_state_shapes, layer_file_name, spec_layout
 
@@ -516,7 +517,10 @@ def stage_file_problems(model: PipelineModule, config, ckpt_dir: str, tag: str) 
 
 
 def write_config(config: dict, dst: str, dtype: torch.dtype | None = None) -> None:
-    """``config.json`` in ``dst``, with its dtype updated when the weights were cast."""
+    """``config.json`` in ``dst``, with its dtype updated when the weights were cast, and without an MXFP4
+    ``quantization_config`` (gpt-oss's experts are read dequantized: the weights written are never MXFP4)."""
+    if is_mxfp4(config):
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
     if dtype is not None:
         config = {k: v for k, v in config.items() if k != "torch_dtype"}
         config["dtype"] = DTYPE_NAMES[dtype]

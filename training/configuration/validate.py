@@ -16,6 +16,7 @@ from data.checks import data_problems, default_packing
 from data.order_guard import ORDER_CHECK_RULE
 from data.rewards import reward_function_problems
 from data.tokenize_settings import prepared_problems, vocab_problems
+from models.family_qwen3_5 import objective_problems as qwen3_5_objective_problems
 from models.files.pipeline_dir import tags_newer_than_latest
 from models.kernels import kernel_problems, loss_impl_problems
 from models.lora_rules import peft_change_problems, peft_problems
@@ -237,6 +238,7 @@ def resolve(
     problems += loss_impl_problems(cfg.loss_impl, cfg.loss_chunk_tokens, layout.engine)
     problems += adamw_problems(cfg.adamw_impl)
     problems += compile_problems(cfg, model_config, layout)
+    problems += qwen3_5_objective_problems(getattr(model_config, "model_type", None), cfg.train_objective)
     warnings += compile_warnings(cfg, layout)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     for axis in AXES:
