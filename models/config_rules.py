@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 
 from models.family_deepseek_v3 import deepseek_v3_problems
 from models.family_gemma3 import gemma3_problems
+from models.family_gemma4 import gemma4_problems
 from models.family_qwen3_5 import MODEL_TYPES as QWEN3_5_MODEL_TYPES
 from models.family_qwen3_5 import qwen3_5_problems
 
@@ -103,6 +104,8 @@ def model_config_problems(config: PretrainedConfig, where: str, override: bool) 
     model_type = config.model_type
     if model_type == "gemma3_text":
         problems += gemma3_problems(config, where, fix)
+    if model_type == "gemma4_text":
+        problems += gemma4_problems(config, where, fix)
     if model_type == "deepseek_v3":
         problems += deepseek_v3_problems(config, where, fix)
     if model_type in QWEN3_5_MODEL_TYPES:

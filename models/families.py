@@ -24,6 +24,10 @@ code path (``models.llama_pipe``) and parity with ``<Family>ForCausalLM`` holds 
            and the MLP, per-head q/k norms, scores scaled by ``query_pre_attn_scalar``, sliding and full layers
            (``layer_types``, 5:1) with a RoPE base each, embeddings times sqrt(hidden_size), tied; the differences
            outside the decoder layer are the ``Family`` flags below (models/family_gemma3.py).
+- gemma4_text: Gemma 4's text model (``Gemma4ForCausalLM``): Gemma 3's layer with a v norm, unscaled scores, full
+           layers of ``global_head_dim`` heads and a ``layer_scalar``; RMSNorms of weight (not 1 + weight); per-layer
+           inputs computed by the embedding spec and shared keys/values of ``num_kv_shared_layers``, both carried on
+           the wire between stages (models/family_gemma4.py); its MoE block refused.
 - deepseek_v3: DeepSeek-V3 (also Kimi K2, Moonlight): multi-head latent attention (low-rank q and kv projections,
            queries and keys of a RoPE part and a no-RoPE part, values of another head size), dense MLPs on the first
            ``first_k_dense_replace`` layers, then a Mixture of Experts with a shared expert and sigmoid routing within
@@ -61,6 +65,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 from transformers.models.deepseek_v3 import modeling_deepseek_v3
 from transformers.models.gemma3 import modeling_gemma3
+from transformers.models.gemma4 import modeling_gemma4
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama import modeling_llama
 from transformers.models.llama4 import modeling_llama4
@@ -140,6 +145,16 @@ FAMILIES: dict[str, Family] = {
             norm_adds_one=True,
         ),
         _family("deepseek_v3", modeling_deepseek_v3, "DeepseekV3"),
+        Family(  # Gemma 4's text model: its per-layer inputs and shared keys/values travel (models/family_gemma4.py)
+            "gemma4_text",
+            modeling_gemma4.Gemma4TextConfig,
+            modeling_gemma4.Gemma4ForCausalLM,
+            modeling_gemma4.Gemma4TextDecoderLayer,
+            modeling_gemma4.Gemma4RMSNorm,
+            modeling_gemma4.Gemma4TextRotaryEmbedding,
+            scaled_embedding=True,
+            rope_per_layer_type=True,
+        ),
         Family(  # Qwen3.5's rotary embedding is its text model's: Qwen3_5TextRotaryEmbedding
             "qwen3_5_text",
             modeling_qwen3_5.Qwen3_5TextConfig,

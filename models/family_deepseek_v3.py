@@ -12,8 +12,8 @@ training computes what Hugging Face's model computes. The report's speed: 0.001 
 The complementary sequence-wise balance loss (:func:`sequence_balance_loss`, the report's alpha 0.0001) is a
 function of one sequence's scores and choices, for a trainer that adds it.
 
-Nothing here is wired into training yet (issue 60): with data or expert parallelism the loads must be summed over
-every rank of the step before the update, so that every replica keeps the same bias.
+training/moe_balance.py wires the rule into training (``moe.bias_update_speed``): each step's loads summed over the
+ranks holding the layer before the update, so that every replica keeps the same bias.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def routers(module: nn.Module) -> dict[str, DeepseekV3TopkRouter]:
 
 class ExpertLoads:
     """The tokens each router of ``module`` sent to each expert since the last :meth:`take`, counted by forward hooks
-    on the routers (their third output, the top-k expert ids [T,k]); recomputation under activation checkpointing
-    counts again, so count the step's forwards once (no checkpointing, or hooks removed around the recomputation)."""
+    on the routers (their third output, the top-k expert ids [T,k]): training forwards only, each once. Eval,
+    generation and the recording passes run in eval mode; activation checkpointing's recomputation runs inside the
+    backward (an autograd graph task), where the first forward ran outside one."""
 
     def __init__(self, module: nn.Module):
         self.routers = routers(module)
@@ -59,14 +60,17 @@ class ExpertLoads:
 
     def _counter(self, name: str):
         def count(module, args, output) -> None:
+            if not module.training or torch._C._current_graph_task_id() != -1:  # not training, or a recomputation
+                return
             ids = output[2].detach().reshape(-1)  # [T*k] expert ids
-            self.loads[name] += torch.bincount(ids, minlength=module.num_experts).cpu()
+            # on the router's device until take(): no host sync in each layer's forward
+            self.loads[name] = self.loads[name].to(ids.device) + torch.bincount(ids, minlength=module.num_experts)
 
         return count
 
     def take(self) -> dict[str, torch.Tensor]:
         """The loads [E] int64 per router name since the last call, and the counts restarted."""
-        out = self.loads
+        out = {name: t.cpu() for name, t in self.loads.items()}
         self.loads = {name: torch.zeros_like(t) for name, t in out.items()}
         return out
 

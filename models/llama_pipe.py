@@ -37,6 +37,14 @@ from models.families import (
     moe_spec,
 )
 from models.family_gemma3 import scaled_lookup
+from models.family_gemma4 import (
+    Gemma4Embedding,
+    Gemma4LayerCall,
+    Gemma4LayerWire,
+    init_layer_scalar_,
+    largest,
+    reuses_kv,
+)
 from models.family_gpt_oss import normal_parameter_names
 from models.family_qwen3_5 import INIT_CLASSES as QWEN3_5_INIT_CLASSES
 from models.family_qwen3_5 import LINEAR_ATTENTION, LinearAttentionPerDocument
@@ -89,6 +97,24 @@ class EmbeddingPipe(nn.Embedding):
     def scale(self, hidden: torch.Tensor) -> torch.Tensor:
         """Looked-up rows [B,S,H] as the family's embedding returns them (Gemma's scaled, the others as they are)."""
         return hidden if self.embed_scale is None else scaled_lookup(hidden, self.embed_scale)
+
+
+class Gemma4EmbeddingPipe(Gemma4Embedding):
+    """Spec 0 of Gemma 4 (models/family_gemma4.py): (input_ids, position_ids) -> (hidden [B,S,H], position_ids,
+    per-layer inputs [B,S,L,P]); the tied LM head's call as :class:`EmbeddingPipe`'s (the last stage's tied copy holds
+    the per-layer inputs' modules too, unused there: the layer files' loader fills a tied copy from spec 0's file)."""
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor] | torch.Tensor, tied_head: bool = False) -> tuple:
+        if tied_head:
+            return inputs, handed_out(self.weight)  # hidden [B,S,H], [V,H]
+        input_ids, position_ids = inputs  # [B,S] int64 each
+        hidden, *per_layer_inputs = self.lookup(input_ids)
+        return hidden, position_ids, *per_layer_inputs
+
+
+def embedding_class(config: PretrainedConfig) -> type:
+    """Spec 0's class: :class:`EmbeddingPipe`, or Gemma 4's with its per-layer inputs."""
+    return Gemma4EmbeddingPipe if family_of(config).model_type == "gemma4_text" else EmbeddingPipe
 
 
 def router_stats_experts(config: PretrainedConfig) -> int:
@@ -324,6 +350,14 @@ class Gemma3NormPipe(NormPipe, FAMILIES["gemma3_text"].rms_norm):
     """NormPipe over Gemma3RMSNorm."""
 
 
+class Gemma4DecoderLayerPipe(Gemma4LayerWire, DecoderLayerPipe, Gemma4LayerCall, FAMILIES["gemma4_text"].decoder_layer):
+    """DecoderLayerPipe over Gemma4TextDecoderLayer, its per-layer input and shared keys/values on the wire."""
+
+
+class Gemma4NormPipe(NormPipe, FAMILIES["gemma4_text"].rms_norm):
+    """NormPipe over Gemma4RMSNorm (the last layer passes on no per-layer inputs or shared keys/values)."""
+
+
 class Qwen3_5DecoderLayerPipe(DecoderLayerPipe, LinearAttentionPerDocument, FAMILIES["qwen3_5_text"].decoder_layer):
     """DecoderLayerPipe over Qwen3_5DecoderLayer, its linear attention per document (models/family_qwen3_5.py)."""
 
@@ -352,6 +386,7 @@ DECODER_LAYER_CLASSES = {
     "mixtral": MixtralDecoderLayerPipe,
     "llama4_text": Llama4DecoderLayerPipe,
     "gemma3_text": Gemma3DecoderLayerPipe,
+    "gemma4_text": Gemma4DecoderLayerPipe,
     "deepseek_v3": DeepseekV3DecoderLayerPipe,
     "gpt_oss": GptOssDecoderLayerPipe,
     "qwen3_5_text": Qwen3_5DecoderLayerPipe,
@@ -366,6 +401,7 @@ NORM_CLASSES = {
     "mixtral": MixtralNormPipe,
     "llama4_text": Llama4NormPipe,
     "gemma3_text": Gemma3NormPipe,
+    "gemma4_text": Gemma4NormPipe,
     "deepseek_v3": DeepseekV3NormPipe,
     "gpt_oss": GptOssNormPipe,
     "qwen3_5_text": Qwen3_5NormPipe,
@@ -431,13 +467,14 @@ def build_specs(
     ``loss_chunk_tokens`` > 0 the head hands (hidden, weight) to the chunked loss (stage contract above);
     ``attention``: the attention function's registered name (prepare_config)."""
     config = prepare_config(config, attention)
+    embedding = embedding_class(config)
     specs: list[LayerSpec] = []
     for info in spec_layout(config):
         if info.kind == "embed":
             if config.tie_word_embeddings:
-                specs.append(TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, config, tied_weight_attr=["weight"]))
+                specs.append(TiedLayerSpec(TIED_EMBEDDING_KEY, embedding, config, tied_weight_attr=["weight"]))
             else:
-                specs.append(LayerSpec(EmbeddingPipe, config))
+                specs.append(LayerSpec(embedding, config))
         elif info.kind == "decoder":
             specs.append(LayerSpec(decoder_layer_class(config), config, info.index - 1))
         elif info.kind == "norm":
@@ -446,7 +483,7 @@ def build_specs(
             specs.append(
                 TiedLayerSpec(
                     TIED_EMBEDDING_KEY,
-                    EmbeddingPipe,
+                    embedding,
                     config,
                     forward_fn=tied_lm_head_chunked_forward if loss_chunk_tokens else tied_lm_head_forward,
                     tied_weight_attr=["weight"],
@@ -488,7 +525,8 @@ def _spec_counts(config: PretrainedConfig) -> tuple[tuple[int, ...], tuple[int, 
             # a decoder layer's kind: routed or not, and its attention type (Qwen3.5's linear and full layers differ)
             kind = ("spec", info.index)
             if info.kind == "decoder":
-                kind = ("decoder", info.index - 1 in routed, attention_type(config, info.index - 1))
+                layer = info.index - 1  # (Gemma 4's layers that reuse keys and values hold no k/v projections)
+                kind = ("decoder", layer in routed, attention_type(config, layer), reuses_kv(config, layer))
             if kind not in by_kind:
                 shapes = expected_state_shapes(spec, parameters_only=True)
                 by_kind[kind] = (
@@ -521,7 +559,7 @@ def flops_per_token(config: PretrainedConfig, seq: int) -> tuple[float, float]:
     latent attention has query/key heads of ``qk_head_dim`` and value heads of ``v_head_dim``: 6 H (Q + V) T.
     """
     n = sum(spec_weights(config, "compute"))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = largest(config, "head_dim") or config.hidden_size // config.num_attention_heads  # (Gemma 4: the widest)
     qk_dim, v_dim = getattr(config, "qk_head_dim", None) or head_dim, getattr(config, "v_head_dim", None) or head_dim
     attended = 0
     for layer in range(config.num_hidden_layers):
@@ -641,6 +679,7 @@ def init_weights_(module: nn.Module, config: PretrainedConfig, seed: int) -> Non
         w.copy_(tp_piece(whole, w))
 
     for m in module.modules():
+        init_layer_scalar_(m)
         if isinstance(m, (nn.Linear, TensorParallel_Layer)):  # DeepSpeed's split q/k/v/o/gate/up/down
             normal_(m.weight)
             if m.bias is not None:
@@ -649,7 +688,7 @@ def init_weights_(module: nn.Module, config: PretrainedConfig, seed: int) -> Non
             normal_(m.weight, zero_row=m.padding_idx)
         elif isinstance(m, QWEN3_5_INIT_CLASSES):  # Qwen3.5's gated norms and Gated DeltaNet's own parameters
             qwen3_5_init_(m, normal_, g)
-        elif isinstance(m, RMS_NORM_CLASSES):
+        elif isinstance(m, RMS_NORM_CLASSES) and hasattr(m, "weight"):  # (Gemma 4's v norm has none)
             m.weight.fill_(0.0 if isinstance(m, NORM_PLUS_ONE_CLASSES) else 1.0)  # Gemma's: 1 + weight
         elif isinstance(m, MOE_NORMAL_CLASSES):  # fused experts [E,...] and routers [E,H], as Hugging Face's
             for p in m.parameters(recurse=False):

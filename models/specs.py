@@ -9,6 +9,9 @@ import torch
 from deepspeed.pipe import LayerSpec
 from transformers import PretrainedConfig
 
+from models.family_gemma4 import EMBED_PREFIX
+from models.family_gemma4 import MODEL_TYPE as GEMMA4
+
 
 def layer_file_name(spec_index: int) -> str:
     """Checkpoint file of one spec: DeepSpeed's ``PipelineModule.ckpt_layer_path`` naming.
@@ -39,12 +42,14 @@ def spec_layout(config: PretrainedConfig) -> list[SpecInfo]:
     """The spec list as data: index, kind, Hugging Face prefix and layer file of every spec."""
     n = config.num_hidden_layers
     tied = bool(config.tie_word_embeddings)
-    layout = [SpecInfo(0, "embed", "model.embed_tokens.", 0)]
+    # Gemma 4's spec 0 holds model.embed_tokens and its per-layer inputs' modules (models/family_gemma4.py)
+    embed = EMBED_PREFIX if config.model_type == GEMMA4 else "model.embed_tokens."
+    layout = [SpecInfo(0, "embed", embed, 0)]
     layout += [SpecInfo(1 + i, "decoder", f"model.layers.{i}.", 1 + i) for i in range(n)]
     layout.append(SpecInfo(n + 1, "norm", "model.norm.", n + 1))
     # A tied head has no weights of its own: DeepSpeed saves the shared module once, with the
     # embedding (spec 0), and broadcasts it to the last stage.
-    layout.append(SpecInfo(n + 2, "head", "model.embed_tokens." if tied else "lm_head.", 0 if tied else n + 2))
+    layout.append(SpecInfo(n + 2, "head", embed if tied else "lm_head.", 0 if tied else n + 2))
     return layout
 
 

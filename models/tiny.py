@@ -84,6 +84,17 @@ def tiny_config(model_type: str = "llama", **overrides) -> PretrainedConfig:
             sliding_window=8,  # shorter than the test sequences (4096 in Gemma 3: longer than any)
             query_pre_attn_scalar=24,  # scores scaled by 24 ** -0.5, not head_dim's 16 ** -0.5
         )
+    if model_type == "gemma4_text":  # sliding, full, sliding, full; layers 2-3 reuse 0-1's keys and values
+        layers = overrides.get("num_hidden_layers", args["num_hidden_layers"])
+        args.update(
+            layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(layers)],
+            sliding_window=8,
+            head_dim=16,  # 256 in Gemma 4, and full layers' global_head_dim 512
+            global_head_dim=32,
+            hidden_size_per_layer_input=8,  # per-layer inputs of 8 per layer (256 in Gemma 4)
+            vocab_size_per_layer_input=overrides.get("vocab_size", args["vocab_size"]),
+            num_kv_shared_layers=layers // 2,
+        )
     # head_dim defaults to 128 (Gemma: 256, gpt-oss: 64), not hidden / heads
     if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):  # layers 0-2 linear attention, 3 full (Qwen3.5's 3:1)
         args.update(

@@ -21,6 +21,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import BackwardPass, CommitP2P, DualPipeVSchedule, PipeInstruction
 from torch import nn
 
+from models.family_gemma4 import axis_problems as gemma4_axis_problems
 from models.llama_pipe import LlamaPipelineModule
 from parallel.axis import AxisPlan, ModelFacts, RuleSettings
 from parallel.layout import PIPELINE_SCHEDULES, Layout
@@ -257,6 +258,7 @@ class DualPipeVPlan(AxisPlan):
         if layout.schedule != "dualpipev":
             return []
         k, num_layers, problems = layout.stages, model.num_layers, []
+        problems += gemma4_axis_problems(model.model_type, "pipeline_schedule", layout.schedule)
         if k < 2:
             return [
                 f"pipeline_schedule=dualpipev with num_stages {k}: DualPipeV needs 2 pipeline ranks or more; set "

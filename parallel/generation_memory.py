@@ -9,6 +9,11 @@ tokens of R rows costs
 
 kv_heads, not the query heads: GQA caches k_proj's and v_proj's outputs before they are repeated for the queries;
 a MoE layer has the same attention (only its MLP differs). tp must divide kv_heads (the tensor-parallel rule).
+Multi-head latent attention (DeepSeek-V3's ``DeepseekV3Attention``) caches its compressed latent, [rows, 1, tokens,
+kv_lora_rank], as the key and the shared RoPE key, [rows, 1, tokens, qk_rope_head_dim], as the value, and expands
+them to every head's keys and values at each step: (kv_lora_rank + qk_rope_head_dim) elements a token and layer
+(576 for DeepSeek-V3, where 128 heads of 192-wide keys and 128-wide values would be 40960). gpt-oss's sink is a key
+its attention adds at each step (models/family_gpt_oss.py), not cached.
 After a generation whose prompts are left-padded to S tokens and which picked n tokens, every full-attention layer
 holds L = S + n - 1 (the last token picked is never fed back); the planner passes seq_len = the prompt budget +
 max_completion_length, one token to spare.
@@ -93,7 +98,11 @@ def cached_tokens(window: int | None, seq_len: int) -> int:
 
 
 def layer_cache_bytes(shape: Shape, rows: int, tokens: int, dtype_bytes: int, tp: int = 1) -> int:
-    """One decoder layer's cached keys and values: 2 x kv_heads / tp x head_dim x tokens x rows x dtype_bytes."""
+    """One decoder layer's cached keys and values: 2 x kv_heads / tp x head_dim x tokens x rows x dtype_bytes; with
+    multi-head latent attention the latent and the shared RoPE key, (kv_lora_rank + qk_rope_head_dim) x tokens x rows
+    x dtype_bytes (module docstring)."""
+    if shape.mla is not None:
+        return (shape.mla.kv_rank + shape.mla.rope_dim) * tokens * rows * dtype_bytes
     if shape.kv_heads % tp:
         raise ValueError(f"tensor parallelism {tp} does not divide the {shape.kv_heads} KV heads")
     head_dim = shape.head_dim or shape.hidden // shape.heads

@@ -32,6 +32,14 @@ layer's activations more as working memory. The last stage also holds the loss
 buffers of one micro-batch (see loss_bytes): the logits of B*S tokens, or of ``loss_chunk_tokens`` of
 them with the chunked loss.
 
+Families whose attention is not q/k/v projections of hidden / heads per head replace the (2 + 2 * kv_heads / heads) H
+of that count with their own (``Shape.attention_elements``): DeepSeek-V3's multi-head latent attention its latents,
+queries and keys of qk_nope + qk_rope features per head and values of v_head_dim (``LatentAttention``); gpt-oss's
+sink attention its queries and keys with the sink's extra features (models/family_gpt_oss.py); Qwen3.5's Gated
+DeltaNet layers their projections, convolution and gated norm, and the fp32 intermediates of transformers' torch
+chunked gated delta rule, chunk matrices and one recurrent state per chunk (``LinearAttention``), averaged with its
+softmax layers. Their parameters, sinks included, come from the specs' shapes as every family's.
+
 Sequence parallelism (DeepSpeed Ulysses, ``Layout.sp`` = N ranks per sample): every tensor outside the
 attention core (norms, q/k/v projections, MLP, loss) holds S/N tokens of each sample; the core runs on
 the whole sequence for heads/N of the heads, the same bytes. So a layer's saved activations, the
@@ -111,6 +119,9 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from models.family_gemma4 import largest
+from models.family_gpt_oss import _EXTRA as SINK_FEATURES  # the features its sink attention adds to q and k
+from models.family_qwen3_5 import LINEAR_ATTENTION
 from models.lora_rules import peft_layout_problems
 from models.moe_counts import MoEShape, moe_shape
 from parallel.axes import AXES
@@ -134,6 +145,54 @@ NF4_BYTES = 0.5 + 4 / 64  # QLoRA: bytes per quantised weight (4 bits + bitsandb
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention's sizes (DeepSeek-V3: ``q_lora_rank`` ... ``v_head_dim`` of its config)."""
+
+    q_rank: int  # the queries' latent (0: one q_proj, no latent)
+    kv_rank: int  # the keys' and values' latent, what generation caches beside the RoPE key
+    nope_dim: int  # each head's query/key features without RoPE
+    rope_dim: int  # each head's RoPE features (the config's head_dim), one key of them shared by every head
+    v_dim: int  # each head's value features
+
+    def elements(self, heads: int) -> int:
+        """Saved elements per token of Hugging Face's DeepseekV3Attention (its autograd graph's, counted on CPU): the
+        q latent, its RMSNorm's normalised values and output (3 q_rank), the kv projection's output, its latent's
+        normalised values and normed latent (3 kv_rank + rope_dim), the queries and the keys (2 heads (nope + rope)),
+        kv_b_proj's output, which the values are a view of (heads (nope + v)), and the attention output (heads v)."""
+        qk = self.nope_dim + self.rope_dim
+        return 3 * self.q_rank + 3 * self.kv_rank + self.rope_dim + heads * (2 * qk + self.nope_dim + 2 * self.v_dim)
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Qwen3.5's Gated DeltaNet layers (``linear_*`` of its config): how many, and their heads' sizes."""
+
+    layers: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    chunk: int = 64  # transformers' torch_chunk_gated_delta_rule's chunk_size
+
+    def elements(self) -> int:
+        """Saved elements per token in the training precision: the q/k/v projection's output (the convolution's
+        input) and the convolution's (silu's input), 2 (2 Hk dk + Hv dv); the gate z, the gated norm's normalised
+        values cast back and out_proj's input, 3 Hv dv."""
+        qkv = 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+        return 2 * qkv + 3 * self.value_heads * self.value_dim
+
+    def fp32_elements(self) -> float:
+        """Saved fp32 elements per token of the torch chunked gated delta rule (what runs without the fla kernels),
+        its q and k repeated to the Hv value heads, and of the gated norm: per head 8 dk (q three times, k four,
+        k_cumdecay), 6 dv (the values, the solve's, each chunk's v_new, the norm's input, normalised values and
+        gate), five [chunk, chunk] matrices per chunk (the pairwise decay, the UT system before and after its mask,
+        the intra-chunk scores before and after), the recurrent state [dk, dv] of every chunk and 9 scalars (beta,
+        decays, the norm's rsqrt). Counted from the autograd graph of transformers 5.23's module on CPU."""
+        h, dk, dv, c = self.value_heads, self.key_dim, self.value_dim, self.chunk
+        return h * (8 * dk + 6 * dv + 5 * c + dk * dv / c + 9)
+
+
+@dataclass(frozen=True)
 class Shape:
     """What the activation estimate needs from the architecture."""
 
@@ -146,6 +205,33 @@ class Shape:
     head_dim: int = 0  # 0: hidden / heads
     moe: MoEShape | None = None  # a Mixture-of-Experts model's experts (models/moe_counts.py); None: dense
     model_type: str | None = None  # the config's (train.py's rules name it; llama4_text has no expert parallelism)
+    mla: LatentAttention | None = None  # multi-head latent attention (DeepSeek-V3) instead of q/k/v projections
+    sink_features: int = 0  # gpt-oss: features its sink attention adds to each query and key
+    linear: LinearAttention | None = None  # Qwen3.5's linear-attention layers beside its softmax ones
+
+    def attention_elements(self, kv: float) -> float:
+        """Saved attention elements per token of a decoder layer, averaged over the layers, with ``kv`` KV heads (as
+        many as Ulysses' replicas make): (2 + 2 kv / heads) H for softmax attention (q and its output, k and v, each
+        head hidden / heads wide); MLA's (:meth:`LatentAttention.elements`); with sinks, q and k (head_dim + the
+        sink's features wide), v and the output (head_dim); a linear-attention layer's
+        (:meth:`LinearAttention.elements`, its fp32 ones apart: :meth:`fp32_elements`)."""
+        if self.mla is not None:
+            return self.mla.elements(self.heads)
+        if self.sink_features:
+            d = self.head_dim or self.hidden // self.heads
+            return (self.heads + kv) * (d + self.sink_features) + (kv + self.heads) * d
+        softmax = (2 + 2 * kv / self.heads) * self.hidden
+        if self.linear is None:
+            return softmax
+        n = self.linear.layers
+        return ((self.layers - n) * softmax + n * self.linear.elements()) / self.layers
+
+    def fp32_elements(self) -> float:
+        """Saved fp32 elements per token of a decoder layer beyond :meth:`attention_elements`, averaged over the
+        layers: the linear-attention layers' gated delta rule; 0 elsewhere."""
+        if self.linear is None:
+            return 0.0
+        return self.linear.layers * self.linear.fp32_elements() / self.layers
 
     def stage_experts(self, layers: int) -> float:
         """Routed-expert parameters of a stage with ``layers`` decoder layers (the layers' share of the model's)."""
@@ -164,9 +250,22 @@ class Shape:
         return ((self.layers - m.moe_layers) * 4 * self.ffn + m.moe_layers * routed) / self.layers
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each linear layer of a decoder layer, by its Hugging Face name."""
+        """(in, out) features of each linear layer of a decoder layer, by its Hugging Face name (MLA: its q/kv latent
+        projections instead of q_proj, k_proj, v_proj)."""
         d = self.head_dim or self.hidden // self.heads
         h, f, q, kv = self.hidden, self.ffn, self.heads * d, self.kv_heads * d
+        if self.mla is not None:
+            m, n = self.mla, self.heads
+            query = {"q_a_proj": (h, m.q_rank), "q_b_proj": (m.q_rank, n * (m.nope_dim + m.rope_dim))}
+            return {
+                **(query if m.q_rank else {"q_proj": (h, n * (m.nope_dim + m.rope_dim))}),
+                "kv_a_proj_with_mqa": (h, m.kv_rank + m.rope_dim),
+                "kv_b_proj": (m.kv_rank, n * (m.nope_dim + m.v_dim)),
+                "o_proj": (n * m.v_dim, h),
+                "gate_proj": (h, f),
+                "up_proj": (h, f),
+                "down_proj": (f, h),
+            }
         return {
             "q_proj": (h, q),
             "k_proj": (h, kv),
@@ -182,9 +281,10 @@ class Shape:
         return sum(i * o for i, o in self.linear_dims().values())
 
     def lora_params_per_layer(self, rank: int, targets: tuple[str, ...]) -> int:
-        """Adapter parameters of one decoder layer: A [r, in] and B [out, r] per target."""
+        """Adapter parameters of one decoder layer: A [r, in] and B [out, r] per target the layer has (MLA has no
+        q_proj, k_proj, v_proj)."""
         dims = self.linear_dims()
-        return sum(rank * (dims[t][0] + dims[t][1]) for t in targets)
+        return sum(rank * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
 
 
 @dataclass
@@ -298,8 +398,10 @@ def layer_activation_bytes(shape: Shape, layout: Layout) -> float:
     attention output, k/v and the SwiGLU tensors are split over the tp ranks (Megatron's count). With
     sequence parallelism every term is that of B*S/sp tokens (k/v with DeepSpeed's replicated KV heads)."""
     kv = ulysses_heads(shape, layout)[1] * layout.tp  # kv_heads, or as many as DeepSpeed's replicas make
-    split = (2 + 2 * kv / shape.heads) * shape.hidden + shape.mlp_elements()
-    return (4 * shape.hidden + split / layout.tp) * local_tokens(layout) * elem_bytes(layout)
+    split = shape.attention_elements(kv) + shape.mlp_elements()
+    saved = (4 * shape.hidden + split / layout.tp) * local_tokens(layout) * elem_bytes(layout)
+    fp32 = shape.fp32_elements()
+    return saved + 4 * fp32 / layout.tp * local_tokens(layout) if fp32 else saved
 
 
 def expert_buffer_bytes(shape: Shape, layout: Layout) -> float:
@@ -753,11 +855,38 @@ def shape_of(config) -> Shape | None:
         getattr(config, "intermediate_size", 0),  # none where every layer is routed (Qwen3.5 MoE)
         config.num_hidden_layers,
         config.num_attention_heads,
-        config.num_key_value_heads,
+        largest(config, "num_key_value_heads"),
         config.vocab_size,
-        getattr(config, "head_dim", None) or 0,
+        largest(config, "head_dim") or 0,  # (Gemma 4's layers differ: the widest, models/family_gemma4.py)
         moe_shape(config),
         config.model_type,
+        latent_attention(config),
+        SINK_FEATURES if config.model_type == "gpt_oss" else 0,
+        linear_attention(config),
+    )
+
+
+def latent_attention(config) -> LatentAttention | None:
+    """A config's multi-head latent attention (``kv_lora_rank``: DeepSeek-V3's); None for other attention."""
+    if getattr(config, "kv_lora_rank", None) is None:
+        return None
+    return LatentAttention(
+        config.q_lora_rank or 0,
+        config.kv_lora_rank,
+        config.qk_nope_head_dim,
+        config.qk_rope_head_dim,
+        config.v_head_dim,
+    )
+
+
+def linear_attention(config) -> LinearAttention | None:
+    """A config's linear-attention layers (Qwen3.5's ``layer_types``); None without any."""
+    layers = sum(kind == LINEAR_ATTENTION for kind in getattr(config, "layer_types", None) or ())
+    if not layers:
+        return None
+    c = config
+    return LinearAttention(
+        layers, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     )
 
 

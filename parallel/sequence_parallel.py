@@ -23,6 +23,7 @@ import torch.distributed as dist
 from transformers import AttentionInterface
 
 from models.attention import document_attention
+from models.family_gemma4 import axis_problems as gemma4_axis_problems
 from models.family_qwen3_5 import parallel_problems as qwen3_5_parallel_problems
 from models.llama_pipe import EmbeddingPipe, tied_head_call
 from parallel.axis import AxisPlan, ModelFacts, RuleSettings
@@ -174,6 +175,7 @@ class SequenceParallelPlan(AxisPlan):
                 "two together): use sequence_parallel=1"
             )
         problems += qwen3_5_parallel_problems(model.model_type, 1, sp)
+        problems += gemma4_axis_problems(model.model_type, "sequence_parallel", sp)
         return problems + layout.engine.needs_pipeline(f"sequence_parallel {sp}", settings.ds(layout))
 
     @staticmethod

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.family_gemma4 import axis_problems as gemma4_axis_problems
 from models.family_qwen3_5 import parallel_problems as qwen3_5_parallel_problems
 from models.files.pipeline_dir import local_modules, tp_piece
 from models.llama_pipe import EmbeddingPipe, LlamaPipelineModule, LMHeadPipe, materialize_, tied_head_call
@@ -315,6 +316,7 @@ class TensorParallelPlan(AxisPlan):
         peft_method = settings.peft(layout)
         problems = layout.engine.needs_pipeline(f"tensor_parallel {tp}", settings.ds(layout))
         problems += qwen3_5_parallel_problems(model.model_type, tp, 1)
+        problems += gemma4_axis_problems(model.model_type, "tensor_parallel", tp)
         if peft_method != "none":
             problems.append(
                 f"peft.method={peft_method} with tensor_parallel {tp} is not supported yet: PEFT's layers would wrap "

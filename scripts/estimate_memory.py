@@ -9,6 +9,7 @@
     python scripts/estimate_memory.py --model llama3-8b --stages 4 --grad-accum 16 --schedule both
     python scripts/estimate_memory.py --model qwen3-30b-a3b --gpus 8 --gpu-mem 80 --dtype fp32   # tries --ep too
     python scripts/estimate_memory.py --model mixtral-8x7b --stages 2 --dp 4 --ep 4 --zero 0 --dtype fp32
+    python scripts/estimate_memory.py --model gpt-oss-120b --gpus 8 --gpu-mem 80 --seq-len 4096   # docs/moe.md's tables
     python scripts/estimate_memory.py --model llama3-8b --stages 2 --dp 4 --zero 1 --seq-len 1536 --grad-accum 16 \\
         --loss-chunk-tokens 1024 --grpo-completion-length 1024 --grpo-beta 0.04       # train_objective=grpo
 

@@ -376,10 +376,10 @@ def test_bench_grpo_figures_count_the_completions_real_tokens():
     assert figures["ms_per_token"] == pytest.approx(1e3 / 256)
 
 
-@pytest.mark.multirank  # train.py twice on 4 CPU ranks and TRL once: about 70 s here
+@pytest.mark.multirank  # train.py once on 4 CPU ranks and TRL once
 def test_bench_grpo_quick_compares_the_pipeline_with_trl(tmp_path):
     """benchmarks/bench_grpo.py --quick: one row for the pipeline and one for TRL, generation tokens/s and step time
-    above 0, completions of at most their limit, and a cost row per completion length."""
+    above 0, completions of at most their limit, and the cost row of that completion length."""
     proc = run_script(["benchmarks/bench_grpo.py", "--quick", "--work-dir", str(tmp_path)], timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     lines = proc.stdout.splitlines()
@@ -388,5 +388,5 @@ def test_bench_grpo_quick_compares_the_pipeline_with_trl(tmp_path):
     for row in setups:
         assert float(row[1]) > 0 and float(row[3]) > 0 and 0 < float(row[4]) <= 8, proc.stdout
     assert len(setups[0][5].split(",")) in (1, 4) and len(setups[1][5].split(",")) == 1  # per rank (once if equal)
-    costs = {int(r.split("|")[1]): r.split("|")[2:-1] for r in lines if r.startswith(("| 8 |", "| 16 |"))}
-    assert sorted(costs) == [8, 16] and all(0 < float(c[0]) <= n and float(c[2]) > 0 for n, c in costs.items())
+    costs = {int(r.split("|")[1]): r.split("|")[2:-1] for r in lines if r.startswith("| 8 |")}
+    assert sorted(costs) == [8] and all(0 < float(c[0]) <= n and float(c[2]) > 0 for n, c in costs.items())

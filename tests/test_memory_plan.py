@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from parallel.generation_memory import layer_cache_bytes
 from parallel.layout import Layout
-from parallel.memory_plan import GB, estimate, fitting
+from parallel.memory_plan import GB, LatentAttention, Shape, estimate, fitting, layer_activation_bytes
 from tests.support import REPO
 from tests.support.scripts import run_script
 
@@ -379,3 +382,17 @@ def test_estimate_memory_shows_sequence_parallelism_and_its_all_to_all(capsys):
     with pytest.raises(SystemExit) as exit_:
         script.main(["--model", "llama3-8b", "--sp", "2", "--zero", "2"])
     assert exit_.value.code == 1 and "runs on the pipeline engine" in capsys.readouterr().err
+
+
+def test_latent_attention_counts_its_own_head_sizes_not_head_dim():
+    """MLA (DeepSeek-V3): a layer's saved attention elements per token are 3 q_rank + 3 kv_rank + rope + heads (2 (nope
+    + rope) + nope + 2 v) instead of the head_dim-based (2 + 2 kv_heads / heads) H, and generation caches the kv latent
+    and the shared RoPE key, kv_rank + rope a token, instead of 2 kv_heads head_dim."""
+    mla = LatentAttention(q_rank=24, kv_rank=16, nope_dim=8, rope_dim=4, v_dim=6)
+    shape = Shape(hidden=64, ffn=128, layers=2, heads=4, kv_heads=4, vocab=256, head_dim=4, mla=mla)
+    plain = dataclasses.replace(shape, mla=None)
+    layout = Layout(micro_batch=2, seq_len=32)  # 64 tokens, bf16
+    per_token = (3 * 24 + 3 * 16 + 4 + 4 * (2 * 12 + 8 + 2 * 6)) - (2 + 2 * 4 / 4) * 64  # 300 - 256
+    assert layer_activation_bytes(shape, layout) - layer_activation_bytes(plain, layout) == per_token * 64 * 2
+    assert layer_cache_bytes(shape, rows=3, tokens=10, dtype_bytes=2) == (16 + 4) * 3 * 10 * 2
+    assert layer_cache_bytes(plain, rows=3, tokens=10, dtype_bytes=2) == 2 * 4 * 4 * 3 * 10 * 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shlex
 
 import pytest
 import torch
@@ -432,3 +434,34 @@ def test_estimate_memory_lists_no_layout_for_flags_train_py_refuses_and_says_its
     with pytest.raises(SystemExit):
         script.main(["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", "80", "--ep", "2", "--dtype", "fp16"])
     assert "--ep 2 with --dtype fp16: not supported yet" in capsys.readouterr().err
+
+
+def test_gpt_oss_120b_fits_8_gpus_of_80_gb():
+    """The fit search finds a layout train.py runs for gpt-oss-120b (sink attention, 128 experts a layer) on 8 x 80 GB
+    at 4096 tokens a row."""
+    config = config_from_dict(architecture("gpt-oss-120b"))
+    split = splitter(config, None, "compute")
+    found = fitting(split, shape_of(config), 8, 80, config.num_hidden_layers, 1, 4096, 8, "bf16", 1024)
+    assert found and all(e.total <= 80e9 for _, e in found)
+
+
+# docs/moe.md's planner outputs: a block headed by its command as a comment (not "$ ", which test_readme.py runs)
+PLANNER_BLOCK = re.compile(r"```text\n# python (scripts/estimate_memory\.py [^\n]*)\n(.*?)```", re.S)
+
+
+@pytest.mark.slow
+def test_moe_docs_layout_tables_are_the_planners_output(capsys):
+    """docs/moe.md's layout tables for gpt-oss-120b and DeepSeek-V3 (with and without LoRA) are what
+    scripts/estimate_memory.py prints for their commands, its error lines included, run in this process."""
+    script = load_entry_point("scripts/estimate_memory.py")
+    with open(os.path.join(REPO, "docs", "moe.md")) as f:
+        blocks = PLANNER_BLOCK.findall(f.read())
+    assert len(blocks) == 6
+    for command, expected in blocks:
+        try:
+            script.main(shlex.split(command)[1:])
+        except SystemExit:
+            pass
+        out = capsys.readouterr()
+        printed = [line for line in (out.out + out.err).splitlines() if line.strip() and not line.startswith("[20")]
+        assert printed == [line for line in expected.splitlines() if line.strip()], command

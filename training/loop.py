@@ -23,6 +23,7 @@ from training.configuration.schema import Resolved
 from training.configuration.step_range import planned_steps, resumed_step, step_setting_problems
 from training.data_setup import RankData
 from training.grpo import GRPOStep
+from training.moe_balance import BiasBalancer, load_imbalance
 from training.observation.logs import log0
 from training.observation.memory_census import CensusAtStep, StepPeak
 from training.observation.metrics import StepLogger, device_peak_tflops, write_final_record
@@ -89,6 +90,10 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
     compiled = CompileLog(cfg.compile, start_step + 1, log0)  # compile=true: compile time once, recompiles counted
     writer = BackgroundWriter()  # save_async: the checkpoint being written while training goes on
     skipped: list[int] = []  # steps whose update the optimizer skipped (non-finite), with nonfinite_loss=skip
+    # moe.bias_update_speed > 0: DeepSeek-V3's router biases moved after each step (training/moe_balance.py)
+    balancer = BiasBalancer.of(engine.module, resolved.model_config, cfg.moe.bias_update_speed)
+    if balancer:
+        log0(f"moe.bias_update_speed {cfg.moe.bias_update_speed:g}: the router biases move towards balance each step")
     data.guard.resumed_after(start_step)
     try:
         for step in range(start_step + 1, total_steps + 1):
@@ -98,6 +103,8 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             watch.step_started(step)
             with profiler.step(step):  # profile_steps: this step under torch.profiler, its trace written at the last
                 loss, counts = grpo.train_step(step) if grpo else train_step(resolved, engine, data, loss_fn)
+            if balancer:  # a collective, within the hang watch; a step the optimizer skipped moves no bias
+                loads = balancer.after_step(applied=engine.skipped_steps == skipped_before)
             watch.step_ended()
             # every rank: signals, rank 0's save clock, each rank's compute seconds (one all-reduce)
             signalled, clock_due, compute, writing = stopper.after_step(clock.take() if clock else 0.0, writer.busy)
@@ -116,6 +123,8 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
             fields = compiled.after_step(step)  # compile=true: recompiles, compile seconds
             if written:
                 fields = {**(fields or {}), **written}
+            if balancer:
+                fields = {**(fields or {}), "expert_load_max": load_imbalance(loads)}
             logger.log(step, loss, lr, norm, *counts[:3], counts[3:], compute=compute, extra=extra, fields=fields)
             nonfinite = not math.isfinite(loss) or engine.skipped_steps > skipped_before  # the same on every rank
             with watch.saving():  # a hang exit (training/resilience/hang.py) waits for the save

@@ -40,6 +40,7 @@ FLOAT_RANGES = {
     "grpo.beta": ">= 0",
     "grpo.epsilon": "> 0",
     "grpo.epsilon_high": ">= 0; None: = grpo.epsilon",
+    "moe.bias_update_speed": ">= 0",
 }
 
 

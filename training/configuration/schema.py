@@ -225,6 +225,16 @@ class GRPOConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-Experts settings beyond the model config's (docs/moe.md)."""
+
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each step every router's e_score_correction_bias moves by
+    # this towards balance (+ under the mean load, - over it; training/moe_balance.py), >= 0; 0 = off (the bias stays
+    # as loaded, as in Hugging Face's model); the DeepSeek-V3 report's 0.001. deepseek_v3 only.
+    bias_update_speed: float = 0.0
+
+
+@dataclass
 class SourceConfig:
     """One source of a weighted mixture (data.sources, data.eval_sources)."""
 
@@ -413,6 +423,7 @@ class TrainConfig:
     peft: PeftConfig = field(default_factory=PeftConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 def register_configs() -> None:

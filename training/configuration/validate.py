@@ -16,6 +16,7 @@ from data.checks import data_problems, default_packing
 from data.order_guard import ORDER_CHECK_RULE
 from data.rewards import reward_function_problems
 from data.tokenize_settings import prepared_problems, vocab_problems
+from models.family_gemma4 import training_problems as gemma4_training_problems
 from models.family_qwen3_5 import objective_problems as qwen3_5_objective_problems
 from models.files.pipeline_dir import tags_newer_than_latest
 from models.kernels import kernel_problems, loss_impl_problems
@@ -40,6 +41,7 @@ from training.configuration.schema import (
     plain,
 )
 from training.configuration.step_range import known_steps, step_setting_problems
+from training.moe_balance import bias_update_problems
 from training.observation.profiling import profile_problems
 from training.observation.tracking import wandb_problems
 from training.optim import adamw_problems
@@ -238,7 +240,9 @@ def resolve(
     problems += loss_impl_problems(cfg.loss_impl, cfg.loss_chunk_tokens, layout.engine)
     problems += adamw_problems(cfg.adamw_impl)
     problems += compile_problems(cfg, model_config, layout)
+    problems += bias_update_problems(cfg.moe.bias_update_speed, model_config)
     problems += qwen3_5_objective_problems(getattr(model_config, "model_type", None), cfg.train_objective)
+    problems += gemma4_training_problems(getattr(model_config, "model_type", None), gemma4_settings(cfg))
     warnings += compile_warnings(cfg, layout)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     for axis in AXES:
@@ -539,3 +543,13 @@ def noop_value_problems(cfg: TrainConfig) -> list[str]:
             "set max_steps=0)"
         )
     return problems
+
+
+def gemma4_settings(cfg: TrainConfig) -> dict:
+    """The settings models/family_gemma4.py's training rules read, by their TrainConfig names."""
+    return {  # the parallel axes' own: in their plans (parallel/)
+        "peft.method": cfg.peft.method,
+        "compile": cfg.compile,
+        "train_objective": cfg.train_objective,
+        "activation_checkpoint_interval": cfg.activation_checkpoint_interval,
+    }
