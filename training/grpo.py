@@ -4,10 +4,10 @@ TRL 1.16 GRPOTrainer's loss (models/grpo.py), in one DeepSpeed engine step as SF
 A step's batch counts completions, as TRL's does: micro_batch_size x gradient_accumulation_steps x dp of them,
 ``num_generations`` consecutive ones per prompt, the prompts taken in the data's order, or with data.shuffle (TRL's
 shuffle_dataset) in a seeded permutation per pass (TRL's RepeatSampler: whole generations of prompts per pass over
-the data, the remainder left out). Data-parallel
-rank r holds the rows [r n, (r + 1) n) of the step's completions (n = micro_batch_size x gradient_accumulation_steps),
-its micro-batch j the rows [j micro, (j + 1) micro) of those. With num_iterations k a generation serves k steps
-(steps 1, k + 1, 2k + 1, ... generate); the steps between reuse it, its old log-probabilities taken once.
+the data, the remainder left out). Data-parallel rank r holds the rows [r n, (r + 1) n) of the step's completions
+(n = micro_batch_size x gradient_accumulation_steps), its micro-batch j the rows [j micro, (j + 1) micro) of those.
+With num_iterations k a generation serves k steps (steps 1, k + 1, 2k + 1, ... generate); the steps between reuse
+it, its old log-probabilities taken once.
 
 A generation step, on every rank in this order:
 
@@ -44,7 +44,7 @@ from data.rewards import RewardError, RewardSet, load_reward_functions
 from data.sampling import PlaceholderDataset
 from data.tokenize_settings import tokenizer_dir
 from models.generation import Completion
-from models.grpo import GRPO_METRICS, GRPOLoss, dapo_normalizer, group_advantages, rewards_total
+from models.grpo import GRPO_METRICS, GRPOLoss, dapo_normalizer, group_advantages
 from models.loss import IGNORE_INDEX
 from parallel.pipeline_generation import generate_on_stages
 from training.configuration.schema import Resolved
@@ -356,8 +356,8 @@ class GRPOStep:
         rewards = torch.tensor([r for p in scored for r in p["rewards"]], dtype=torch.float32)  # [N,F]
         lengths = torch.tensor([n for p in scored for n in p["lengths"]], dtype=torch.float32)  # [N]
         truncated = torch.tensor([t for p in scored for t in p["truncated"]], dtype=torch.bool)  # [N]
-        total = rewards_total(rewards, self._weights())
-        advantages, std, frac_zero = group_advantages(total, self.g.num_generations, str(self.g.scale_rewards))
+        total = self.data.rewards.total(rewards)  # [N]
+        advantages, _, frac_zero = group_advantages(total, self.g.num_generations, str(self.g.scale_rewards))
         trains = ~truncated if self.g.mask_truncated_completions else torch.ones_like(truncated)
         active = int(lengths[trains].sum())
         mine = slice(self.dp_rank * self.rows_per_rank, (self.dp_rank + 1) * self.rows_per_rank)
@@ -366,7 +366,8 @@ class GRPOStep:
             rows = self._rows(prompt_ids, completions, advantages[mine], self.g.mask_truncated_completions)
         computed = sum(p["width"] * len(p["lengths"]) for p in scored)
         counts = [int(sum(p["prompt_tokens"] for p in scored) + lengths.sum()), active, computed]
-        metrics = generation_metrics(rewards, total, std, frac_zero, lengths, truncated, self._names())
+        metrics = self.data.rewards.metrics(rewards) | completion_metrics(lengths, truncated)
+        metrics["frac_reward_zero_std"] = float(frac_zero)
         metrics["generation_s"] = max(p["generation_s"] for p in scored)  # on the stages, the slowest pipeline
         for name in dict.fromkeys(k for p in scored for k in p["logged"]):
             values = [v for p in scored for v in p["logged"].get(name, [])]
@@ -429,7 +430,7 @@ class GRPOStep:
             rewards += [r for p in scored for r in p["rewards"]]
             valid += [p["dp_rank"] * per_rank + start_row + i < total for p in scored for i in range(len(p["lengths"]))]
         kept = torch.tensor(rewards, dtype=torch.float32)[torch.tensor(valid)]  # [E*g, F]
-        metrics = {"eval_reward": torch.nanmean(rewards_total(kept, self._weights())).item()}
+        metrics = {"eval_reward": torch.nanmean(self.data.rewards.total(kept)).item()}
         for i, name in enumerate(self._names()):
             metrics[f"eval_rewards/{name}/mean"] = torch.nanmean(kept[:, i]).item()
         logger.log_eval(step, None, time.time() - start, evaluation.name, metrics)
@@ -503,10 +504,6 @@ class GRPOStep:
                 for p, t, ids, c in zip(prompts, texts, prompt_ids, completions, strict=True)
             ],
         }
-
-    def _weights(self) -> torch.Tensor | None:
-        weights = self.g.reward_weights
-        return None if weights is None else torch.tensor(list(weights), dtype=torch.float32)
 
     def _names(self) -> list[str]:
         return self.data.rewards.names
@@ -582,15 +579,10 @@ def keep_completions_until(path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def generation_metrics(rewards, total, std, frac_zero, lengths, truncated, names: list[str]) -> dict[str, float]:
-    """TRL's generation metrics of a batch's rewards [N,F], their weighted total [N] and completion lengths [N]."""
+def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's completion metrics of a batch's completion lengths [N] and whether each was cut [N] (its reward metrics
+    are data/rewards.py's ``RewardSet.metrics``)."""
     metrics: dict[str, float] = {}
-    for i, name in enumerate(names):
-        metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, i]).item()
-        metrics[f"rewards/{name}/std"] = _nanstd(rewards[:, i])
-    metrics["reward"] = torch.nanmean(total).item()
-    metrics["reward_std"] = _nanstd(total)  # TRL's: the whole batch's (unscored completions left out)
-    metrics["frac_reward_zero_std"] = float(frac_zero)
     metrics["completions/mean_length"] = lengths.mean().item()
     metrics["completions/min_length"] = lengths.min().item()
     metrics["completions/max_length"] = lengths.max().item()
@@ -598,12 +590,6 @@ def generation_metrics(rewards, total, std, frac_zero, lengths, truncated, names
     ended = lengths[~truncated]
     metrics["completions/mean_terminated_length"] = ended.mean().item() if ended.numel() else 0.0
     return metrics
-
-
-def _nanstd(x: torch.Tensor) -> float:
-    from models.grpo import nanstd
-
-    return nanstd(x).item() if x.numel() > 1 else 0.0
 
 
 def loss_metrics(stats: torch.Tensor, counts: bool, micro_batches: int) -> dict[str, float]:
