@@ -24,7 +24,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks import harness  # noqa: E402
 from benchmarks.harness import measure_train, per_rank_text, run_overrides  # noqa: E402
 
 WORDS = ["apple", "river", "stone", "green", "light", "music", "table", "cloud"]
@@ -122,12 +122,10 @@ def step_figures(steps: list[dict], rows: int) -> dict:
 def trl_run(args, model: str, prompts: str, work: str) -> dict:
     """TRL's GRPOTrainer in a process of its own (its peak memory its own), one thread per process as the ranks."""
     out = os.path.join(work, "trl.json")
-    cmd = [sys.executable, os.path.abspath(__file__), TRL_FLAG, out, model, prompts]
-    cmd += [str(v) for v in (args.micro_batch, args.grad_accum * (args.gpus // args.stages), args.generations)]
-    cmd += [str(args.completion), str(args.steps), args.precision]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False
-    )
+    argv = [os.path.abspath(__file__), TRL_FLAG, out, model, prompts]
+    argv += [str(v) for v in (args.micro_batch, args.grad_accum * (args.gpus // args.stages), args.generations)]
+    argv += [str(args.completion), str(args.steps), args.precision]
+    proc = harness.run_python(argv)
     if proc.returncode:
         raise SystemExit(f"TRL: GRPOTrainer failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     with open(out) as f:

@@ -33,6 +33,37 @@ def final_figures(output_dir: str) -> dict:
     }
 
 
+def run_ranks(ranks: int, script: str, args: list[str]) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus ranks script args`` from the repo root, one thread per CPU rank, its output captured.
+    The smoke tests (tests/test_bench_scripts.py) put the tests' forked launch in its place: the figures are the
+    ranks' own either way, and a launch takes seconds instead of the launcher's 15."""
+    port = free_port()
+    try:
+        return subprocess.run(
+            deepspeed_command(ranks, script, args, port),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            check=False,
+        )
+    finally:
+        remove_shm_leftovers(port)
+
+
+def run_python(argv: list[str]) -> subprocess.CompletedProcess:
+    """``python argv`` from the repo root, one thread, its output captured: a benchmark's worker in a process of its
+    own (its peak memory its own). The smoke tests fork it from theirs as they do the ranks (``run_ranks``)."""
+    return subprocess.run(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=False,
+    )
+
+
 def measure_train(
     ranks: int, overrides: list[str], output_dir: str, warmup: int, name: str = "train.py", script: list | None = None
 ) -> dict:
@@ -40,14 +71,7 @@ def measure_train(
     median step time and tokens/s after ``warmup`` steps, model states and peak memory per rank (MiB).
     ``script``: what the launcher starts instead of train.py (a profiling wrapper, see ``profile_rank``)."""
     entry = script or ["train.py"]
-    port = free_port()
-    cmd = deepspeed_command(ranks, entry[0], [*entry[1:], *overrides], port)
-    try:
-        proc = subprocess.run(
-            cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False
-        )
-    finally:
-        remove_shm_leftovers(port)
+    proc = run_ranks(ranks, entry[0], [*entry[1:], *overrides])
     if proc.returncode:
         raise SystemExit(f"{name}: train.py failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:

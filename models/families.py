@@ -27,7 +27,9 @@ code path (``models.llama_pipe``) and parity with ``<Family>ForCausalLM`` holds 
 - gemma4_text: Gemma 4's text model (``Gemma4ForCausalLM``): Gemma 3's layer with a v norm, unscaled scores, full
            layers of ``global_head_dim`` heads and a ``layer_scalar``; RMSNorms of weight (not 1 + weight); per-layer
            inputs computed by the embedding spec and shared keys/values of ``num_kv_shared_layers``, both carried on
-           the wire between stages (models/family_gemma4.py); its MoE block refused.
+           the wire between stages (models/family_gemma4.py); with ``enable_moe_block`` a routed expert block beside
+           the MLP on every layer (top-k softmax renormalised, times ``per_expert_scale``); no router loss in
+           ``Gemma4ForCausalLM``.
 - deepseek_v3: DeepSeek-V3 (also Kimi K2, Moonlight): multi-head latent attention (low-rank q and kv projections,
            queries and keys of a RoPE part and a no-RoPE part, values of another head size), dense MLPs on the first
            ``first_k_dense_replace`` layers, then a Mixture of Experts with a shared expert and sigmoid routing within
@@ -191,6 +193,7 @@ MOE_NORMAL_CLASSES = (
     modeling_deepseek_v3.DeepseekV3Experts,
     modeling_qwen3_5_moe.Qwen3_5MoeTopKRouter,  # its shared expert's gate is an nn.Linear: drawn as one
     modeling_qwen3_5_moe.Qwen3_5MoeExperts,
+    modeling_gemma4.Gemma4TextExperts,  # its router's scales start at 1 (models/family_gemma4.py), its proj drawn
 )
 
 
@@ -411,6 +414,19 @@ def moe_spec(config: PretrainedConfig) -> MoESpec | None:
             router_loss=False,  # DeepseekV3ForCausalLM adds none, even with output_router_logits
             router_aux_loss_coef=0.0,
             experts_per_token=config.num_experts_per_tok,
+        )
+    elif model_type == "gemma4_text":  # Gemma4TextDecoderLayer: with enable_moe_block, every layer beside its MLP
+        if not config.enable_moe_block:
+            return None
+        return MoESpec(
+            num_experts=config.num_experts,
+            top_k=config.top_k_experts,
+            moe_layers=tuple(range(config.num_hidden_layers)),
+            router_loss=False,  # Gemma4ForCausalLM adds none (its router's probabilities are recorded, not used)
+            router_aux_loss_coef=0.0,
+            experts_per_token=config.top_k_experts,
+            router="router",  # returns (probabilities, top-k weights, top-k indices)
+            experts="experts",
         )
     elif model_type == "gpt_oss":  # GptOssDecoderLayer: every layer routed; its router is mlp.router
         return MoESpec(

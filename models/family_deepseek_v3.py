@@ -9,11 +9,16 @@ next step, an underloaded one more. :func:`update_bias_` is that rule on one lay
 counts the loads of a step from the routers' choices. ``speed`` 0 (the default) leaves the bias as it is, so
 training computes what Hugging Face's model computes. The report's speed: 0.001 for most of pre-training.
 
-The complementary sequence-wise balance loss (:func:`sequence_balance_loss`, the report's alpha 0.0001) is a
-function of one sequence's scores and choices, for a trainer that adds it.
+The complementary sequence-wise balance loss (:func:`sequence_balance_loss`, the report's alpha 0.0001):
+``alpha * sum_e f_e P_e`` per sequence and MoE layer. Training adds it with ``moe.sequence_balance_coef`` > 0 (the
+alpha; 0, the default, adds nothing, as ``DeepseekV3ForCausalLM`` adds nothing): each sequence is a packed row's
+DOCUMENT, not the row (the report's sequences are its training samples; a row packs several, each balanced on its own),
+each layer's loss the mean over the micro-batch's documents (as DeepSeek-V2's released ``seq_aux`` code takes the mean
+over its rows), summed over the MoE layers. The per-expert terms travel on the router loss's wire to the last stage
+(:class:`SequenceBalanceStats`, models/router_loss.py), which adds alpha x their sum (:class:`SequenceBalanceLoss`).
 
 training/moe_balance.py wires the rule into training (``moe.bias_update_speed``): each step's loads summed over the
-ranks holding the layer before the update, so that every replica keeps the same bias.
+ranks holding the layer before the update, so that every replica keeps the same bias. It also holds both knobs' rules.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+from models.attention import document_starts
+from models.router_loss import RouterLoss, RouterStats
 
 DEFAULT_BIAS_SPEED = 0.0  # off: the bias stays as loaded, as in Hugging Face's model
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
@@ -96,6 +104,57 @@ def sequence_balance_loss(scores: torch.Tensor, top_k_index: torch.Tensor, alpha
     f = chosen.sum(0) * num_experts / (k * tokens)  # [E]
     p = (scores / scores.sum(-1, keepdim=True)).mean(0)  # [E]
     return alpha * (f * p).sum()
+
+
+def document_index(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B,S] int64 -> [B*S] int64: each token's document, numbered 0, 1, ... over the rows in order (a row's first
+    token starts one; padding, whose positions count on, belongs to its row's last document)."""
+    return document_starts(position_ids).reshape(-1).cumsum(0) - 1
+
+
+def document_balance_terms(scores: torch.Tensor, top_k_index: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+    """Per expert [E], ``f_e P_e`` of each document averaged over the documents: their sum is one MoE layer's
+    sequence-wise balance loss without alpha, a document per sequence (:func:`sequence_balance_loss` of each,
+    averaged). ``scores`` [T,E]: sigmoid scores without the bias; ``top_k_index`` [T,k]: the choices (bias included);
+    ``documents`` [T]: :func:`document_index`'s. On the device, no host sync: per-document sums over T slots (a bound
+    on the documents), the empty ones zero."""
+    tokens, experts = scores.shape
+    k = top_k_index.shape[-1]
+    chosen = torch.zeros_like(scores).scatter_(1, top_k_index, 1.0)  # [T,E]
+    normalised = scores / scores.sum(-1, keepdim=True)  # s' [T,E]
+    length = scores.new_zeros(tokens).index_add_(0, documents, scores.new_ones(tokens))  # tokens per document [T]
+    per_token = length.clamp(min=1).unsqueeze(1)  # [T,1]
+    f = scores.new_zeros(tokens, experts).index_add_(0, documents, chosen) * (experts / k) / per_token  # [T,E]
+    p = scores.new_zeros(tokens, experts).index_add_(0, documents, normalised) / per_token  # [T,E]
+    return (f * p).sum(0) / (length > 0).sum()
+
+
+class SequenceBalanceStats(RouterStats):
+    """The router loss's wire (models/router_loss.py) carrying the sequence-wise balance loss: ``probs`` [E] the
+    layers' :func:`document_balance_terms` summed (their total is the loss, summed over the layers), ``tokens`` and
+    ``rows`` as :class:`RouterStats`'s (the metrics' expert load)."""
+
+    def add_documents(
+        self, router_logits: torch.Tensor, top_k_index: torch.Tensor, position_ids: torch.Tensor
+    ) -> SequenceBalanceStats:
+        """These sums with one MoE layer's added: its router's logits [B*S,E] and choices [B*S,k], the micro-batch's
+        ``position_ids`` [B,S] (the documents)."""
+        scores = router_logits.float().sigmoid()
+        terms = document_balance_terms(scores, top_k_index, document_index(position_ids))
+        counts = torch.bincount(top_k_index.reshape(-1), minlength=scores.shape[1]).float()
+        return SequenceBalanceStats(self.tokens + counts, self.probs + terms, self.rows + scores.shape[0])
+
+
+class SequenceBalanceLoss(RouterLoss):
+    """What the last stage's loss adds with ``moe.sequence_balance_coef`` (``coef``, the report's alpha): coef x the
+    sum of every MoE layer's per-document balance loss, per micro-batch; logged as ``sequence_balance_loss``."""
+
+    metric = "sequence_balance_loss"
+    stats = SequenceBalanceStats
+
+    @staticmethod
+    def loss_of(stats: RouterStats) -> torch.Tensor:
+        return stats.probs.sum()
 
 
 def deepseek_v3_problems(config, where: str, fix) -> list[str]:

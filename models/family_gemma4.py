@@ -13,6 +13,12 @@ it, two values every later layer reads, so they travel with the hidden states be
   layer of their attention type (``kv_sharing_modes``: that layer ``store``s, they ``reuse``); each storing layer
   appends its (keys, values) [B,KV,S,D] to the tuple, in layer order, and a reusing layer reads its type's pair.
 
+With ``enable_moe_block`` every layer also routes: beside its MLP, a router (:class:`Gemma4TextRouter`: softmax
+top-k of a scaled RMS-normed input, renormalised, times ``per_expert_scale``) and fused experts of Qwen3-MoE's form
+(``gate_up_proj`` [E,2I,H], ``down_proj`` [E,H,I]), inside the layer, so nothing more travels; ``Gemma4ForCausalLM``
+adds no router loss (its router's probabilities are recorded as ``router_logits`` and not used), so neither do the
+stages (models/families.py's ``moe_spec``).
+
 The wire after spec 0 is ``(hidden, position_ids, per_layer_inputs, *keys_values)``, each extra only while a later
 layer reads it (the per-layer inputs up to the last layer, a pair up to its last reader, and not at all where the
 config has none), so every float a stage receives gets its gradient back, as DeepSpeed's pipeline asserts, and a
@@ -25,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextDecoderLayer
+from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextDecoderLayer, Gemma4TextRouter
 
 from models.family_gemma3 import scaled_lookup
 
@@ -148,11 +154,15 @@ def largest(config: PretrainedConfig, name: str):
 
 
 def init_layer_scalar_(module: nn.Module) -> None:
-    """A Gemma 4 decoder layer's ``layer_scalar`` buffer from scratch: 1, as Hugging Face's (a meta-built layer's
-    buffer holds no value)."""
+    """Gemma 4's values of 1 from scratch, as Hugging Face's: a decoder layer's ``layer_scalar`` buffer and a
+    router's ``scale`` and ``per_expert_scale`` (a meta-built layer holds no value; the router's ``proj`` is drawn as
+    every linear layer)."""
     scalar = getattr(module, "layer_scalar", None)
     if isinstance(module, Gemma4TextDecoderLayer) and isinstance(scalar, torch.Tensor):
         scalar.fill_(1.0)
+    if isinstance(module, Gemma4TextRouter):
+        module.scale.fill_(1.0)
+        module.per_expert_scale.fill_(1.0)
 
 
 def gemma4_problems(config: PretrainedConfig, where: str, fix) -> list[str]:
@@ -165,11 +175,7 @@ def gemma4_problems(config: PretrainedConfig, where: str, fix) -> list[str]:
             "take the LM head's logits as they are, without the tanh cap): " + fix("final_logit_softcapping", "null")
         )
     if getattr(config, "enable_moe_block", False):
-        problems.append(
-            f"{where}: enable_moe_block true (Gemma 4's MLP beside a routed expert block) is not supported yet: its "
-            "router and experts have no expert-parallel split, initialisation or parity test here: "
-            + fix("enable_moe_block", "false (a dense Gemma 4)")
-        )
+        problems += moe_block_problems(config, where, fix)
     try:
         config.kv_sharing_modes
     except ValueError as e:  # a reusing layer's attention type without an earlier layer of that type
@@ -183,6 +189,29 @@ def gemma4_problems(config: PretrainedConfig, where: str, fix) -> list[str]:
         problems.append(
             f"{where}: use_bidirectional_attention {config.use_bidirectional_attention!r} (tokens seeing later "
             "ones) is not a causal language model the stages train: " + fix("use_bidirectional_attention", "null")
+        )
+    return problems
+
+
+def moe_block_problems(config: PretrainedConfig, where: str, fix) -> list[str]:
+    """With ``enable_moe_block``: the experts per layer, the experts per token and their width, which Hugging Face's
+    layer needs (None builds no layer) and takes unchecked (0 experts per token routes nothing)."""
+    experts, k, width = config.num_experts, config.top_k_experts, config.moe_intermediate_size
+    problems = []
+    if not isinstance(experts, int) or experts < 1:
+        problems.append(
+            f"{where}: num_experts {experts!r} with enable_moe_block true: each layer's routed block needs 1 or more "
+            "experts: " + fix("num_experts", ">= 1 (128 in Gemma 4 26B-A4B)")
+        )
+    elif not isinstance(k, int) or not 1 <= k <= experts:
+        problems.append(
+            f"{where}: top_k_experts {k!r} with enable_moe_block true is not in [1, {experts}] (num_experts "
+            f"{experts}): " + fix("top_k_experts", f"in [1, {experts}] (8 in Gemma 4 26B-A4B)")
+        )
+    if not isinstance(width, int) or width < 1:
+        problems.append(
+            f"{where}: moe_intermediate_size {width!r} with enable_moe_block true: the experts need a width: "
+            + fix("moe_intermediate_size", ">= 1 (704 in Gemma 4 26B-A4B)")
         )
     return problems
 

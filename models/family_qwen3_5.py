@@ -116,9 +116,9 @@ def _named(model_type: str | None) -> str:
     return f"model_type {model_type} (Qwen3.5: Gated DeltaNet linear-attention layers)"
 
 
-def parallel_problems(model_type: str | None, tp: int, sp: int, ep: int = 1) -> list[str]:
-    """Tensor, sequence and expert parallelism with a Qwen3.5 model, refused with the reason (their axes' rules
-    ask)."""
+def parallel_problems(model_type: str | None, tp: int, sp: int) -> list[str]:
+    """Tensor and sequence parallelism with a Qwen3.5 model, refused with the reason (their axes' rules ask; expert
+    parallelism splits its routed experts as any Qwen3-MoE's, parallel/expert_parallel.py)."""
     if model_type not in MODEL_TYPES:
         return []
     problems = []
@@ -134,12 +134,6 @@ def parallel_problems(model_type: str | None, tp: int, sp: int, ep: int = 1) -> 
             f"sequence_parallel {sp} with {_named(model_type)}: each rank would hold a slice of every row, while "
             "the convolution and the recurrent state run along the whole row (Ulysses exchanges only around the "
             "softmax attention): set sequence_parallel=1 (shorter data.max_seq_length or more stages)"
-        )
-    if ep > 1:
-        problems.append(
-            f"expert_parallel {ep} with {_named(model_type)} is not supported yet: its experts have no "
-            "expert-parallel class (parallel/expert_parallel.py's EXPERT_PARALLEL_CLASSES) and are checked in one "
-            "process only (tests/test_family_qwen3_5.py): use expert_parallel=1"
         )
     return problems
 

@@ -187,7 +187,7 @@ class StageGenerator:
                 use_cache=True,
                 position_embeddings=cos_sin[layer.rotary_args],
             )
-            layer._router_logits = None  # the router loss's hook keeps them: nothing to train on here
+            layer._router_output = None  # the router loss's hook keeps it: nothing to train on here
         return hidden
 
 

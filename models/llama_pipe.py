@@ -36,6 +36,7 @@ from models.families import (
     family_of,
     moe_spec,
 )
+from models.family_deepseek_v3 import SequenceBalanceStats
 from models.family_gemma3 import scaled_lookup
 from models.family_gemma4 import (
     Gemma4Embedding,
@@ -61,12 +62,17 @@ TIED_EMBEDDING_KEY = "embed_tokens"
 ATTENTION_IMPLEMENTATIONS = {"documents": DOCUMENT_ATTENTION, "dense_mask": "sdpa"}
 
 
-def prepare_config(config: PretrainedConfig, attention: str = DOCUMENT_ATTENTION) -> PretrainedConfig:
+def prepare_config(
+    config: PretrainedConfig, attention: str = DOCUMENT_ATTENTION, sequence_balance: bool = False
+) -> PretrainedConfig:
     """A copy of ``config`` with the settings every stage needs: the attention function (``attention``, a
     registered name: per-document SDPA without a mask by default, models/attention.py), no KV cache, and for a
     MoE model the experts' kernel ``from_pretrained`` would pick. ``sdpa`` (attention=dense_mask) becomes the
-    family's ``dense_attention`` (gpt-oss: ``eager``, which has its sinks)."""
+    family's ``dense_attention`` (gpt-oss: ``eager``, which has its sinks). ``sequence_balance``: the stages carry
+    DeepSeek-V3's sequence-wise balance loss (:func:`sequence_balance`)."""
     config = copy.deepcopy(config)
+    if sequence_balance:
+        config.sequence_balance = True
     config._attn_implementation = family_of(config).dense_attention if attention == "sdpa" else attention
     config.use_cache = False
     if moe_spec(config) is not None:  # the experts' kernel from_pretrained picks by default: one grouped matmul
@@ -119,9 +125,15 @@ def embedding_class(config: PretrainedConfig) -> type:
 
 def router_stats_experts(config: PretrainedConfig) -> int:
     """The experts per MoE layer when the stages carry routing statistics for the router loss (a MoE model with
-    ``output_router_logits``), else 0."""
+    ``output_router_logits``, or with the sequence-wise balance loss), else 0."""
     moe = moe_spec(config)
-    return moe.num_experts if moe is not None and moe.router_loss else 0
+    return moe.num_experts if moe is not None and (moe.router_loss or sequence_balance(config)) else 0
+
+
+def sequence_balance(config: PretrainedConfig) -> bool:
+    """Whether the stages' wire carries DeepSeek-V3's sequence-wise balance loss instead of the router loss's sums
+    (``moe.sequence_balance_coef`` > 0: :func:`build_specs`'s ``sequence_balance``, models/family_deepseek_v3.py)."""
+    return getattr(config, "sequence_balance", False)
 
 
 def tied_head_call(args: tuple, kwargs: dict) -> bool:
@@ -208,13 +220,14 @@ class DecoderLayerPipe(nn.Module):
             self.self_attn.register_forward_pre_hook(self._hand_positions, with_kwargs=True)
         moe = moe_spec(config)
         self.router_top_k = 0  # > 0: this layer adds its routing to the statistics it passes on
-        if moe is not None and moe.router_loss and layer_idx in moe.moe_layers:
+        self.balance_documents = sequence_balance(config)  # its per-document balance terms, not the router loss's
+        if moe is not None and (moe.router_loss or self.balance_documents) and layer_idx in moe.moe_layers:
             self.router_top_k = moe.top_k
-            self.get_submodule(moe.router).register_forward_hook(self._keep_router_logits)
-        self._router_logits: torch.Tensor | None = None
+            self.get_submodule(moe.router).register_forward_hook(self._keep_router_output)
+        self._router_output: tuple | None = None
 
-    def _keep_router_logits(self, module, args, output) -> None:
-        self._router_logits = output[0]  # [B*S,E]
+    def _keep_router_output(self, module, args, output) -> None:
+        self._router_output = output  # logits [B*S,E] first (DeepSeek-V3's: then weights, choices [B*S,k])
 
     def _hand_positions(self, module, args, kwargs) -> tuple[tuple, dict]:
         return args, {**kwargs, "position_ids": self._positions}  # [B,S] int64, on to the attention function
@@ -242,9 +255,11 @@ class DecoderLayerPipe(nn.Module):
             hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin, **whole
         )
         self._positions = None
-        logits, self._router_logits = self._router_logits, None  # [B*S,E] or None: never kept past this forward
-        if self.router_top_k and stats:
-            stats = RouterStats.from_wire(*stats).add_layer(logits, self.router_top_k).to_wire()
+        routed, self._router_output = self._router_output, None  # never kept past this forward
+        if self.router_top_k and stats and self.balance_documents:
+            stats = SequenceBalanceStats.from_wire(*stats).add_documents(routed[0], routed[2], position_ids).to_wire()
+        elif self.router_top_k and stats:
+            stats = RouterStats.from_wire(*stats).add_layer(routed[0], self.router_top_k).to_wire()
         return hidden, position_ids, *stats
 
 
@@ -440,6 +455,8 @@ class LMHeadPipe(nn.Linear):
 # A MoE model with the router loss (output_router_logits) appends its routing statistics to the tuples of specs
 # 0..L, (counts int64 [E+1], router probabilities fp32 [E]) (models/router_loss.py): each MoE layer adds its own,
 # the norm hands the totals to the loss, and the probabilities' gradient comes back to every stage's routers.
+# With DeepSeek-V3's sequence-wise balance loss (build_specs' sequence_balance) the same two tensors carry the counts
+# and, in place of the probabilities, every MoE layer's per-expert balance terms summed (models/family_deepseek_v3.py).
 #
 #   spec 0        EmbeddingPipe     (input_ids [B,S] int64, position_ids [B,S] int64) -> (hidden [B,S,H], position_ids)
 #   spec 1..L     DecoderLayerPipe  (hidden [B,S,H], position_ids [B,S] int64)        -> (hidden [B,S,H], position_ids)
@@ -461,12 +478,16 @@ class LMHeadPipe(nn.Linear):
 # the attention of each decoder layer exchanges heads for tokens with its N - 1 peers (Ulysses), and the loss takes
 # its slice of the labels shifted over the whole row (models/loss.py).
 def build_specs(
-    config: PretrainedConfig, loss_chunk_tokens: int = 0, attention: str = DOCUMENT_ATTENTION
+    config: PretrainedConfig,
+    loss_chunk_tokens: int = 0,
+    attention: str = DOCUMENT_ATTENTION,
+    sequence_balance: bool = False,
 ) -> list[LayerSpec]:
     """The ``LayerSpec`` list of a Llama-family model, in the order of :func:`spec_layout`; with
     ``loss_chunk_tokens`` > 0 the head hands (hidden, weight) to the chunked loss (stage contract above);
-    ``attention``: the attention function's registered name (prepare_config)."""
-    config = prepare_config(config, attention)
+    ``attention``: the attention function's registered name, ``sequence_balance``: DeepSeek-V3's sequence-wise
+    balance loss on the wire (prepare_config)."""
+    config = prepare_config(config, attention, sequence_balance)
     embedding = embedding_class(config)
     specs: list[LayerSpec] = []
     for info in spec_layout(config):
@@ -738,7 +759,10 @@ class LlamaStack(nn.Module):
 
 
 def build_sequential(
-    config: PretrainedConfig, loss_chunk_tokens: int = 0, attention: str = DOCUMENT_ATTENTION
+    config: PretrainedConfig,
+    loss_chunk_tokens: int = 0,
+    attention: str = DOCUMENT_ATTENTION,
+    sequence_balance: bool = False,
 ) -> list[nn.Module | partial]:
     """All specs built in one process and chained like ``PipelineModule.forward`` (tests, debugging).
 
@@ -747,7 +771,7 @@ def build_sequential(
     """
     tied: dict[str, nn.Module] = {}
     funcs: list[nn.Module | partial] = []
-    for spec in build_specs(config, loss_chunk_tokens, attention):
+    for spec in build_specs(config, loss_chunk_tokens, attention, sequence_balance):
         if isinstance(spec, TiedLayerSpec):
             module = tied.setdefault(spec.key, spec.build())
             funcs.append(module if spec.forward_fn is None else partial(spec.forward_fn, module))

@@ -32,8 +32,10 @@ from models.llama_pipe import (
 )
 from models.specs import expected_state_shapes
 
-# A shared expert's keys: Llama 4's ``feed_forward.shared_expert.gate_proj.weight``, DeepSeek-V3's ``shared_experts.``
-SHARED_KEY = re.compile(r"\.shared_experts?\.")
+# A shared expert's keys: Llama 4's ``feed_forward.shared_expert.gate_proj.weight``, DeepSeek-V3's ``shared_experts.``;
+# and Gemma 4's dense ``mlp.`` that a MoE layer runs beside its experts on every token (a routed layer of the other
+# families has no ``mlp.gate_proj``: its router is ``mlp.gate`` or ``mlp.router``)
+SHARED_KEY = re.compile(r"\.shared_experts?\.|^\.mlp\.(gate|up|down)_proj\.")
 
 
 def parameter_split(config: PretrainedConfig) -> tuple[int, int]:

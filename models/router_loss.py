@@ -45,10 +45,10 @@ class RouterStats:
         probs = hidden.new_zeros(num_experts, dtype=torch.float32) + hidden.reshape(-1)[:1].float().sum() * 0.0
         return counts, probs
 
-    @staticmethod
-    def from_wire(counts: torch.Tensor, probs: torch.Tensor) -> RouterStats:
+    @classmethod
+    def from_wire(cls, counts: torch.Tensor, probs: torch.Tensor) -> RouterStats:
         """The sums from what a stage received: counts int64 [E+1], probabilities fp32 [E]."""
-        return RouterStats(counts[:-1].float(), probs, counts[-1].float())
+        return cls(counts[:-1].float(), probs, counts[-1].float())
 
     def to_wire(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(counts int64 [E+1], probabilities fp32 [E]): the counts are whole numbers, exact in both types."""
@@ -80,7 +80,12 @@ def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
 class RouterLoss:
     """The router loss of the last stage's ``loss_fn``: the norm spec hands it each micro-batch's totals
     (:meth:`receive`), the loss takes ``coef x load_balancing_loss`` of them (:meth:`take`), and the sums of a step's
-    router losses and tokens per expert wait for :meth:`take_metrics` (the progress line)."""
+    router losses and tokens per expert wait for :meth:`take_metrics` (the progress line). A subclass carries other
+    sums on the same wire (``stats``) and makes another loss of them (:meth:`loss_of`, logged as ``metric``):
+    DeepSeek-V3's sequence-wise balance loss (models/family_deepseek_v3.py)."""
+
+    metric = "router_loss"  # the loss's name in the metrics
+    stats = RouterStats  # what the wire's two tensors hold
 
     def __init__(self, num_experts: int, top_k: int, coef: float):
         self.num_experts, self.top_k, self.coef = num_experts, top_k, coef
@@ -93,18 +98,22 @@ class RouterLoss:
         self.tokens = torch.zeros(self.num_experts, dtype=torch.float64)  # top-k assignments per expert, all layers
 
     def receive(self, counts: torch.Tensor, probs: torch.Tensor, training: bool) -> None:
-        self.pending, self.training = RouterStats.from_wire(counts, probs), training
+        self.pending, self.training = self.stats.from_wire(counts, probs), training
 
     def take(self) -> torch.Tensor:
         """This micro-batch's load-balancing loss (a scalar with the routers' gradient), recorded for the metrics."""
         if self.pending is None:
             raise RuntimeError("the router loss found no routing statistics: the norm spec did not hand them over")
         stats, self.pending = self.pending, None
-        loss = load_balancing_loss(stats)
+        loss = self.loss_of(stats)
         self.loss_sum += float(loss.detach())
         self.micro_batches += 1
         self.tokens += stats.tokens.detach().double().cpu()
         return loss
+
+    @staticmethod
+    def loss_of(stats: RouterStats) -> torch.Tensor:
+        return load_balancing_loss(stats)
 
     def take_metrics(self) -> tuple[float, int, torch.Tensor]:
         """(sum of router losses, micro-batches, tokens per expert [E]) since the last call."""

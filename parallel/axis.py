@@ -48,6 +48,7 @@ import contextlib
 from dataclasses import dataclass
 
 from models.families import moe_spec
+from models.family_gemma4 import largest
 from parallel.layout import Layout
 
 
@@ -70,7 +71,7 @@ class ModelFacts:
         return cls(
             num_layers=model_config.num_hidden_layers,
             heads=model_config.num_attention_heads,
-            kv_heads=model_config.num_key_value_heads,
+            kv_heads=largest(model_config, "num_key_value_heads"),  # Gemma 4's full layers may have their own
             model_type=model_config.model_type,
             num_experts=moe.num_experts if moe is not None else 0,
         )

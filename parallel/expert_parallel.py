@@ -1,13 +1,15 @@
 """Expert parallelism (``expert_parallel=N``): each MoE layer's experts divided over N data-parallel ranks of its stage.
 
 The N consecutive coordinates ``data = g * N + j`` of DeepSpeed's data axis form expert group g; rank j of every group
-holds experts ``j * E/N .. (j + 1) * E/N - 1`` of every MoE layer of the stage (the rows of Hugging Face's fused
-``gate_up_proj [E,2I,H]`` and ``down_proj [E,H,I]``), and nothing else changes: the router, attention and every
-other weight stay whole on every rank. In each MoE layer the router runs where the tokens are; each (token, expert)
-pair then goes to its expert's rank, which runs Hugging Face's own experts module on what it received, and the results
-come back the same way (two all-to-alls with the pairs' counts, :class:`_AllToAll`, written here because the collective
-with split sizes and a gradient is not in DeepSpeed and torch's is private); the rank weights and sums each token's
-k results in the order of the experts' indices, as Hugging Face's loop does. No pair is dropped (no capacity factor).
+holds experts ``j * E/N .. (j + 1) * E/N - 1`` of every MoE layer of the stage (the rows of every parameter of
+Hugging Face's fused experts module: ``gate_up_proj [E,2I,H]`` and ``down_proj [E,H,I]``; gpt-oss's ``[E,H,2I]``,
+``[E,I,H]`` and their biases), and nothing else changes: the router (DeepSeek-V3's with its bias), shared experts,
+attention and every other weight stay whole on every rank. In each MoE layer the router runs where the tokens are;
+each (token, expert) pair then goes to its expert's rank, which runs Hugging Face's own experts module on what it
+received, and the results come back the same way (two all-to-alls with the pairs' counts, :class:`_AllToAll`, written
+here because the collective with split sizes and a gradient is not in DeepSpeed and torch's is private); the rank
+weights and sums each token's k results in the router's order of the k slots, as the experts' kernel the stages run
+(``grouped_mm``, models/llama_pipe.py's ``prepare_config``) sums them. No pair is dropped (no capacity factor).
 
 Gradients: rank j's experts get the gradient of its group's N ranks' tokens; the ranks holding the same experts (one
 per group: the expert-data-parallel group) sum theirs and divide by the data axis, so the result is the gradient of
@@ -42,11 +44,13 @@ from deepspeed.moe.layer import MoE
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import groups
 from torch import nn
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from models.families import moe_spec
-from models.family_qwen3_5 import parallel_problems as qwen3_5_parallel_problems
 from models.files.pipeline_dir import local_modules
 from models.llama_pipe import LlamaPipelineModule, materialize_
 from parallel.axis import AxisPlan, ModelFacts, RuleSettings
@@ -125,8 +129,8 @@ def _exchange_counts(send: torch.Tensor, group) -> list[int]:
 
 
 class ExpertParallelExperts:
-    """Mixed before a Hugging Face experts class (``Qwen3MoeExperts``, ``MixtralExperts``) whose instance holds this
-    rank's ``num_experts`` = E/N experts: its forward takes the layer's tokens and their routing over all E experts."""
+    """Mixed before a Hugging Face experts class (:data:`EXPERT_PARALLEL_CLASSES`) whose instance holds this rank's
+    ``num_experts`` = E/N experts: its forward takes the layer's tokens and their routing over all E experts."""
 
     ep_group = None
     ep_rank = 0
@@ -149,12 +153,7 @@ class ExpertParallelExperts:
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(len(order), device=order.device)
         weighted = returned[unsort].view(tokens, k, -1) * top_k_weights[..., None].to(returned.dtype)  # [T,k,H]
-        by_expert = top_k_index.argsort(dim=1)  # [T,k]: each token's slots in the order of their expert ids
-        weighted = weighted.gather(1, by_expert[..., None].expand_as(weighted))
-        final = weighted[:, 0]
-        for slot in range(1, k):  # summed as Hugging Face's loop adds them: expert by expert
-            final = final + weighted[:, slot]
-        return final  # [T,H]
+        return weighted.sum(dim=1)  # [T,H]: the k slots summed in the router's order, as grouped_mm sums them
 
 
 class ExpertParallelQwen3MoeExperts(ExpertParallelExperts, Qwen3MoeExperts):
@@ -165,11 +164,29 @@ class ExpertParallelMixtralExperts(ExpertParallelExperts, MixtralExperts):
     """Mixtral's experts, this rank's share."""
 
 
+class ExpertParallelQwen3_5MoeExperts(ExpertParallelExperts, Qwen3_5MoeExperts):
+    """Qwen3.5-MoE's routed experts, this rank's share (its shared expert stays whole on every rank)."""
+
+
+class ExpertParallelDeepseekV3Experts(ExpertParallelExperts, DeepseekV3Experts):
+    """DeepSeek-V3's routed experts, this rank's share (its shared experts stay whole; the router, with its
+    ``e_score_correction_bias``, runs where the tokens are)."""
+
+
+class ExpertParallelGptOssExperts(ExpertParallelExperts, GptOssExperts):
+    """gpt-oss's experts, this rank's share: ``gate_up_proj [E,H,2I]``, ``down_proj [E,I,H]`` and their biases
+    ``[E,2I]``, ``[E,H]``, all split on the expert dimension."""
+
+
 # The class each Hugging Face experts class becomes on a rank holding some of its experts (llama4_text has none:
-# its experts run every token, expert_parallel's rules refuse it).
+# its experts run every token, expert_parallel's rules refuse it). Each one's forward takes (hidden [T,H], expert ids
+# [T,k], weights [T,k]): the mixin calls it with k=1 (weight 1) on the pairs its rank received.
 EXPERT_PARALLEL_CLASSES: dict[type, type] = {
     Qwen3MoeExperts: ExpertParallelQwen3MoeExperts,
     MixtralExperts: ExpertParallelMixtralExperts,
+    Qwen3_5MoeExperts: ExpertParallelQwen3_5MoeExperts,
+    DeepseekV3Experts: ExpertParallelDeepseekV3Experts,
+    GptOssExperts: ExpertParallelGptOssExperts,
 }
 
 
@@ -327,9 +344,9 @@ class ExpertParallelPlan(AxisPlan):
     ) -> list[str]:
         """With the numbers and what to use instead: the pipeline engine; no tensor or sequence parallelism,
         DualPipeV, PEFT or DPO with experts; ep dividing the data-parallel degree and each MoE layer's experts, not
-        in fp16, no optimizer offload, and not with llama4_text (whose experts run every token) or gpt_oss (no class),
-        nor yet with deepseek_v3 (checked in one process only). ``model``'s ``num_experts``: 0 for a dense model,
-        None for a model not known (only ep >= 1 is checked); its ``model_type`` names the model in the lines."""
+        in fp16, no optimizer offload, and not with llama4_text (whose experts run every token). ``model``'s
+        ``num_experts``: 0 for a dense model, None for a model not known (only ep >= 1 is checked); its
+        ``model_type`` names the model in the lines."""
         ep, model_type, num_experts = layout.ep, model.model_type, model.num_experts
         if ep < 1:
             return [f"expert_parallel {ep} must be >= 1 (1: every rank holds every expert)"]
@@ -358,7 +375,6 @@ class ExpertParallelPlan(AxisPlan):
                 problems.append(f"{what} with {kind} is not supported yet: use {instead}")
         if ep == 1:
             return problems
-        problems += qwen3_5_parallel_problems(model_type, 1, 1, ep)
         if layout.dp and layout.data_axis % ep:
             problems.append(
                 f"expert_parallel {ep} must divide the data-parallel degree {layout.data_axis} (world size / "
@@ -369,17 +385,11 @@ class ExpertParallelPlan(AxisPlan):
                 f"expert_parallel {ep} with llama4_text: Hugging Face's Llama 4 experts run every token through every "
                 "expert (scaled by its router score), not a dispatch to k experts; use expert_parallel=1"
             )
-        elif model_type == "gpt_oss":
+        elif model_type == "gemma4_text":
             problems.append(
-                f"expert_parallel {ep} with gpt_oss: its experts (gate_up_proj [E,H,2I] with gate and up columns "
-                "interleaved, biases, a clamped SwiGLU) have no expert-parallel class yet (EXPERT_PARALLEL_CLASSES); "
-                "use expert_parallel=1"
-            )
-        elif model_type == "deepseek_v3":
-            problems.append(
-                f"expert_parallel {ep} with deepseek_v3 is not supported yet: its experts and their router's bias are "
-                "checked in one process only (tests/test_family_deepseek_v3.py), not split over ranks; use "
-                "expert_parallel=1"
+                f"expert_parallel {ep} with gemma4_text's MoE block is not supported yet: its experts are checked in "
+                "one process only (tests/test_family_gemma4.py), and its router's weights are fp32 where the "
+                "expert-parallel sum casts them to the activations' dtype; use expert_parallel=1"
             )
         elif num_experts % ep:
             works = [n for n in range(1, num_experts + 1) if num_experts % n == 0]

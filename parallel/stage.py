@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 
 from models.attention import DOCUMENT_ATTENTION
 from models.families import moe_spec
+from models.family_deepseek_v3 import SequenceBalanceLoss
 from models.files.pipeline_dir import local_modules
 from models.llama_pipe import DECODER_LAYER_CLASSES, LlamaPipelineModule, NormPipe, build_specs, router_stats_experts
 from models.loss import CausalLMLoss, LossSplit, PreferenceLoss
@@ -64,6 +65,7 @@ def build_pipeline_model(
     activation_checkpoint_interval: int = 0,
     dynamic_shape: bool = False,
     attention: str = DOCUMENT_ATTENTION,
+    sequence_balance_coef: float = 0.0,
 ) -> LlamaPipelineModule:
     """The Llama ``PipelineModule``; each rank builds only the layers of its own stage, with the plans of the axes
     ``layout`` uses applied (tensor parallelism: only this rank's pieces; sequence parallelism: Ulysses over groups
@@ -79,6 +81,8 @@ def build_pipeline_model(
     ``loss_impl`` is what ``loss`` computes the head's cross entropy with (models.loss.head_losses).
     ``dynamic_shape``: micro-batches of varying length (data.pad_to_multiple_of), their shapes sent with each one.
     ``attention``: the decoder layers' attention function (models.llama_pipe.ATTENTION_IMPLEMENTATIONS).
+    ``sequence_balance_coef`` > 0 (``moe.sequence_balance_coef``, deepseek_v3): the loss adds it x DeepSeek-V3's
+    sequence-wise balance loss (models/family_deepseek_v3.py) in place of the router loss.
     """
     layout = layout or Layout(stages=topology.get_dim("pipe"), dp=topology.get_dim("data"))
     loss = loss or CausalLMLoss(layout.loss_chunk)
@@ -93,12 +97,12 @@ def build_pipeline_model(
         attention = plan.before_build(config, topology, attention)
     model = stage_class(plans)(
         config,
-        layers=build_specs(config, layout.loss_chunk, attention),
+        layers=build_specs(config, layout.loss_chunk, attention, sequence_balance_coef > 0),
         topology=topology,
         loss_fn=loss,
         boundaries=stage_boundaries(config, layout.pieces, partition_method, layout),
         activation_checkpoint_interval=activation_checkpoint_interval,
-        **checkpoint_function(config),
+        **checkpoint_function(config, sequence_balance_coef > 0),
         checkpointable_layers=[cls.__name__ for cls in DECODER_LAYER_CLASSES.values()],
         dynamic_shape=dynamic_shape,
     )
@@ -106,29 +110,33 @@ def build_pipeline_model(
     for plan in plans:
         split.update(plan.apply(model))
     loss.split_over(LossSplit(**split))
-    attach_router_loss(model, config, loss)
+    attach_router_loss(model, config, loss, sequence_balance_coef)
     return model
 
 
-def checkpoint_function(config: PretrainedConfig) -> dict:
-    """A stage that sends two float tensors (the hidden states and, with the router loss, the router probabilities)
-    gets two backward calls from DeepSpeed's pipeline engine, one per tensor; DeepSpeed's reentrant checkpoint frees
-    its saved inputs in the first ('NoneType' object is not iterable in the second): the non-reentrant one keeps them
-    for as long as the graph lives."""
-    if not router_stats_experts(config):
+def checkpoint_function(config: PretrainedConfig, sequence_balance: bool = False) -> dict:
+    """A stage that sends two float tensors (the hidden states and, with the router loss, the router probabilities;
+    with the sequence-wise balance loss, its terms) gets two backward calls from DeepSpeed's pipeline engine, one per
+    tensor; DeepSpeed's reentrant checkpoint frees its saved inputs in the first ('NoneType' object is not iterable in
+    the second): the non-reentrant one keeps them for as long as the graph lives."""
+    if not router_stats_experts(config) and not sequence_balance:
         return {}
     from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
 
     return {"activation_checkpoint_func": non_reentrant_checkpoint}
 
 
-def attach_router_loss(model, config: PretrainedConfig, loss: CausalLMLoss) -> None:
+def attach_router_loss(model, config: PretrainedConfig, loss: CausalLMLoss, sequence_balance_coef: float = 0.0) -> None:
     """A MoE model with ``output_router_logits``: the loss adds the router loss, from the statistics this rank's final
-    norm (the last stage's) hands it (the stage contract above models.llama_pipe.build_specs)."""
+    norm (the last stage's) hands it (the stage contract above models.llama_pipe.build_specs); with
+    ``sequence_balance_coef`` > 0, that x DeepSeek-V3's sequence-wise balance loss instead."""
     moe = moe_spec(config)
-    if moe is None or not moe.router_loss:
+    if moe is None or not (moe.router_loss or sequence_balance_coef > 0):
         return
-    loss.router = RouterLoss(moe.num_experts, moe.top_k, moe.router_aux_loss_coef)
+    if sequence_balance_coef > 0:
+        loss.router = SequenceBalanceLoss(moe.num_experts, moe.top_k, sequence_balance_coef)
+    else:
+        loss.router = RouterLoss(moe.num_experts, moe.top_k, moe.router_aux_loss_coef)
     for _, module in local_modules(model):
         if isinstance(module, NormPipe):
             module.router_sink = loss.router.receive

@@ -11,8 +11,8 @@ The contract (what each rank holds, what crosses the wire, what is replicated):
 - :data:`END_PLAN`: the embedding and the LM head keep a slice of the vocabulary. ``EmbeddingPipe`` looks up the
   tokens in its slice and all-reduces, and the loss takes a vocabulary-parallel cross entropy (models/loss.py)
   that never gathers the logits: the plan returns the group and the slice's first id for it (``LossSplit``).
-- Replicated on every rank: RMSNorms, the row-parallel biases, and Qwen3's per-head q/k norms, whose gradients
-  (each rank's from its own heads) are summed over the group. Between stages, the hidden states travel whole
+- Replicated on every rank: RMSNorms, the row-parallel biases, and the per-head q/k norms (Qwen3, Gemma 3), whose
+  gradients (each rank's from its own heads) are summed over the group. Between stages, the hidden states travel whole
   (``pipe_partitioned`` off).
 
 Each split parameter carries ``tp_split = (dim, rank, world)``: the layer files stay whole tensors with
@@ -138,8 +138,8 @@ class Rowwise(Style):
 
 
 class SummedGradient(Style):
-    """Replicated, its gradient summed over the group: Qwen3's per-head q/k norms, one weight that every head
-    shares, of which each rank sees only its own heads."""
+    """Replicated, its gradient summed over the group: the per-head q/k norms (Qwen3, Gemma 3), one weight that every
+    head shares, of which each rank sees only its own heads."""
 
     @staticmethod
     def finish(module, group):

@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from tests.support.ranks import run_deepspeed
 from tests.support.scripts import load_entry_point, run_script
 
 bench_load = load_entry_point("benchmarks/bench_load.py")
@@ -305,20 +306,39 @@ def test_bench_dpo_gives_sft_the_same_texts_as_rows(tmp_path):
         assert 3 <= len(p["chosen"].split()) <= 5 and len(p["prompt"].split()) == args.prompt_words
 
 
-@pytest.mark.multirank  # the script launches train.py twice on 4 CPU ranks: about 75 s here
-def test_bench_moe_quick_halves_the_experts_per_rank(tmp_path):
+@pytest.fixture()
+def bench_main(tmp_path, monkeypatch, capsys):
+    """``bench_main(script, argv)``: a benchmark script's ``main(argv)`` in this process, its stdout returned (a failed
+    run raises SystemExit with its output). Its train.py launches and its workers (benchmarks/harness.py's
+    ``run_ranks`` and ``run_python``) are forked from the session's fork server instead of started by the real
+    ``deepspeed`` command and a fresh interpreter: the smoke tests check the script's own work, not its figures, and
+    a launch takes seconds instead of 15."""
+    from benchmarks import harness
+
+    def forked(ranks: int, script: str, args: list[str]):
+        return run_deepspeed(ranks, script, args, str(tmp_path / f"launch{len(list(tmp_path.glob('launch*')))}.log"))
+
+    monkeypatch.setattr(harness, "run_ranks", forked)
+    monkeypatch.setattr(harness, "run_python", run_script)
+
+    def run(script: str, argv: list[str]) -> str:
+        load_entry_point(script).main(argv)
+        return capsys.readouterr().out
+
+    return run
+
+
+@pytest.mark.multirank  # the script launches train.py twice on 2 CPU ranks
+def test_bench_moe_quick_halves_the_experts_per_rank(tmp_path, bench_main):
     """benchmarks/bench_moe.py --quick: a tiny Qwen3-MoE on data 2 with expert_parallel 1 and 2; one table row each, a
     rank of the second holding half the experts (train.py's own ``experts:`` line) and fewer model-state bytes, and the
     same loss (the same model and batches)."""
-    proc = run_script(["benchmarks/bench_moe.py", "--quick", "--work-dir", str(tmp_path)], timeout=400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    header = next(line for line in proc.stdout.splitlines() if line.startswith("| expert_parallel |"))
-    rows = {
-        int(r.split("|")[1]): r.split("|")[1:-1] for r in proc.stdout.splitlines() if r.startswith(("| 1 |", "| 2 |"))
-    }
-    assert sorted(rows) == [1, 2] and all(len(r) == header.count("|") - 1 for r in rows.values()), proc.stdout
+    stdout = bench_main("benchmarks/bench_moe.py", ["--quick", "--work-dir", str(tmp_path)])
+    header = next(line for line in stdout.splitlines() if line.startswith("| expert_parallel |"))
+    rows = {int(r.split("|")[1]): r.split("|")[1:-1] for r in stdout.splitlines() if r.startswith(("| 1 |", "| 2 |"))}
+    assert sorted(rows) == [1, 2] and all(len(r) == header.count("|") - 1 for r in rows.values()), stdout
     experts = {ep: float(r[4].split(" M")[0]) for ep, r in rows.items()}  # every rank the same: the figure once
-    assert experts[2] == pytest.approx(experts[1] / 2, abs=0.01), proc.stdout
+    assert experts[2] == pytest.approx(experts[1] / 2, abs=0.01), stdout
     states = {ep: max(float(v) for v in r[5].split(",")) for ep, r in rows.items()}
     assert states[2] < states[1] and all(float(r[1]) > 0 for r in rows.values())  # s/step
     assert float(rows[1][3]) == 0 < float(rows[2][3])  # time in all-to-alls: none without expert parallelism
@@ -346,16 +366,13 @@ def test_bench_hf_start_save_figures_take_the_slowest_rank_and_the_gap_without_a
     assert figures["others"] == pytest.approx(1.0)
 
 
-@pytest.mark.multirank  # train.py twice on 2 CPU ranks: about 30 s here
-def test_bench_hf_start_save_quick_measures_both_ways_of_saving(tmp_path):
-    proc = run_script(
-        ["benchmarks/bench_hf_start.py", "--save", "--quick", "--save-steps-total", "5", "--work-dir", str(tmp_path)],
-        timeout=400,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    lines = [r for r in proc.stdout.splitlines() if r.startswith(("| at once", "| in the background"))]
+@pytest.mark.multirank  # train.py twice on 2 CPU ranks
+def test_bench_hf_start_save_quick_measures_both_ways_of_saving(tmp_path, bench_main):
+    argv = ["--save", "--quick", "--save-steps-total", "5", "--work-dir", str(tmp_path)]
+    stdout = bench_main("benchmarks/bench_hf_start.py", argv)
+    lines = [r for r in stdout.splitlines() if r.startswith(("| at once", "| in the background"))]
     rows = {r.split("|")[1].strip(): r.split("|")[2:-1] for r in lines}
-    assert sorted(rows) == ["at once (save_async=false)", "in the background (save_async=true)"], proc.stdout
+    assert sorted(rows) == ["at once (save_async=false)", "in the background (save_async=true)"], stdout
     for row in rows.values():
         assert float(row[0]) > 0 and len(row[1].split("(")[1].split(",")) == 2  # MiB; saves at steps 2 and 4
         assert len(row[4].split(",")) == 2  # peak RSS of each of the 2 ranks
@@ -377,16 +394,15 @@ def test_bench_grpo_figures_count_the_completions_real_tokens():
 
 
 @pytest.mark.multirank  # train.py once on 4 CPU ranks and TRL once
-def test_bench_grpo_quick_compares_the_pipeline_with_trl(tmp_path):
+def test_bench_grpo_quick_compares_the_pipeline_with_trl(tmp_path, bench_main):
     """benchmarks/bench_grpo.py --quick: one row for the pipeline and one for TRL, generation tokens/s and step time
     above 0, completions of at most their limit, and the cost row of that completion length."""
-    proc = run_script(["benchmarks/bench_grpo.py", "--quick", "--work-dir", str(tmp_path)], timeout=400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    lines = proc.stdout.splitlines()
+    stdout = bench_main("benchmarks/bench_grpo.py", ["--quick", "--work-dir", str(tmp_path)])
+    lines = stdout.splitlines()
     setups = [r.split("|")[1:-1] for r in lines if r.startswith(("| train.py, pipe 2 x data 2 |", "| TRL generate |"))]
-    assert len(setups) == 2, proc.stdout
+    assert len(setups) == 2, stdout
     for row in setups:
-        assert float(row[1]) > 0 and float(row[3]) > 0 and 0 < float(row[4]) <= 8, proc.stdout
+        assert float(row[1]) > 0 and float(row[3]) > 0 and 0 < float(row[4]) <= 8, stdout
     assert len(setups[0][5].split(",")) in (1, 4) and len(setups[1][5].split(",")) == 1  # per rank (once if equal)
     costs = {int(r.split("|")[1]): r.split("|")[2:-1] for r in lines if r.startswith("| 8 |")}
     assert sorted(costs) == [8] and all(0 < float(c[0]) <= n and float(c[2]) > 0 for n, c in costs.items())

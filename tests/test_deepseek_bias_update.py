@@ -1,6 +1,7 @@
 """DeepSeek-V3's router-bias update in training (moe.bias_update_speed) equals the rule written out: the step's wiring
 (training/moe_balance.py) against a DeepseekV3ForCausalLM loop over several steps, recomputation and eval passes not
-counted; the bias kept by a checkpoint; the knob refused where it moves nothing; a train.py run on CPU ranks."""
+counted; the bias kept by a checkpoint; the knob refused where it moves nothing; a train.py run on CPU ranks (with the
+sequence-wise balance loss on too, logged as tests/test_deepseek_sequence_balance.py's formula gives it)."""
 
 from __future__ import annotations
 
@@ -119,8 +120,10 @@ def test_the_knob_is_refused_where_it_moves_nothing():
 @pytest.mark.multirank  # starts DeepSpeed ranks
 def test_train_py_moves_the_bias_as_a_single_process_replay(tmp_path, tokenizer_dir):
     """train.py, data parallel 2 (the loads summed over both ranks), activation checkpointing, three fp32 steps at
-    speed 0.01: the checkpoint's biases equal a DeepseekV3ForCausalLM + AdamW loop over the same global batches with
-    the rule written out after each step; every step logs expert_load_max."""
+    speed 0.01 with moe.sequence_balance_coef 0.1: the checkpoint's biases equal a DeepseekV3ForCausalLM + AdamW loop
+    over the same global batches with the rule written out after each step and the balance loss written out (coef x
+    its mean over the step's micro-batches, a document per unpacked row); every step logs expert_load_max and
+    sequence_balance_loss, that mean."""
     from transformers import AutoModelForCausalLM
 
     from models.files.hf_convert import hf_to_stages
@@ -130,26 +133,34 @@ def test_train_py_moves_the_bias_as_a_single_process_replay(tmp_path, tokenizer_
     from tests.support.parity import SFT_OPTIM, cached_rows, global_batches, hf_loss, parity_args, trained_weights
     from tests.support.ranks import train_run
     from tests.support.runs import read_metrics
+    from tests.test_deepseek_sequence_balance import routing, spans, written_out
     from training.configuration.schema import OptimConfig, TrainConfig
     from training.optim import param_groups
 
-    steps, seq, gas = 3, 64, 2
+    steps, seq, gas, coef = 3, 64, 2, 0.1
     data = str(tmp_path / "train.jsonl")
     write_uneven_sft(data, 40, seed=0)
     hf_dir = make_hf_dir(tmp_path, tokenizer_dir, "hf", model_type="deepseek_v3")
     hf_to_stages(hf_dir, str(tmp_path / "ckpt"))
     args = parity_args(str(tmp_path / "ckpt"), data, str(tmp_path / "run"), seq, 2, steps, SFT_OPTIM)
     args += ["data.format=sft", "data.pad_to_multiple_of=0", "activation_checkpoint_interval=1", "ds_config=zero1"]
-    train_run(tmp_path, "run", 2, args + [f"gradient_accumulation_steps={gas}", f"moe.bias_update_speed={SPEED}"])
+    args += [f"gradient_accumulation_steps={gas}", f"moe.bias_update_speed={SPEED}"]
+    args += [f"moe.sequence_balance_coef={coef}"]
+    train_run(tmp_path, "run", 2, args)
 
     batches = global_batches(cached_rows(str(tmp_path / "cache"), data), dp=2, gas=gas, steps=steps)[0]
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     optim = TrainConfig(optim=OptimConfig(**SFT_OPTIM)).optim
     opt = torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=optim.lr, betas=optim.betas, eps=optim.eps)
-    loads = step_loads(model)
+    loads, kept, balances = step_loads(model), routing(model), []
     for micro_batches in batches:
         n = torch.tensor(sum(label_tokens(labels) for _, labels in micro_batches))
-        sum(hf_loss(model, mb, n) for mb in micro_batches).backward()
+        loss, balance = 0.0, []
+        for mb in micro_batches:
+            loss = loss + hf_loss(model, mb, n)
+            balance.append(sum(written_out(lo, ch, spans(mb[0][1])) for lo, ch in kept.values()))
+        (loss + coef * torch.stack(balance).mean()).backward()
+        balances.append(torch.stack(balance).mean().item())
         opt.step(), opt.zero_grad()
         with torch.no_grad():
             for layer, load in loads.items():
@@ -162,5 +173,8 @@ def test_train_py_moves_the_bias_as_a_single_process_replay(tmp_path, tokenizer_
         key = f"model.layers.{layer}.{BIAS}"
         torch.testing.assert_close(saved[key], model.get_buffer(key), rtol=0, atol=1e-7, msg=key)
         assert saved[key].abs().max() >= SPEED  # moved from the converted 0
+        key = f"model.layers.{layer}.mlp.gate.weight"  # trained by the balance loss's gradient too
+        torch.testing.assert_close(saved[key], model.get_parameter(key), rtol=0, atol=1e-5, msg=key)
     metrics = read_metrics(str(tmp_path / "run"))
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["expert_load_max"] >= 1.0 for m in metrics)
+    assert max(abs(m["sequence_balance_loss"] - b) for m, b in zip(metrics, balances)) < 1e-5, balances

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,12 +29,10 @@ from models.files.pipeline_dir import load_layer_file, read_tag
 from models.tiny import write_random_tokens
 from tests.support import REPO
 from tests.support.parity import SEQ, train_args
-from tests.support.ranks import child_env, run_deepspeed, wait_for_first_step
+from tests.support.ranks import finish_deepspeed, run_deepspeed, start_deepspeed, wait_for_first_step
 from tests.support.runs import read_metrics
 from tests.test_config import good, problems_of  # noqa: F401 (a fixture)
 from tests.test_tracking import assert_holds_metrics
-from tools.launch import deepspeed_command
-from training.resilience.ports import free_port
 from training.resilience.preemption import PREEMPTED_EXIT_CODE, UNSAVED_EXIT_CODE, StopAndSave
 
 
@@ -150,20 +147,15 @@ def test_a_signalled_rank_stops_the_job_saved_and_the_resume_is_exact(tmp_path, 
     straight = run_deepspeed(4, "train.py", args("straight"), str(tmp_path / "straight.log"))
     assert straight.returncode == 0, straight.stderr[-3000:]
 
-    # The real launcher (the signal goes to one of the ranks it started; it ends the job with their status).
-    cmd = deepspeed_command(4, "train.py", args("stopped", **{"monitor.wandb": "true"}), free_port())
-    launcher = subprocess.Popen(
-        cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    # The ranks forked as the launcher starts them: the signal goes to one of them, and the job ends with their
+    # status (that the real launcher passes 75 on: tests/test_run_failures.py's SIGUSR1 run).
+    job = start_deepspeed(4, "train.py", args("stopped", **{"monitor.wandb": "true"}))
     wait_for_first_step(tmp_path / "stopped")
-    rank3 = next(
-        p for p in psutil.Process(launcher.pid).children(recursive=True) if "--local_rank=3" in " ".join(p.cmdline())
-    )
-    rank3.send_signal(signal.SIGUSR1)
+    job.ranks[3].send_signal(signal.SIGUSR1)
     signalled = time.time()
-    out, _ = launcher.communicate(timeout=300)
-    took = time.time() - signalled
-    assert launcher.returncode == PREEMPTED_EXIT_CODE, out[-3000:]
+    stopped = finish_deepspeed(job, str(tmp_path / "stopped.log"))
+    took, out = time.time() - signalled, stopped.stdout + stopped.stderr
+    assert stopped.returncode == PREEMPTED_EXIT_CODE, out[-3000:]
     stopped_at = len(read_metrics(str(tmp_path / "stopped")))
     assert 2 <= stopped_at < STEPS6, stopped_at
     line = next(x for x in out.splitlines() if "stop signal" in x)

@@ -12,8 +12,12 @@ family's ForCausalLM + AdamW on the same global batches, Trainer's ``num_items_i
   pipe 2 x sequence 2 x data 2 (8 ranks, Llama, packed SFT rows whose documents cross the slice boundary,
   activation checkpointing, chunked loss, eval on the held-out file);
   tensor 2 x sequence 2 (4 ranks, Mistral with a sliding window of 16 tokens, unpacked padded SFT rows; one KV
-  head per TP rank, which Ulysses replicates over the 2 sequence ranks).
-Per-step loss, the eval loss, the trained weights (relative 1e-6), and the layout in metrics.jsonl.
+  head per TP rank, which Ulysses replicates over the 2 sequence ranks);
+  the same for Gemma 3 with grad_acc 4 (gemma3_text: scaled embedding split by vocabulary, per-head q/k norms, sliding
+  layers of 8 tokens and full ones, scores scaled by query_pre_attn_scalar): its tensor and sequence parallelism in one
+  run.
+Per-step loss, the eval loss, the trained weights (relative 1e-6; Gemma 3's element by element), and the layout in
+metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from parallel.layout import Layout, layout_problems
 from tests.support.models import make_hf_dir
 from tests.support.parity import (
     GLOBAL_BATCH,
+    SFT_OPTIM,
     STEPS,
+    beyond_bound,
     cached_rows,
     eval_losses,
     global_batches,
@@ -185,8 +191,10 @@ def sp_runs(tmp_path_factory, tiny_hf, tiny_ckpt, tokenizer_dir):
     write_uneven_sft(data, 4 * STEPS * GLOBAL_BATCH, seed=0)  # packed, a row holds several examples
     write_uneven_sft(eval_data, 16, seed=1)
     mistral = make_hf_dir(root, tokenizer_dir, "hf_mistral", model_type="mistral", sliding_window=16)
-    ckpts = {"ckpt": tiny_ckpt, "ckpt_mistral": str(root / "ckpt_mistral")}  # tiny_ckpt read only
+    gemma3 = make_hf_dir(root, tokenizer_dir, "hf_gemma3", model_type="gemma3_text")
+    ckpts = {"ckpt": tiny_ckpt, "ckpt_mistral": str(root / "ckpt_mistral"), "ckpt_gemma3": str(root / "ckpt_gemma3")}
     hf_to_stages(mistral, ckpts["ckpt_mistral"])
+    hf_to_stages(gemma3, ckpts["ckpt_gemma3"])
 
     def launch(name: str, ranks: int, ckpt: str, **overrides) -> None:
         train_run(root, name, ranks, sft_train_args(ckpts[ckpt], data, eval_data, str(root / name), **overrides))
@@ -203,17 +211,19 @@ def sp_runs(tmp_path_factory, tiny_hf, tiny_ckpt, tokenizer_dir):
         activation_checkpoint_interval=1,
         **{"data.packing": "true", "data.cache_dir": str(root / "cache_packed")},
     )
-    launch(
-        "tp2_sp2",
-        4,
-        "ckpt_mistral",
-        num_stages=1,
-        tensor_parallel=2,
-        sequence_parallel=2,
-        gradient_accumulation_steps=8,
-        ds_config="zero1",
-        loss_chunk_tokens=48,
-    )
+    # Gemma 3: half the micro-batches per step (each costs a TP all-reduce and Ulysses all-to-alls per layer on 4 ranks)
+    for name, ckpt, gas in (("tp2_sp2", "ckpt_mistral", 8), ("gemma3_tp2_sp2", "ckpt_gemma3", 4)):
+        launch(
+            name,
+            4,
+            ckpt,
+            num_stages=1,
+            tensor_parallel=2,
+            sequence_parallel=2,
+            gradient_accumulation_steps=gas,
+            ds_config="zero1",
+            loss_chunk_tokens=48,
+        )
     packed, unpacked = cached_rows(str(root / "cache_packed"), data), cached_rows(str(root / "cache"), data)
     eval_packed, eval_unpacked = (
         cached_rows(str(root / "cache_packed"), eval_data),
@@ -224,6 +234,7 @@ def sp_runs(tmp_path_factory, tiny_hf, tiny_ckpt, tokenizer_dir):
     refs = {
         "pipe2_sp2_dp2": (tiny_hf, steps_packed, eval_packed, 2),
         "tp2_sp2": (mistral, steps_unpacked, eval_unpacked, 1),
+        "gemma3_tp2_sp2": (gemma3, global_batches(unpacked, dp=1, gas=4, steps=STEPS)[0], eval_unpacked, 1),
     }
     results = {}
     for name, (hf_dir, steps, eval_rows, dp) in refs.items():
@@ -233,22 +244,38 @@ def sp_runs(tmp_path_factory, tiny_hf, tiny_ckpt, tokenizer_dir):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["pipe2_sp2_dp2", "tp2_sp2"])
+@pytest.mark.parametrize("name", ["pipe2_sp2_dp2", "tp2_sp2", "gemma3_tp2_sp2"])
 def test_sequence_parallel_trains_what_hugging_face_trains(sp_runs, name):
     root, ref = sp_runs["root"], sp_runs["results"][name]
     metrics = read_metrics(str(root / name))
-    layout = {"pipe2_sp2_dp2": (2, 1, 2), "tp2_sp2": (1, 2, 1)}[name]
+    layout = {"pipe2_sp2_dp2": (2, 1, 2)}.get(name, (1, 2, 1))
     expected = dict(zip(("pipe", "tensor", "data"), layout), sequence=2, experts=1)
     assert all(m["layout"] == expected for m in metrics), metrics[0]["layout"]
     diffs = [rel(m["loss"], r) for m, r in zip(metrics, ref["losses"])]
     (evaluation,) = read_metrics(str(root / name), "eval")[-1:]
     eval_diff = rel(evaluation["eval_loss"], ref["eval"])
-    weight_diff = max_rel_weight_diff(trained_weights(str(root / name), ref["model"].config), ref["model"])
+    weights = trained_weights(str(root / name), ref["model"].config)
+    weight_diff = max_rel_weight_diff(weights, ref["model"])
     print(
         f"[{name}] largest relative loss difference {max(diffs):.1e}, eval {eval_diff:.1e}, weights {weight_diff:.1e}"
     )
     assert len(metrics) == STEPS and max(diffs) < REL_TOL, diffs
-    assert eval_diff < REL_TOL and weight_diff < 1e-6
+    assert eval_diff < REL_TOL
+    if name.startswith("gemma3"):
+        assert_gemma3_weights_near(weights, ref["model"])
+    else:
+        assert weight_diff < 1e-6
+
+
+def assert_gemma3_weights_near(weights: dict, model) -> None:
+    """Gemma 3's trained weights against the reference's element by element, with tests/test_tensor_parallel.py's
+    bound: none off by lr, at most 1 in 10^4 by more than 5% of it (training moves most past that). Over the whole
+    model they differ by up to 9e-6 relative where the other families keep 1e-6: single elements (one k_proj weight
+    8.7e-5 off, the rest under 1.1e-5), Adam's amplified fp32 rounding where a gradient is near 0
+    (max_rel_weight_diff)."""
+    ref = model.state_dict()
+    worst, off, total = beyond_bound(weights, {k: ref[k] for k in weights})
+    assert worst < SFT_OPTIM["lr"] and off <= total // 10_000, (worst, off, total)
 
 
 @pytest.mark.multirank

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import gc
 import glob
 import json
 import os
@@ -308,6 +309,11 @@ def serve() -> None:
     os.dup2(2, 1)
     for name in [*PRELOAD, *(m for script in PRELOAD_SCRIPTS for m in imported_modules(script))]:
         importlib.import_module(name)
+    # What the imports made lives as long as the ranks: kept out of the collector's reach, so that a rank's first
+    # full collection does not walk (and copy, page by page) the whole imported heap: with it, the second step of a
+    # 4-rank launch of the tiny model took 0.7 s instead of 0.07, and each launch about 1 s longer.
+    gc.collect()
+    gc.freeze()
     print(json.dumps({"ready": True}), file=reply, flush=True)
     for line in sys.stdin:
         request = json.loads(line)

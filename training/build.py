@@ -134,6 +134,7 @@ def build_model(resolved: Resolved, topology: ProcessTopology, loss_fn: CausalLM
         activation_checkpoint_interval=cfg.activation_checkpoint_interval,
         dynamic_shape=cfg.data.pad_to_multiple_of > 0,
         attention=attention,
+        sequence_balance_coef=cfg.moe.sequence_balance_coef,
     )
     model = resolved.layout.engine.build_model(
         stage,

@@ -18,7 +18,8 @@ once more. :class:`CompileLog` reports what was compiled (torch._dynamo's counte
 
 Refused before start (:func:`compile_problems`), each with what to use instead: the parts whose compiled runs have
 not been checked against the Hugging Face reference, and DualPipeV, whose deferred weight gradients break the
-graph at every linear layer (compiling buys nothing there).
+graph at every linear layer (compiling buys nothing there). Per family: docs/models.md's "What each family runs
+with" (tests/test_family_axes.py).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def compile_problems(cfg, model_config, layout: Layout) -> list[str]:
         problems.append(
             f"compile=true with the Mixture-of-Experts model_type {model_config.model_type}: its routing (tokens "
             "per expert, data-dependent shapes) and expert parallelism's all-to-all are not checked compiled: set "
-            "compile=false (the dense families llama, mistral, qwen2, qwen3 compile)"
+            "compile=false (the dense families llama, mistral, qwen2, qwen3, gemma3_text compile)"
         )
     problems += layout.engine.pipeline_only(
         f"compile=true with ZeRO-{layout.zero} and num_stages=1 (DeepSpeed's data-parallel engine): its "

@@ -94,6 +94,12 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
     balancer = BiasBalancer.of(engine.module, resolved.model_config, cfg.moe.bias_update_speed)
     if balancer:
         log0(f"moe.bias_update_speed {cfg.moe.bias_update_speed:g}: the router biases move towards balance each step")
+    if cfg.moe.sequence_balance_coef:  # added by the last stage's loss (models/family_deepseek_v3.py)
+        coef = cfg.moe.sequence_balance_coef
+        log0(
+            f"moe.sequence_balance_coef {coef:g}: loss = cross entropy + {coef:g} x DeepSeek-V3's sequence-wise "
+            "balance loss (per packed document, summed over the MoE layers), logged as sequence_balance_loss"
+        )
     data.guard.resumed_after(start_step)
     try:
         for step in range(start_step + 1, total_steps + 1):

@@ -6,8 +6,10 @@ Each rank counts what its routers pick in the step's training forwards (``Expert
 recording passes, which run in eval mode, nor activation checkpointing's recomputation). A layer's loads are summed
 over the ranks that hold it, its stage's data-parallel ranks, by one all-reduce over every rank of a [specs, experts]
 table in which each rank fills its own layers' rows. Tensor- and sequence-parallel peers see the same tokens and would
-add them twice: both are refused for MoE models, as expert parallelism is for deepseek_v3
-(parallel/expert_parallel.py). Every rank then applies the rule to the same sums, so the replicas' biases stay equal.
+add them twice: both are refused for MoE models (parallel/expert_parallel.py). Expert parallelism changes nothing
+here: each rank's router still runs on that rank's own tokens (only the experts' work is sent away), so its counts are
+its tokens' and the sum over the stage's data-parallel ranks is the step's. Every rank then applies the rule to the
+same sums, so the replicas' biases stay equal.
 """
 
 from __future__ import annotations
@@ -35,6 +37,31 @@ def bias_update_problems(speed: float, model_config) -> list[str]:
             f"{', '.join(BIASED_FAMILIES)} only): set moe.bias_update_speed=0"
         ]
     return []
+
+
+def balance_loss_problems(moe, model_config, engine=None, train_objective="sft") -> list[str]:
+    """``moe`` (the run's MoEConfig): moe.sequence_balance_coef's range, and a coef > 0 where no loss would add it:
+    another family, the data-parallel engine (``engine``, the layout's: its stack carries no routing on the wire),
+    DPO's loss. One line each."""
+    coef = moe.sequence_balance_coef
+    knob = f"moe.sequence_balance_coef {coef:g}"
+    if coef < 0:
+        return [f"{knob} < 0: set it >= 0 (0 = off; the DeepSeek-V3 report's alpha 0.0001)"]
+    if coef == 0:
+        return []
+    problems = []
+    model_type = getattr(model_config, "model_type", None)
+    if model_config is not None and model_type not in BIASED_FAMILIES:
+        problems.append(
+            f"{knob}: {model_type} has no DeepSeek-V3 sigmoid router for the sequence-wise balance loss "
+            f"({', '.join(BIASED_FAMILIES)} only; other families' router loss: output_router_logits and "
+            "router_aux_loss_coef in the model config): set moe.sequence_balance_coef=0"
+        )
+    if train_objective == "dpo":
+        problems.append(f"{knob} with train_objective=dpo: the preference loss adds no balance loss; set it to 0")
+    if engine is not None:
+        problems += engine.needs_pipeline(knob)
+    return problems
 
 
 class BiasBalancer:

@@ -110,13 +110,14 @@ def objective_metrics(resolved: Resolved, engine, loss_fn, prefix: str = "") -> 
 
 def router_metrics(loss_fn: CausalLMLoss, counts: bool, prefix: str = "") -> dict[str, float]:
     """A MoE model's routing since the last call, every last-stage rank's summed (``counts``: one rank per micro-batch):
-    ``router_loss``, the mean over micro-batches of the load-balancing loss (without its coefficient), and
-    ``expert_load_max``: the most tokens any expert got (over every MoE layer) / the mean per expert, 1.0 for a balanced
-    router, num_experts / top_k when every token goes to the same top_k experts. A collective."""
+    ``router_loss`` (``sequence_balance_loss`` with moe.sequence_balance_coef), the mean over micro-batches of the
+    load-balancing loss (without its coefficient), and ``expert_load_max``: the most tokens any expert got (over every
+    MoE layer) / the mean per expert, 1.0 for a balanced router, num_experts / top_k when every token goes to the same
+    top_k experts. A collective."""
     loss_sum, micro_batches, tokens = loss_fn.router.take_metrics()
     stats = counted_sum(torch.cat([torch.tensor([loss_sum, micro_batches], dtype=torch.float64), tokens]), counts)
     tokens = stats[2:]
     return {
-        f"{prefix}router_loss": stats[0].item() / stats[1].item() if stats[1] else float("nan"),
+        f"{prefix}{loss_fn.router.metric}": stats[0].item() / stats[1].item() if stats[1] else float("nan"),
         f"{prefix}expert_load_max": (tokens.max() / tokens.mean()).item() if tokens.sum() else float("nan"),
     }

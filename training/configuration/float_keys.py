@@ -41,6 +41,7 @@ FLOAT_RANGES = {
     "grpo.epsilon": "> 0",
     "grpo.epsilon_high": ">= 0; None: = grpo.epsilon",
     "moe.bias_update_speed": ">= 0",
+    "moe.sequence_balance_coef": ">= 0",
 }
 
 

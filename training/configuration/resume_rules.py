@@ -73,6 +73,7 @@ RESUME_KEY_CLASSES = {
         "grpo.reward_weights",
         "grpo.generation_micro_batches",
         "moe.bias_update_speed",  # the router biases move at the new speed from the next step
+        "moe.sequence_balance_coef",  # the loss's balance term at the new weight from the next step
     ),
     "data": (
         "data.train_file",

@@ -232,6 +232,11 @@ class MoEConfig:
     # this towards balance (+ under the mean load, - over it; training/moe_balance.py), >= 0; 0 = off (the bias stays
     # as loaded, as in Hugging Face's model); the DeepSeek-V3 report's 0.001. deepseek_v3 only.
     bias_update_speed: float = 0.0
+    # DeepSeek-V3's complementary sequence-wise balance loss: the loss adds this (the report's alpha) x sum over the MoE
+    # layers of sum_e f_e P_e, per packed document (each a sequence) averaged over the micro-batch's documents
+    # (models/family_deepseek_v3.py), >= 0; 0 = off (as Hugging Face's model computes no such loss); the report's
+    # 0.0001. deepseek_v3 only, on the pipeline engine; logged as sequence_balance_loss.
+    sequence_balance_coef: float = 0.0
 
 
 @dataclass

@@ -41,7 +41,7 @@ from training.configuration.schema import (
     plain,
 )
 from training.configuration.step_range import known_steps, step_setting_problems
-from training.moe_balance import bias_update_problems
+from training.moe_balance import balance_loss_problems, bias_update_problems
 from training.observation.profiling import profile_problems
 from training.observation.tracking import wandb_problems
 from training.optim import adamw_problems
@@ -241,6 +241,7 @@ def resolve(
     problems += adamw_problems(cfg.adamw_impl)
     problems += compile_problems(cfg, model_config, layout)
     problems += bias_update_problems(cfg.moe.bias_update_speed, model_config)
+    problems += balance_loss_problems(cfg.moe, model_config, layout.engine, cfg.train_objective)
     problems += qwen3_5_objective_problems(getattr(model_config, "model_type", None), cfg.train_objective)
     problems += gemma4_training_problems(getattr(model_config, "model_type", None), gemma4_settings(cfg))
     warnings += compile_warnings(cfg, layout)

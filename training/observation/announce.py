@@ -80,6 +80,14 @@ def model_lines(resolved: Resolved) -> None:
         )
 
 
+# The MoE families whose Hugging Face model adds no router loss to its cross entropy (models/families.py's moe_spec)
+NO_ROUTER_LOSS = {
+    "llama4_text": "Llama4ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
+}
+
+
 def moe_line(config, source: str) -> str:
     """A Mixture-of-Experts model's routing and whether its loss adds the router's load-balancing loss, with the
     coefficient in use (both from ``source``, the model's config); "" for a dense model."""
@@ -90,8 +98,11 @@ def moe_line(config, source: str) -> str:
         f"moe: {moe.num_experts} experts per MoE layer, top {moe.top_k}, {len(moe.moe_layers)} of "
         f"{config.num_hidden_layers} layers routed"
     )
-    if config.model_type == "llama4_text":
-        return f"{routing} | no router loss (Llama4ForCausalLM adds none, whatever output_router_logits says)"
+    if config.model_type in NO_ROUTER_LOSS:
+        return (
+            f"{routing} | no router loss ({NO_ROUTER_LOSS[config.model_type]} adds none, whatever "
+            "output_router_logits says)"
+        )
     if moe.router_loss:
         return (
             f"{routing} | router loss on (output_router_logits true in {source}): loss = cross entropy + "
