@@ -14,7 +14,9 @@ after attention and the MLP, per-head q/k norms, scores scaled by ``query_pre_at
 
 Packed rows: the per-document attention (models/attention.py) takes the scaling and the window Gemma's attention
 passes, so packed documents are attended as apart (tests/test_family_gemma3.py). ``attn_logit_softcapping`` is
-ignored by ``Gemma3Attention`` itself (it passes no softcap to any attention function), so by the stages too.
+ignored by ``Gemma3Attention`` itself (it passes no softcap to any attention function), so by the stages too;
+``final_logit_softcapping`` (unset in the releases) caps the logits in every loss and in generation (models/loss.py's
+``logit_softcap``).
 """
 
 from __future__ import annotations
@@ -34,13 +36,6 @@ def scaled_lookup(hidden: torch.Tensor, scale: float) -> torch.Tensor:
 def gemma3_problems(config: PretrainedConfig, where: str, fix) -> list[str]:
     """What of a gemma3_text config the stages cannot compute as ``Gemma3ForCausalLM`` does, one line each."""
     problems = []
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap is not None:
-        problems.append(
-            f"{where}: final_logit_softcapping {cap!r} is not supported (the chunked and vocabulary-parallel losses "
-            "take the LM head's logits as they are, without the tanh cap; Gemma 3's releases set none): "
-            + fix("final_logit_softcapping", "null")
-        )
     for kind, rope in (getattr(config, "rope_parameters", None) or {}).items():  # one per attention type
         theta, factor = rope.get("rope_theta"), rope.get("factor")
         if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):

@@ -168,12 +168,6 @@ def init_layer_scalar_(module: nn.Module) -> None:
 def gemma4_problems(config: PretrainedConfig, where: str, fix) -> list[str]:
     """What of a gemma4_text config the stages cannot compute as ``Gemma4ForCausalLM`` does, one line each."""
     problems = []
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap is not None:
-        problems.append(
-            f"{where}: final_logit_softcapping {cap!r} is not supported (the chunked and vocabulary-parallel losses "
-            "take the LM head's logits as they are, without the tanh cap): " + fix("final_logit_softcapping", "null")
-        )
     if getattr(config, "enable_moe_block", False):
         problems += moe_block_problems(config, where, fix)
     try:

@@ -60,6 +60,7 @@ from models.llama_pipe import (
     tied_lm_head_chunked_forward,
     tied_lm_head_forward,
 )
+from models.loss import soft_capped
 
 _TIED_HEADS = (tied_lm_head_forward, tied_lm_head_chunked_forward)
 _ORDER = {"embed": 0, "decoder": 1, "norm": 2, "head": 3}
@@ -140,6 +141,7 @@ class StageGenerator:
         if self.head is None:
             return hidden
         logits = F.linear(hidden[:, -1], _head_weight(self.head)).float()  # [B,V] fp32, as generate casts them
+        logits = soft_capped(logits, _head_softcap(self.head))  # Gemma's cap; elementwise, so per vocabulary slice
         return self._whole_vocabulary(logits)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -235,6 +237,12 @@ def _vocab_split_hook(hook) -> bool:
     """The vocabulary-parallel embedding's pre-hook (parallel/tensor_parallel.py's VocabEmbedding; told by name, as
     models/ does not import parallel/): :class:`StageGenerator` looks up the ids of the slice itself."""
     return getattr(hook, "__qualname__", "").startswith("VocabEmbedding.split.")
+
+
+def _head_softcap(head: nn.Module | partial) -> float | None:
+    """The cap on the LM head's logits (Gemma's final_logit_softcapping; None: none): its own, or the tied
+    embedding's."""
+    return getattr(head.args[0] if isinstance(head, partial) else head, "logit_softcap", None)
 
 
 def _head_weight(head: nn.Module | partial) -> torch.Tensor:

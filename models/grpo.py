@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from models.loss import IGNORE_INDEX, LossSplit, head_impl, head_losses, shifted_targets
+from models.loss import IGNORE_INDEX, LossSplit, head_impl, head_losses, shifted_targets, soft_capped
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -226,15 +226,22 @@ _SUMMED = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip
 
 @torch.no_grad()
 def head_entropies(
-    hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, chunk_tokens: int, tensor_parallel=None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    chunk_tokens: int,
+    tensor_parallel=None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The entropy [M] fp32 of softmax(hidden[rows] @ weight^T) (TRL's logged ``entropy``; ``hidden`` already
     divided by the temperature), ``chunk_tokens`` rows at a time: log Z - E[logit]. ``tensor_parallel`` (group,
-    first vocabulary id): ``weight`` is this rank's vocabulary slice; the max, Z and sum p x logit are all-reduced."""
+    first vocabulary id): ``weight`` is this rank's vocabulary slice; the max, Z and sum p x logit are all-reduced.
+    ``softcap``: of the capped logits (models.loss.soft_capped; elementwise, so per slice too)."""
     group = tensor_parallel[0] if tensor_parallel else None
     out = []
     for start in range(0, rows.numel(), chunk_tokens):
         logits = (hidden[rows[start : start + chunk_tokens]] @ weight.t()).float()  # [c,V] (or this rank's slice)
+        logits = soft_capped(logits, softcap)
         top = logits.max(dim=-1).values  # [c]
         if group is not None:
             torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -260,7 +267,9 @@ class GRPOLoss:
     Log-probabilities are taken at ``temperature``: logits / T = (hidden / T) @ weight^T, so the hidden states are
     divided before the head (no [V,H] copy), through :func:`models.loss.head_losses` (chunked or Liger,
     vocabulary-parallel under :class:`models.loss.LossSplit`'s ``tensor_parallel``). Each row's completion tokens are
-    packed left into [B,T] (T the longest completion of the micro-batch) with their mask.
+    packed left into [B,T] (T the longest completion of the micro-batch) with their mask. ``softcap`` (the model's
+    final_logit_softcapping, None: off): TRL tempers the capped logits, cap x tanh(z / cap) / T, which is
+    (cap / T) x tanh((z / T) / (cap / T)): the hidden states divided by T as without it, capped at cap / T.
 
     Normalisation over a step: TRL divides grpo / bnpo / dr_grpo by the accumulation steps itself and dapo by its
     per-window normaliser, and DDP averages gradients over processes. DeepSpeed divides every micro-batch's loss by
@@ -288,6 +297,7 @@ class GRPOLoss:
         loss_type: str = "dapo",
         max_completion_length: int | None = None,
         impl: str = "chunked",
+        softcap: float | None = None,
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError(
@@ -297,7 +307,7 @@ class GRPOLoss:
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
         _check(loss_type, "token", 0.0, None, max_completion_length, 1.0)
-        self.chunk_tokens, self.temperature = chunk_tokens, temperature
+        self.chunk_tokens, self.temperature, self.softcap = chunk_tokens, temperature, softcap
         self.epsilon, self.epsilon_high, self.beta = epsilon, epsilon_high, beta
         self.loss_type, self.max_completion_length = loss_type, max_completion_length
         self.impl = head_impl(impl, chunk_tokens)
@@ -336,12 +346,15 @@ class GRPOLoss:
         hidden = hidden.reshape(-1, hidden.size(-1))  # [B*S,H]
         if self.temperature != 1.0:
             hidden = hidden / self.temperature  # logits / T, without a copy of the [V,H] head
+        cap = None if self.softcap is None else self.softcap / self.temperature  # see the class docstring
         targets = shifted_targets(labels)  # [B*S]
         flat = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M]
         losses = head_losses(
-            hidden, weight, flat, targets[flat], self.chunk_tokens, self.tensor_parallel, self.impl, "none"
+            hidden, weight, flat, targets[flat], self.chunk_tokens, self.tensor_parallel, self.impl, "none", cap
         )  # [M] fp32 cross entropy = -logp
-        entropies = head_entropies(hidden, weight, flat, self.chunk_tokens, self.tensor_parallel) if entropy else None
+        entropies = (
+            head_entropies(hidden, weight, flat, self.chunk_tokens, self.tensor_parallel, cap) if entropy else None
+        )
         return -losses, flat // seq, flat % seq + 1, entropies
 
     def __call__(self, outputs, labels: tuple) -> torch.Tensor:

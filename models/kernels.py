@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from models.llama_pipe import DecoderLayerPipe
+from models.loss import liger_softcap_problem
 
 KERNELS = ("none", "liger")
 LIGER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -84,6 +85,7 @@ def loss_impl_problems(
     engine=None,
     cuda: bool | None = None,
     importable: bool | None = None,
+    softcap: float | None = None,
 ) -> list[str]:
     """Why ``loss_impl=liger`` (Liger's fused linear cross entropy on the last stage, models/loss.py's
     ``liger_head_losses``) cannot run, before any process group (training/configuration/validate.py): no CUDA or no
@@ -91,7 +93,9 @@ def loss_impl_problems(
     data-parallel engine (``engine``: the run's, parallel/engines.py; num_stages=1 with ZeRO 2/3, whose loss is built
     without the layout). A head split by vocabulary is tensor parallelism's rule (parallel/tensor_parallel.py). The
     rest runs as the chunked loss does, from the same (hidden, weight) and labels: sequence parallelism (each rank's
-    slice of the targets), DPO (per-token losses), the MoE router loss (added after), DualPipeV, LoRA, compile."""
+    slice of the targets), DPO (per-token losses), the MoE router loss (added after), DualPipeV, LoRA, compile.
+    ``softcap`` (Gemma's final_logit_softcapping, models.loss.logit_softcap) is refused: Liger's cap is unchecked.
+    """
     if loss_impl == "chunked":
         return []
     instead = "loss_impl=chunked (the chunked loss, the same numbers)"
@@ -108,6 +112,8 @@ def loss_impl_problems(
             f"pipeline engine's last stage only: use ds=zero1 (or zero0; num_stages=1 then runs the pipeline "
             f"engine), or set {instead}"
         )
+    if softcap is not None:
+        problems.append(liger_softcap_problem(softcap))
     return problems
 
 

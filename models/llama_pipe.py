@@ -51,6 +51,7 @@ from models.family_qwen3_5 import INIT_CLASSES as QWEN3_5_INIT_CLASSES
 from models.family_qwen3_5 import LINEAR_ATTENTION, LinearAttentionPerDocument
 from models.family_qwen3_5 import init_module_ as qwen3_5_init_
 from models.files.pipeline_dir import tp_piece, whole_shape
+from models.loss import logit_softcap
 from models.router_loss import RouterStats
 from models.specs import SpecInfo, expected_state_shapes, layer_file_name, spec_layout  # noqa: F401 (read from here too)
 
@@ -90,6 +91,7 @@ class EmbeddingPipe(nn.Embedding):
         self.router_experts = router_stats_experts(config)  # > 0: the routing statistics start here
         # Gemma's lookups are multiplied by sqrt(hidden_size) (not the tied head's weight)
         self.embed_scale = config.hidden_size**0.5 if family_of(config).scaled_embedding else None
+        self.logit_softcap = logit_softcap(config)  # a tied head's cap, read by generation (the loss caps its own)
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor] | torch.Tensor, tied_head: bool = False) -> tuple:
         if tied_head:  # the tied LM head of the chunked loss (tied_lm_head_chunked_forward)
@@ -442,6 +444,7 @@ class LMHeadPipe(nn.Linear):
     def __init__(self, config: PretrainedConfig, chunked: bool = False):
         super().__init__(config.hidden_size, config.vocab_size, bias=False)
         self.chunked = chunked
+        self.logit_softcap = logit_softcap(config)  # the logits' cap, read by generation (the loss caps its own)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, nn.Parameter]:
         if self.chunked:

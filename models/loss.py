@@ -33,14 +33,33 @@ IGNORE_INDEX = -100
 # Liger-Kernel's fused linear cross entropy (liger_head_losses)
 LOSS_IMPLS = ("chunked", "liger")
 
+# Whose <Family>ForCausalLM caps its logits at final_logit_softcapping (cap x tanh(logits / cap)) before any loss or
+# sample; other families' configs may carry the key unused.
+SOFTCAP_MODEL_TYPES = ("gemma3_text", "gemma4_text")
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+
+def logit_softcap(config) -> float | None:
+    """The cap the model applies to its logits (``final_logit_softcapping``), None where it applies none."""
+    if getattr(config, "model_type", None) not in SOFTCAP_MODEL_TYPES:
+        return None
+    cap = getattr(config, "final_logit_softcapping", None)
+    return None if cap is None else float(cap)
+
+
+def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)``, as Gemma's ForCausalLM caps its logits (None: ``logits`` as they are)."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean", softcap: float | None = None
+) -> torch.Tensor:
     """Next-token cross entropy over the labels that are not ``IGNORE_INDEX`` (mean or sum).
 
     Same definition as Hugging Face's ``ForCausalLMLoss``: position t predicts label t+1; computed in
-    fp32 whatever the training precision.
+    fp32 whatever the training precision; ``softcap``: of the capped logits (:func:`soft_capped`).
     """
-    shift_logits = logits[:, :-1, :].float()  # [B,S-1,V]
+    shift_logits = soft_capped(logits[:, :-1, :].float(), softcap)  # [B,S-1,V]
     shift_labels = labels[:, 1:]  # [B,S-1]
     return F.cross_entropy(
         shift_logits.reshape(-1, shift_logits.size(-1)),
@@ -87,10 +106,14 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     max, the sum of exponentials and the target's logit are all-reduced over the group per chunk, so each
     rank holds [chunk, V/tp] logits and gets the same loss; the hidden states' gradient (each rank's part,
     from its vocabulary slice) is summed over the group once, at the end of backward.
+
+    ``softcap``: of the capped logits c = cap x tanh(z / cap) (:func:`soft_capped`), capped per chunk (elementwise,
+    so per vocabulary slice too); backward multiplies (softmax - one-hot) by dc/dz = 1 - tanh(z / cap)^2, a second
+    buffer, so it takes half a chunk of rows at a time (the same peak).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, rows, targets, chunk, group=None, vocab_start=0):
+    def forward(ctx, hidden, weight, rows, targets, chunk, group=None, vocab_start=0, softcap=None):
         # hidden [N,H], weight [V,H] (or [V/tp,H]), rows [M] int64 (the rows of hidden that have a label),
         # targets [M] int64 (global vocabulary ids)
         losses = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)  # [M]
@@ -99,6 +122,8 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         for start in range(0, rows.numel(), chunk):
             end = min(start + chunk, rows.numel())
             logits = F.linear(hidden[rows[start:end]], weight).float()  # [C,V] fp32, this chunk only
+            if softcap is not None:
+                logits = logits.div_(softcap).tanh_().mul_(softcap)  # in place: still one [C,V] buffer
             target_logits = logits.gather(1, local[start:end, None]).squeeze(1)  # [C]
             # torch.logsumexp, in place: one [C,V] buffer instead of two (half the loss side's peak)
             top = logits.amax(dim=-1)  # [C]
@@ -113,7 +138,7 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             losses[start:end] = lse[start:end] - target_logits
             del logits  # before the next chunk's logits exist, or two chunks are alive at once
         ctx.save_for_backward(hidden, weight, rows, local, lse)
-        ctx.chunk, ctx.group, ctx.inside = chunk, group, inside
+        ctx.chunk, ctx.group, ctx.inside, ctx.softcap = chunk, group, inside, softcap
         return losses
 
     @staticmethod
@@ -121,12 +146,23 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         hidden, weight, rows, local, lse = ctx.saved_tensors
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None  # [N,H]: unlabelled rows 0
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # [V,H]
-        for start in range(0, rows.numel(), ctx.chunk):
-            end = min(start + ctx.chunk, rows.numel())
+        # with the cap, its slope is a second [C,V] buffer: half the rows at once keep one chunk's peak
+        step = ctx.chunk if ctx.softcap is None else max(1, ctx.chunk // 2)
+        for start in range(0, rows.numel(), step):
+            end = min(start + step, rows.numel())
             h = hidden[rows[start:end]]  # [C,H]
-            grad = F.linear(h, weight).float().sub_(lse[start:end, None]).exp_()  # [C,V] softmax, fp32
+            grad = F.linear(h, weight).float()  # [C,V] fp32 logits, made the gradient in place (one name: del frees it)
+            slope = None
+            if ctx.softcap is not None:
+                slope = grad.div_(ctx.softcap).tanh_()  # [C,V] tanh(z / cap)
+                grad = slope * ctx.softcap  # [C,V] the capped logits
+                slope = slope.square_().neg_().add_(1.0)  # [C,V] dc/dz = 1 - tanh^2
+            grad = grad.sub_(lse[start:end, None]).exp_()  # [C,V] softmax, fp32
             one_hot = -1.0 if ctx.inside is None else -ctx.inside[start:end].float()  # the target in this slice
             grad[torch.arange(end - start, device=grad.device), local[start:end]] += one_hot  # - one-hot
+            if slope is not None:
+                grad = grad.mul_(slope)  # through the cap
+                del slope
             grad = grad.mul_(grad_output[start:end, None]).to(hidden.dtype)  # [C,V] d loss / d logits
             if grad_hidden is not None:
                 grad_hidden[rows[start:end]] = grad @ weight  # [C,V] x [V,H] -> [C,H]
@@ -135,7 +171,7 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             del grad  # as in forward: one chunk of logits alive at a time
         if grad_hidden is not None and ctx.group is not None:
             dist.all_reduce(grad_hidden, group=ctx.group)  # each rank's part comes from its vocabulary slice
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _local_targets(targets: torch.Tensor, rows: int, group, vocab_start: int):
@@ -149,7 +185,12 @@ def _local_targets(targets: torch.Tensor, rows: int, group, vocab_start: int):
 
 
 def liger_head_losses(
-    hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, reduction: str
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    reduction: str,
+    softcap: float | None = None,
 ):
     """Liger-Kernel's fused linear cross entropy (``liger_fused_linear_cross_entropy``, Triton, CUDA only) of the
     logits ``hidden[rows] @ weight^T`` against ``targets``: their sum (``reduction="sum"``), or each token's loss
@@ -161,13 +202,25 @@ def liger_head_losses(
     (Liger's own would divide by the same count). With a sum Liger computes both gradients inside the forward, a
     chunk of rows at a time, and its backward scales them by the incoming gradient (the normalisation ``scale``,
     DeepSpeed's division by the micro-batches); with ``"none"`` it recomputes them in backward, as the chunked loss
-    does. Its logits and their gradient are in the inputs' dtype, its loss in fp32."""
+    does. Its logits and their gradient are in the inputs' dtype, its loss in fp32. A ``softcap`` is refused (before
+    start by models/kernels.py's loss_impl_problems): Liger's own cap is not checked against Hugging Face here."""
+    if softcap is not None:
+        raise ValueError(liger_softcap_problem(softcap))
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     picked = hidden[rows]  # [M,H]: a contiguous copy, its gradient scattered back to hidden's rows
     if torch.is_grad_enabled() and weight.requires_grad and not picked.requires_grad:
         picked.requires_grad_()  # Liger computes the weight's gradient only where its input asks for one
     return liger_fused_linear_cross_entropy(picked, weight, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def liger_softcap_problem(softcap: float) -> str:
+    """The line refusing ``loss_impl=liger`` with a logit cap."""
+    return (
+        f"loss_impl=liger with final_logit_softcapping {softcap:g} (gemma3_text/gemma4_text): the cap of Liger's fused "
+        "linear cross entropy is not checked against Hugging Face's here: set loss_impl=chunked (the chunked loss "
+        "caps the logits chunk by chunk)"
+    )
 
 
 def head_losses(
@@ -179,17 +232,20 @@ def head_losses(
     tensor_parallel: tuple | None = None,
     impl: str = "chunked",
     reduction: str = "sum",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The token losses of the label rows ``rows`` [M] of ``hidden`` [N,H] against ``targets`` [M] through the head
     ``weight``: summed (fp32 scalar) or per token ([M] fp32, ``reduction="none"``), by ``impl`` (``loss_impl``):
     :class:`ChunkedLMHeadLoss` ``chunk_tokens`` rows at a time, or :func:`liger_head_losses`. A micro-batch without
-    a label token (M = 0) takes the chunked path whatever ``impl``: an exact 0 with zero gradients."""
+    a label token (M = 0) takes the chunked path whatever ``impl``: an exact 0 with zero gradients. ``softcap``: of
+    the capped logits (:func:`soft_capped`)."""
     if impl not in LOSS_IMPLS:
         raise ValueError(f"loss impl {impl!r}: choose from {LOSS_IMPLS}")
     if impl == "liger" and rows.numel():
-        return liger_head_losses(hidden, weight, rows, targets, reduction)
+        return liger_head_losses(hidden, weight, rows, targets, reduction, softcap)
     group, vocab_start = tensor_parallel or (None, 0)
-    losses = ChunkedLMHeadLoss.apply(hidden, weight, rows, targets, chunk_tokens, group, vocab_start)  # [M] fp32
+    # [M] fp32
+    losses = ChunkedLMHeadLoss.apply(hidden, weight, rows, targets, chunk_tokens, group, vocab_start, softcap)
     return losses.sum() if reduction == "sum" else losses
 
 
@@ -202,8 +258,9 @@ def chunked_causal_lm_loss(
     tensor_parallel: tuple | None = None,
     seq_slice: tuple[int, int] | None = None,
     impl: str = "chunked",
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """``causal_lm_loss(F.linear(hidden, weight), labels, reduction)`` without the [B,S,V] logits.
+    """``causal_lm_loss(F.linear(hidden, weight), labels, reduction, softcap)`` without the [B,S,V] logits.
 
     ``hidden`` [B,S,H] (after the final norm), ``weight`` [V,H] (the LM head, or the tied embedding).
     Only label tokens reach the LM head, ``chunk_tokens`` of them at a time: prompt and padding
@@ -217,9 +274,8 @@ def chunked_causal_lm_loss(
     targets = shifted_targets(labels, seq_slice)  # [B*S] (or this rank's [B*S/ranks])
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M] int64
     # scalar fp32: the summed token losses
-    total = head_losses(
-        hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens, tensor_parallel, impl
-    )
+    hidden = hidden.reshape(-1, hidden.size(-1))  # [B*S,H]
+    total = head_losses(hidden, weight, rows, targets[rows], chunk_tokens, tensor_parallel, impl, "sum", softcap)
     if reduction == "sum":
         return total
     if reduction == "mean":
@@ -258,11 +314,14 @@ class CausalLMLoss:
     ``router_aux_loss_coef`` x its load-balancing loss, unscaled, as ``<Family>ForCausalLM`` adds it per forward;
     DeepSpeed's division by the micro-batches and mean over data-parallel ranks make it their mean. An eval pass
     returns the cross entropy alone (the router loss is recorded apart).
+
+    ``softcap`` (:func:`logit_softcap` of the model config; None: off): the cross entropy of the logits capped as the
+    model's ForCausalLM caps them, on whole logits and chunk by chunk alike.
     """
 
-    def __init__(self, chunk_tokens: int = 0, impl: str = "chunked") -> None:
+    def __init__(self, chunk_tokens: int = 0, impl: str = "chunked", softcap: float | None = None) -> None:
         self.scale: float | None = None
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.softcap = chunk_tokens, softcap
         self.router: RouterLoss | None = None
         self.split_over(LossSplit())
         self.compute_head_with(impl)
@@ -280,13 +339,13 @@ class CausalLMLoss:
         reduction = "mean" if self.scale is None else "sum"
         if isinstance(outputs, torch.Tensor) and self.seq_slice is not None:
             loss = F.cross_entropy(  # logits [B,S/ranks,V] against this slice's targets
-                outputs.float().reshape(-1, outputs.size(-1)),
+                soft_capped(outputs.float(), self.softcap).reshape(-1, outputs.size(-1)),
                 shifted_targets(labels, self.seq_slice),
                 ignore_index=IGNORE_INDEX,
                 reduction=reduction,
             )
         elif isinstance(outputs, torch.Tensor):
-            loss = causal_lm_loss(outputs, labels, reduction)
+            loss = causal_lm_loss(outputs, labels, reduction, self.softcap)
         elif self.chunk_tokens < 1:
             raise ValueError(
                 "the LM head returned (hidden, weight) for the chunked loss, but this loss has chunk_tokens "
@@ -295,7 +354,15 @@ class CausalLMLoss:
         else:
             hidden, weight = outputs
             loss = chunked_causal_lm_loss(
-                hidden, weight, labels, self.chunk_tokens, reduction, self.tensor_parallel, self.seq_slice, self.impl
+                hidden,
+                weight,
+                labels,
+                self.chunk_tokens,
+                reduction,
+                self.tensor_parallel,
+                self.seq_slice,
+                self.impl,
+                self.softcap,
             )
         loss = loss if self.scale is None else loss * self.scale
         if self.router is not None:
@@ -321,15 +388,17 @@ def sequence_logps(
     chunk_tokens: int = 0,
     tensor_parallel: tuple | None = None,
     impl: str = "chunked",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Each row's summed log-probability of its label tokens, fp64 [R]: TRL's per-sequence log-probability, a sum
     over the completion, not a mean (summed in fp64, as the DPO loss takes differences of such sums). ``outputs``:
     logits [R,S,V], or (hidden [R,S,H], LM head weight [V,H]) for the chunked head, whose per-token losses are
-    summed per row without the [R,S,V] logits (``impl``: by the chunked loss or Liger's, :func:`head_losses`)."""
+    summed per row without the [R,S,V] logits (``impl``: by the chunked loss or Liger's, :func:`head_losses`).
+    ``softcap``: of the capped logits (:func:`soft_capped`)."""
     rows_, seq = labels.shape
     if isinstance(outputs, torch.Tensor):
         token_losses = F.cross_entropy(
-            outputs[:, :-1, :].float().reshape(-1, outputs.size(-1)),  # [R*(S-1),V]
+            soft_capped(outputs[:, :-1, :].float(), softcap).reshape(-1, outputs.size(-1)),  # [R*(S-1),V]
             labels[:, 1:].reshape(-1),
             ignore_index=IGNORE_INDEX,
             reduction="none",
@@ -342,7 +411,15 @@ def sequence_logps(
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M]
     # [M] fp32
     token_losses = head_losses(
-        hidden.reshape(-1, hidden.size(-1)), weight, rows, targets[rows], chunk_tokens, tensor_parallel, impl, "none"
+        hidden.reshape(-1, hidden.size(-1)),
+        weight,
+        rows,
+        targets[rows],
+        chunk_tokens,
+        tensor_parallel,
+        impl,
+        "none",
+        softcap,
     )
     sums = torch.zeros(rows_, dtype=torch.float64, device=hidden.device)  # [R]
     return -sums.index_add(0, rows // seq, token_losses.double())
@@ -368,13 +445,19 @@ class PreferenceLoss:
     division by the micro-batches and mean over data-parallel ranks turn into the mean over the global batch's
     pairs, TRL's loss. ``stats`` sums, over the pairs seen since :meth:`take_stats`, the pair count and then
     :data:`PREFERENCE_METRICS`. With ``recording`` a list, the loss records (pair ids, log-probabilities) instead:
-    the reference pass (training/dpo.py).
+    the reference pass (training/dpo.py). ``softcap``: as :class:`CausalLMLoss`'s.
     """
 
     def __init__(
-        self, chunk_tokens: int, beta: float, loss_type: str, label_smoothing: float = 0.0, impl: str = "chunked"
+        self,
+        chunk_tokens: int,
+        beta: float,
+        loss_type: str,
+        label_smoothing: float = 0.0,
+        impl: str = "chunked",
+        softcap: float | None = None,
     ) -> None:
-        self.chunk_tokens, self.beta, self.loss_type = chunk_tokens, beta, loss_type
+        self.chunk_tokens, self.beta, self.loss_type, self.softcap = chunk_tokens, beta, loss_type, softcap
         self.label_smoothing = label_smoothing
         self.split_over(LossSplit())  # its seq_slice unused: sequence parallelism is refused with DPO
         self.compute_head_with(impl)
@@ -395,7 +478,8 @@ class PreferenceLoss:
 
     def __call__(self, outputs, labels: tuple) -> torch.Tensor:
         labels, pairs, reference = labels
-        logps = sequence_logps(outputs, labels, self.chunk_tokens, self.tensor_parallel, self.impl)  # [2B]
+        # [2B]
+        logps = sequence_logps(outputs, labels, self.chunk_tokens, self.tensor_parallel, self.impl, self.softcap)
         if self.recording is not None:
             self.recording.append((pairs.cpu(), logps.detach().cpu()))
             return logps.detach().sum() * 0.0

@@ -21,7 +21,7 @@ from models.families import moe_spec
 from models.family_deepseek_v3 import SequenceBalanceLoss
 from models.files.pipeline_dir import local_modules
 from models.llama_pipe import DECODER_LAYER_CLASSES, LlamaPipelineModule, NormPipe, build_specs, router_stats_experts
-from models.loss import CausalLMLoss, LossSplit, PreferenceLoss
+from models.loss import CausalLMLoss, LossSplit, PreferenceLoss, logit_softcap
 from models.router_loss import RouterLoss
 from parallel.axes import AXES
 from parallel.axis import AxisPlan
@@ -85,9 +85,15 @@ def build_pipeline_model(
     sequence-wise balance loss (models/family_deepseek_v3.py) in place of the router loss.
     """
     layout = layout or Layout(stages=topology.get_dim("pipe"), dp=topology.get_dim("data"))
-    loss = loss or CausalLMLoss(layout.loss_chunk)
+    loss = loss or CausalLMLoss(layout.loss_chunk, softcap=logit_softcap(config))
     if loss.chunk_tokens != layout.loss_chunk:
         raise ValueError(f"loss_fn chunks {loss.chunk_tokens} tokens, the model {layout.loss_chunk}")
+    softcap = getattr(loss, "softcap", None)  # Gemma's final_logit_softcapping: the loss caps the head's logits
+    if softcap != logit_softcap(config):
+        raise ValueError(
+            f"loss_fn caps the logits at {softcap}, the model config's final_logit_softcapping at "
+            f"{logit_softcap(config)}: build the loss with softcap=models.loss.logit_softcap(config)"
+        )
     loss.compute_head_with(layout.loss_impl)  # loss_impl: the chunked loss or Liger's fused linear cross entropy
     axes = {axis: topology.get_dim(axis) for axis in topology.get_axis_names()}
     if (axes["pipe"], axes.get("model", 1), axes["data"]) != (layout.stages, layout.tp, layout.data_axis):

@@ -219,6 +219,7 @@ def test_llama_stack_chunked_equals_unchunked():
         assert rel(q.grad, p.grad) < REL_TOL, name
 
 
+@pytest.mark.slow  # measures peak memory over chunk sizes
 def test_peak_memory_of_the_loss_side_is_several_times_lower():
     """2048 tokens, hidden 64, fp32, forward + backward: the default chunk (1024) holds one [1024,V] buffer at a
     time where the logits path holds about four [2048,V] ones (logits, log-probabilities and their gradients).

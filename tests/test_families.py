@@ -18,7 +18,7 @@ from models.families import FAMILIES, UnsupportedModelError, config_from_dict, f
 from models.files.hf_convert import ConversionError, expected_hf_shapes, hf_to_stages, stages_to_hf
 from models.llama_pipe import DECODER_LAYER_CLASSES, NORM_CLASSES, build_sequential, model_parameters
 from models.tiny import tiny_config
-from tests.support.models import make_hf_dir
+from tests.support.models import assert_preflight_plans, make_hf_dir
 from tests.test_convert import assert_bit_identical, hf_tensors
 from tests.test_stage_parity import (
     TOL,
@@ -186,7 +186,6 @@ def test_reference_architectures_of_the_families(name, tmp_path, tokenizer_dir):
     from parallel.layout import Layout
     from parallel.partition import splitter
     from training.configuration.model_source import model_group_config
-    from training.configuration.preflight import check
 
     config = model_group_config(name)
     assert config.model_type == name.split("-")[0].replace("2.5", "2")  # mistral, qwen2, qwen3
@@ -195,18 +194,7 @@ def test_reference_architectures_of_the_families(name, tmp_path, tokenizer_dir):
         assert family_of(config).causal_lm(config).num_parameters() == REFERENCE_PARAMS[name]
     params, layers = splitter(config, None)(Layout(stages=4))
     assert sum(params) == REFERENCE_PARAMS[name] and sum(layers) == config.num_hidden_layers
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"text": "a"}\n')
-    overrides = [
-        f"model={name}",
-        f"model.tokenizer={tokenizer_dir}",
-        "model.architecture.vocab_size=512",  # the test tokenizer's 512 tokens (data/cache.py's vocab_problem)
-        "data=text",
-        f"data.train_file={data}",
-        "num_stages=4",
-    ]
-    lines = check(16, [*overrides, f"output_dir={tmp_path / 'out'}", "min_free_disk_gb=0"])
-    assert any(line.startswith("planner (scripts/estimate_memory.py), most loaded GPU") for line in lines), lines
+    assert_preflight_plans(name, tokenizer_dir, tmp_path)
 
 
 def test_tokenizers_without_a_bos_token_make_rows_without_one(tmp_path, tokenizer_dir):

@@ -13,7 +13,8 @@ families with a router loss. Each family's special layers sit on both stages:
 - deepseek_v3:      a dense layer (first_k_dense_replace=1) and a routed one on stage 0, two routed on stage 1,
                     grouped routing (4 groups, the best 2 kept) with a non-zero router bias moved after each step
                     (moe.bias_update_speed, the rule written out in the reference, the loads of all four ranks);
-                    ZeRO-0; resumed from step 3 on one stage of 2 ranks without expert parallelism.
+                    ZeRO-0; resumed from step 3 on one stage of 2 ranks without expert parallelism; and in bf16 at
+                    ZeRO-1 against the same fp32 loop within bf16's rounding, its router biases fp32.
 
 AdamW at eps 1e-6 (OPTIM). Losses, router losses and weights within 1e-6 relative, but for Qwen3.5's DeltaNet decay
 tensors (DECAY_TOL, the reason there). Each trained run exported to Hugging Face loads with ``from_pretrained``
@@ -39,7 +40,7 @@ from tests.support.parity import SFT_OPTIM, STEPS, cached_rows, max_rel_weight_d
 from tests.support.ranks import train_run
 from tests.support.runs import read_metrics
 from tests.test_family_deepseek_v3 import BIAS, step_loads
-from tests.test_moe_training import computed_batches
+from tests.test_moe_training import BF16_LOSS_REL, BF16_WEIGHT_REL, computed_batches
 from training.configuration.schema import OptimConfig, TrainConfig
 from training.optim import lr_lambda, param_groups
 
@@ -214,6 +215,9 @@ def runs(tmp_path_factory, tokenizer_dir):
     shutil.rmtree(root / "deepseek_v3_resumed" / f"global_step{STEPS}")
     (root / "deepseek_v3_resumed" / "latest").write_text("global_step3")
     launch("deepseek_v3_resumed", "deepseek_v3", 2, num_stages=1, **layout, **RUNS["deepseek_v3"][1])
+    # DeepSeek-V3 in bf16 at ZeRO-1 on the same layout: its router bias stays an fp32 buffer
+    bf16 = {**RUNS["deepseek_v3"][1], "ds_config": "zero1", "precision": "bf16", "save_steps": 0}
+    launch("deepseek_v3_bf16", "deepseek_v3", 4, num_stages=2, expert_parallel=2, **layout, **bf16)
 
     out["steps"] = steps = computed_batches(cached_rows(str(root / "cache"), data))
     for model_type, (_, train_overrides) in RUNS.items():
@@ -269,6 +273,26 @@ def test_resumed_on_one_stage_without_expert_parallelism_continues_the_reference
     for layer in moe_spec(model.config).moe_layers:
         key = f"model.layers.{layer}.{BIAS}"
         assert torch.equal(weights[key], model.get_buffer(key)), key
+
+
+def test_deepseek_v3_in_bf16_follows_the_fp32_reference_within_bf16s_rounding(runs):
+    """bf16 at ZeRO-1, expert_parallel 2: losses and weights within bf16's rounding of the fp32 loop, and the router
+    biases fp32 buffers moved by whole steps of the speed (in bf16 a step of 0.01 at a bias of 0.5 would round away)."""
+    (losses, _), model = runs["deepseek_v3-ref"]
+    metrics = read_metrics(str(runs["root"] / "deepseek_v3_bf16"))
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    loss_diff = max(rel(m["loss"], r) for m, r in zip(metrics, losses))
+    weights = trained_weights(str(runs["root"] / "deepseek_v3_bf16"), model.config)
+    weight_diff = max_rel_weight_diff({k: v.float() for k, v in weights.items()}, model)
+    print(f"deepseek_v3 bf16: vs the fp32 loop: loss {loss_diff:.2e}, weights {weight_diff:.2e} relative")
+    assert loss_diff < BF16_LOSS_REL and weight_diff < BF16_WEIGHT_REL
+    initial = AutoModelForCausalLM.from_pretrained(runs["deepseek_v3-hf"], dtype=torch.float32)
+    for layer in moe_spec(model.config).moe_layers:
+        key = f"model.layers.{layer}.{BIAS}"
+        assert weights[key].dtype == torch.float32, key
+        steps = (weights[key] - initial.get_buffer(key)) / SPEED  # [E] a sum of +-1 per step
+        assert torch.allclose(steps, steps.round(), atol=1e-3) and steps.abs().max() >= 3, (key, steps)
+    assert "bf16" in (runs["root"] / "deepseek_v3_bf16.log").read_text()
 
 
 def test_each_run_used_the_layout_it_asked_for(runs):

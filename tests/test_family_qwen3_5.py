@@ -23,7 +23,14 @@ from parallel.layout import Layout
 from tests.support.models import make_hf_dir
 from tests.test_convert import assert_bit_identical, hf_tensors
 from tests.test_moe import chained_loss
-from tests.test_stage_parity import TOL, assert_matches_hf, copy_hf_weights, module_of, parity_batch, run_chain
+from tests.test_stage_parity import (
+    TOL,
+    assert_layer_grads_equal,
+    assert_matches_hf,
+    copy_hf_weights,
+    parity_batch,
+    run_chain,
+)
 
 DENSE, MOE = "qwen3_5_text", "qwen3_5_moe_text"
 CASES = {  # tiny_config: layers 0-2 linear attention, layer 3 full attention
@@ -72,10 +79,7 @@ def test_moe_router_loss_matches_hf():
     assert abs(router.loss_sum - ref.aux_loss.item()) < TOL and abs(loss.item() - ref.loss.item()) < TOL
     ref.loss.backward()
     loss.backward()
-    for i, f in enumerate(funcs[1:-2]):
-        for key, p in module_of(f).named_parameters():
-            ref_grad = hf.get_parameter(f"model.layers.{i}.{key}").grad
-            torch.testing.assert_close(p.grad, ref_grad, rtol=0, atol=TOL, msg=f"layer {i} {key}")
+    assert_layer_grads_equal(funcs, hf)
 
 
 def packed_and_apart(funcs, docs):

@@ -105,6 +105,7 @@ def test_apply_kernels_patches_every_decoder_layer_and_rope_for_those_layers_onl
     assert calls["rope"] == len(layers)
 
 
+@pytest.mark.slow  # compiles
 def test_rebound_rope_survives_torch_compile_across_layers(dynamo_without_guard_timing):
     """compile=true with kernels=liger: every layer's attention shares one rebound forward, so the graph torch.compile
     caches for that code (installed in the compiling frame's globals) is found by the next layer; with a copy of the

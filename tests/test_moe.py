@@ -20,7 +20,7 @@ from models.router_loss import RouterLoss
 from models.tiny import tiny_config
 from tests.support.models import make_hf_dir
 from tests.test_convert import assert_bit_identical, hf_tensors
-from tests.test_stage_parity import TOL, copy_hf_weights, module_of, parity_batch, run_chain
+from tests.test_stage_parity import TOL, assert_layer_grads_equal, copy_hf_weights, parity_batch, run_chain
 
 # name: (model_type, config overrides): Qwen3-MoE with a dense first layer (mlp_only_layers), and every other layer
 # routed from there (decoder_sparse_step 1); Mixtral, every layer routed. The router loss on, a large coefficient
@@ -73,12 +73,7 @@ def test_moe_stages_with_the_router_loss_match_hf(name):
     assert abs((loss - config.router_aux_loss_coef * ref.aux_loss).item() - ref.loss.item()) > 100 * TOL
     ref.loss.backward()
     loss.backward()
-    routers = 0
-    for i, f in enumerate(funcs[1:-2]):
-        for key, p in module_of(f).named_parameters():
-            ref_grad = hf.get_parameter(f"model.layers.{i}.{key}").grad
-            torch.testing.assert_close(p.grad, ref_grad, rtol=0, atol=TOL, msg=f"layer {i} {key}")
-            routers += key == "mlp.gate.weight"
+    routers = sum(key == "mlp.gate.weight" for key, _ in assert_layer_grads_equal(funcs, hf))
     assert routers == len(moe_spec(config).moe_layers)
     tokens = router.take_metrics()[2]
     assert tokens.sum().item() == input_ids.numel() * config.num_experts_per_tok * routers

@@ -47,6 +47,18 @@ def module_of(func):
     return func if isinstance(func, torch.nn.Module) else func.args[0]
 
 
+def assert_layer_grads_equal(funcs, hf, tol: float = TOL) -> list[tuple[str, float]]:
+    """Every decoder layer's gradients of the chained ``funcs`` equal ``hf``'s (``model.layers.<i>.<key>``) within
+    ``tol``; returns each (key, largest absolute difference)."""
+    seen = []
+    for i, f in enumerate(funcs[1:-2]):
+        for key, p in module_of(f).named_parameters():
+            ref_grad = hf.get_parameter(f"model.layers.{i}.{key}").grad
+            torch.testing.assert_close(p.grad, ref_grad, rtol=0, atol=tol, msg=f"layer {i} {key}")
+            seen.append((key, (p.grad - ref_grad).abs().max().item()))
+    return seen
+
+
 def copy_hf_weights(funcs, config, hf_state):
     for info in spec_layout(config):
         if info.owns_file:

@@ -38,6 +38,7 @@ AREAS = {
         "test_family_deepseek_v3",
         "test_family_gemma3",
         "test_family_gemma4",
+        "test_logit_softcap",
         "test_family_qwen3_5",
         "test_family_axes",
         "test_router_loss",

@@ -29,7 +29,7 @@ from models.host_memory import peak_rss_mb
 from models.kernels import apply_kernels
 from models.llama_pipe import ATTENTION_IMPLEMENTATIONS, init_weights_
 from models.lora import apply_lora, base_numel
-from models.loss import CausalLMLoss, PreferenceLoss
+from models.loss import CausalLMLoss, PreferenceLoss, logit_softcap
 from models.specs import spec_layout
 from parallel.stage import axis_plans, build_pipeline_model, pipeline_topology
 from training.checkpoints import save_restore
@@ -99,10 +99,14 @@ def make_output_dir(output_dir: str) -> None:
 
 
 def build_loss(resolved: Resolved) -> CausalLMLoss | PreferenceLoss | GRPOLoss:
-    """The last stage's loss: the next-token loss (train_step sets its normalisation each step), DPO's or GRPO's."""
+    """The last stage's loss: the next-token loss (train_step sets its normalisation each step), DPO's or GRPO's;
+    each of the logits capped as the model caps them (Gemma's final_logit_softcapping)."""
     cfg = resolved.cfg
+    softcap = logit_softcap(resolved.model_config)
     if cfg.train_objective == "dpo":
-        return PreferenceLoss(cfg.loss_chunk_tokens, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.label_smoothing)
+        return PreferenceLoss(
+            cfg.loss_chunk_tokens, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.label_smoothing, softcap=softcap
+        )
     if cfg.train_objective == "grpo":
         g = cfg.grpo
         return GRPOLoss(
@@ -114,8 +118,9 @@ def build_loss(resolved: Resolved) -> CausalLMLoss | PreferenceLoss | GRPOLoss:
             loss_type=str(g.loss_type),
             max_completion_length=g.max_completion_length,
             impl=str(cfg.loss_impl),
+            softcap=softcap,
         )
-    return CausalLMLoss(cfg.loss_chunk_tokens)
+    return CausalLMLoss(cfg.loss_chunk_tokens, softcap=softcap)
 
 
 def build_model(resolved: Resolved, topology: ProcessTopology, loss_fn: CausalLMLoss | PreferenceLoss, ds_config: dict):

@@ -21,6 +21,7 @@ from models.family_qwen3_5 import objective_problems as qwen3_5_objective_proble
 from models.files.pipeline_dir import tags_newer_than_latest
 from models.kernels import kernel_problems, loss_impl_problems
 from models.lora_rules import peft_change_problems, peft_problems
+from models.loss import logit_softcap
 from parallel.axes import AXES
 from parallel.layout import Layout, layout_problems
 from parallel.partition import frozen_stage_problems
@@ -237,7 +238,9 @@ def resolve(
         problems += step_problems
         warnings += step_warnings
     problems += kernel_problems(cfg.kernels, model_config)
-    problems += loss_impl_problems(cfg.loss_impl, cfg.loss_chunk_tokens, layout.engine)
+    problems += loss_impl_problems(
+        cfg.loss_impl, cfg.loss_chunk_tokens, layout.engine, softcap=logit_softcap(model_config)
+    )
     problems += adamw_problems(cfg.adamw_impl)
     problems += compile_problems(cfg, model_config, layout)
     problems += bias_update_problems(cfg.moe.bias_update_speed, model_config)
