@@ -30,7 +30,9 @@ The same model (random init), the same global batch (``--micro-batches`` micro-b
   bl  b with ``loss_impl=liger``: Liger's fused linear cross entropy against the chunked loss, nothing else changed
   bd  b with ``adamw_impl=deepspeed``: DeepSpeed's FusedAdam against torch's fused AdamW (its op is JIT-built at
       the run's start, on a GPU with the CUDA toolkit's nvcc: minutes, outside the timed steps; on CPU its C++ op)
-  The compile time of ac, bc, bk and bkl is in their warm-up steps (``--warmup``), which is why they need two.
+  bc8r, bc8t  bc with ``fp8=rowwise`` / ``fp8=tensorwise`` (torchao's Float8Linear in the decoder layers; compute
+      capability >= 8.9): the issue's goal is 1.2 x bc; their MFU divides by the same bf16 dense peak as bc's
+  The compile time of ac, bc, bk, bkl, bc8r and bc8t is in their warm-up steps (``--warmup``), hence two of them.
 
 --threads 1 for a and b: c and d give each rank one of the 2 cores, so one thread is the per-core
 reference all ratios share (and one matmul peak); a 2-thread process on a 2-core machine also loses a
@@ -143,6 +145,14 @@ CASES = {
         None,
         ["adamw_impl=deepspeed"],
     ),
+    "bc8r": ("train.py, num_stages=1, 1 rank, compile=true, fp8=rowwise", 1, 1, None, ["compile=true", "fp8=rowwise"]),
+    "bc8t": (
+        "train.py, num_stages=1, 1 rank, compile=true, fp8=tensorwise",
+        1,
+        1,
+        None,
+        ["compile=true", "fp8=tensorwise"],
+    ),
 }
 # The plain-loop cases: (copies started together, decoder layers compiled)
 PLAIN = {"a": (1, False), "x": (2, False), "ac": (1, True)}
@@ -164,6 +174,8 @@ RATIOS = {
     "bkl": ("ac", 1.0, 1.0),  # the issue's (d) against the best plain loop
     "bl": ("b", 1.0, None),  # one lever each: Liger's loss against the chunked one
     "bd": ("b", 1.0, None),  # DeepSpeed's FusedAdam against torch's fused AdamW
+    "bc8r": ("bc", 1.2, 1.0),  # issue 61's goal: FP8 at least 1.2 x train.py compiled in bf16 (3B shape)
+    "bc8t": ("bc", 1.2, 1.0),
 }
 # With --threads 1, e and e0 are the same commands as b and b0: their runs serve for both.
 ALIASES = {"e": "b", "e0": "b0", "e1": "b1"}

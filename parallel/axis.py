@@ -17,7 +17,8 @@ each collector asks every axis in one loop over ``AXES``:
   ``inert_settings``);
 - ``warnings(layout, local_world_size)``, ``defaults(cfg, is_set)`` (defaults the axis cannot run with, adapted:
   validate's ``adapt_defaults``), ``objective_problems(layout, train_objective)`` (validate's objective rules) and
-  ``compile_problems(layout)`` (what ``compile=true`` does not run with, training/compile.py).
+  ``compile_problems(layout)`` (what ``compile=true`` does not run with, training/compile.py) and
+  ``fp8_problems(layout, recipe)`` (what ``fp8`` does not run with, models/fp8.py).
 
 ``parallel.stage.axis_plans(layout)`` builds the plans a layout uses, and their steps run in this order:
 
@@ -154,6 +155,11 @@ class AxisPlan:
     @staticmethod
     def compile_problems(layout: Layout) -> list[str]:
         """What ``compile=true`` does not run with on this axis (training/compile.py asks when compile is on)."""
+        return []
+
+    @staticmethod
+    def fp8_problems(layout: Layout, recipe: str) -> list[str]:
+        """What ``fp8`` = ``recipe`` does not run with on this axis (validate asks when fp8 is set, models/fp8.py)."""
         return []
 
     @staticmethod

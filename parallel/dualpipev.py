@@ -300,6 +300,18 @@ class DualPipeVPlan(AxisPlan):
         ]
 
     @staticmethod
+    def fp8_problems(layout: Layout, recipe: str) -> list[str]:
+        return (
+            [
+                f"fp8={recipe} with pipeline_schedule=dualpipev: DualPipeV defers the weight gradients of plain "
+                "nn.Linear layers only, so torchao's Float8Linear would silently lose the zero bubble (not "
+                "checked): set pipeline_schedule=1f1b, or fp8=null"
+            ]
+            if layout.schedule == "dualpipev"
+            else []
+        )
+
+    @staticmethod
     def compile_problems(layout: Layout) -> list[str]:
         return (
             [

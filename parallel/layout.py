@@ -95,6 +95,7 @@ class Layout:
     loss_impl: str = "chunked"
     save_async: bool = False  # save_async: each rank holds a host copy of its checkpoint files while they are written
     generation: GenerationBatch | None = None  # train_objective=grpo: each step's generation; None otherwise
+    fp8: str | None = None  # fp8: torchao's recipe for the decoder layers' linears (models/fp8.py); None: off
 
     @classmethod
     def of(cls, cfg, world_size: int, ds_json: dict) -> Layout:
@@ -126,6 +127,7 @@ class Layout:
             schedule=cfg.pipeline_schedule,
             rows_per_sample=2 if cfg.train_objective == "dpo" else 1,
             generation=generation_batch(cfg.grpo) if cfg.train_objective == "grpo" else None,
+            fp8=getattr(cfg, "fp8", None),
         )
 
     @property
@@ -239,6 +241,7 @@ class Layout:
             f"{self.axes()}, ZeRO-{self.zero}{off}, micro {self.micro_batch} x seq {self.seq_len}"
             f"{', act. ckpt' if self.checkpointing else ''}{chunk}, {self.dtype}"
             + (f", {'QLoRA (NF4)' if self.nf4 else 'LoRA'} r={self.lora_rank}" if self.lora_rank else "")
+            + (f", fp8 {self.fp8}" if self.fp8 else "")
         )
 
 

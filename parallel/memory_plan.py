@@ -107,6 +107,24 @@ stage holds the larger of the two beside its weights and optimizer states, and w
 weights for the whole run (``Estimate.total``; the generation's bytes: parallel/generation_memory.py, which adds
 them to these estimates).
 
+FP8 (``Layout.fp8``, torchao 0.18's ``convert_to_float8_training`` on the decoder layers' linears): the master
+weights, gradients and optimizer states stay as they are, and so do the saved activations: ``Float8Linear``'s autograd
+function saves its input and weight in high precision (``ctx.save_for_backward(input_hp, weight_hp_t)``) and casts
+them again in backward. What it adds is working memory, one linear at a time: its backward keeps the float8 casts
+of the output gradient (twice, scaled along either axis), of the weight and of the input, 1 byte an element each,
+until it returns, and each cast of an n-element tensor holds, in eager, its scaled fp32 copy and the clamped one, 8 n
+bytes, beside its float8 result (``hp_tensor_and_scale_to_float8``). Per stage the widest linear counts, with T
+tokens of a micro-batch, in and out features i and o (the tensor-parallel rank's share):
+
+    rowwise, tensorwise    8 max(T i, T o, i o) + T i + 2 T o + i o      (fp8_work_bytes)
+    rowwise_with_gw_hp     8 max(T o, i o) + T o + i o                   (the weight gradient in high precision)
+
+An upper bound: a tiny Llama's peak on CPU (its ``torch._scaled_mm`` allocating its output alone, as a GPU's kernel
+does) rose by 0.45-0.6 of it, the casts' moment finding part of the layer's working memory freed
+(tests/test_memory_plan.py). Compiled layers (compile=true) fuse the casts and
+lose the fp32 copies; what torch.compile's partitioner then saves for backward is not counted here (the GPU run's
+peak memory, benchmarks/bench_train.py, is the check). A scale is one float per row or one per tensor: nothing.
+
 Backward also computes each parameter's gradient into a new tensor before adding it to the accumulated
 one (every micro-batch after the first): one parameter's gradient more, at a time. On the first and the
 last stage that is the [V,H] embedding or LM head, as large as a loss chunk at a 128k vocabulary
@@ -142,6 +160,9 @@ def reduce_bucket_elements(total_params: float) -> int:
 
 
 NF4_BYTES = 0.5 + 4 / 64  # QLoRA: bytes per quantised weight (4 bits + bitsandbytes' fp32 absmax per 64)
+FP8_RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
+FP8_CAST_BYTES = 8  # an eager cast's scaled and clamped fp32 copies, per element of the tensor cast
+ROW_PARALLEL = ("o_proj", "down_proj")  # the linears tensor parallelism splits by their input (the rest: output)
 
 
 @dataclass(frozen=True)
@@ -311,6 +332,7 @@ class Estimate:
     generation: float = 0.0
     kv_cache: float = 0.0
     reference: float = 0.0
+    fp8: float = 0.0  # fp8: the widest Float8Linear's backward casts (fp8_work_bytes), beside the activations
 
     @property
     def model_states(self) -> float:
@@ -319,7 +341,7 @@ class Estimate:
     @property
     def training(self) -> float:
         """What the training step holds beyond the resident weights, states and bucket."""
-        return (self.activations or 0.0) + self.loss + self.grad_temp
+        return (self.activations or 0.0) + self.loss + self.grad_temp + self.fp8
 
     @property
     def total(self) -> float:
@@ -494,6 +516,24 @@ def activation_bytes(shape: Shape, layout: Layout, stage: int, layers_on_stage: 
     return held + recompute + work
 
 
+def fp8_work_bytes(shape: Shape, layout: Layout, layers_on_stage: int | list[int] | None = None) -> float:
+    """The FP8 working memory of a stage (see the module's docstring): its widest Float8Linear's backward casts, for
+    the micro-batch's tokens on this rank and the linear's tensor-parallel share; 0 without ``Layout.fp8`` or where
+    the stage has no decoder layer."""
+    layers = sum(layers_on_stage) if isinstance(layers_on_stage, list) else layers_on_stage
+    if not layout.fp8 or layers == 0:
+        return 0.0
+    t, worst = local_tokens(layout), 0.0
+    for name, (i, o) in shape.linear_dims().items():
+        i, o = (i / layout.tp, o) if name in ROW_PARALLEL else (i, o / layout.tp)
+        if layout.fp8 == "rowwise_with_gw_hp":  # the weight gradient's matmul in high precision: no casts for it
+            work = FP8_CAST_BYTES * max(t * o, i * o) + t * o + i * o
+        else:
+            work = FP8_CAST_BYTES * max(t * i, t * o, i * o) + t * i + 2 * t * o + i * o
+        worst = max(worst, work)
+    return worst
+
+
 def loss_bytes(shape: Shape, layout: Layout) -> float:
     """The last stage's loss-side peak for one micro-batch, per logit of the tokens the LM head takes at once.
 
@@ -577,7 +617,7 @@ def stage_estimate(
         weights, _, states, _ = model_state_bytes(trained, on_gpu, trained_experts)
         snapshot = weights + states
     params += frozen_bytes
-    acts, loss, grad_temp = None, 0.0, 0.0
+    acts, loss, grad_temp, fp8 = None, 0.0, 0.0, 0.0
     if shape is not None:
         by_piece = pieces if pieces is not None else layers
         acts = activation_bytes(shape, layout, stage, by_piece)
@@ -587,6 +627,7 @@ def stage_estimate(
         step = optimizer_step_bytes(trained, layout) - (acts + loss)
         temp = 0.0 if layout.lora_rank else grad_temp_bytes(shape, layout, stage, by_piece)
         grad_temp = max(temp, step)
+        fp8 = fp8_work_bytes(shape, layout, by_piece)
     buffers = 0.0
     if layout.zero >= 2:  # one 16-bit (fp32 for fp32 training) bucket per rank, allocated whole
         buffers = (4 if layout.dtype == "fp32" else 2) * reduce_bucket_elements(total_params)
@@ -603,6 +644,7 @@ def stage_estimate(
         psi + trained * bool(frozen_bytes),
         experts / layout.ep,
         snapshot,
+        fp8=fp8,
     )
 
 
@@ -649,6 +691,7 @@ def layouts_for(
     offload_values: tuple[str, ...] = OFFLOADS,
     refusals: list[str] | None = None,
     generation: GenerationBatch | None = None,
+    fp8: str | None = None,
 ):
     """Every layout worth trying on ``gpus`` GPUs that train.py runs (:func:`refusals_of`: the rules its validation
     asks), cheapest in communication and compute first; with ``lora`` (rank, target modules, nf4) LoRA layouts;
@@ -656,7 +699,7 @@ def layouts_for(
     more, grad_accum >= 2 x stages, 2 x stages <= num_layers, no tensor or sequence parallelism); each ZeRO stage
     of ``zero_values`` and offload of ``offload_values`` (none, optimizer, params). ``refusals``: train.py's lines
     for the layouts it refuses that break the fewest of its rules are added to it (each line once). ``generation``:
-    train_objective=grpo's (``Layout.generation``), whose rules the layouts keep.
+    train_objective=grpo's (``Layout.generation``), whose rules the layouts keep. ``fp8``: every layout's recipe.
 
     Order: no offload before optimizer offload before parameter offload; no activation checkpointing
     before checkpointing (sequence parallelism saves the recomputation: its all-to-alls move less than tensor
@@ -693,6 +736,7 @@ def layouts_for(
                 ep=ep,
                 schedule=schedule,
                 generation=generation,
+                fp8=fp8,
             )
             problems = refusals_of(layout, gpus, num_layers, shape)
             if problems:
@@ -711,7 +755,8 @@ def refusals_of(layout: Layout, gpus: int, num_layers: int | None, shape: Shape 
     ``training.configuration.validate.resolve`` asks, on the layout alone (parallel/layout.py: its sizes, ZeRO stage and
     offload; each axis's ``layout_problems``, with the model's facts from ``shape``: parallel.axes.AXES), rows fed
     whole; LoRA's on the pipeline engine (models.lora_rules.peft_layout_problems); with ``Layout.generation``,
-    train_objective=grpo's on the layout (the pipeline engine, each axis's ``objective_problems``)."""
+    train_objective=grpo's on the layout (the pipeline engine, each axis's ``objective_problems``); with ``Layout.fp8``,
+    fp8's (the pipeline engine, each axis's ``fp8_problems``)."""
     problems = layout_problems(layout, gpus, "compute", num_layers)
     model = model_facts(shape, num_layers)
     for axis in AXES:
@@ -720,6 +765,10 @@ def refusals_of(layout: Layout, gpus: int, num_layers: int | None, shape: Shape 
         problems += layout.engine.needs_pipeline("train_objective=grpo")
         for axis in AXES:
             problems += axis.objective_problems(layout, "grpo")
+    if layout.fp8:
+        problems += layout.engine.needs_pipeline(f"fp8={layout.fp8}")
+        for axis in AXES:
+            problems += axis.fp8_problems(layout, layout.fp8)
     return problems + peft_layout_problems(layout)
 
 
@@ -802,6 +851,7 @@ def fitting(
     refusals: list[str] | None = None,
     generation: GenerationBatch | None = None,
     plan=None,
+    fp8: str | None = None,
 ) -> list[tuple[Layout, Estimate]]:
     """Layouts whose most loaded GPU fits ``gpu_mem_gb``, cheapest first (see layouts_for).
 
@@ -811,7 +861,8 @@ def fitting(
     ``offload_values``: the ZeRO stages and offloads tried. ``refusals``, where train.py refuses every layout tried:
     filled with its lines for them (left empty where it runs any, whether or not it fits). ``generation``: each
     layout's (train_objective=grpo, ``layouts_for``); ``plan(params, layout, shape, layers)``: the per-stage estimates
-    (None: :func:`stage_estimates`; one that adds the generation: parallel.generation_memory.with_generation).
+    (None: :func:`stage_estimates`; one that adds the generation: parallel.generation_memory.with_generation);
+    ``fp8``: the recipe of ``Layout.fp8`` (None: off).
     """
     plan = plan or stage_estimates
     lines: list[str] = []
@@ -835,6 +886,7 @@ def fitting(
         offload_values,
         lines,
         generation,
+        fp8,
     )
     if refusals is not None and not tried:
         refusals += lines
@@ -898,12 +950,13 @@ def stage_table(estimates: list[Estimate], stage_layers: list[int] | None, layou
     GPU of the stage holds, of its params). With a DualPipeV ``layout`` a row is a pipeline rank and its layers are
     those of its two pieces (``stage_layers``: per piece). train_objective=grpo adds gen (the generation's peak,
     which the training step's does not meet: the total counts the larger) and ref (the reference weights, with
-    grpo.beta > 0)."""
+    grpo.beta > 0); fp8 the FP8 casts' working memory (:func:`fp8_work_bytes`)."""
     host, experts = any(e.host + e.snapshot for e in estimates), any(e.experts for e in estimates)
+    fp8 = any(e.fp8 for e in estimates)
     grpo = any(e.generation + e.reference for e in estimates)
     head = f"{'stage':>5} {'params':>8}" + (f" {'experts':>8}" if experts else "")
     head += f" {'layers':>6} {'weights':>8} {'grads':>7} {'optim':>7} {'acts':>7} {'loss':>6}"
-    head += f" {'g.tmp':>6}" + (f" {'gen':>6} {'ref':>6}" if grpo else "")
+    head += f" {'g.tmp':>6}" + (f" {'fp8':>6}" if fp8 else "") + (f" {'gen':>6} {'ref':>6}" if grpo else "")
     head += f" {'bucket':>6} {'total':>7}" + (f" {'host':>7}" if host else "")
     rows = [head + "  (params in B, memory in GB)"]
     worst = max(estimates, key=lambda e: e.total)
@@ -914,6 +967,7 @@ def stage_table(estimates: list[Estimate], stage_layers: list[int] | None, layou
         row = f"{e.stage:>5} {e.parameters / 1e9:>8.3f}" + (f" {e.experts / 1e9:>8.3f}" if experts else "")
         row += f" {layers:>6} {e.params / GB:>8.2f} {e.grads / GB:>7.2f}"
         row += f" {e.optimizer / GB:>7.2f} {acts:>7} {e.loss / GB:>6.2f} {e.grad_temp / GB:>6.2f}"
+        row += f" {e.fp8 / GB:>6.2f}" if fp8 else ""
         row += f" {e.generation / GB:>6.2f} {e.reference / GB:>6.2f}" if grpo else ""
         row += f" {e.buffers / GB:>6.2f} {e.total / GB:>7.2f}"
         row += (f" {(e.host + e.snapshot) / GB:>7.2f}" if host else "") + ("  <- most loaded" if e is worst else "")

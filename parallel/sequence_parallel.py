@@ -193,6 +193,18 @@ class SequenceParallelPlan(AxisPlan):
         return adapted
 
     @staticmethod
+    def fp8_problems(layout: Layout, recipe: str) -> list[str]:
+        return (
+            [
+                f"fp8={recipe} with sequence_parallel {layout.sp}: the float8 scales would span each rank's slice of "
+                "the sequence, not the whole micro-batch, which is not checked against the unsplit run: set "
+                "sequence_parallel=1, or fp8=null"
+            ]
+            if layout.sp > 1
+            else []
+        )
+
+    @staticmethod
     def compile_problems(layout: Layout) -> list[str]:
         return (
             [

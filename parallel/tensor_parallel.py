@@ -341,6 +341,18 @@ class TensorParallelPlan(AxisPlan):
         )
 
     @staticmethod
+    def fp8_problems(layout: Layout, recipe: str) -> list[str]:
+        return (
+            [
+                f"fp8={recipe} with tensor_parallel {layout.tp}: DeepSpeed's tensor-parallel layers are not nn.Linear, "
+                "torchao does not convert them, and FP8 over split weights is not checked: set tensor_parallel=1 "
+                "(more stages or data parallelism instead), or fp8=null"
+            ]
+            if layout.tp > 1
+            else []
+        )
+
+    @staticmethod
     def compile_problems(layout: Layout) -> list[str]:
         return (
             [

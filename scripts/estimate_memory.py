@@ -12,11 +12,13 @@
     python scripts/estimate_memory.py --model gpt-oss-120b --gpus 8 --gpu-mem 80 --seq-len 4096   # docs/moe.md's tables
     python scripts/estimate_memory.py --model llama3-8b --stages 2 --dp 4 --zero 1 --seq-len 1536 --grad-accum 16 \\
         --loss-chunk-tokens 1024 --grpo-completion-length 1024 --grpo-beta 0.04       # train_objective=grpo
+    python scripts/estimate_memory.py --model llama3.2-3b --seq-len 4096 --micro-batch 1 --grad-accum 2 --fp8 rowwise
 
 --model is a conf/model name, a Hugging Face config.json (or its directory), or a parameter count
 (model states only: activations need an architecture). --grpo-completion-length counts train_objective=grpo: each
 data-parallel rank's micro x grad_acc rows generated before the step, their KV cache and logits (the larger of the
-generation and the training step), and with --grpo-beta > 0 the reference weights.
+generation and the training step), and with --grpo-beta > 0 the reference weights. --fp8 counts torchao's float8
+casts of the widest decoder linear's backward (train.py's fp8; the fp8 column, parallel/memory_plan.py's model).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from parallel.expert_parallel import ExpertParallelPlan  # noqa: E402
 from parallel.generation_memory import cache_windows, generation_plan, prompt_tokens  # noqa: E402
 from parallel.layout import GenerationBatch, Layout, count_arg, layout_problems  # noqa: E402
 from parallel.memory_plan import (  # noqa: E402
+    FP8_RECIPES,
     GB,
     OFFLOADS,
     expert_all_to_all_step_bytes,
@@ -107,6 +110,11 @@ def report(config, total, layout: Layout, method: str) -> None:
         print(f"most loaded GPU: stage {e.stage}, {e.total / GB:.2f} GB")
     if e.host:
         print(f"host memory per rank (offloaded states, not in the GPU totals): up to {e.host / GB:.2f} GB")
+    if layout.fp8:
+        print(
+            f"fp8 {layout.fp8} (--fp8): the widest decoder linear's float8 casts in its backward, {e.fp8 / GB:.2f} GB "
+            f"on stage {e.stage} (fp8), eager's upper bound; weights, gradients, states and saved activations unchanged"
+        )
     g = layout.generation
     if g is not None:
         print(
@@ -147,6 +155,7 @@ def fits(config, total, gpus: int, gpu_mem: float, args) -> None:
         refusals,
         generation(args),
         generation_plan(windows_of(config, Layout(generation=generation(args)))),
+        fp8(args),
     )
     # train.py refuses every layout of these flags (of the ZeRO stages that run the offload): its lines, the same as
     # for one layout, not a call for GPUs
@@ -202,6 +211,13 @@ def lora(args) -> tuple[int, tuple[str, ...], bool]:
     if unknown:
         raise SystemExit(f"--lora-targets {', '.join(unknown)} unknown: choose from {','.join(DECODER_LINEARS)}")
     return (args.lora_rank, targets, args.nf4)
+
+
+def fp8(args) -> str | None:
+    """--fp8's recipe (None: off); it needs an architecture, the linears' widths."""
+    if args.fp8 and not args.model_config_given:
+        raise SystemExit("--fp8 needs an architecture (a conf/model name or a config.json), not a bare count")
+    return args.fp8
 
 
 def generation(args) -> GenerationBatch | None:
@@ -264,6 +280,9 @@ def train_problems(config, layout: Layout, args) -> list[str]:
     if layout.generation is not None:  # train_objective=grpo's rules on the layout, as the fit search asks them
         problems += layout.engine.needs_pipeline("train_objective=grpo", cfg.ds_config)
         problems += [p for axis in AXES for p in axis.objective_problems(layout, "grpo")]
+    if layout.fp8:  # fp8's rules on the layout, as the fit search asks them
+        problems += layout.engine.needs_pipeline(f"fp8={layout.fp8}", cfg.ds_config)
+        problems += [p for axis in AXES for p in axis.fp8_problems(layout, layout.fp8)]
     return problems + (peft_problems(cfg, config, layout) if layout.lora_rank else [])
 
 
@@ -286,6 +305,8 @@ SETTINGS = (
     (r"full training \(peft\.method=none\)", "full training (no --lora-rank)"),
     (r"precision=(\w+)", r"--dtype \1"),
     (r"train_objective=grpo", "--grpo-completion-length"),
+    (r"fp8=null", "no --fp8"),
+    (r"fp8=(\w+)", r"--fp8 \1"),
 )
 FLAGS = {
     "data.max_seq_length": "--seq-len",
@@ -413,6 +434,11 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="with --grpo-completion-length: grpo.generation_micro_batches (0: one chunk of rows per stage)",
     )
+    p.add_argument(
+        "--fp8",
+        choices=FP8_RECIPES,
+        help="train.py's fp8: count torchao's float8 casts of the decoder linears (default: off)",
+    )
     p.add_argument("--gpus", type=count_arg(1), help="with --gpu-mem: list the layouts that fit")
     p.add_argument("--gpu-mem", type=count_arg(0, float, strict=True, maximum=GPU_MEM_MAX_GB), help="GB per GPU")
     p.add_argument("--top", type=count_arg(1), default=10, help="how many fitting layouts to list")
@@ -448,6 +474,7 @@ def main(argv: list[str] | None = None) -> None:
         ep=args.ep or 1,  # --gpus without --ep: every expert_parallel the model allows
         save_async=args.save_async,
         generation=generation(args),
+        fp8=fp8(args),
     )
     refuse(layout_problems(layout, layout.world_size, args.partition_method, num_layers))
     if fit:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command to run on a GPU machine, about 9 minutes on one H100/H200 from a bare machine (parity and bench):
-#   bash scripts/gpu_check.sh [parity] [bench] [levers] [moe] [layouts] [attention] [grpo] (no step named: parity bench)
+#   bash scripts/gpu_check.sh [parity] [bench] [fp8] [levers] [moe] [layouts] [attention] [grpo] (default: parity bench)
 # Every step is bounded (`timeout`, and bench_train.py's --time-limit), the most important numbers first;
 # BENCH_BUDGET_S (default 400) is the benchmark's share: the shapes it does not reach are said, not run;
 # GPU_CHECK_CASES picks bench_train.py's cases (default a,b,bkl,bc,ac), GPU_CHECK_PLAN the shapes (below).
@@ -16,6 +16,12 @@
 #    the llama3.2-3b shape at seq 4096 micro-batch 1 first (activation checkpointing on a card under 100 GiB),
 #    then llama3.2-1b at seq 2048, micro-batch 4, 2, 1; per case tokens/s, MFU against the card's dense bf16
 #    peak (989 TFLOP/s for an H100 SXM or H200) and against the measured matmul rate, peak GPU memory;
+# 3''. fp8 (not in the default run; after bench, whose bc and ac it follows, when both are named): train.py compiled
+#    in bf16 (bc) against the same with torchao's FP8 linears, fp8=rowwise (bc8r) and fp8=tensorwise (bc8t), on
+#    bench's 3B shape (seq 4096, micro-batch 1 x 2, activation checkpointing under 100 GiB); the goal row asks
+#    1.2 x bc (issue 61), MFU against the same bf16 dense peak. FP8_BUDGET_S (default 300) for the three, about 5
+#    minutes; GPU_CHECK_FP8 picks the cases (default bc,bc8r,bc8t); its table goes to bench.md after bench's
+#    (bench_fp8.json). Compute capability >= 8.9 (H100, H200): `bash scripts/gpu_check.sh fp8`, a call of its own;
 # 3'. levers (not in the default run): one knob each against train.py eager (b), the 1B at seq 2048, micro-batch 4:
 #    bl: loss_impl=liger (Liger's fused linear cross entropy against the chunked loss), bd: adamw_impl=deepspeed
 #    (DeepSpeed's FusedAdam against torch's fused AdamW; its CUDA op is JIT-built at start and needs nvcc),
@@ -130,9 +136,28 @@ if step bench; then
   echo "[gpu_check] the benchmark tables (work/gpu_check/bench.md):"
   cat work/gpu_check/bench.md
 fi
+if step fp8; then  # torchao's FP8 linears against train.py compiled in bf16, the 3B shape (issue 61)
+  fp8_budget=${FP8_BUDGET_S:-300}
+  step bench || : > work/gpu_check/bench.md
+  if ! "$PY" -c "import torchao" 2>/dev/null; then  # a venv made before torchao was a pin
+    "${PIP[@]}" "$(grep -o 'torchao==[0-9.]*' pyproject.toml)"
+  fi
+  MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  ckpt=""
+  [ "${MEM_MIB:-0}" -lt 102400 ] && ckpt="--checkpointing"  # as bench's 3B shape
+  echo "[gpu_check] fp8: llama3.2-3b, bf16, seq 4096, micro-batch 1 x 2, ${GPU_CHECK_FP8:-bc,bc8r,bc8t} $ckpt"
+  echo "### fp8 (llama3.2-3b, seq 4096, micro-batch 1 x 2 per step $ckpt)" >> work/gpu_check/bench.md
+  # shellcheck disable=SC2086  # $ckpt: zero or one option
+  timeout $((fp8_budget + 30)) "$PY" benchmarks/bench_train.py --model llama3.2-3b --precision bf16 --seq 4096 \
+    --micro-batch-size 1 --micro-batches 2 --cases "${GPU_CHECK_FP8:-bc,bc8r,bc8t}" --rounds 1 --warmup 2 --steps 4 \
+    --threads 8 --max-wait 0 --time-limit "$fp8_budget" --json work/gpu_check/bench_fp8.json \
+    --table work/gpu_check/table.md --work work/gpu_check $ckpt || status=1
+  cat work/gpu_check/table.md >> work/gpu_check/bench.md 2>/dev/null || echo "(no table)" >> work/gpu_check/bench.md
+  rm -f work/gpu_check/table.md
+fi
 if step levers; then  # one knob at a time against b: Liger's loss (bl), DeepSpeed's FusedAdam (bd)
   levers=${LEVERS_BUDGET_S:-360}
-  step bench || : > work/gpu_check/bench.md
+  step bench || step fp8 || : > work/gpu_check/bench.md
   echo "[gpu_check] levers: llama3.2-1b, bf16, seq 2048, micro-batch 4 x 2 per step, ${GPU_CHECK_LEVERS:-b,bl,bd}, $levers s at most"
   echo "### levers (llama3.2-1b, seq 2048, micro-batch 4 x 2 per step)" >> work/gpu_check/bench.md
   timeout $((levers + 30)) "$PY" benchmarks/bench_train.py --model llama3.2-1b --precision bf16 --seq 2048 \

@@ -406,3 +406,15 @@ def test_bench_grpo_quick_compares_the_pipeline_with_trl(tmp_path, bench_main):
     assert len(setups[0][5].split(",")) in (1, 4) and len(setups[1][5].split(",")) == 1  # per rank (once if equal)
     costs = {int(r.split("|")[1]): r.split("|")[2:-1] for r in lines if r.startswith("| 8 |")}
     assert sorted(costs) == [8] and all(0 < float(c[0]) <= n and float(c[2]) > 0 for n, c in costs.items())
+
+
+def test_fp8_cases_are_bc_with_the_recipe_against_bc():
+    """bc8r and bc8t are bc (compile=true) plus fp8=rowwise / fp8=tensorwise, and their ratio row asks 1.2 x bc."""
+    for case, recipe in (("bc8r", "rowwise"), ("bc8t", "tensorwise")):
+        _, ranks, stages, threads, extra = bench_train.CASES[case]
+        assert (ranks, stages, threads) == bench_train.CASES["bc"][1:4]
+        assert extra == bench_train.CASES["bc"][4] + [f"fp8={recipe}"]
+        assert bench_train.RATIOS[case] == ("bc", 1.2, 1.0)
+    run = lambda step: {"tokens": 100, "step_s": [step]}  # noqa: E731
+    rows = {r[0]: r for r in bench_train.ratio_rows({"bc": [run(1.2)], "bc8r": [run(1.0)]}, micro=2)}
+    assert rows["bc8r"][2] == [pytest.approx(1.2)] and rows["bc8r"][4] == pytest.approx(1.2)

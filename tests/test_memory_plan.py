@@ -9,7 +9,7 @@ import torch
 
 from parallel.generation_memory import layer_cache_bytes
 from parallel.layout import Layout
-from parallel.memory_plan import GB, LatentAttention, Shape, estimate, fitting, layer_activation_bytes
+from parallel.memory_plan import GB, LatentAttention, Shape, estimate, fitting, layer_activation_bytes, stage_estimates
 from tests.support import REPO
 from tests.support.scripts import run_script
 
@@ -396,3 +396,101 @@ def test_latent_attention_counts_its_own_head_sizes_not_head_dim():
     assert layer_activation_bytes(shape, layout) - layer_activation_bytes(plain, layout) == per_token * 64 * 2
     assert layer_cache_bytes(shape, rows=3, tokens=10, dtype_bytes=2) == (16 + 4) * 3 * 10 * 2
     assert layer_cache_bytes(plain, rows=3, tokens=10, dtype_bytes=2) == 2 * 4 * 4 * 3 * 10 * 2
+
+
+def test_fp8_adds_the_widest_linears_backward_casts_and_nothing_else():
+    """fp8 (torchao's Float8Linear saves its input and weight in high precision): weights, gradients, states and
+    saved activations unchanged; the step holds the widest linear's float8 casts, Llama-3 8B's gate_proj with its
+    [T, F] output gradient (rowwise, tensorwise: 8 T F of fp32 copies while casting + T H + 2 T F + H F of float8;
+    with the weight gradient in high precision 8 T F + T F + H F); tensor parallelism splits F; none without fp8, nor
+    on a stage without decoder layers."""
+    shape, t = Shape(**LLAMA3_8B), 4096
+    h, f = shape.hidden, shape.ffn
+    plain = estimate([8e9], Layout(seq_len=t), shape, [32])
+    assert plain.fp8 == 0.0
+    for recipe in ("rowwise", "tensorwise"):
+        e = estimate([8e9], Layout(seq_len=t, fp8=recipe), shape, [32])
+        assert e.fp8 == 8 * t * f + t * h + 2 * t * f + h * f
+        assert e.total - plain.total == e.fp8 and e.model_states == plain.model_states
+        assert e.activations == plain.activations
+    hp = estimate([8e9], Layout(seq_len=t, fp8="rowwise_with_gw_hp"), shape, [32])
+    assert hp.fp8 == 8 * t * f + t * f + h * f
+    tp2 = estimate([8e9], Layout(seq_len=t, fp8="rowwise", tp=2), shape, [32])
+    assert tp2.fp8 == 8 * t * f / 2 + t * h + 2 * t * f / 2 + h * f / 2
+    embedding_only = stage_estimates([1e9, 7e9], Layout(stages=2, seq_len=t, fp8="rowwise"), shape, [0, 32])
+    assert embedding_only[0].fp8 == 0.0 and embedding_only[1].fp8 == e.fp8
+    from training.configuration.schema import TrainConfig
+
+    assert Layout.of(TrainConfig(model_name_or_path="m", fp8="tensorwise"), 1, {}).fp8 == "tensorwise"
+
+
+def test_estimate_memory_counts_fp8_in_its_own_column(capsys):
+    from tests.support.scripts import load_entry_point
+
+    script = load_entry_point("scripts/estimate_memory.py")
+    args = ["--model", "llama3.2-3b", "--seq-len", "4096", "--grad-accum", "2"]
+    script.main(args)
+    plain = capsys.readouterr().out
+    script.main(args + ["--fp8", "rowwise"])
+    fp8 = capsys.readouterr().out
+    assert " fp8 " not in plain.splitlines()[2] and " fp8 " in fp8.splitlines()[2]
+    assert ", bf16, fp8 rowwise" in fp8 and "fp8 rowwise (--fp8): the widest decoder linear's float8 casts" in fp8
+    total = lambda out: float(out.split("most loaded GPU: stage 0, ")[1].split(" GB")[0])  # noqa: E731
+    assert round(total(fp8) - total(plain), 2) == 0.37  # gate_proj: 10 x 4096 x 8192 + 4096 x 3072 + 3072 x 8192
+    with pytest.raises(SystemExit, match="--fp8 needs an architecture"):
+        script.main(["--model", "3e9", "--fp8", "rowwise"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "rowwise_with_gw_hp"])
+def test_fp8_term_bounds_a_converted_models_measured_peak(recipe, monkeypatch):
+    """One process of a tiny Llama in bf16, its decoder linears converted by torchao: the step's peak (its tensors
+    counted) rises by at most the planner's fp8 term and by 0.35 of it at least (the casts' moment finds part of the
+    layer's working memory freed); without the term the planner misses the rise whole. Twice the layers, the same
+    rise within 10%: one linear's casts at a time, nothing saved per layer (a float8 copy of each layer's inputs kept
+    for backward would double it). The CPU's torch._scaled_mm upcasts its float8 operands to fp32, a GPU's kernel
+    allocates its output alone: the test's does the latter."""
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from training.observation.memory_census import LiveTensorBytes
+
+    def output_only(a, b, scale_a=None, scale_b=None, bias=None, scale_result=None, out_dtype=None, **_):
+        return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or torch.bfloat16)
+
+    monkeypatch.setattr(torch, "_scaled_mm", output_only)
+    hidden, ffn, tokens = 256, 1024, 512
+    ids = torch.randint(0, 256, (1, tokens))
+
+    def rise(layers: int) -> int:
+        config = LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=ffn,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            attn_implementation="sdpa",
+        )
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        peaks = []
+        for convert in (False, True):
+            if convert:
+                convert_to_float8_training(
+                    model,
+                    config=Float8LinearConfig.from_recipe_name(recipe),
+                    module_filter_fn=lambda _, fqn: fqn.startswith("model.layers."),
+                )
+            with LiveTensorBytes() as counter:
+                model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+            peaks.append(counter.peak)
+        return peaks[1] - peaks[0]
+
+    two, four = rise(2), rise(4)
+    shape = Shape(hidden=hidden, ffn=ffn, layers=2, heads=4, kv_heads=2, vocab=256)
+    planned = estimate([1e6], Layout(seq_len=tokens, fp8=recipe), shape, [2]).fp8
+    assert 0.35 * planned <= two <= planned, (two, planned)
+    assert four == pytest.approx(two, rel=0.1), (two, four)

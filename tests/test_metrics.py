@@ -14,6 +14,7 @@ from training.observation.metrics import (
     StepLogger,
     device_peak_tflops,
     mfu,
+    peak_basis,
     read_final_record,
     write_final_record,
 )
@@ -63,3 +64,25 @@ def test_final_record_comes_last_and_a_resumed_run_replaces_it(tmp_path):
     write_final_record(str(tmp_path), 3, {"peak_memory_mib": [{"host": 520.0}, {"host": 501.0}]})
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("train", 3), ("final", 3)]
+
+
+def test_an_fp8_runs_mfu_is_against_the_bf16_dense_peak_and_its_line_says_so(tmp_path, capsys, monkeypatch):
+    """fp8 divides by the card's bf16 dense peak (not its FP8 one, nor fp32's), so FP8 and bf16 runs compare on one
+    scale: the progress line and the record say which peak; a bf16 run's line stays as it was."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    assert device_peak_tflops("fp32", fp8="rowwise") == device_peak_tflops("bf16") == 989.4
+    assert device_peak_tflops("fp32") == 66.9
+    assert peak_basis("rowwise") == "the bf16 dense peak" and peak_basis(None) == ""
+    assert peak_basis("tensorwise", 1979.0) == "mfu_peak_tflops=1979"
+    for name, basis in (("fp8", peak_basis("rowwise")), ("bf16", peak_basis(None))):
+        (tmp_path / name).mkdir()
+        logger = StepLogger(
+            str(tmp_path / name), 1, 1, True, flops_per_token=1e9, peak_flops=989.4e12, peak_basis=basis
+        )
+        logger.log(1, 2.5, 1e-3, 0.7, tokens=900, label_tokens=300)
+        logger.close()
+    out = capsys.readouterr().out.splitlines()
+    assert "% vs the bf16 dense peak | " in out[0] and " vs " not in out[1]
+    fp8, bf16 = (json.loads((tmp_path / n / "metrics.jsonl").read_text()) for n in ("fp8", "bf16"))
+    assert fp8["mfu_peak"] == "the bf16 dense peak" and "mfu_peak" not in bf16

@@ -61,6 +61,7 @@ AREAS = {
         "test_dpo",
         "test_compile",
         "test_adamw_impl",
+        "test_fp8",
     ],
     "Online RL (GRPO) against Hugging Face and TRL": [
         "test_grpo_training",

@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 pins() { "$ROOT/.venv/bin/python" -c "import tomllib; d = tomllib.load(open('$ROOT/pyproject.toml', 'rb'))['project']['dependencies']; print(next(p for p in d if p.startswith('$1==')))"; }
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp "${platforms[@]}" -d "$OUT" \
-  "$(pins transformers)" "$(pins hydra-core)" "$(pins accelerate)" omegaconf==2.3.0 hjson pydantic pydantic-core annotated-types typing-inspection typing_extensions \
+  "$(pins transformers)" "$(pins hydra-core)" "$(pins accelerate)" "$(pins torchao)" omegaconf==2.3.0 hjson pydantic pydantic-core annotated-types typing-inspection typing_extensions \
   liger-kernel==0.8.5  # kernels=liger, a GPU extra (not a pin of pyproject.toml): needs torch and triton, both in the CUDA image
 python3 -m pip wheel -q --no-deps -w "$OUT" antlr4-python3-runtime==4.9.3  # hydra's parser: a source archive only
 tmp=$(mktemp -d)

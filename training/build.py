@@ -24,6 +24,7 @@ from models.files.hf_stage import is_hf_dir, load_stage_from_hf
 from models.files.peft_adapter import base_record, load_adapter_, load_checkpoint_adapters_
 from models.files.pipeline_dir import full_numel, is_partitioned, load_stage_weights, local_modules, stage_pieces
 from models.files.zero3_load import init_partitioned_, partition_bytes
+from models.fp8 import convert_stage_to_float8_
 from models.grpo import GRPOLoss
 from models.host_memory import peak_rss_mb
 from models.kernels import apply_kernels
@@ -150,7 +151,21 @@ def build_model(resolved: Resolved, topology: ProcessTopology, loss_fn: CausalLM
         attention=attention,
     )
     apply_kernels([model], cfg.kernels)  # kernels=liger: Liger's forwards on this rank's decoder layers
+    if cfg.fp8:  # before the engine (its optimizer takes the same weight parameters, which keep their names)
+        convert_fp8(model, cfg.fp8)
     return model
+
+
+def convert_fp8(model, recipe: str) -> None:
+    """fp8: this rank's decoder-layer projections made torchao Float8Linears (models/fp8.py); one line for the job:
+    how many each rank converted, and the projections torchao cannot take."""
+    reports = on_all_ranks("converting to fp8", lambda: convert_stage_to_float8_(model, recipe))
+    skipped = sorted({name for _, names in reports for name in names})
+    log0(
+        f"fp8={recipe}: {sum(len(c) for c, _ in reports)} linear layers in torchao's Float8Linear "
+        f"({', '.join(str(len(c)) for c, _ in reports)} per rank)"
+        + (f"; left in high precision: {', '.join(skipped)}" if skipped else "")
+    )
 
 
 def init_weights(model, resolved: Resolved, rss_before_model_mib: float) -> list[dict]:

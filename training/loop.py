@@ -26,7 +26,7 @@ from training.grpo import GRPOStep
 from training.moe_balance import BiasBalancer, load_imbalance
 from training.observation.logs import log0
 from training.observation.memory_census import CensusAtStep, StepPeak
-from training.observation.metrics import StepLogger, device_peak_tflops, write_final_record
+from training.observation.metrics import StepLogger, device_peak_tflops, peak_basis, write_final_record
 from training.observation.profiling import StepProfiler
 from training.observation.straggler import ComputeClock
 from training.resilience.all_ranks import StartupError, TrainingStopped, on_all_ranks
@@ -54,7 +54,8 @@ def plan_steps(resolved: Resolved, data: RankData) -> tuple[int, float]:
 def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, start_step: int, total_steps: int) -> None:
     """Steps ``start_step + 1 .. total_steps``: train, check the data order, log, evaluate, save."""
     cfg = resolved.cfg
-    peak = device_peak_tflops(cfg.precision, cfg.mfu_peak_tflops)
+    fp8 = getattr(cfg, "fp8", None)  # an fp8 run's MFU divides by the bf16 dense peak, and its line says so
+    peak = device_peak_tflops(cfg.precision, cfg.mfu_peak_tflops, fp8)
     six_n, attention = flops_per_token(resolved.model_config, resolved.layout.seq_len)
     l = resolved.layout
     axes = {"pipe": l.stages, "tensor": l.tp, "sequence": l.sp, "data": l.dp, "experts": l.ep}  # each record's "layout"
@@ -69,6 +70,7 @@ def train(resolved: Resolved, engine, data: RankData, loss_fn: CausalLMLoss, sta
         layout=axes,
         sources=data.sources,
         sinks=[tracking_run(resolved, axes)] if cfg.monitor.wandb and dist.get_rank() == 0 else None,
+        peak_basis=peak_basis(fp8, cfg.mfu_peak_tflops),
     )
     # train_objective=grpo: generation, rewards and the update (training/grpo.py)
     grpo = GRPOStep(resolved, engine, data.iterator, loss_fn, start_step) if cfg.train_objective == "grpo" else None

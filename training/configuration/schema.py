@@ -336,6 +336,11 @@ class TrainConfig:
     compile: bool = False
     ds_config: str = "zero1"  # DeepSpeed JSON: a name in ds_configs/ (without .json) or a path
     precision: Precision = Precision.bf16  # fp32 | bf16 | fp16 (fp16 needs a CUDA GPU: refused on every CPU)
+    # null: off | rowwise | tensorwise | rowwise_with_gw_hp (torchao's float8 recipes): each stage's decoder-layer
+    # attention and MLP projections trained in FP8 through torchao's Float8Linear, the master weights, checkpoints
+    # and the embedding, LM head and routers as they are (models/fp8.py). Needs compute capability >= 8.9 on CUDA
+    # (emulated on CPU); not with fp16, LoRA, MoE models, tensor or sequence parallelism, DualPipeV.
+    fp8: str | None = None
     micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step per data-parallel rank
     # tokens: an optimizer step's loss is its summed token losses / label tokens of the whole global

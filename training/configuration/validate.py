@@ -16,9 +16,11 @@ from data.checks import data_problems, default_packing
 from data.order_guard import ORDER_CHECK_RULE
 from data.rewards import reward_function_problems
 from data.tokenize_settings import prepared_problems, vocab_problems
+from models.families import moe_spec
 from models.family_gemma4 import training_problems as gemma4_training_problems
 from models.family_qwen3_5 import objective_problems as qwen3_5_objective_problems
 from models.files.pipeline_dir import tags_newer_than_latest
+from models.fp8 import RECIPES, fp8_problems
 from models.kernels import kernel_problems, loss_impl_problems
 from models.lora_rules import peft_change_problems, peft_problems
 from models.loss import logit_softcap
@@ -243,6 +245,7 @@ def resolve(
     )
     problems += adamw_problems(cfg.adamw_impl)
     problems += compile_problems(cfg, model_config, layout)
+    problems += fp8_setting_problems(cfg, model_config, layout)
     problems += bias_update_problems(cfg.moe.bias_update_speed, model_config)
     problems += balance_loss_problems(cfg.moe, model_config, layout.engine, cfg.train_objective)
     problems += qwen3_5_objective_problems(getattr(model_config, "model_type", None), cfg.train_objective)
@@ -267,6 +270,21 @@ def resolve(
         # dict.fromkeys: a rule two checks share (layout_problems and ds_json_conflicts or data_problems) said once
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(dict.fromkeys(problems)))
     return Resolved(cfg, layout, ds_json, model_config, warnings, resume_tag, resume_changes_, reshard, adapted)
+
+
+def fp8_setting_problems(cfg: TrainConfig, model_config, layout: Layout) -> list[str]:
+    """What ``fp8`` does not run with: its own rules (models/fp8.py), each axis's, and the engine's."""
+    moe = model_config is not None and moe_spec(model_config) is not None
+    problems = fp8_problems(cfg.fp8, cfg.precision, cfg.peft.method, getattr(model_config, "model_type", None), moe)
+    if cfg.fp8 not in RECIPES:  # off, or a name that is no recipe (said once, above)
+        return problems
+    for axis in AXES:
+        problems += axis.fp8_problems(layout, cfg.fp8)
+    return problems + layout.engine.pipeline_only(
+        f"fp8={cfg.fp8} with ZeRO-{layout.zero} and num_stages=1 (DeepSpeed's data-parallel engine, its stack "
+        "built partitioned under ZeRO-3): not checked with torchao's Float8Linear: use ds=zero1 (or zero0), or "
+        "set fp8=null"
+    )
 
 
 def objective_problems(cfg: TrainConfig, layout: Layout) -> list[str]:

@@ -31,8 +31,12 @@ HARMLESS_LOG_RECORDS = [
     r"Setting accelerator to CPU",  # said at every import on a machine without a GPU (the CPU tests, the demo)
     # bitsandbytes on CPU (QLoRA) looks for an optional hub kernel at its first 4-bit matmul and uses its own
     r"Failed to load CPU gemm_4bit_forward from kernels-community",
+    # torchao (fp8), imported by transformers' quantizers wherever it is installed: its CUDA-only extensions on a
+    # machine without them, and torch's notice about the Enum it registers with torch.compile
+    r"^Failed to load .*/torchao/_C.*\.so",
+    r"is an Enum subclass and is now natively supported by torch\.compile",
 ]
-FILTERED_LOGGERS = ["DeepSpeed", "bitsandbytes.backends.cpu.ops"]
+FILTERED_LOGGERS = ["DeepSpeed", "bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree"]
 # Lines DeepSpeed prints with print() on every rank.
 HARMLESS_PRINTS = [
     r"^SEED_LAYERS=",  # PipelineModule's seeding settings: this project seeds per spec itself

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 WALK_DEPTH = 4  # optimizer wrapper -> inner optimizer -> state dict -> per-parameter dict -> tensor
 
@@ -98,6 +98,12 @@ class CensusAtStep:
         optimizer.step = counted_step
 
 
+def _counted(t) -> bool:
+    """Whether ``t`` has storage of its own to count: a wrapper subclass (torchao's float8 tensors) has none, the
+    tensors it wraps pass through the mode as they are made."""
+    return isinstance(t, torch.Tensor) and t.device.type != "meta" and not is_traceable_wrapper_subclass(t)
+
+
 class LiveTensorBytes(TorchDispatchMode):
     """Bytes of the tensor storages created while it is active and still alive, and their peak: what a
     GPU's caching allocator counts as allocated, on any device. Every operator's outputs pass through
@@ -113,11 +119,11 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Inputs first: a storage that existed before (a weight) is not new when an op returns a view of it.
         for t in torch.utils._pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if _counted(t):
                 self._see(t.untyped_storage(), new=False)
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if _counted(t):
                 self._see(t.untyped_storage(), new=True)
         return out
 

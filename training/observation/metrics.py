@@ -28,9 +28,12 @@ PEAK_TFLOPS = [
 FINAL = "final"  # the kind of metrics.jsonl's last record: the run's final figures
 
 
-def device_peak_tflops(precision: str, override: float = 0.0) -> float | None:
+def device_peak_tflops(precision: str, override: float = 0.0, fp8: str | None = None) -> float | None:
     """Peak TFLOP/s of one device for ``precision``: ``override`` when set, else the table's entry for this
-    GPU; None on a device the table does not know (a CPU: MFU is then omitted)."""
+    GPU; None on a device the table does not know (a CPU: MFU is then omitted). An ``fp8`` run (its recipe) takes
+    the bf16 dense peak, not the card's FP8 one: FP8 and bf16 runs compare on one scale (:func:`peak_basis`)."""
+    if fp8:
+        precision = "bf16"
     if override > 0:
         return override
     import torch
@@ -42,6 +45,14 @@ def device_peak_tflops(precision: str, override: float = 0.0) -> float | None:
         if all(w in name for w in words.split()):
             return single if precision == "fp32" else half
     return None
+
+
+def peak_basis(fp8: str | None, override: float = 0.0) -> str:
+    """What an fp8 run's MFU is measured against, for its progress line and records ("" for any other run, whose
+    peak is its precision's): the bf16 dense peak of the table, or mfu_peak_tflops where set."""
+    if not fp8:
+        return ""
+    return f"mfu_peak_tflops={override:g}" if override > 0 else "the bf16 dense peak"
 
 
 def peak_gpu_mb() -> float | None:
@@ -67,7 +78,8 @@ class StepLogger:
     ``label_tokens`` the tokens the loss was taken over (its denominator with loss_normalization=tokens);
     ``padding`` is the share of the tokens computed on (``fed_tokens``, the rows as fed) that were padding;
     with a mixture (``sources``), ``source_tokens`` gives the step's real tokens per source.
-    ``mfu`` is written and printed where the job's peak FLOP/s is known (``peak_flops``, all devices), and
+    ``mfu`` is written and printed where the job's peak FLOP/s is known (``peak_flops``, all devices; an fp8 run's
+    ``mfu_peak`` and line name that peak, ``peak_basis``), and
     ``peak_gpu_mb`` (rank 0's peak of allocated GPU memory) on a CUDA device.
     ``compute_s`` (pipeline engine): the slowest rank's compute seconds in the step, which rank, and the median
     (training/observation/straggler.py). Each train record carries the run's ``layout`` (``{"pipe": P, "tensor": T,
@@ -89,10 +101,12 @@ class StepLogger:
         layout: dict[str, int] | None = None,
         sources: list[str] | None = None,
         sinks: list | None = None,
+        peak_basis: str = "",
     ):
         self.active, self.max_steps, self.log_steps, self.layout = active, max_steps, log_steps, layout
         self.sources = sources or []  # a mixture's source names (data.sources)
         self.start_step, self.flops_per_token, self.peak_flops = start_step, flops_per_token, peak_flops
+        self.peak_basis = peak_basis  # an fp8 run's: the line says which peak its MFU divides by (peak_basis)
         # called with every record as it is written (training/observation/tracking.py's W&B run)
         self.sinks = sinks or []
         self.start = self.last = time.time()
@@ -163,6 +177,8 @@ class StepLogger:
             }
         if self.peak_flops:
             record["mfu"] = round(mfu(tokens / step_s, self.flops_per_token, self.peak_flops), 4)
+            if self.peak_basis:
+                record["mfu_peak"] = self.peak_basis
         record.update(extra or {})
         record.update(fields or {})
         self._write(record)
@@ -171,6 +187,7 @@ class StepLogger:
         eta = (now - self.start) / (step - self.start_step) * (self.max_steps - step)
         gn = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
         util = f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
+        util += f" vs {self.peak_basis}" if util and self.peak_basis else ""
         pad = "" if record["padding"] is None else f" ({100 * record['padding']:.0f}% padding)"
         gpu = f"peak GPU {record['peak_gpu_mb']:.0f} MiB | " if "peak_gpu_mb" in record else ""
         c = record.get("compute_s")
