@@ -84,7 +84,9 @@ def convert_stage_to_float8_(module: nn.Module, recipe: str) -> tuple[list[str],
     return [fqn for fqn, m in module.named_modules() if isinstance(m, Float8Linear)], skipped
 
 
-def fp8_problems(recipe: str | None, precision: str, peft_method: str, model_type: str | None, moe: bool) -> list[str]:
+def fp8_problems(
+    recipe: str | None, precision: str, peft_method: str, model_type: str | None, moe: bool, kernels: str = "none"
+) -> list[str]:
     """What ``fp8`` = ``recipe`` does not run with (the settings' own names; the parallel axes' rules are theirs),
     one line each with the setting to change; [] when fp8 is off."""
     if recipe is None:
@@ -115,5 +117,10 @@ def fp8_problems(recipe: str | None, precision: str, peft_method: str, model_typ
             f"fp8={recipe} with the Mixture-of-Experts model_type {model_type}: its experts are 3-D parameters "
             "torchao does not convert, only the attention (and any shared-expert MLP) would be, and that is not "
             "checked against the reference: set fp8=null (dense families: llama, mistral, qwen2, qwen3)"
+        )
+    if kernels != "none":
+        problems.append(
+            f"fp8={recipe} with kernels={kernels}: Liger's fused modules and torchao's Float8Linear are not checked "
+            "together (Liger runs on CUDA only; the GPU check has not run them): set kernels=none, or fp8=null"
         )
     return problems

@@ -43,11 +43,12 @@ def test_fp8_problems_all_at_once():
     assert fp8_problems(None, "fp16", "lora", "mixtral", True) == []  # off: nothing asked
     bad = fp8_problems("e4m3", "bf16", "none", "llama", False)
     assert bad == [f"fp8=e4m3 is not a torchao recipe: set fp8 to one of {', '.join(RECIPES)}, or null (off)"]
-    lines = fp8_problems("rowwise", "fp16", "qlora", "mixtral", True)
+    lines = fp8_problems("rowwise", "fp16", "qlora", "mixtral", True, "liger")
     assert [line.split(":")[0] for line in lines] == [
         "fp8=rowwise with precision=fp16",
         "fp8=rowwise with peft.method=qlora",
         "fp8=rowwise with the Mixture-of-Experts model_type mixtral",
+        "fp8=rowwise with kernels=liger",
     ]
     assert all("fp8=null" in line for line in lines)  # each names the knob to change
     assert fp8_problems("tensorwise", "fp32", "none", "llama", False) == []  # CPU: runs (emulated)

@@ -275,7 +275,8 @@ def resolve(
 def fp8_setting_problems(cfg: TrainConfig, model_config, layout: Layout) -> list[str]:
     """What ``fp8`` does not run with: its own rules (models/fp8.py), each axis's, and the engine's."""
     moe = model_config is not None and moe_spec(model_config) is not None
-    problems = fp8_problems(cfg.fp8, cfg.precision, cfg.peft.method, getattr(model_config, "model_type", None), moe)
+    model_type = getattr(model_config, "model_type", None)
+    problems = fp8_problems(cfg.fp8, cfg.precision, cfg.peft.method, model_type, moe, cfg.kernels)
     if cfg.fp8 not in RECIPES:  # off, or a name that is no recipe (said once, above)
         return problems
     for axis in AXES:
