@@ -1,16 +1,17 @@
 """``fp8`` (torchao's float8 training, models/fp8.py): its validation lines, which linears its filter converts, and
 a tiny Llama's stages converted with a recipe computing what torchao's conversion of ``LlamaForCausalLM`` computes.
 
-The parity runs in fp32 on CPU, where torchao emulates the float8 matmuls exactly: the stages chained in one process,
-and pipe 2 x data 2 for 5 steps (then resumed from step 3 without fp8) against the converted model's AdamW loop; a
-filter that also converts the LM head, or a stage left unconverted, misses by far more than the tolerance. The 4-rank
-run feeds rows of one document each and the loss unchunked: there every float8 cast sees bit-identical inputs; packed
-rows or the chunked loss differ from Hugging Face's by fp32 rounding, which flips e4m3 roundings that AdamW amplifies
-(docs/speed.md gives the figures).
+The parity runs in fp32 on CPU, where torchao emulates the float8 matmuls exactly: the stages chained in one process
+(and compiled with aot_eager), and pipe 2 x data 2 for 5 steps (its step-3 checkpoint resumed without fp8, and a run
+without fp8 resumed from step 3 with it) against the converted model's AdamW loop; a filter that also converts the
+LM head, or a stage left unconverted, misses by far more than the tolerance. The 4-rank run feeds rows of one document
+each and the loss unchunked: there every float8 cast sees bit-identical inputs; packed rows or the chunked loss differ
+from Hugging Face's by fp32 rounding, which flips e4m3 roundings that AdamW amplifies (docs/speed.md gives the figures).
 """
 
 from __future__ import annotations
 
+import copy
 import shutil
 import time
 
@@ -195,6 +196,43 @@ def test_state_dict_round_trip_across_fp8():
         assert torch.equal(a, b), name
 
 
+def loss_and_grads(funcs, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    input_ids, position_ids, labels = batch
+    params = [p for f in funcs for p in module_of(f).parameters()]
+    for p in params:
+        p.grad = None
+    loss = causal_lm_loss(run_chain(funcs, input_ids, position_ids), labels)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in params]
+
+
+@pytest.mark.slow
+def test_compiled_fp8_stages_equal_the_uncompiled(dynamo_without_guard_timing):
+    """compile=true with fp8: each layer of the converted stages compiled in place as DeepSpeed's
+    PipelineModule.compile does (training/compile.py), with aot_eager: dynamo's capture and AOTAutograd's joint graph
+    through torchao's float8 casts and scaled matmuls, no codegen (inductor, train.py's CPU backend, is the same
+    graphs lowered). Loss and every gradient equal the uncompiled converted stages'."""
+    from torch._dynamo.utils import counters  # seconds to import: not at collection
+    from torchao.float8.float8_linear import Float8Linear
+
+    funcs, hf, batch = fp8_pair()
+    compiled = copy.deepcopy(funcs)
+    for layer in compiled:
+        layer.compile(backend="aot_eager")  # every spec of an untied Llama is a module
+    torch._dynamo.reset()
+    counters.clear()
+    loss, grads = loss_and_grads(funcs, batch)
+    compiled_loss, compiled_grads = loss_and_grads(compiled, batch)
+    worst = max(
+        [abs(compiled_loss.item() - loss.item()) / abs(loss.item())]
+        + [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled_grads, grads, strict=True)]
+    )
+    assert worst < REL_TOL, worst
+    assert counters["stats"]["unique_graphs"] > 0  # it did compile
+    assert sum(isinstance(m, Float8Linear) for f in compiled for m in module_of(f).modules()) == 28
+    assert relative_miss(compiled, hf, batch) < REL_TOL  # and equals torchao's converted LlamaForCausalLM
+
+
 def step_seconds(funcs, batch, repeats: int = 3) -> float:
     input_ids, position_ids, labels = batch
     start = time.perf_counter()
@@ -243,10 +281,16 @@ def unconvert_(model: nn.Module) -> None:
 
 
 def fp8_reference_run(
-    hf_dir: str, steps: list[list], recipe: str, hf_filter=float8_filter, plain_from: int | None = None
+    hf_dir: str,
+    steps: list[list],
+    recipe: str,
+    hf_filter=float8_filter,
+    plain_from: int | None = None,
+    fp8_from: int = 0,
 ) -> tuple[list[float], nn.Module]:
     """sft_reference_run's loop (tests/support/parity.py) over ``LlamaForCausalLM`` converted by torchao with
-    ``recipe`` and ``hf_filter``; from step ``plain_from`` + 1 on without fp8 (a resume with fp8=null)."""
+    ``recipe`` and ``hf_filter`` before step ``fp8_from`` + 1 (a resume with fp8 on when > 0); from step
+    ``plain_from`` + 1 on without fp8 (a resume with fp8=null). The optimizer holds the same parameters throughout."""
     from transformers import AutoModelForCausalLM
 
     from models.loss import label_tokens
@@ -255,7 +299,6 @@ def fp8_reference_run(
     from training.optim import lr_lambda, param_groups
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
-    convert_to_float8_(model, recipe, hf_filter)
     cfg = TrainConfig(optim=OptimConfig(**SFT_OPTIM))
     opt = torch.optim.AdamW(
         param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps
@@ -263,6 +306,8 @@ def fp8_reference_run(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, STEPS))
     losses = []
     for step, micro_batches in enumerate(steps):
+        if step == fp8_from:
+            convert_to_float8_(model, recipe, hf_filter)  # torchao's Float8Linear takes the nn.Linear's parameters
         if step == plain_from:
             unconvert_(model)
         n = sum(label_tokens(labels) for _, labels in micro_batches)
@@ -311,11 +356,19 @@ def test_pipe2_data2_fp8_equals_the_converted_hugging_face_loop(tmp_path, tokeni
     start = time.perf_counter()
     proc = launch("run", "rowwise")
     seconds = time.perf_counter() - start
-    # The step-3 checkpoint resumed without fp8, as a crash right after saving it would leave the run.
-    shutil.copytree(tmp_path / "run", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / f"global_step{STEPS}")
-    (tmp_path / "resumed" / "latest").write_text("global_step3")
-    resumed_log = launch("resumed", "null").stdout
+
+    def from_step_3(run: str, name: str, fp8: str):
+        """``run``'s step-3 checkpoint resumed with ``fp8``, as a crash right after saving it would leave the run."""
+        shutil.copytree(tmp_path / run, tmp_path / name)
+        shutil.rmtree(tmp_path / name / f"global_step{STEPS}")
+        (tmp_path / name / "latest").write_text("global_step3")
+        return launch(name, fp8)
+
+    resumed_log = from_step_3("run", "resumed", "null").stdout
+    # The other way: a run without fp8 (all 5 steps: its cosine schedule over 3 would move steps 2-3) resumed with it.
+    launch("plain", "null")
+    fp8_resumed = from_step_3("plain", "fp8_resumed", "rowwise")
+    fp8_resumed_log = fp8_resumed.stdout + fp8_resumed.stderr
     assert (
         "fp8=rowwise: 56 linear layers in torchao's Float8Linear (14, 14, 14, 14 per rank)" in proc.stdout + proc.stderr
     )
@@ -325,11 +378,11 @@ def test_pipe2_data2_fp8_equals_the_converted_hugging_face_loop(tmp_path, tokeni
     loss_diff = max(rel(m["loss"], r) for m, r in zip(metrics, losses, strict=True))
     trained = trained_weights(str(tmp_path / "run"), load_config(hf_dir))
     weight_diff = max_rel_weight_diff(trained, model)
-    misses = {}
+    misses, wrong_models = {}, {}
     for name, hf_filter in WRONG_FILTERS.items():
-        wrong, wrong_model = fp8_reference_run(hf_dir, steps, "rowwise", hf_filter)
+        wrong, wrong_models[name] = fp8_reference_run(hf_dir, steps, "rowwise", hf_filter)
         loss_miss = max(rel(m["loss"], r) for m, r in zip(metrics, wrong, strict=True))
-        misses[name] = (loss_miss, max_rel_weight_diff(trained, wrong_model))
+        misses[name] = (loss_miss, max_rel_weight_diff(trained, wrong_models[name]))
     print(
         f"\n[fp8] pipe 2 x data 2, {STEPS} steps in {seconds:.1f} s: loss {loss_diff:.2e}, weights {weight_diff:.2e}; "
         + ", ".join(f"{name}: loss {loss:.1e}, weights {weights:.1e}" for name, (loss, weights) in misses.items())
@@ -347,3 +400,18 @@ def test_pipe2_data2_fp8_equals_the_converted_hugging_face_loop(tmp_path, tokeni
     print(f"[fp8] resumed at step 3 without fp8: loss {resumed_diff:.2e}, weights {resumed_weights:.2e}")
     assert resumed_diff < REL_TOL and resumed_weights < REL_TOL
     assert max_rel_weight_diff(resumed_trained, model) > 10 * REL_TOL  # steps 4-5 really ran without fp8
+
+    assert f"steps 4..{STEPS} (resumed from global_step3)" in fp8_resumed_log
+    assert "fp8=rowwise: 56 linear layers in torchao's Float8Linear" in fp8_resumed_log
+    fp8_losses, fp8_model = fp8_reference_run(hf_dir, steps, "rowwise", fp8_from=3)
+    fp8_resumed = [m["loss"] for m in read_metrics(str(tmp_path / "fp8_resumed")) if m["step"] > 3]
+    fp8_resumed_diff = max(rel(loss, r) for loss, r in zip(fp8_resumed, fp8_losses[3:], strict=True))
+    fp8_trained = trained_weights(str(tmp_path / "fp8_resumed"), load_config(hf_dir))
+    fp8_resumed_weights = max_rel_weight_diff(fp8_trained, fp8_model)
+    plain_miss = max_rel_weight_diff(fp8_trained, wrong_models["no fp8"])
+    print(
+        f"[fp8] resumed at step 3 with fp8 (run without): loss {fp8_resumed_diff:.2e}, weights "
+        f"{fp8_resumed_weights:.2e}; against no fp8 at all: weights {plain_miss:.1e}"
+    )
+    assert fp8_resumed_diff < REL_TOL and fp8_resumed_weights < REL_TOL
+    assert plain_miss > 10 * REL_TOL  # steps 4-5 really ran in fp8
