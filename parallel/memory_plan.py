@@ -160,7 +160,6 @@ def reduce_bucket_elements(total_params: float) -> int:
 
 
 NF4_BYTES = 0.5 + 4 / 64  # QLoRA: bytes per quantised weight (4 bits + bitsandbytes' fp32 absmax per 64)
-FP8_RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
 FP8_CAST_BYTES = 8  # an eager cast's scaled and clamped fp32 copies, per element of the tensor cast
 ROW_PARALLEL = ("o_proj", "down_proj")  # the linears tensor parallelism splits by their input (the rest: output)
 

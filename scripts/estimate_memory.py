@@ -36,6 +36,7 @@ from training.observation.logs import quiet_dependencies  # noqa: E402
 
 quiet_dependencies("warning")  # before models.llama_pipe imports DeepSpeed (training/observation/logs.py)
 
+from models.fp8 import RECIPES  # noqa: E402
 from models.peft_targets import DECODER_LINEARS  # noqa: E402
 from parallel.axes import AXES  # noqa: E402
 from parallel.axis import RuleSettings  # noqa: E402
@@ -44,7 +45,6 @@ from parallel.expert_parallel import ExpertParallelPlan  # noqa: E402
 from parallel.generation_memory import cache_windows, generation_plan, prompt_tokens  # noqa: E402
 from parallel.layout import GenerationBatch, Layout, count_arg, layout_problems  # noqa: E402
 from parallel.memory_plan import (  # noqa: E402
-    FP8_RECIPES,
     GB,
     OFFLOADS,
     expert_all_to_all_step_bytes,
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--fp8",
-        choices=FP8_RECIPES,
+        choices=RECIPES,
         help="train.py's fp8: count torchao's float8 casts of the decoder linears (default: off)",
     )
     p.add_argument("--gpus", type=count_arg(1), help="with --gpu-mem: list the layouts that fit")
