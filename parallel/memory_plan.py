@@ -142,7 +142,7 @@ from models.family_gpt_oss import _EXTRA as SINK_FEATURES  # the features its si
 from models.family_qwen3_5 import LINEAR_ATTENTION
 from models.lora_rules import peft_layout_problems
 from models.moe_counts import MoEShape, moe_shape
-from parallel.axes import AXES
+from parallel.axes import AXES, fp8_layout_problems, grpo_layout_problems
 from parallel.axis import ModelFacts
 from parallel.layout import GenerationBatch, Layout, layout_problems, tp_dividing
 from parallel.schedule_sim import simulated
@@ -761,13 +761,9 @@ def refusals_of(layout: Layout, gpus: int, num_layers: int | None, shape: Shape 
     for axis in AXES:
         problems += axis.layout_problems(layout, model)
     if layout.generation is not None:
-        problems += layout.engine.needs_pipeline("train_objective=grpo")
-        for axis in AXES:
-            problems += axis.objective_problems(layout, "grpo")
+        problems += grpo_layout_problems(layout)
     if layout.fp8:
-        problems += layout.engine.needs_pipeline(f"fp8={layout.fp8}")
-        for axis in AXES:
-            problems += axis.fp8_problems(layout, layout.fp8)
+        problems += fp8_layout_problems(layout, layout.fp8)
     return problems + peft_layout_problems(layout)
 
 

@@ -36,9 +36,9 @@ from training.observation.logs import quiet_dependencies  # noqa: E402
 
 quiet_dependencies("warning")  # before models.llama_pipe imports DeepSpeed (training/observation/logs.py)
 
-from models.fp8 import RECIPES  # noqa: E402
+from models.fp8 import RECIPES, fp8_objective_problems  # noqa: E402
 from models.peft_targets import DECODER_LINEARS  # noqa: E402
-from parallel.axes import AXES  # noqa: E402
+from parallel.axes import fp8_layout_problems, grpo_layout_problems  # noqa: E402
 from parallel.axis import RuleSettings  # noqa: E402
 from parallel.dualpipev import DualPipeVPlan  # noqa: E402
 from parallel.expert_parallel import ExpertParallelPlan  # noqa: E402
@@ -214,9 +214,11 @@ def lora(args) -> tuple[int, tuple[str, ...], bool]:
 
 
 def fp8(args) -> str | None:
-    """--fp8's recipe (None: off); it needs an architecture, the linears' widths."""
+    """--fp8's recipe (None: off); it needs an architecture, the linears' widths, and an objective it runs with
+    (train.py's rule, the same for every layout)."""
     if args.fp8 and not args.model_config_given:
         raise SystemExit("--fp8 needs an architecture (a conf/model name or a config.json), not a bare count")
+    refuse(fp8_objective_problems(args.fp8, "grpo" if args.grpo_completion_length else "sft"))
     return args.fp8
 
 
@@ -277,12 +279,10 @@ def train_problems(config, layout: Layout, args) -> list[str]:
     problems = TensorParallelPlan.problems(cfg, config, layout) + SequenceParallelPlan.problems(cfg, config, layout)
     problems += DualPipeVPlan.problems(cfg, config, layout)
     problems += ExpertParallelPlan.layout_problems(layout, model_facts(shape_of(config)), RuleSettings.of(cfg))
-    if layout.generation is not None:  # train_objective=grpo's rules on the layout, as the fit search asks them
-        problems += layout.engine.needs_pipeline("train_objective=grpo", cfg.ds_config)
-        problems += [p for axis in AXES for p in axis.objective_problems(layout, "grpo")]
-    if layout.fp8:  # fp8's rules on the layout, as the fit search asks them
-        problems += layout.engine.needs_pipeline(f"fp8={layout.fp8}", cfg.ds_config)
-        problems += [p for axis in AXES for p in axis.fp8_problems(layout, layout.fp8)]
+    if layout.generation is not None:
+        problems += grpo_layout_problems(layout, cfg.ds_config)
+    if layout.fp8:
+        problems += fp8_layout_problems(layout, layout.fp8, cfg.ds_config)
     return problems + (peft_problems(cfg, config, layout) if layout.lora_rank else [])
 
 

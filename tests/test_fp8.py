@@ -7,6 +7,9 @@ without fp8 resumed from step 3 with it) against the converted model's AdamW loo
 LM head, or a stage left unconverted, misses by far more than the tolerance. The 4-rank run feeds rows of one document
 each and the loss unchunked: there every float8 cast sees bit-identical inputs; packed rows or the chunked loss differ
 from Hugging Face's by fp32 rounding, which flips e4m3 roundings that AdamW amplifies (docs/speed.md gives the figures).
+train_objective=dpo in one process: the reference pass through the same converted stages and 3 steps of the DPO loss
+against the converted model's loop with its own reference log-probabilities (a head converted too, a reference without
+fp8, or no fp8 miss by far); train_objective=grpo refused, in train.py's validation and scripts/estimate_memory.py.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from models.fp8 import (
     convert_stage_to_float8_,
     convert_to_float8_,
     float8_filter,
+    fp8_objective_problems,
     fp8_problems,
     skipped_projections,
 )
 from models.llama_pipe import build_sequential
-from models.loss import causal_lm_loss
+from models.loss import IGNORE_INDEX, PreferenceLoss, causal_lm_loss, sequence_logps
 from models.tiny import tiny_config
 from parallel.layout import Layout
 from tests.test_stage_parity import copy_hf_weights, module_of, parity_batch, run_chain
@@ -55,6 +59,30 @@ def test_fp8_problems_all_at_once():
     assert fp8_problems("tensorwise", "fp32", "none", "llama", False) == []  # CPU: runs (emulated)
 
 
+def test_fp8_with_grpo_refused_in_one_line():
+    (line,) = fp8_objective_problems("rowwise", "grpo")
+    assert line.startswith("fp8=rowwise with train_objective=grpo: the completions generated through the stages' ")
+    assert "not checked against TRL's GRPOTrainer" in line and line.endswith("leave fp8 off (fp8=null)")
+    assert fp8_objective_problems("tensorwise", "dpo") == fp8_objective_problems("rowwise", "sft") == []
+    assert fp8_objective_problems(None, "grpo") == fp8_objective_problems("e4m3", "grpo") == []  # off, or no recipe
+
+
+def test_estimate_memory_fits_no_grpo_layout_with_fp8(capsys):
+    """train.py's line in the script's flags, for one layout and for the fit search alike."""
+    from tests.support.scripts import load_entry_point
+
+    script = load_entry_point("scripts/estimate_memory.py")
+    flags = ["--model", "llama3-8b", "--seq-len", "1536", "--grpo-completion-length", "1024", "--fp8", "rowwise"]
+    for layout in (["--stages", "2", "--dp", "4"], ["--gpus", "8", "--gpu-mem", "80"]):
+        with pytest.raises(SystemExit):
+            script.main([*flags, *layout])
+        assert capsys.readouterr().err == (
+            "estimate_memory.py: error: --fp8 rowwise with --grpo-completion-length: the completions generated "
+            "through the stages' Float8Linears and the old and reference log-probabilities are not checked against "
+            "TRL's GRPOTrainer with a torchao-converted model: leave fp8 off (no --fp8)\n"
+        )
+
+
 def test_fp8_refused_on_a_gpu_without_float8(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
@@ -77,8 +105,8 @@ def test_fp8_axes_and_engine_refused_together():
         "fp8=rowwise with pipeline_schedule=dualpipev",
     ]
     data_parallel_engine = Layout(stages=1, dp=2, zero=3)
-    (line,) = fp8_setting_problems(TrainConfig(fp8="rowwise"), tiny_config(), data_parallel_engine)
-    assert line.startswith("fp8=rowwise with ZeRO-3 and num_stages=1")
+    (line,) = fp8_setting_problems(TrainConfig(fp8="rowwise", ds_config="zero3"), tiny_config(), data_parallel_engine)
+    assert line.startswith("fp8=rowwise runs on the pipeline engine; num_stages=1 with ds=zero3 (ZeRO 3)")
     assert fp8_setting_problems(TrainConfig(fp8="rowwise"), tiny_config(), Layout(stages=2, dp=2, zero=1)) == []
     assert len(fp8_setting_problems(TrainConfig(fp8="fp8"), tiny_config(), layout)) == 1  # the name alone
 
@@ -87,13 +115,14 @@ def test_train_config_refuses_before_start(tmp_path, tiny_hf):
     data = tmp_path / "train.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
     cfg = TrainConfig(model_name_or_path=tiny_hf, data=DataConfig(train_file=str(data)), num_stages=2)
-    cfg.fp8, cfg.tensor_parallel, cfg.optim.lr = "rowwise", 2, -1.0
+    cfg.fp8, cfg.tensor_parallel, cfg.optim.lr, cfg.train_objective = "rowwise", 2, -1.0, "grpo"
     with pytest.raises(ConfigError) as err:
         resolve(cfg, world_size=4)
     lines = str(err.value).splitlines()
     assert any(line.startswith("  fp8=rowwise with tensor_parallel 2:") for line in lines)
     assert any(line.startswith("  optim.lr -1 < 0") for line in lines)  # with the other problems
-    cfg.fp8, cfg.tensor_parallel, cfg.optim.lr = "tensorwise", 1, 1e-4
+    assert any(line.startswith("  fp8=rowwise with train_objective=grpo:") for line in lines)
+    cfg.fp8, cfg.tensor_parallel, cfg.optim.lr, cfg.train_objective = "tensorwise", 1, 1e-4, "sft"
     assert resolve(cfg, world_size=2).cfg.fp8 == "tensorwise"
 
 
@@ -415,3 +444,133 @@ def test_pipe2_data2_fp8_equals_the_converted_hugging_face_loop(tmp_path, tokeni
     )
     assert fp8_resumed_diff < REL_TOL and fp8_resumed_weights < REL_TOL
     assert plain_miss > 10 * REL_TOL  # steps 4-5 really ran in fp8
+
+
+# -- train_objective=dpo: the reference pass through the same converted stages --------------------------------
+
+DPO_BETA, DPO_LR, DPO_STEPS, PAIRS, PROMPT = 0.1, 5e-3, 3, 4, 12
+
+
+def dpo_batches(vocab_size: int, seq: int = 48, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
+    """Each step's pairs as collate_pairs lays them out: (input_ids, position_ids, labels) [2B,S], the B chosen rows
+    then the B rejected ones, each pair's prompt shared and masked in the labels, padding at the end."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(DPO_STEPS):
+        ids = torch.randint(0, vocab_size, (2 * PAIRS, seq), generator=g)
+        ids[PAIRS:, :PROMPT] = ids[:PAIRS, :PROMPT]
+        labels = ids.clone()
+        labels[:, :PROMPT] = IGNORE_INDEX
+        padding = torch.arange(seq) >= torch.randint(seq // 2, seq + 1, (2 * PAIRS, 1), generator=g)
+        ids[padding], labels[padding] = 0, IGNORE_INDEX
+        batches.append((ids, torch.arange(seq).repeat(2 * PAIRS, 1), labels))
+    return batches
+
+
+def stage_dpo_run(funcs, batches) -> list[float]:
+    """train.py's DPO on the chained stages: the reference pass first (training/dpo.py's compute_reference: forward
+    only through the same stages, eval mode, the loss recording each pair's log-probabilities), then AdamW steps of
+    PreferenceLoss. Returns each step's loss."""
+    loss_fn = PreferenceLoss(0, DPO_BETA, "sigmoid")
+    modules = [module_of(f) for f in funcs]
+    unknown = torch.full((2 * PAIRS,), float("nan"), dtype=torch.float64)
+    loss_fn.recording = []
+    with torch.no_grad():
+        for m in modules:
+            m.eval()
+        for step, (ids, pos, labels) in enumerate(batches):
+            loss_fn(run_chain(funcs, ids, pos), (labels, torch.arange(PAIRS) + step * PAIRS, unknown))
+        for m in modules:
+            m.train()
+    references, loss_fn.recording = [logps.double() for _, logps in loss_fn.recording], None
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=DPO_LR, betas=(0.9, 0.95), eps=1e-8)
+    losses = []
+    for step, ((ids, pos, labels), reference) in enumerate(zip(batches, references, strict=True)):
+        loss = loss_fn(run_chain(funcs, ids, pos), (labels, torch.arange(PAIRS) + step * PAIRS, reference))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def completion_logps(model, ids, pos, labels) -> torch.Tensor:
+    """Each row's completion log-probability [2B] from the model's logits, as the reference table holds it (float64).
+    sequence_logps, the loss's own (TRL's sum, tests/test_dpo.py): another fp32 summation order would round the
+    gradients reaching the float8 casts differently, and AdamW amplifies each flipped e4m3 rounding."""
+    return sequence_logps(model(input_ids=ids, position_ids=pos, use_cache=False).logits, labels).double()
+
+
+def hf_dpo_run(hf, batches, reference=None) -> list[float]:
+    """DPOTrainer's loop on ``hf`` (the torchao-converted model) with precompute_ref_log_probs: every pair's reference
+    log-probabilities first, by ``hf`` itself under no_grad (or by ``reference``), then TRL's sigmoid loss and AdamW.
+    Returns each step's loss."""
+    from tests.test_dpo import dpo_formula
+
+    with torch.no_grad():
+        references = [completion_logps(hf if reference is None else reference, *batch) for batch in batches]
+    opt = torch.optim.AdamW(hf.parameters(), lr=DPO_LR, betas=(0.9, 0.95), eps=1e-8)
+    losses = []
+    for batch, ref in zip(batches, references, strict=True):
+        loss = dpo_formula(*completion_logps(hf, *batch).chunk(2), *ref.chunk(2), DPO_BETA, "sigmoid")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def weights_miss(funcs, hf) -> float:
+    """The largest difference of a stage's weight from ``hf``'s, relative to that tensor's largest magnitude."""
+    from models.specs import spec_layout
+
+    worst = 0.0
+    for info in spec_layout(hf.config):
+        if info.owns_file:
+            for key, param in module_of(funcs[info.index]).named_parameters():
+                ref = hf.get_parameter(info.hf_prefix + key)
+                worst = max(worst, ((param - ref).abs().max() / ref.abs().max()).item())
+    return worst
+
+
+def dpo_miss(hf_filter=float8_filter, plain_reference: bool = False) -> tuple[float, float]:
+    """(loss, weights) of train.py's DPO on converted stages against the Hugging Face loop on the model torchao
+    converts with ``hf_filter`` (``plain_reference``: its reference an unconverted copy, DPOTrainer's default when
+    handed a converted policy: it loads the reference from the model's path), after DPO_STEPS steps."""
+    funcs, hf, _ = fp8_pair(hf_filter=hf_filter)
+    reference = None
+    if plain_reference:
+        reference = copy.deepcopy(hf)
+        unconvert_(reference)
+    batches = dpo_batches(hf.config.vocab_size)
+    ours, theirs = stage_dpo_run(funcs, batches), hf_dpo_run(hf, batches, reference)
+    return max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True)), weights_miss(funcs, hf)
+
+
+def test_the_dpo_reference_is_stored_per_fp8_recipe(tmp_path):
+    """A run with fp8 never reads a reference table computed without it (or with another recipe): the key names it."""
+    from training.dpo import reference_key
+
+    (tmp_path / "model.safetensors").write_bytes(b"0")
+    keys = [reference_key(TrainConfig(model_name_or_path=str(tmp_path), fp8=fp8), None) for fp8 in (None, *RECIPES)]
+    assert len(set(keys)) == 1 + len(RECIPES)
+
+
+@pytest.mark.slow
+def test_dpo_with_fp8_equals_the_converted_hugging_face_loop(capsys):
+    """fp8=rowwise with train_objective=dpo: the reference log-probabilities from the same converted stages (the
+    reference pass), then 3 steps, against DPOTrainer's loop on torchao's converted model: loss and weights within
+    REL_TOL; the head converted too, the reference without fp8 or no fp8 at all miss by far."""
+    loss, weights = dpo_miss()
+    misses = {
+        "head converted too": dpo_miss(lambda module, fqn: float8_filter(module, fqn) or fqn == "lm_head"),
+        "reference without fp8": dpo_miss(plain_reference=True),
+        "no fp8": dpo_miss(lambda module, fqn: False),
+    }
+    with capsys.disabled():
+        print(
+            f"\n[fp8] DPO, {DPO_STEPS} steps: loss {loss:.2e}, weights {weights:.2e}; "
+            + ", ".join(f"{name}: loss {a:.1e}, weights {b:.1e}" for name, (a, b) in misses.items())
+        )
+    assert loss < REL_TOL and weights < REL_TOL
+    assert all(max(miss) > 100 * REL_TOL for miss in misses.values()), misses

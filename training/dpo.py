@@ -1,11 +1,12 @@
 """train_objective=dpo: the reference log-probabilities of every pair, and the step's DPO metrics.
 
 The reference is the starting model, as in TRL: one forward-only pass through the same pipeline (the same
-stages, layout and precision as training) before the first step computes each pair's summed log-probability of
-its chosen and rejected completion; the DPO loss then reads them with the pair's labels, and no second model is
-kept. For LoRA the starting model is the base with its starting adapters: PEFT's fresh ones change nothing (B = 0:
-the base, what TRL's disabled adapters give), a peft.init_from adapter is part of it (what TRL's "ref" copy of a
-pretrained adapter gives). The table, float64 [pairs, 2] per cache entry, is stored inside
+stages, layout and precision as training; with fp8 the same torchao Float8Linears, what DPOTrainer's
+precompute_ref_log_probs gives on a converted model, so every margin starts at 0) before the first step computes each
+pair's summed log-probability of its chosen and rejected completion; the DPO loss then reads them with the pair's
+labels, and no second model is kept. For LoRA the starting model is the base with its starting adapters: PEFT's
+fresh ones change nothing (B = 0: the base, what TRL's disabled adapters give), a peft.init_from adapter is part of it
+(what TRL's "ref" copy of a pretrained adapter gives). The table, float64 [pairs, 2] per cache entry, is stored inside
 the entry of the tokenized cache under a key of the starting model (data/preference_pairs.py), and a copy in
 ``output_dir/reference/``: a second run on the same model and data reuses it, and a resumed run (whose
 weights are no longer the starting ones) reads it and never recomputes it.
@@ -31,9 +32,10 @@ PASS_MICRO_BATCHES = 32  # micro-batches per data-parallel rank in one forward-o
 def reference_key(cfg, model_config) -> str:
     """What fixes the reference: the starting weights (the files of model_name_or_path and of a peft.init_from
     adapter by name, size and modification time, or the from-scratch seed and config) and how they run
-    (precision, NF4 quantisation)."""
+    (precision, NF4 quantisation, fp8)."""
     lora = cfg.peft.method != "none"
     parts = [f"precision={cfg.precision}", f"quantize={cfg.peft.quantize if lora else ''}"]
+    parts += [f"fp8={cfg.fp8}"] if cfg.fp8 else []  # fp8=null: the keys of the tables stored before fp8 existed
     roots = [cfg.model_name_or_path] if cfg.model_name_or_path else []
     roots += [cfg.peft.init_from] if lora and cfg.peft.init_from else []
     for root in map(os.path.abspath, roots):
@@ -87,7 +89,8 @@ def prepare_reference(resolved, engine, data, loss_fn: PreferenceLoss, log) -> N
         raise StartupError(
             f"resuming {resolved.resume_tag} needs the reference log-probabilities computed at the run's start "
             f"(model key {key}), and neither the tokenized cache nor {copies} holds them; the resumed weights are "
-            "no longer the reference. Restore that directory, or start the run again from model_name_or_path"
+            "no longer the reference. Restore that directory, resume with the precision and fp8 the run started "
+            "with, or start the run again from model_name_or_path"
         )
     start = time.time()
     count = compute_reference(resolved, engine, data, loss_fn, log)

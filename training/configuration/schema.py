@@ -339,7 +339,8 @@ class TrainConfig:
     # null: off | rowwise | tensorwise | rowwise_with_gw_hp (torchao's float8 recipes): each stage's decoder-layer
     # attention and MLP projections trained in FP8 through torchao's Float8Linear, the master weights, checkpoints
     # and the embedding, LM head and routers as they are (models/fp8.py). Needs compute capability >= 8.9 on CUDA
-    # (emulated on CPU); not with fp16, LoRA, MoE models, tensor or sequence parallelism, DualPipeV.
+    # (emulated on CPU); sft and dpo (its reference pass converted too); not with train_objective=grpo, fp16, LoRA,
+    # MoE models, tensor or sequence parallelism, DualPipeV.
     fp8: str | None = None
     micro_batch_size: int = 1  # samples per micro-batch per data-parallel rank
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step per data-parallel rank

@@ -20,11 +20,11 @@ from models.families import moe_spec
 from models.family_gemma4 import training_problems as gemma4_training_problems
 from models.family_qwen3_5 import objective_problems as qwen3_5_objective_problems
 from models.files.pipeline_dir import tags_newer_than_latest
-from models.fp8 import RECIPES, fp8_problems
+from models.fp8 import RECIPES, fp8_objective_problems, fp8_problems
 from models.kernels import kernel_problems, loss_impl_problems
 from models.lora_rules import peft_change_problems, peft_problems
 from models.loss import logit_softcap
-from parallel.axes import AXES
+from parallel.axes import AXES, fp8_layout_problems, grpo_layout_problems
 from parallel.layout import Layout, layout_problems
 from parallel.partition import frozen_stage_problems
 from training.compile import compile_problems, compile_warnings
@@ -273,19 +273,15 @@ def resolve(
 
 
 def fp8_setting_problems(cfg: TrainConfig, model_config, layout: Layout) -> list[str]:
-    """What ``fp8`` does not run with: its own rules (models/fp8.py), each axis's, and the engine's."""
+    """What ``fp8`` does not run with: its own rules and the objectives' (models/fp8.py), each axis's, and the
+    engine's."""
     moe = model_config is not None and moe_spec(model_config) is not None
     model_type = getattr(model_config, "model_type", None)
     problems = fp8_problems(cfg.fp8, cfg.precision, cfg.peft.method, model_type, moe, cfg.kernels)
+    problems += fp8_objective_problems(cfg.fp8, cfg.train_objective)
     if cfg.fp8 not in RECIPES:  # off, or a name that is no recipe (said once, above)
         return problems
-    for axis in AXES:
-        problems += axis.fp8_problems(layout, cfg.fp8)
-    return problems + layout.engine.pipeline_only(
-        f"fp8={cfg.fp8} with ZeRO-{layout.zero} and num_stages=1 (DeepSpeed's data-parallel engine, its stack "
-        "built partitioned under ZeRO-3): not checked with torchao's Float8Linear: use ds=zero1 (or zero0), or "
-        "set fp8=null"
-    )
+    return problems + fp8_layout_problems(layout, cfg.fp8, cfg.ds_config)
 
 
 def objective_problems(cfg: TrainConfig, layout: Layout) -> list[str]:
@@ -319,12 +315,8 @@ def objective_problems(cfg: TrainConfig, layout: Layout) -> list[str]:
     if not (dpo or grpo):
         return problems
     if dpo:
-        problems += dpo_problems(cfg)
-    else:
-        problems += grpo_problems(cfg, layout)
-    for axis in AXES:
-        problems += axis.objective_problems(layout, cfg.train_objective)
-    return problems
+        return problems + dpo_problems(cfg) + [p for axis in AXES for p in axis.objective_problems(layout, "dpo")]
+    return problems + grpo_problems(cfg, layout) + grpo_layout_problems(layout, cfg.ds_config)
 
 
 def dpo_problems(cfg: TrainConfig) -> list[str]:
@@ -368,7 +360,6 @@ def grpo_problems(cfg: TrainConfig, layout: Layout) -> list[str]:
             f"num_epochs {cfg.num_epochs:g} with train_objective=grpo: a GRPO run counts max_steps (each step "
             "generates its own completions); set num_epochs=0 and max_steps"
         )
-    problems += layout.engine.needs_pipeline("train_objective=grpo", cfg.ds_config)
     if cfg.compile:
         problems.append(
             "compile=true with train_objective=grpo: generation and the GRPO loss are not built compiled; set "
