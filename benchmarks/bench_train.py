@@ -84,7 +84,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 # ZeRO-1 as DeepSpeed configures it for GPUs; on CPU train.py turns both off (training/optim.py,
-# cpu_zero1_settings): cases b1, d1 and e1 measure what that saves.
+# zero1_settings): cases b1, d1 and e1 measure what that saves.
 GPU_DEFAULTS_JSON = "zero1_deepspeed_defaults.json"
 GPU_DEFAULTS = {"zero_optimization": {"stage": 1, "reduce_scatter": True, "contiguous_gradients": True}}
 CASES = {

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from models.family_gpt_oss import sink_attention
+from models.per_micro_batch import PerMicroBatch
 
 DOCUMENT_ATTENTION = "sdpa_documents"
 
@@ -71,11 +71,10 @@ def find_documents(position_ids: torch.Tensor, chunk: int = 0) -> Documents:
     GPU idle until the host launches the next. Every layer of a stage gets the same ``position_ids`` of a
     micro-batch (activation checkpointing's recomputation too), so the answer is kept (:data:`_FOUND`): one sync per
     micro-batch and stage instead of one per layer and pass."""
-    key = _found_key(position_ids, chunk)
-    found = _FOUND.get(key) if key is not None else None
-    if found is not None and found[1] == position_ids._version:
-        _FOUND.move_to_end(key)
-        return found[2]
+    return _FOUND.get(position_ids, chunk, lambda: _documents(position_ids, chunk))
+
+
+def _documents(position_ids: torch.Tensor, chunk: int) -> Documents:
     spans = []
     seq = position_ids.shape[1]
     cuts = document_starts(position_ids)  # [B,S] bool
@@ -84,29 +83,12 @@ def find_documents(position_ids: torch.Tensor, chunk: int = 0) -> Documents:
     for row in cuts.cpu():
         starts = row.nonzero().squeeze(1).tolist() + [seq]
         spans.append(list(zip(starts[:-1], starts[1:])))
-    documents = Documents(spans)
-    if key is not None:
-        _FOUND[key] = (position_ids, position_ids._version, documents)
-        if len(_FOUND) > _FOUND_KEPT:
-            _FOUND.popitem(last=False)
-    return documents
+    return Documents(spans)
 
 
-# The documents of the position_ids tensors seen last, by memory address: (tensor, its version, Documents). Each
-# entry keeps its tensor alive, so no other tensor can be given that memory while the entry exists: a tensor at the
-# same address shares its storage (a view, a detached copy: activation checkpointing's recomputation), and an
-# in-place write to it since shows in the version counter they share. DeepSpeed's pipeline clones what it receives
-# from the previous stage and what it loads (a write into a reused receive buffer would not count a version). A
-# stage has a few micro-batches in flight; the bound keeps little memory held (B x S int64 each).
-_FOUND: OrderedDict = OrderedDict()
-_FOUND_KEPT = 16
-
-
-def _found_key(position_ids: torch.Tensor, chunk: int) -> tuple | None:
-    if position_ids.device.type == "meta" or position_ids.numel() == 0:
-        return None
-    stride = position_ids.stride()
-    return (position_ids.device, position_ids.dtype, position_ids.data_ptr(), position_ids.shape, stride, chunk)
+# The documents of the position_ids tensors seen last (models/per_micro_batch.py); the bound keeps little memory held
+# (B x S int64 each).
+_FOUND = PerMicroBatch(kept=16)
 
 
 def attention_chunk(module: torch.nn.Module) -> int:

@@ -52,6 +52,7 @@ from models.family_qwen3_5 import LINEAR_ATTENTION, LinearAttentionPerDocument
 from models.family_qwen3_5 import init_module_ as qwen3_5_init_
 from models.files.pipeline_dir import tp_piece, whole_shape
 from models.loss import logit_softcap
+from models.per_micro_batch import PerMicroBatch
 from models.router_loss import RouterStats
 from models.specs import SpecInfo, expected_state_shapes, layer_file_name, spec_layout  # noqa: F401 (read from here too)
 
@@ -179,6 +180,11 @@ MASK_FUNCTIONS = {
 }
 
 
+# The rotary cos/sin of the micro-batches in flight, per layer type (Gemma's bases) and dtype: a few entries of
+# B x S x head_dim, which every layer's attention would otherwise compute and save for its backward on its own.
+_ROTARY = PerMicroBatch(kept=4)
+
+
 class DecoderLayerPipe(nn.Module):
     """Specs 1..L: one Hugging Face decoder layer (``model.layers.{i}``).
 
@@ -208,6 +214,7 @@ class DecoderLayerPipe(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.rotary_emb = family_of(config).rotary_embedding(config)
+        self._rope_config = config  # the layers built from one config compute the same cos/sin (_ROTARY)
         # what the rotary embedding takes after the positions: Gemma's, the layer's attention type (a base per type)
         self.rotary_args = (attention_type(config, layer_idx),) if family_of(config).rope_per_layer_type else ()
         dense = config._attn_implementation in ("sdpa", family_of(config).dense_attention)
@@ -242,7 +249,12 @@ class DecoderLayerPipe(nn.Module):
         if self.ask_whole_rows:
             whole["whole_rows"] = rows_are_whole_documents(position_ids, self.attention_chunk)
         # 2 x [B,S,head_dim] (Llama 4: complex [B,S,head_dim/2])
-        cos_sin = self.rotary_emb(hidden, position_ids, *self.rotary_args)
+        if torch.compiler.is_compiling():  # inside the layer's graph
+            cos_sin = self.rotary_emb(hidden, position_ids, *self.rotary_args)
+        else:  # eager: once per micro-batch for the stage's layers (models/per_micro_batch.py)
+            extra = (self.rotary_args, hidden.dtype, hidden.device, torch.is_inference_mode_enabled())
+            rotary = partial(self.rotary_emb, hidden, position_ids, *self.rotary_args)
+            cos_sin = _ROTARY.get(position_ids, extra, rotary, owner=self._rope_config)
         mask = None
         if self.make_mask is not None:
             mask = self.make_mask(  # None, or bool [B,1,S,S] (packed documents, sliding window)

@@ -29,7 +29,7 @@ from training.configuration.schema import (
     TrainConfig,
 )
 from training.configuration.validate import resolve
-from training.optim import cpu_zero1_settings, fill_ds_config
+from training.optim import fill_ds_config, zero1_settings
 
 
 @pytest.fixture()
@@ -64,12 +64,14 @@ def test_valid_config_resolves_and_fills_deepspeed_json(good, monkeypatch):
     assert ds["zero_optimization"] == {"stage": 1}
 
 
-def test_zero1_on_cpu_skips_reduce_scatter_and_contiguous_gradients_unless_set():
-    ds = {"zero_optimization": {"stage": 1}}
-    cpu_zero1_settings(ds, "cpu")
-    assert ds["zero_optimization"] == {"stage": 1, "reduce_scatter": False, "contiguous_gradients": False}
+def test_zero1_on_cpu_or_one_rank_skips_reduce_scatter_and_contiguous_gradients_unless_set():
+    off = {"stage": 1, "reduce_scatter": False, "contiguous_gradients": False}
+    for accelerator, data_axis in (("cpu", 2), ("cuda", 1)):
+        ds = {"zero_optimization": {"stage": 1}}
+        zero1_settings(ds, accelerator, data_axis)
+        assert ds["zero_optimization"] == off, (accelerator, data_axis)
     own = {"zero_optimization": {"stage": 1, "reduce_scatter": True}}
-    cpu_zero1_settings(own, "cpu")
+    zero1_settings(own, "cpu", 2)
     assert own["zero_optimization"] == {"stage": 1, "reduce_scatter": True, "contiguous_gradients": False}
     for ds, accelerator in (
         ({"zero_optimization": {"stage": 1}}, "cuda"),
@@ -77,7 +79,7 @@ def test_zero1_on_cpu_skips_reduce_scatter_and_contiguous_gradients_unless_set()
         ({"zero_optimization": {"stage": 0}}, "cpu"),
     ):
         before = {k: dict(v) for k, v in ds.items()}
-        cpu_zero1_settings(ds, accelerator)
+        zero1_settings(ds, accelerator, 2)
         assert ds == before, accelerator
 
 

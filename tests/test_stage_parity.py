@@ -249,12 +249,50 @@ def test_a_stage_reads_each_micro_batch_documents_once(monkeypatch):
     expected = [[list(zip(p, p[1:] + [24]))] * 2 for p in packings]
     for _ in range(3):  # the memory of freed positions handed to the next: never taken for them
         assert [attention.find_documents(positions(p)).spans for p in packings] == expected
-    monkeypatch.setattr(attention, "_FOUND_KEPT", 0)  # nothing kept: every layer and pass reads them again
+    monkeypatch.setattr(attention._FOUND, "kept", 0)  # nothing kept: every layer and pass reads them again
     attention._FOUND.clear()
     reads.clear()
     assert [micro_batch(positions(p)) for p in packings] == losses
     assert len(reads) == 8 * (len(packings) + 3)  # each layer asks whether the rows are whole, a packed row's attention
     # for the documents (3 packed micro-batches)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_a_stage_computes_each_micro_batch_rotary_embedding_once(monkeypatch, model_type):
+    """Eager, the rotary cos/sin of a micro-batch are computed once for a stage's layers (and recomputation), per layer
+    type (Gemma 3's local and global bases): the same losses and gradients to the bit as each layer computing its
+    own, whose attention would also save its own copy for the backward."""
+    from models import llama_pipe
+
+    torch.manual_seed(0)
+    config = tiny_config(model_type, num_hidden_layers=4)
+    funcs = build_sequential(config)  # embedding, 4 layers, norm, head
+    ids = torch.randint(3, config.vocab_size, (2, 24))
+    types = {layer.rotary_args for layer in funcs[1:-2]}
+    calls = []
+    for layer in funcs[1:-2]:
+        layer.rotary_emb.register_forward_hook(lambda module, args, out: calls.append(args[-1:]))
+
+    def run() -> tuple[list[float], list[torch.Tensor]]:
+        losses = []
+        for starts in ([0, 7], [0]):
+            pos = packed_positions(starts, 24).expand(2, 24).clone()
+            loss = funcs[-1](funcs[-2](through_checkpointed_layers(funcs, ids, pos))).mean()
+            loss.backward()
+            losses.append(loss.item())
+        grads = [p.grad.clone() for f in funcs for p in f.parameters()]
+        for f in funcs:
+            f.zero_grad()
+        return losses, grads
+
+    llama_pipe._ROTARY.clear()
+    losses, grads = run()
+    assert len(calls) == 2 * len(types), calls  # 2 micro-batches; 4 layers forward and recomputed: 16 without
+    monkeypatch.setattr(llama_pipe._ROTARY, "kept", 0)  # nothing kept: every layer and pass computes its own
+    calls.clear()
+    own_losses, own_grads = run()
+    assert len(calls) == 2 * 8
+    assert own_losses == losses and all(torch.equal(a, b) for a, b in zip(own_grads, grads))
 
 
 class HostReads(TorchDispatchMode):

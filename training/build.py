@@ -43,6 +43,7 @@ from training.optim import (
     apply_optim_settings,
     build_lr_scheduler,
     grad_norm_in_one_kernel,
+    no_reduction_over_one_rank,
     param_groups,
     readable_arch_list,
     reduce_grad_norm_once_across_stages,
@@ -280,6 +281,7 @@ def build_engine(resolved: Resolved, model, ds_config: dict, total_steps: int):
             lr_scheduler=build_lr_scheduler(resolved.cfg, total_steps),
         )
     grad_norm_in_one_kernel(engine.optimizer)
+    no_reduction_over_one_rank(engine.optimizer)
     reduce_grad_norm_once_across_stages(engine.optimizer)
     for plan in plans:
         plan.adopt_engine(engine)  # DualPipeV: DeepSpeed's engine made LlamaDualPipeVEngine (parallel/dualpipev.py)

@@ -66,7 +66,7 @@ def fill_ds_config(resolved: Resolved) -> dict:
     if cfg.monitor.csv:
         ds["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": "csv"}
     size_zero_buckets(ds, resolved.model_config)
-    cpu_zero1_settings(ds, accelerator_name())
+    zero1_settings(ds, accelerator_name(), resolved.layout.data_axis)
     ds.setdefault("steps_per_print", DS_STEPS_PER_PRINT)
     ds.setdefault("wall_clock_breakdown", False)
     return ds
@@ -137,9 +137,9 @@ def size_zero_buckets(ds: dict, model_config) -> None:
         zero["reduce_bucket_size"] = reduce_bucket_elements(model_parameters(model_config))
 
 
-def cpu_zero1_settings(ds: dict, accelerator: str) -> None:
-    """On the CPU accelerator, ZeRO-1 without reduce-scatter and without the contiguous gradient
-    buffer, where the JSON does not set them.
+def zero1_settings(ds: dict, accelerator: str, data_axis: int) -> None:
+    """ZeRO-1 without reduce-scatter and without the contiguous gradient buffer, where the JSON does not set them, on
+    the CPU accelerator and wherever ZeRO's data axis is one rank.
 
     Both are DeepSpeed's defaults for GPUs: reduce-scatter (a ``reduce`` per partition) sends each
     rank only its own gradients over NCCL, and the contiguous buffer keeps GPU memory from
@@ -147,12 +147,44 @@ def cpu_zero1_settings(ds: dict, accelerator: str) -> None:
     step and every gradient copied into it: with a 34 M-parameter model at data parallel 2, steps
     took 1-15% less time without them in four paired runs (3.27 -> 3.16, 3.66 -> 3.36, 3.10 -> 3.08,
     3.38 -> 2.86 s), with the same losses and gradient norms to the last digit, and 110 MiB less peak
-    RSS per rank (BENCHMARKS.md).
+    RSS per rank (BENCHMARKS.md). Over one rank there is nothing to scatter and the buffer is a copy of every
+    gradient each step; without it the reduction is the one :func:`no_reduction_over_one_rank` skips.
     """
     zero = ds.get("zero_optimization", {})
-    if accelerator == "cpu" and zero.get("stage", 0) == 1:
+    if (accelerator == "cpu" or data_axis == 1) and zero.get("stage", 0) == 1:
         zero.setdefault("reduce_scatter", False)
         zero.setdefault("contiguous_gradients", False)
+
+
+def no_reduction_over_one_rank(optimizer) -> None:
+    """ZeRO-1/2's gradient all-reduce skipped where its data-parallel group is one rank: the sum over one rank is the
+    gradients themselves, and DeepSpeed 0.19.8 still copies them into a flat buffer, all-reduces it, divides it by 1
+    and copies it back, every step (a pipeline stage with data parallelism 1, one GPU). Only a bucket it would hand
+    back unchanged is skipped: gradients in the communication dtype (a cast to it would round them), no overlap stream,
+    no output buffer, no sequence-parallel division; any other call, and a group of more ranks, goes to DeepSpeed's."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero import stage_1_and_2
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return
+    reduce = optimizer.allreduce_and_copy
+
+    def allreduce_and_copy(small_bucket, communication_data_type, rank=None, process_group=None, **kwargs):
+        group = optimizer.dp_process_group if process_group is None else process_group
+        unchanged = (
+            dist.get_world_size(group=group) == 1
+            and rank in (None, 0)
+            and not optimizer.overlap_comm
+            and optimizer.sequence_parallel_size == 1
+            and not stage_1_and_2.pg_correctness_test
+            and all(o is None for o in kwargs.get("output_bucket") or ())
+            and all(t.dtype == communication_data_type for t in small_bucket)
+        )
+        if not unchanged:
+            reduce(small_bucket, communication_data_type, rank=rank, process_group=process_group, **kwargs)
+
+    optimizer.allreduce_and_copy = allreduce_and_copy
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -209,7 +241,8 @@ def grad_norm_in_one_kernel(optimizer) -> None:
             total = torch.stack(norms).pow(2).sum().float()
         else:
             total = torch.tensor(0.0, dtype=torch.float32).to(optimizer.device)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
+        if dist.get_world_size(group=optimizer.dp_process_group) > 1:  # a sum over one rank: the value itself
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
         optimizer._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
         total = total.pow(0.5)
         mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)  # -1: DeepSpeed's invalid norm
