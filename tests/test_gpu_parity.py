@@ -7,7 +7,8 @@ differs): Llama untied and tied, and each other family with its difference (test
 stages with Liger's kernels (kernels=liger, models/kernels.py) against them and the reference, each kernel alone and
 all three, and the loss with Liger's fused linear cross entropy (loss_impl=liger, models/loss.py) against the chunked
 loss and the reference, where liger-kernel is installed (scripts/gpu_check.sh installs it from .whl/); ZeRO-1/2's
-gradient norm from one foreach norm against DeepSpeed's per-parameter loop (training/optim.py)."""
+gradient norm from one foreach norm against DeepSpeed's per-parameter loop, and its inf/NaN check from one fp64 foreach
+norm against DeepSpeed's per-gradient check (training/optim.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from models.tiny import tiny_config
 from tests.test_config import assert_grad_norm_in_one_kernel_is_the_loop
 from tests.test_families import CASES
 from tests.test_stage_parity import copy_hf_weights, module_of, run_chain
+from tests.test_zero_step import assert_overflow_check_is_deepspeeds
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -339,6 +341,11 @@ def test_liger_loss_per_token_sequence_slices_and_a_frozen_input_match_the_chunk
     whole.scale = 0.5  # a sum over 150 label tokens: compared relative to it
     total, sliced = whole((hidden, weight), labels).item(), run("liger", "slices")[0].item()
     assert abs(total - sliced) / abs(total) < loss_tol
+
+
+def test_the_overflow_check_in_one_kernel_is_deepspeeds_on_the_gpu():
+    """The fp64 foreach norm finds a NaN or an infinity on the GPU as DeepSpeed's per-gradient max and min do."""
+    assert_overflow_check_is_deepspeeds("cuda")
 
 
 def test_zero_grad_norm_in_one_kernel_equals_deepspeeds_loop_on_the_gpu(tmp_path, monkeypatch):

@@ -61,7 +61,7 @@ AREAS = {
         "test_dpo",
         "test_compile",
         "test_adamw_impl",
-        "test_zero_one_rank",
+        "test_zero_step",
         "test_fp8",
     ],
     "Online RL (GRPO) against Hugging Face and TRL": [

@@ -44,6 +44,7 @@ from training.optim import (
     build_lr_scheduler,
     grad_norm_in_one_kernel,
     no_reduction_over_one_rank,
+    overflow_check_in_one_kernel,
     param_groups,
     readable_arch_list,
     reduce_grad_norm_once_across_stages,
@@ -282,6 +283,7 @@ def build_engine(resolved: Resolved, model, ds_config: dict, total_steps: int):
         )
     grad_norm_in_one_kernel(engine.optimizer)
     no_reduction_over_one_rank(engine.optimizer)
+    overflow_check_in_one_kernel(engine.optimizer)
     reduce_grad_norm_once_across_stages(engine.optimizer)
     for plan in plans:
         plan.adopt_engine(engine)  # DualPipeV: DeepSpeed's engine made LlamaDualPipeVEngine (parallel/dualpipev.py)

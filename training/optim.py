@@ -9,6 +9,7 @@ import os
 import re
 
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.git_version_info import installed_ops
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from torch import nn
@@ -249,6 +250,34 @@ def grad_norm_in_one_kernel(optimizer) -> None:
         return total
 
     optimizer.get_grad_norm_direct = get_grad_norm_direct
+
+
+def overflow_check_in_one_kernel(optimizer) -> None:
+    """ZeRO-1/2's check for an inf or NaN gradient before the step (bf16's ``check_grad_overflow``, fp16's) from one
+    ``torch._foreach_norm`` in fp64 over the gradients.
+
+    DeepSpeed 0.19.8's ``has_overflow_partitioned_grads_serial`` tests each gradient on its own (a max, a min, two
+    ``isfinite``, a logical and, a not, an addition: about eight kernel launches per parameter, each gradient read
+    twice). A gradient's fp64 2-norm is finite exactly when all its values are: a NaN or an infinity carries through
+    the sum of squares, and the largest finite bf16 or fp32 value squared over any tensor's size stays far below
+    fp64's limit. The same answer, with one pass over each gradient; without fp64 on the accelerator (DeepSpeed's
+    ``get_norm_dtype``), and under optimizer offload, DeepSpeed's own check runs.
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or get_norm_dtype() != torch.float64:
+        return
+
+    def has_overflow_partitioned_grads_serial() -> torch.Tensor:
+        grads = [g for i in range(len(optimizer.bit16_groups)) for g in optimizer.averaged_gradients[i]]
+        grads = [g for g in grads if g is not None and g.numel()]
+        if not grads:
+            return torch.zeros([1], dtype=torch.bool, device=get_accelerator().current_device_name())
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)  # each [] fp64
+        return torch.stack(norms).sum().isfinite().logical_not().reshape(1)  # [1] bool, as DeepSpeed's
+
+    optimizer.has_overflow_partitioned_grads_serial = has_overflow_partitioned_grads_serial
 
 
 def reduce_grad_norm_once_across_stages(optimizer) -> None:
