@@ -39,6 +39,20 @@ def dynamo_without_guard_timing(monkeypatch):
     monkeypatch.setattr(guards, "profile_guard_manager", lambda *args: 0.0)
 
 
+@pytest.fixture
+def one_rank(tmp_path, monkeypatch):
+    """A process group of this process alone (gloo), as DeepSpeed's engine, its pipeline module and the collectives
+    of a rank need."""
+    import deepspeed
+    import torch.distributed as dist
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tokenizer"))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from models.families import moe_spec
 from parallel.layout import Layout
@@ -17,18 +16,6 @@ from tests.test_stage_parity import copy_hf_weights, parity_batch
 from training.moe_balance import BiasBalancer, bias_update_problems
 
 SPEED = 0.01
-
-
-@pytest.fixture
-def one_rank(tmp_path, monkeypatch):
-    """A process group of this process alone, as DeepSpeed's pipeline module and the balancer's all-reduce need."""
-    import deepspeed
-
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    yield
-    dist.destroy_process_group()
 
 
 def stage_model(config, hf, interval: int = 0):

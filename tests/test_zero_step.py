@@ -91,18 +91,6 @@ def run(
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, calls
 
 
-@pytest.fixture
-def one_rank(tmp_path, monkeypatch):
-    import deepspeed
-    import torch.distributed as dist
-
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_one_rank_steps_without_the_reduction_are_the_same_to_the_bit(one_rank, monkeypatch, precision):
     losses, weights, calls = run(precision, False, monkeypatch)
